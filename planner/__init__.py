@@ -1,0 +1,17 @@
+"""Automatic parallelization planner for JAX.
+
+    step = planner.plan_parallel(train_step, mesh=(2, 4))
+    state, metrics = step(state, batch)
+    print(step.plan(state, batch).summary())
+"""
+from planner.api import PlannedFunction, candidate_meshes, plan, plan_parallel
+from planner.errors import InfeasiblePlanError, InvalidArgumentError, MeshError, PlannerError, ProfileError
+from planner.graph import Graph, trace
+from planner.mesh import MeshSpec
+from planner.options import PlanOptions
+from planner.plan import Plan
+
+__all__ = [
+    "Graph", "InfeasiblePlanError", "InvalidArgumentError", "MeshError", "MeshSpec", "Plan", "PlanOptions",
+    "PlannedFunction", "PlannerError", "ProfileError", "candidate_meshes", "plan", "plan_parallel", "trace",
+]

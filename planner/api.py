@@ -1,0 +1,134 @@
+"""Public entry points: `plan_parallel` (function wrapper / decorator) and `plan`."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from planner.errors import InvalidArgumentError, MeshError, PlannerError
+from planner.graph import Graph, trace
+from planner.mesh import MeshSpec, default_axis_names, parse_mesh
+from planner.options import PlanOptions
+from planner.plan import Plan
+from planner.planning import make_plan
+from xla_hooks.emit import jit_planned
+
+log = logging.getLogger("planner")
+
+
+def candidate_meshes(num_devices: int, max_ndim: int = 2) -> list[MeshSpec]:
+    """Logical mesh shapes to try when the user gives none: (n,) and every 2-D factorisation."""
+    out = [MeshSpec((num_devices,), default_axis_names(1))]
+    if max_ndim >= 2:
+        for a in range(2, num_devices):
+            if num_devices % a == 0:
+                out.append(MeshSpec((a, num_devices // a), default_axis_names(2)))
+    return out
+
+
+def _signature(args: tuple[Any, ...]) -> tuple:
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return (tree, tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__))) for x in leaves))
+
+
+class PlannedFunction:
+    """A train step planned (and compiled) once per abstract signature of its arguments.
+
+    Call it like the original function; `.plan(*args)` and `.lower(*args)` accept
+    `jax.ShapeDtypeStruct` pytrees, so large models plan without allocating.
+    """
+
+    def __init__(self, fn: Callable[..., Any], mesh: Any = None, devices=None, **options: Any):
+        if not callable(fn):
+            raise InvalidArgumentError(f"plan_parallel needs a callable train step, got {type(fn).__name__}")
+        self.fn = fn
+        self.options = PlanOptions.from_kwargs(options)
+        self.devices = list(devices) if devices is not None else jax.devices()
+        if mesh is None:
+            self._mesh_spec, self._jax_mesh = None, None
+        else:
+            self._mesh_spec, self._jax_mesh = parse_mesh(mesh, len(self.devices))
+            if self._jax_mesh is None:
+                self._jax_mesh = self._mesh_spec.to_jax_mesh(self.devices)
+            elif self._jax_mesh.devices.size != len(self.devices) and devices is None:
+                self.devices = list(self._jax_mesh.devices.flat)
+        self._cache: dict[tuple, tuple[Graph, Plan, Any]] = {}
+        self.__wrapped__ = fn
+        self.__name__ = getattr(fn, "__name__", "planned")
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    def _entry(self, args: tuple[Any, ...]) -> tuple[Graph, Plan, Any]:
+        key = _signature(args)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        graph = trace(self.fn, *args)
+        if self._mesh_spec is not None:
+            plan = make_plan(graph, self._mesh_spec, self.options, self._jax_mesh)
+        else:
+            plan = self._choose_mesh(graph)
+        entry = (graph, plan, jit_planned(graph, plan))
+        self._cache[key] = entry
+        return entry
+
+    def _choose_mesh(self, graph: Graph) -> Plan:
+        best: Plan | None = None
+        errors = []
+        for spec in candidate_meshes(len(self.devices)):
+            try:
+                plan = make_plan(graph, spec, self.options, spec.to_jax_mesh(self.devices))
+            except (MeshError, PlannerError) as e:
+                errors.append(f"{spec}: {e}")
+                continue
+            log.info("mesh %s: predicted %.4g s/step", spec, plan.prediction.step_time_s)
+            if best is None or plan.prediction.step_time_s < best.prediction.step_time_s:
+                best = plan
+        if best is None:
+            raise MeshError("no mesh shape could be planned:\n  " + "\n  ".join(errors))
+        return best
+
+    def plan(self, *args: Any) -> Plan:
+        """The plan for these arguments (arrays or ShapeDtypeStructs); planned once per signature."""
+        return self._entry(args)[1]
+
+    def graph(self, *args: Any) -> Graph:
+        return self._entry(args)[0]
+
+    def jitted(self, *args: Any):
+        """The `jax.jit`-wrapped planned program for these arguments."""
+        return self._entry(args)[2]
+
+    def lower(self, *args: Any) -> jax.stages.Lowered:
+        return self._entry(args)[2].lower(*args)
+
+    def __call__(self, *args: Any):
+        graph, plan, jitted = self._entry(args)
+        placed = jax.device_put(args, plan.in_shardings)
+        return jitted(*placed)
+
+
+def plan_parallel(fn: Callable[..., Any] | None = None, *, mesh: Any = None, **options: Any):
+    """Wraps a train step so that it runs auto-sharded on `mesh`.
+
+    Usable directly (`plan_parallel(step, mesh=(2, 4))`) or as a decorator
+    (`@plan_parallel(mesh="2x4")`).
+
+    Args:
+      fn: the train step.
+      mesh: a `jax.sharding.Mesh`, a shape like `(2, 4)`, a string like `"2x4"`, or None to let the
+        planner choose the mesh shape as well.
+      **options: `PlanOptions` fields (memory_budget, hardware, solver_time_limit, ...).
+
+    Returns:
+      A `PlannedFunction` (or a decorator making one).
+    """
+    if fn is None:
+        return lambda f: PlannedFunction(f, mesh=mesh, **options)
+    return PlannedFunction(fn, mesh=mesh, **options)
+
+
+def plan(fn: Callable[..., Any], *args: Any, mesh: Any = None, **options: Any) -> Plan:
+    """Same as `plan_parallel(fn, mesh=mesh, **options).plan(*args)`."""
+    return PlannedFunction(fn, mesh=mesh, **options).plan(*args)

@@ -1,0 +1,268 @@
+"""Tracing a train step into the planner's graph: a flat list of primitive ops over typed tensors.
+
+Nested `jit`, `custom_jvp_call`, `custom_vjp_call` and `checkpoint` regions are inlined so the
+planner sees every primitive; each op keeps the name stack of the module that created it, and each
+input keeps its pytree path, so plans can be explained per layer and per parameter.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+from planner.errors import InvalidArgumentError
+
+Shape = tuple[int, ...]
+
+# Call-like primitives whose body is inlined, with the parameter that holds the body.
+_INLINE_PARAMS: Mapping[str, tuple[str, ...]] = {
+    "jit": ("jaxpr",),
+    "pjit": ("jaxpr",),
+    "closed_call": ("call_jaxpr",),
+    "core_call": ("call_jaxpr",),
+    "custom_jvp_call": ("call_jaxpr",),
+    "custom_vjp_call": ("call_jaxpr", "fun_jaxpr"),
+    "custom_vjp_call_jaxpr": ("fun_jaxpr", "call_jaxpr"),
+    "remat2": ("jaxpr",),
+    "checkpoint": ("jaxpr",),
+    "custom_lin": (),
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tensor:
+    """Type of one value in the graph."""
+
+    shape: Shape
+    dtype: np.dtype
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Literal:
+    """A constant operand written inline in the program (usually a scalar)."""
+
+    value: Any
+    tensor: Tensor
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Op:
+    """One primitive application. `inputs` holds tensor ids or `Literal`s; `outputs` tensor ids."""
+
+    index: int
+    primitive: jcore.Primitive
+    params: Mapping[str, Any]
+    inputs: tuple[int | Literal, ...]
+    outputs: tuple[int, ...]
+    name_stack: str
+
+    @property
+    def name(self) -> str:
+        return self.primitive.name
+
+    @property
+    def tensor_inputs(self) -> tuple[int, ...]:
+        return tuple(i for i in self.inputs if isinstance(i, int))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Graph:
+    """The traced program.
+
+    Attributes:
+      tensors: type of each tensor id.
+      ops: the primitive ops in program order.
+      inputs: tensor ids of the flattened arguments, in `jax.tree_util` order.
+      input_paths: pytree path (`jax.tree_util.keystr`) of each input, e.g. `[0]['params']['w']`.
+      outputs: tensor ids (or literals) of the flattened results.
+      output_paths: pytree path of each output.
+      consts: constant tensors captured by the program (id -> value).
+      in_tree / out_tree: treedefs of the arguments tuple and of the result.
+    """
+
+    tensors: tuple[Tensor, ...]
+    ops: tuple[Op, ...]
+    inputs: tuple[int, ...]
+    input_paths: tuple[str, ...]
+    outputs: tuple[int | Literal, ...]
+    output_paths: tuple[str, ...]
+    consts: Mapping[int, Any]
+    in_tree: Any
+    out_tree: Any
+
+    def producers(self) -> dict[int, tuple[int, int]]:
+        """tensor id -> (op index, output position)."""
+        return {t: (op.index, k) for op in self.ops for k, t in enumerate(op.outputs)}
+
+    def consumers(self) -> dict[int, list[tuple[int, int]]]:
+        """tensor id -> [(op index, operand position)]."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for op in self.ops:
+            for k, t in enumerate(op.inputs):
+                if isinstance(t, int):
+                    out.setdefault(t, []).append((op.index, k))
+        return out
+
+    def primitive_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for op in self.ops:
+            counts[op.name] = counts.get(op.name, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def evaluate(
+        self,
+        flat_args: Sequence[Any],
+        after_op: Callable[[Op, list[Any]], list[Any]] | None = None,
+    ) -> list[Any]:
+        """Re-interprets the graph on `flat_args` (inside or outside `jax.jit`).
+
+        `after_op(op, outputs)` may replace each op's outputs, which is how planned sharding
+        constraints are inserted.
+        """
+        env: dict[int, Any] = dict(self.consts)
+        if len(flat_args) != len(self.inputs):
+            raise InvalidArgumentError(f"expected {len(self.inputs)} flat arguments, got {len(flat_args)}")
+        env.update(zip(self.inputs, flat_args))
+
+        def read(x: int | Literal) -> Any:
+            return x.value if isinstance(x, Literal) else env[x]
+
+        for op in self.ops:
+            result = op.primitive.bind(*(read(x) for x in op.inputs), **op.params)
+            outs = list(result) if op.primitive.multiple_results else [result]
+            if after_op is not None:
+                outs = after_op(op, outs)
+            env.update(zip(op.outputs, outs))
+        return [read(x) for x in self.outputs]
+
+
+def _tensor_of(aval) -> Tensor:
+    shape = getattr(aval, "shape", None)
+    dtype = getattr(aval, "dtype", None)
+    if shape is None or dtype is None:
+        raise InvalidArgumentError(f"value of type {aval} is not an array; the planner only handles array values")
+    return Tensor(tuple(int(d) for d in shape), np.dtype(dtype))
+
+
+def _check_leaves(args: tuple[Any, ...]) -> tuple[list[str], list[Any]]:
+    with_path, _ = jax.tree_util.tree_flatten_with_path(args)
+    paths, leaves = [], []
+    for path, leaf in with_path:
+        p = jax.tree_util.keystr(path)
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            raise InvalidArgumentError(
+                f"argument leaf at {p} is {type(leaf).__name__} ({leaf!r:.60}), not an array; pass arrays or "
+                "jax.ShapeDtypeStruct leaves, and close over Python values instead of passing them"
+            )
+        paths.append(p)
+        leaves.append(leaf)
+    return paths, leaves
+
+
+def _inner_jaxpr(eqn) -> tuple[jcore.Jaxpr, Sequence[Any]] | None:
+    for key in _INLINE_PARAMS.get(eqn.primitive.name, ()):
+        inner = eqn.params.get(key)
+        if inner is None:
+            continue
+        if isinstance(inner, jcore.ClosedJaxpr):
+            return inner.jaxpr, inner.consts
+        if isinstance(inner, jcore.Jaxpr):
+            return inner, ()
+    return None
+
+
+@dataclasses.dataclass(slots=True)
+class _Builder:
+    """Accumulates tensors and ops while flattening nested jaxprs (local to one `trace` call)."""
+
+    tensors: list[Tensor] = dataclasses.field(default_factory=list)
+    ops: list[Op] = dataclasses.field(default_factory=list)
+    consts: dict[int, Any] = dataclasses.field(default_factory=dict)
+
+    def new(self, aval) -> int:
+        self.tensors.append(_tensor_of(aval))
+        return len(self.tensors) - 1
+
+    def add_const(self, value) -> int:
+        tid = self.new(value)
+        self.consts[tid] = value
+        return tid
+
+    def inline(self, jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[int | Literal], prefix: str):
+        env: dict[Any, int | Literal] = {}
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = self.add_const(c)
+        for v, a in zip(jaxpr.invars, args):
+            env[v] = a
+
+        def read(x) -> int | Literal:
+            if isinstance(x, jcore.Literal):
+                return Literal(x.val, _tensor_of(x.aval))
+            return env[x]
+
+        for eqn in jaxpr.eqns:
+            operands = [read(x) for x in eqn.invars]
+            stack = str(eqn.source_info.name_stack)
+            full = "/".join(p for p in (prefix, stack) if p)
+            inner = _inner_jaxpr(eqn)
+            if inner is not None:
+                sub_prefix = full
+                call_name = eqn.params.get("name")
+                if isinstance(call_name, str) and eqn.primitive.name in ("jit", "pjit", "custom_jvp_call"):
+                    sub_prefix = "/".join(p for p in (full, call_name) if p)
+                results = self.inline(inner[0], inner[1], operands, sub_prefix)
+                for v, r in zip(eqn.outvars, results):
+                    env[v] = r
+                continue
+            outs = tuple(self.new(v.aval) for v in eqn.outvars)
+            for v, t in zip(eqn.outvars, outs):
+                env[v] = t
+            self.ops.append(Op(len(self.ops), eqn.primitive, dict(eqn.params), tuple(operands), outs, full))
+        return [read(v) for v in jaxpr.outvars]
+
+
+def trace(fn: Callable[..., Any], *args: Any) -> Graph:
+    """Traces `fn(*args)` into a `Graph`.
+
+    Args:
+      fn: the train step (any JAX-traceable function of array pytrees).
+      *args: example arguments: arrays or `jax.ShapeDtypeStruct` pytrees (no allocation needed).
+
+    Returns:
+      The flattened graph, with nested calls and remat regions inlined.
+    """
+    paths, leaves = _check_leaves(args)
+    abstract = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
+    _, in_tree = jax.tree_util.tree_flatten(args)
+    abstract_args = jax.tree_util.tree_unflatten(in_tree, abstract)
+    closed, out_shapes = jax.make_jaxpr(fn, return_shape=True)(*abstract_args)
+    out_with_path, out_tree = jax.tree_util.tree_flatten_with_path(out_shapes)
+
+    b = _Builder()
+    input_ids = [b.new(v.aval) for v in closed.jaxpr.invars]
+    outputs = b.inline(closed.jaxpr, closed.consts, input_ids, "")
+    # An output that is itself a literal or a const is still an output; keep its id or literal.
+    return Graph(
+        tensors=tuple(b.tensors),
+        ops=tuple(b.ops),
+        inputs=tuple(input_ids),
+        input_paths=tuple(paths),
+        outputs=tuple(outputs),
+        output_paths=tuple(jax.tree_util.keystr(p) for p, _ in out_with_path),
+        consts=dict(b.consts),
+        in_tree=in_tree,
+        out_tree=out_tree,
+    )

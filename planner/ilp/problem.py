@@ -1,0 +1,264 @@
+"""The sharding problem of one graph on one mesh: nodes with strategies, resharding edges, liveness.
+
+Shrinking happens here: an op with a single array operand (unary math, casts, transposes,
+reshapes, broadcasts, reductions, slices) *follows* its operand: it adds no decision of its own,
+its result's sharding is a function of the operand's, and its cost is folded into the strategy of
+the node that owns the operand (Alpa's follower merging). Only inputs, constants and ops with
+several array operands (matmuls, binary math, gathers) become decisions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+
+from planner.cost_model import CostModel
+from planner.graph import Graph, Literal, Tensor
+from planner.ilp.rules import ELEMENTWISE, RULES, signature
+from planner.ilp.strategies import Comm, Strategy, enumerate_strategies, follow
+from planner.sharding import Spec, enumerate_specs
+
+log = logging.getLogger("planner")
+
+HEAVY = frozenset({"dot_general", "conv_general_dilated"})
+# Multi-operand ops that follow their first operand; the others are resharded to match.
+FOLLOW_FIRST = frozenset(ELEMENTWISE)
+
+
+@dataclasses.dataclass(slots=True)
+class Node:
+    """One decision of the ILP: pick one of `costs` (one entry per strategy).
+
+    Attributes:
+      index: position in `Problem.nodes`.
+      label: what the node is (input path or op name and module path).
+      costs: seconds per strategy (own compute + own collectives + those of its followers).
+      comms: collectives per strategy (for predictions and explanations).
+      owned: tensor id -> spec per strategy, for every tensor whose sharding this node decides.
+      requires: (tensor id, required spec per strategy) for each array operand of the root op.
+      ops: op indices decided by this node (root op first, then followers).
+      descriptions: per strategy, the root op's strategy in words.
+    """
+
+    index: int
+    label: str
+    costs: list[float]
+    comms: list[list[Comm]]
+    owned: dict[int, list[Spec]]
+    requires: list[tuple[int, list[Spec]]]
+    ops: list[int]
+    descriptions: list[str]
+
+    @property
+    def size(self) -> int:
+        return len(self.costs)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Edge:
+    """Tensor `tensor` produced under node `src`'s choice and consumed under node `dst`'s choice."""
+
+    src: int
+    dst: int
+    tensor: int
+    src_specs: tuple[Spec, ...]
+    dst_specs: tuple[Spec, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Problem:
+    """Everything the solver needs, plus what is needed to turn a solution back into shardings."""
+
+    graph: Graph
+    cost: CostModel
+    nodes: tuple[Node, ...]
+    edges: tuple[Edge, ...]
+    owner: dict[int, int]
+    ties: tuple[tuple[int, int], ...]
+    live: tuple[tuple[int, int], ...]
+    fallback_primitives: tuple[str, ...]
+    free: frozenset[int]
+    rep: tuple[int, ...]
+
+    def spec(self, tensor: int, choice: Sequence[int]) -> Spec | None:
+        """The tensor's sharding under `choice` (None for free tensors, which are left to XLA)."""
+        node = self.owner.get(tensor)
+        if node is None:
+            return None
+        return self.nodes[node].owned[tensor][choice[node]]
+
+
+def _tensor_or_none(graph: Graph, x: int | Literal) -> Tensor | None:
+    return None if isinstance(x, Literal) else graph.tensors[x]
+
+
+def _followed_operand(op, sig, graph: Graph, free: set[int], arrays: list[int]) -> int | None:
+    """The operand an op follows, or None when the op is a decision of its own."""
+    if len(op.outputs) != 1 or op.name in HEAVY:
+        return None
+    live = [k for k in arrays if op.inputs[k] not in free and sig.inputs[k] is not None]
+    if not live:
+        return None
+    if len([k for k in arrays if op.inputs[k] not in free]) == 1 or op.name in FOLLOW_FIRST:
+        return live[0]
+    return None
+
+
+def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool = True,
+                  share_layers: bool = True) -> Problem:
+    """Builds nodes (with follower merging), edges, output ties and tensor live ranges.
+
+    Tensors computed from literals alone (iotas, broadcast zeros, masks) are *free*: any device
+    can make any shard of them locally, so they carry no decision and no resharding cost.
+    """
+    nodes: list[Node] = []
+    owner: dict[int, int] = {}
+    fallback: dict[str, int] = {}
+    free: set[int] = set(graph.consts)
+    extra_edges: list[tuple[int, int, list[Spec]]] = []
+
+    for tid, path in zip(graph.inputs, graph.input_paths):
+        t = graph.tensors[tid]
+        specs = list(enumerate_specs(t.shape, cost.mesh))
+        nodes.append(Node(len(nodes), f"input {path}", [0.0] * len(specs), [[] for _ in specs], {tid: specs}, [],
+                          [], ["" for _ in specs]))
+        owner[tid] = len(nodes) - 1
+
+    for op in graph.ops:
+        sig = signature(op, graph, rules)
+        if not sig.known:
+            fallback[op.name] = fallback.get(op.name, 0) + 1
+        tensors_in = [x for x in op.inputs if isinstance(x, int)]
+        if all(x in free for x in tensors_in) and sig.known:
+            free.update(op.outputs)
+            continue
+        ins = [_tensor_or_none(graph, x) for x in op.inputs]
+        outs = [graph.tensors[t] for t in op.outputs]
+        arrays = [k for k, x in enumerate(op.inputs) if isinstance(x, int) and graph.tensors[x].shape]
+        scalars = [k for k, x in enumerate(op.inputs) if isinstance(x, int) and not graph.tensors[x].shape]
+        lead = _followed_operand(op, sig, graph, free, arrays)
+        if lead is not None:
+            src = op.inputs[lead]
+            node = nodes[owner[src]]
+            out_specs = []
+            others = [k for k in arrays if k != lead and op.inputs[k] not in free]
+            needs: dict[int, list[Spec]] = {k: [] for k in others}
+            for i, spec in enumerate(node.owned[src]):
+                strat, pre = follow(sig, lead, spec, ins, outs, cost)
+                node.costs[i] += strat.cost + sum(cost.collective_time(kd, b, a) for kd, a, b in pre)
+                node.comms[i].extend(pre + strat.comms)
+                out_specs.append(strat.out_specs[0])
+                for k in others:
+                    needs[k].append(strat.in_specs[k] if strat.in_specs[k] is not None else ((),) * len(ins[k].shape))
+            for k in others:
+                extra_edges.append((op.inputs[k], node.index, needs[k]))
+            node.owned[op.outputs[0]] = out_specs
+            node.ops.append(op.index)
+            owner[op.outputs[0]] = node.index
+            continue
+        strategies: list[Strategy] = enumerate_strategies(sig, ins, outs, cost, full_split_only=op.name in HEAVY)
+        node = Node(
+            index=len(nodes),
+            label=f"{op.name} {op.name_stack}".strip(),
+            costs=[s.cost for s in strategies],
+            comms=[list(s.comms) for s in strategies],
+            owned={t: [s.out_specs[j] for s in strategies] for j, t in enumerate(op.outputs)},
+            requires=[(op.inputs[k], [s.in_specs[k] for s in strategies]) for k in arrays
+                      if op.inputs[k] not in free]
+            + [(op.inputs[k], [() for _ in strategies]) for k in scalars if op.inputs[k] not in free],
+            ops=[op.index],
+            descriptions=[s.describe(cost.mesh) for s in strategies],
+        )
+        nodes.append(node)
+        for t in op.outputs:
+            owner[t] = node.index
+
+    edges = []
+    for node in nodes:
+        for tid, req in node.requires:
+            src = owner[tid]
+            edges.append(Edge(src, node.index, tid, tuple(nodes[src].owned[tid]), tuple(req)))
+    for tid, dst, req in extra_edges:
+        src = owner[tid]
+        edges.append(Edge(src, dst, tid, tuple(nodes[src].owned[tid]), tuple(req)))
+
+    ties = []
+    if tie_outputs:
+        by_path = {p: t for p, t in zip(graph.input_paths, graph.inputs)}
+        for path, out in zip(graph.output_paths, graph.outputs):
+            tin = by_path.get(path)
+            if (isinstance(out, int) and tin is not None and out != tin and out in owner
+                    and graph.tensors[out] == graph.tensors[tin]):
+                ties.append((tin, out))
+
+    for name, n in sorted(fallback.items()):
+        log.warning("no sharding rule for primitive %r (%d ops): planned replicated", name, n)
+    rep = layer_representatives(nodes, graph) if share_layers else tuple(range(len(nodes)))
+    return Problem(graph, cost, tuple(nodes), tuple(edges), owner, tuple(ties), live_ranges(graph),
+                   tuple(sorted(fallback)), frozenset(free), rep)
+
+
+_INDEXED = re.compile(r"([A-Za-z][A-Za-z0-9]*?)_(\d+)\b")
+
+
+def layer_representatives(nodes: Sequence[Node], graph: Graph, min_repeats: int = 4) -> tuple[int, ...]:
+    """Maps each node to the node of the first repeated layer that plays the same part.
+
+    Module names like `blocks_0 ... blocks_11` (a name prefix seen with at least `min_repeats`
+    indices) mark repeated layers. Nodes that play the same part in two layers (same label up to
+    the layer index, same position among such nodes, same types and strategies) share one decision,
+    as Meta's AutoParallel does: the ILP shrinks by the layer count and identical layers get
+    identical shardings.
+    """
+    seen: dict[str, set[str]] = defaultdict(set)
+    for node in nodes:
+        for m in _INDEXED.finditer(node.label):
+            seen[m.group(1)].add(m.group(2))
+    prefixes = {p for p, idx in seen.items() if len(idx) >= min_repeats}
+    if not prefixes:
+        return tuple(range(len(nodes)))
+    count: dict[tuple, int] = defaultdict(int)
+    first: dict[tuple, int] = {}
+    rep = list(range(len(nodes)))
+    for node in nodes:
+        layer = tuple(m.group(0) for m in _INDEXED.finditer(node.label) if m.group(1) in prefixes)
+        if not layer:
+            continue
+        norm = _INDEXED.sub(lambda m: f"{m.group(1)}_*" if m.group(1) in prefixes else m.group(0), node.label)
+        occurrence = count[(norm, layer)]
+        count[(norm, layer)] += 1
+        signature_ = (
+            norm, occurrence, node.size, tuple(node.costs),
+            tuple((graph.tensors[t], tuple(v)) for t, v in node.owned.items()),
+            tuple((graph.tensors[t], tuple(r)) for t, r in node.requires),
+        )
+        if signature_ in first:
+            rep[node.index] = first[signature_]
+        else:
+            first[signature_] = node.index
+    return tuple(rep)
+
+
+def live_ranges(graph: Graph) -> tuple[tuple[int, int], ...]:
+    """(first, last) op index during which each tensor occupies memory.
+
+    Arguments and constants live for the whole program (they are not donated); results live from
+    their producer to their last use, or to the end when they are program outputs.
+    """
+    end = len(graph.ops)
+    first = [-1] * len(graph.tensors)
+    last = [-1] * len(graph.tensors)
+    for op in graph.ops:
+        for t in op.outputs:
+            first[t] = last[t] = op.index
+        for x in op.inputs:
+            if isinstance(x, int):
+                last[x] = max(last[x], op.index)
+    for t in list(graph.inputs) + list(graph.consts):
+        first[t], last[t] = -1, end
+    for x in graph.outputs:
+        if isinstance(x, int):
+            last[x] = end
+    return tuple(zip(first, last))

@@ -1,0 +1,318 @@
+"""The intra-op ILP, solved with OR-tools CP-SAT.
+
+Variables: one boolean per (node, strategy), exactly one true per node. Objective: each node's own
+cost (compute + its collectives) plus the resharding cost of every edge. Resharding is costed per
+mesh axis (`strategies.reshard_axis_cost`), so an edge needs O(strategies x axes) auxiliary
+booleans instead of the O(strategies^2) of a pairwise table; the per-axis sum is the same number
+the pairwise table would hold. The memory budget is enforced lazily: solve, measure the plan's
+liveness peak, add a constraint at each violated program point, solve again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from planner.errors import InfeasiblePlanError
+from planner.ilp.problem import Problem
+from planner.ilp.strategies import reshard_axis_cost, shard_bytes
+from planner.sharding import active_axes, axis_dim
+
+log = logging.getLogger("planner")
+
+_NS = 1e9  # objective unit: nanoseconds
+_MEM_UNIT = 1024  # memory constraint unit: KiB
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Solution:
+    """One strategy index per node, with how it was found.
+
+    Attributes:
+      choice: strategy index per node.
+      objective_s: predicted communication + compute seconds under the ILP's model.
+      status: "optimal" or "feasible" (time limit hit; best plan found so far).
+      solve_time_s: wall time spent in the solver, all rounds together.
+      peak_memory_bytes: per-device liveness peak of the plan.
+      rounds: solver rounds (memory constraints are added lazily).
+    """
+
+    choice: tuple[int, ...]
+    objective_s: float
+    status: str
+    solve_time_s: float
+    peak_memory_bytes: int
+    rounds: int
+
+
+def memory_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
+    """Per-device bytes live at each op index (index 0 = before the first op) under `choice`."""
+    n = len(problem.graph.ops)
+    delta = np.zeros(n + 3, dtype=np.int64)
+    mesh = problem.cost.mesh
+    for tid, (first, last) in enumerate(problem.live):
+        if tid not in problem.owner:
+            continue
+        b = shard_bytes(problem.graph.tensors[tid], problem.spec(tid, choice), mesh)
+        delta[first + 1] += b
+        delta[last + 2] -= b
+    return np.cumsum(delta)[: n + 2]
+
+
+def plan_cost(problem: Problem, choice: Sequence[int]) -> float:
+    """The ILP objective of `choice`, recomputed directly (seconds)."""
+    total = sum(node.costs[choice[node.index]] for node in problem.nodes)
+    for e in problem.edges:
+        src = e.src_specs[choice[e.src]]
+        dst = e.dst_specs[choice[e.dst]]
+        t = problem.graph.tensors[e.tensor]
+        for a in active_axes(problem.cost.mesh):
+            total += reshard_axis_cost(t, src, a, axis_dim(dst, a), problem.cost)[1]
+    return total
+
+
+class _Model:
+    """CP-SAT model of one problem; memory constraints can be added between solves.
+
+    Nodes that `Problem.rep` maps to one representative share its variables, and edges that become
+    identical under that map are modelled once with their cost multiplied.
+    """
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self.m = cp_model.CpModel()
+        self.x: list[list] = []
+        for node in problem.nodes:
+            r = problem.rep[node.index]
+            if r != node.index:
+                self.x.append(self.x[r])
+            elif node.size == 1:
+                self.x.append([1])
+            else:
+                vs = [self.m.NewBoolVar(f"n{node.index}_{i}") for i in range(node.size)]
+                self.m.AddExactlyOne(vs)
+                self.x.append(vs)
+        self.terms: list = []
+        self.constant = 0
+        own: dict[int, list[float]] = defaultdict(lambda: [0.0])
+        for node in problem.nodes:
+            acc = own.setdefault(problem.rep[node.index], [0.0] * node.size)
+            for i, c in enumerate(node.costs):
+                acc[i] += c
+        for r, costs in own.items():
+            for i, c in enumerate(costs):
+                self._add_cost(self.x[r][i], c)
+        merged: dict[tuple, int] = defaultdict(int)
+        for e in problem.edges:
+            t = problem.graph.tensors[e.tensor]
+            merged[(problem.rep[e.src], problem.rep[e.dst], t, e.src_specs, e.dst_specs)] += 1
+        for (src, dst, t, src_specs, dst_specs), mult in merged.items():
+            self._edge(src, dst, t, src_specs, dst_specs, mult)
+        for tin, tout in problem.ties:
+            self._tie(tin, tout)
+        self.objective = sum(self.terms) + self.constant
+
+    def _add_cost(self, var, seconds: float) -> None:
+        c = int(round(seconds * _NS))
+        if c == 0:
+            return
+        if isinstance(var, int):
+            self.constant += c * var
+        else:
+            self.terms.append(c * var)
+
+    def _group(self, node: int, specs: Sequence) -> dict:
+        out: dict = defaultdict(list)
+        for i, s in enumerate(specs):
+            out[s].append(self.x[node][i])
+        return out
+
+    def _edge(self, src: int, dst: int, t, src_specs, dst_specs, mult: int) -> None:
+        """Resharding cost of one edge, per mesh axis, with a marginal (tight) linearisation.
+
+        For axis `a`, booleans e[s, q] say "the producer picked spec s and the consumer wants axis
+        `a` on dim q"; their row sums equal the producer's spec indicators and their column sums the
+        consumer's, which keeps the LP relaxation tight (Alpa's pairwise edge variables, factored
+        per axis).
+        """
+        cost = self.problem.cost
+        if src == dst:
+            for i, (s, r) in enumerate(zip(src_specs, dst_specs)):
+                total = sum(reshard_axis_cost(t, s, a, axis_dim(r, a), cost)[1] for a in active_axes(cost.mesh))
+                self._add_cost(self.x[src][i], total * mult)
+            return
+        by_src = self._group(src, src_specs)
+        for a in active_axes(cost.mesh):
+            by_dst: dict = defaultdict(list)
+            for j, r in enumerate(dst_specs):
+                by_dst[axis_dim(r, a)].append(self.x[dst][j])
+            table = {(s, q): reshard_axis_cost(t, s, a, q, cost)[1] * mult for s in by_src for q in by_dst}
+            if all(int(round(v * _NS)) == 0 for v in table.values()):
+                continue
+            if len(by_src) == 1:
+                (s,) = by_src
+                for q, xs in by_dst.items():
+                    for v in xs:
+                        self._add_cost(v, table[(s, q)])
+                continue
+            if len(by_dst) == 1:
+                (q,) = by_dst
+                for s, xs in by_src.items():
+                    for v in xs:
+                        self._add_cost(v, table[(s, q)])
+                continue
+            e = {k: self.m.NewBoolVar("") for k in table}
+            for s, xs in by_src.items():
+                self.m.Add(sum(e[(s, q)] for q in by_dst) == sum(xs))
+            for q, xs in by_dst.items():
+                self.m.Add(sum(e[(s, q)] for s in by_src) == sum(xs))
+            for k, v in e.items():
+                self._add_cost(v, table[k])
+
+    def _tie(self, tin: int, tout: int) -> None:
+        p = self.problem
+        a, b = p.owner[tin], p.owner[tout]
+        ga = self._group(a, p.nodes[a].owned[tin])
+        gb = self._group(b, p.nodes[b].owned[tout])
+        if a == b:
+            for i, (si, so) in enumerate(zip(p.nodes[a].owned[tin], p.nodes[a].owned[tout])):
+                if si != so:
+                    self.m.Add(self.x[a][i] == 0) if not isinstance(self.x[a][i], int) else self.m.Add(0 == 1)
+            return
+        for s in set(ga) | set(gb):
+            self.m.Add(sum(ga.get(s, [])) == sum(gb.get(s, [])))
+
+    def memory_expr(self, point: int):
+        """Per-device KiB live at op index `point`, as a linear expression of the choice."""
+        p = self.problem
+        coef: dict[tuple[int, int], int] = defaultdict(int)
+        for tid, (first, last) in enumerate(p.live):
+            if tid not in p.owner or not (first < point <= last + 1):
+                continue
+            node = p.nodes[p.owner[tid]]
+            t = p.graph.tensors[tid]
+            for i, spec in enumerate(node.owned[tid]):
+                coef[(p.rep[node.index], i)] += shard_bytes(t, spec, p.cost.mesh)
+        return sum(-(-c // _MEM_UNIT) * self.x[n][i] for (n, i), c in coef.items())
+
+    def solve(self, time_limit: float, workers: int, hint: Sequence[int] | None):
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = max(0.1, time_limit)
+        solver.parameters.num_workers = workers
+        solver.parameters.random_seed = 0
+        if hint is not None:
+            self.m.ClearHints()
+            for node, i in enumerate(hint):
+                if self.problem.rep[node] != node:
+                    continue
+                for j, v in enumerate(self.x[node]):
+                    if not isinstance(v, int):
+                        self.m.AddHint(v, int(i == j))
+        status = solver.Solve(self.m)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return None, status
+        choice = []
+        for vs in self.x:
+            choice.append(next(i for i, v in enumerate(vs) if isinstance(v, int) and v == 1 or
+                               not isinstance(v, int) and solver.BooleanValue(v)))
+        return tuple(choice), status
+
+
+def _violations(profile: np.ndarray, limit: float, have: set[int], k: int = 4) -> list[int]:
+    """Up to `k` distinct program points over `limit`, highest first, spread apart."""
+    order = np.argsort(-profile, kind="stable")
+    picked: list[int] = []
+    gap = max(1, len(profile) // 50)
+    for p in order:
+        if profile[p] <= limit or len(picked) >= k:
+            break
+        if int(p) in have or any(abs(int(p) - q) < gap for q in picked):
+            continue
+        picked.append(int(p))
+    return picked
+
+
+def solve(problem: Problem, memory_budget: float | None = None, time_limit: float = 30.0,
+          workers: int = 1, max_rounds: int = 30) -> Solution:
+    """Solves the ILP; with a budget, adds memory constraints until the plan's peak fits.
+
+    Raises:
+      InfeasiblePlanError: when no plan fits `memory_budget`; the message and `min_memory_bytes`
+        give the smallest per-device peak the planner could reach.
+    """
+    start = time.perf_counter()
+    model = _Model(problem)
+    model.m.Minimize(model.objective)
+    points: set[int] = set()
+    hint = None
+    status_name = "optimal"
+    for rounds in range(1, max_rounds + 1):
+        left = time_limit - (time.perf_counter() - start)
+        choice, status = model.solve(left, workers, hint)
+        if choice is None:
+            if status == cp_model.INFEASIBLE and memory_budget is not None:
+                raise _infeasible(problem, memory_budget, time_limit, workers)
+            raise InfeasiblePlanError(
+                f"the solver found no plan within {time_limit:.0f}s (status {cp_model.CpSolver().StatusName(status)}); "
+                "raise solver_time_limit"
+            )
+        if status != cp_model.OPTIMAL:
+            status_name = "feasible"
+        profile = memory_profile(problem, choice)
+        if memory_budget is None:
+            break
+        new = _violations(profile, memory_budget, points)
+        if not new:
+            if profile.max() > memory_budget:
+                raise _infeasible(problem, memory_budget, time_limit, workers)
+            break
+        for p in new:
+            model.m.Add(model.memory_expr(p) <= int(memory_budget // _MEM_UNIT))
+            points.add(p)
+        hint = choice
+        log.info("memory round %d: peak %.3g B over budget %.3g B, %d constraints", rounds, profile.max(),
+                 memory_budget, len(points))
+        if time.perf_counter() - start > time_limit:
+            status_name = "feasible"
+            raise InfeasiblePlanError(
+                f"no plan fitting {memory_budget:.4g} bytes per device was found within the solver time limit "
+                f"({time_limit:.0f}s); the best plan so far needs {profile.max():.4g} bytes; raise solver_time_limit",
+                int(profile.max()),
+            )
+    elapsed = time.perf_counter() - start
+    if status_name != "optimal":
+        log.warning("solver time limit (%.0fs) reached: returning the best plan found, not proven optimal", time_limit)
+    return Solution(tuple(choice), plan_cost(problem, choice), status_name, elapsed, int(profile.max()), rounds)
+
+
+def _infeasible(problem: Problem, budget: float, time_limit: float, workers: int) -> InfeasiblePlanError:
+    """Finds the smallest liveness peak reachable (minimising peak memory) for the error message."""
+    model = _Model(problem)
+    peak = model.m.NewIntVar(0, 2**62, "peak")
+    model.m.Minimize(peak)
+    points: set[int] = set()
+    best = None
+    choice = None
+    for _ in range(20):
+        choice, _status = model.solve(time_limit, workers, choice)
+        if choice is None:
+            break
+        profile = memory_profile(problem, choice)
+        best = int(profile.max()) if best is None else min(best, int(profile.max()))
+        new = [int(np.argmax(profile))]
+        if new[0] in points:
+            break
+        for p in new:
+            model.m.Add(model.memory_expr(p) <= peak)
+            points.add(p)
+    reach = f"{best:.4g}" if best is not None else "unknown"
+    return InfeasiblePlanError(
+        f"no plan fits the memory budget of {budget:.4g} bytes per device; the smallest per-device peak the "
+        f"planner could reach is {reach} bytes; raise memory_budget or use more devices",
+        best,
+    )

@@ -1,0 +1,90 @@
+"""Planner options: one frozen record, filled from keyword arguments with defaults."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from planner.cost_model import Hardware, get_hardware
+from planner.errors import InvalidArgumentError
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: Any, what: str = "memory_budget") -> float | None:
+    """Bytes from a number or a string such as "80GB", "1.5GiB", "512MB"."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise InvalidArgumentError(f"{what}={value!r} must be positive")
+        return float(value)
+    m = _SIZE.match(str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InvalidArgumentError(f"{what}={value!r} is not a size; write bytes (1e9) or a string like '80GB' or '1.5GiB'")
+    out = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if out <= 0:
+        raise InvalidArgumentError(f"{what}={value!r} must be positive")
+    return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlanOptions:
+    """Options of one planning run.
+
+    Attributes:
+      memory_budget: per-device bytes the plan must fit (liveness peak), or None for no limit.
+      hardware: hardware preset name or `Hardware` record for the analytic cost model.
+      solver_time_limit: seconds the ILP solver may spend; on time-out the best plan found is used.
+      solver_workers: CP-SAT worker threads (1 keeps plans bit-for-bit deterministic).
+      tie_outputs: outputs whose pytree path and type equal an input's (the new train state) get
+        that input's sharding, so the next step needs no resharding.
+      share_layers: repeated layers (module names `name_0 ... name_N`) share one decision.
+      constrain_intermediates: emit `with_sharding_constraint` on every planned intermediate.
+      inter_host_axes: mesh axes whose links cross hosts (slower links in the cost model).
+    """
+
+    memory_budget: float | None = None
+    hardware: str | Hardware | None = None
+    solver_time_limit: float = 30.0
+    solver_workers: int = 1
+    tie_outputs: bool = True
+    share_layers: bool = True
+    constrain_intermediates: bool = True
+    inter_host_axes: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not (isinstance(self.solver_time_limit, (int, float)) and self.solver_time_limit > 0):
+            raise InvalidArgumentError(f"solver_time_limit={self.solver_time_limit!r} must be a positive number of seconds")
+        if not (isinstance(self.solver_workers, int) and self.solver_workers >= 1):
+            raise InvalidArgumentError(f"solver_workers={self.solver_workers!r} must be an int >= 1")
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> PlanOptions:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise InvalidArgumentError(
+                f"unknown planner option(s) {', '.join(map(repr, unknown))}; valid options: {', '.join(sorted(names))}"
+            )
+        values = dict(kwargs)
+        if "memory_budget" in values:
+            values["memory_budget"] = parse_bytes(values["memory_budget"])
+        if values.get("hardware") is not None:
+            try:
+                get_hardware(values["hardware"])
+            except ValueError as e:
+                raise InvalidArgumentError(str(e)) from None
+        if "inter_host_axes" in values:
+            values["inter_host_axes"] = tuple(values["inter_host_axes"])
+        return cls(**values)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        hw = self.hardware
+        d["hardware"] = hw.name if isinstance(hw, Hardware) else hw
+        d["inter_host_axes"] = list(self.inter_host_axes)
+        return d

@@ -1,0 +1,237 @@
+"""The Plan: the planner's frozen, JSON-serialisable answer."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from planner.errors import InvalidArgumentError
+from planner.mesh import MeshSpec
+from planner.sharding import Spec, format_spec, named_sharding, spec_from_json, spec_to_json
+
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PredictedCollective:
+    """One collective the plan expects XLA to emit.
+
+    Attributes:
+      kind: "all-reduce", "all-gather", "reduce-scatter", "all-to-all".
+      axes: mesh axis names it spans.
+      nbytes: buffer bytes on one device (see `cost_model.collectives`).
+      group_size: devices per group.
+      where: the op (name and module path) that causes it.
+      reason: "partial sum" (a split contraction), "reshard" (a producer/consumer mismatch) or
+        "follow" (an op that cannot keep its operand's split).
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    nbytes: int
+    group_size: int
+    where: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Prediction:
+    """What the planner's cost model predicts for one step (per device)."""
+
+    step_time_s: float
+    compute_time_s: float
+    communication_time_s: float
+    memory_bytes_per_device: int
+    bytes_moved_per_device: float
+    collectives: tuple[PredictedCollective, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decision:
+    """One ILP decision and why: the chosen strategy, its cost, and the runner-up."""
+
+    label: str
+    chosen: str
+    cost_s: float
+    runner_up: str
+    runner_up_delta_s: float
+    ops: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """How to run one program on one mesh.
+
+    Attributes:
+      mesh: the logical mesh.
+      input_paths / input_specs: pytree path and sharding of each flattened argument leaf.
+      output_paths / output_specs: same for results (None: left to XLA).
+      op_specs: (op index, result position, spec) for every intermediate the plan constrains.
+      prediction: predicted time, memory and communication.
+      decisions: per ILP decision, the choice and the runner-up (for `explain`).
+      solver: solver facts (status, times, problem size).
+      options: the options the plan was made with.
+      fallback_primitives: primitives planned replicated for lack of a rule.
+      in_tree / out_tree / jax_mesh: bound at planning time; not serialised (see `bind`).
+    """
+
+    mesh: MeshSpec
+    input_paths: tuple[str, ...]
+    input_specs: tuple[Spec, ...]
+    output_paths: tuple[str, ...]
+    output_specs: tuple[Spec | None, ...]
+    op_specs: tuple[tuple[int, int, Spec], ...]
+    prediction: Prediction
+    decisions: tuple[Decision, ...]
+    solver: Mapping[str, Any]
+    options: Mapping[str, Any]
+    fallback_primitives: tuple[str, ...] = ()
+    in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
+    out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
+    jax_mesh: jax.sharding.Mesh | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    # ----- shardings -------------------------------------------------------------------------
+    def _mesh(self) -> jax.sharding.Mesh:
+        return self.jax_mesh if self.jax_mesh is not None else self.mesh.to_jax_mesh()
+
+    def _tree(self, tree, paths: Sequence[str], what: str):
+        if tree is None:
+            raise InvalidArgumentError(
+                f"this plan has no {what} pytree structure (it was loaded from JSON); "
+                "call plan.bind(*example_args) or use the flat `*_specs` fields"
+            )
+        return tree
+
+    @property
+    def in_shardings(self):
+        """Pytree (matching the argument tuple) of `NamedSharding`s."""
+        tree = self._tree(self.in_tree, self.input_paths, "input")
+        m = self._mesh()
+        return jax.tree_util.tree_unflatten(tree, [named_sharding(s, self.mesh, m) for s in self.input_specs])
+
+    @property
+    def out_shardings(self):
+        """Pytree (matching the result) of `NamedSharding`s (None where XLA may choose)."""
+        tree = self._tree(self.out_tree, self.output_paths, "output")
+        m = self._mesh()
+        leaves = [None if s is None else named_sharding(s, self.mesh, m) for s in self.output_specs]
+        return jax.tree_util.tree_unflatten(tree, leaves)
+
+    def bind(self, *args, mesh: jax.sharding.Mesh | None = None, out_tree=None) -> Plan:
+        """Attaches the argument structure of `args` (and optionally a real mesh) to a loaded plan."""
+        with_path, in_tree = jax.tree_util.tree_flatten_with_path(args)
+        paths = tuple(jax.tree_util.keystr(p) for p, _ in with_path)
+        if paths != self.input_paths:
+            raise InvalidArgumentError(
+                f"arguments do not match the plan: plan has {len(self.input_paths)} input leaves, got {len(paths)}"
+                + (f"; first difference at {next(a for a, b in zip(paths, self.input_paths) if a != b)}"
+                   if any(a != b for a, b in zip(paths, self.input_paths)) else "")
+            )
+        return dataclasses.replace(self, in_tree=in_tree, jax_mesh=mesh or self.jax_mesh,
+                                   out_tree=out_tree or self.out_tree)
+
+    def spec_of(self, path: str) -> Spec:
+        """The sharding of the input leaf at pytree `path`, e.g. "[0]['params']['w']"."""
+        try:
+            return self.input_specs[self.input_paths.index(path)]
+        except ValueError:
+            raise KeyError(f"no input leaf at {path!r}; known paths start {self.input_paths[:3]}") from None
+
+    # ----- text ------------------------------------------------------------------------------
+    def summary(self, max_rows: int = 40) -> str:
+        """A readable table: mesh, predictions, and the sharding of each input leaf."""
+        p = self.prediction
+        lines = [
+            f"Plan on mesh {self.mesh} ({', '.join(f'{n}={s}' for n, s in zip(self.mesh.axis_names, self.mesh.shape))})",
+            f"  predicted step time   {p.step_time_s * 1e3:10.3f} ms  (compute {p.compute_time_s * 1e3:.3f} ms, "
+            f"communication {p.communication_time_s * 1e3:.3f} ms)",
+            f"  memory per device     {p.memory_bytes_per_device / 2**20:10.2f} MiB",
+            f"  bytes moved / device  {p.bytes_moved_per_device / 2**20:10.2f} MiB in {len(p.collectives)} collectives",
+            f"  solver                {self.solver.get('status')} in {self.solver.get('solve_time_s', 0):.2f} s "
+            f"({self.solver.get('decisions')} decisions, {self.solver.get('variables_shared')} after layer sharing)",
+        ]
+        if self.fallback_primitives:
+            lines.append(f"  replicated (no rule)  {', '.join(self.fallback_primitives)}")
+        lines.append("  inputs:")
+        rows = _collapse_layers(list(zip(self.input_paths, (format_spec(s, self.mesh) for s in self.input_specs))))
+        for path, spec, count in rows[:max_rows]:
+            lines.append(f"    {path:<70} {spec}" + (f"   (x{count})" if count > 1 else ""))
+        if len(rows) > max_rows:
+            lines.append(f"    ... {len(rows) - max_rows} more rows")
+        return "\n".join(lines)
+
+    # ----- JSON ------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    def to_dict(self) -> dict:
+        p = self.prediction
+        return {
+            "format_version": PLAN_FORMAT_VERSION,
+            "mesh": {"shape": list(self.mesh.shape), "axis_names": list(self.mesh.axis_names)},
+            "inputs": [{"path": a, "spec": spec_to_json(s)} for a, s in zip(self.input_paths, self.input_specs)],
+            "outputs": [{"path": a, "spec": None if s is None else spec_to_json(s)}
+                        for a, s in zip(self.output_paths, self.output_specs)],
+            "op_specs": [[i, k, spec_to_json(s)] for i, k, s in self.op_specs],
+            "predicted": {
+                "step_time_s": p.step_time_s,
+                "compute_time_s": p.compute_time_s,
+                "communication_time_s": p.communication_time_s,
+                "memory_bytes_per_device": p.memory_bytes_per_device,
+                "bytes_moved_per_device": p.bytes_moved_per_device,
+                "collectives": [dataclasses.asdict(c) for c in p.collectives],
+            },
+            "decisions": [dataclasses.asdict(d) for d in self.decisions],
+            "solver": dict(self.solver),
+            "options": dict(self.options),
+            "fallback_primitives": list(self.fallback_primitives),
+        }
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            d = json.loads(text)
+            if d.get("format_version") != PLAN_FORMAT_VERSION:
+                raise InvalidArgumentError(
+                    f"plan format version {d.get('format_version')!r} is not {PLAN_FORMAT_VERSION}; re-plan")
+            mesh = MeshSpec(tuple(d["mesh"]["shape"]), tuple(d["mesh"]["axis_names"]))
+            p = d["predicted"]
+            pred = Prediction(
+                p["step_time_s"], p["compute_time_s"], p["communication_time_s"], int(p["memory_bytes_per_device"]),
+                p["bytes_moved_per_device"],
+                tuple(PredictedCollective(c["kind"], tuple(c["axes"]), int(c["nbytes"]), int(c["group_size"]),
+                                          c["where"], c["reason"]) for c in p["collectives"]),
+            )
+            return cls(
+                mesh=mesh,
+                input_paths=tuple(x["path"] for x in d["inputs"]),
+                input_specs=tuple(spec_from_json(x["spec"]) for x in d["inputs"]),
+                output_paths=tuple(x["path"] for x in d["outputs"]),
+                output_specs=tuple(None if x["spec"] is None else spec_from_json(x["spec"]) for x in d["outputs"]),
+                op_specs=tuple((int(i), int(k), spec_from_json(s)) for i, k, s in d["op_specs"]),
+                prediction=pred,
+                decisions=tuple(Decision(**x) for x in d["decisions"]),
+                solver=d["solver"],
+                options=d["options"],
+                fallback_primitives=tuple(d.get("fallback_primitives", ())),
+            )
+        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
+            if isinstance(e, InvalidArgumentError):
+                raise
+            raise InvalidArgumentError(f"not a valid plan JSON: {type(e).__name__}: {e}") from None
+
+
+_LAYER = re.compile(r"(\w+?)_(\d+)(?=['\]/])")
+
+
+def _collapse_layers(rows: list[tuple[str, str]]) -> list[tuple[str, str, int]]:
+    """Collapses rows that differ only in a layer index into one row with a count."""
+    out: dict[tuple[str, str], int] = {}
+    for path, spec in rows:
+        key = (_LAYER.sub(lambda m: f"{m.group(1)}_*", path), spec)
+        out[key] = out.get(key, 0) + 1
+    return [(p, s, n) for (p, s), n in out.items()]

@@ -1,0 +1,180 @@
+"""From a traced graph and a mesh to a Plan: build the ILP, solve it, read the answer back out."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+import jax
+
+from planner.cost_model import CostModel, get_hardware, ring_bytes
+from planner.errors import MeshError
+from planner.graph import Graph
+from planner.ilp.problem import Problem, build_problem
+from planner.ilp.solver import Solution, solve
+from planner.ilp.strategies import reshard_axis_cost, reshard_cost
+from planner.mesh import MeshSpec
+from planner.options import PlanOptions
+from planner.plan import Decision, Plan, PredictedCollective, Prediction
+from planner.sharding import active_axes, axis_dim, replicated
+
+log = logging.getLogger("planner")
+
+
+def check_mesh_fits(graph: Graph, mesh: MeshSpec) -> None:
+    """Rejects a mesh with an axis that divides no dimension of any input (it could never be used)."""
+    for a in active_axes(mesh):
+        size = mesh.shape[a]
+        if not any(d % size == 0 for t in graph.inputs for d in graph.tensors[t].shape):
+            shapes = sorted({graph.tensors[t].shape for t in graph.inputs})[:5]
+            raise MeshError(
+                f"mesh axis {mesh.axis_names[a]!r} of size {size} divides no dimension of any input "
+                f"(input shapes include {shapes}); choose a mesh whose axis sizes divide the batch or model dims"
+            )
+
+
+def cost_model_for(mesh: MeshSpec, options: PlanOptions) -> CostModel:
+    return CostModel.default(mesh, get_hardware(options.hardware), options.inter_host_axes)
+
+
+def _edge_comms(problem: Problem, choice: Sequence[int]):
+    for e in problem.edges:
+        src, dst = e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]]
+        comms, _ = reshard_cost(problem.graph.tensors[e.tensor], src, dst, problem.cost)
+        for c in comms:
+            yield e, c
+
+
+def _predict(problem: Problem, sol: Solution) -> Prediction:
+    cost, mesh = problem.cost, problem.cost.mesh
+    ops = problem.graph.ops
+    collectives: list[PredictedCollective] = []
+    comm_time = 0.0
+    compute_time = 0.0
+
+    def add(kind, axes, nbytes, where, reason):
+        nonlocal comm_time
+        n = mesh.axis_size(axes)
+        if n <= 1:
+            return
+        collectives.append(PredictedCollective(kind, tuple(mesh.axis_names[a] for a in axes), int(nbytes), n, where,
+                                               reason))
+        comm_time += cost.collective_time(kind, nbytes, axes)
+
+    for node in problem.nodes:
+        i = sol.choice[node.index]
+        own_comm = 0.0
+        for kind, axes, nbytes in node.comms[i]:
+            reason = "partial sum" if kind in ("all-reduce", "reduce-scatter") else "follow"
+            add(kind, axes, nbytes, node.label, reason)
+            own_comm += cost.collective_time(kind, nbytes, axes)
+        compute_time += max(0.0, node.costs[i] - own_comm)
+    for e, (kind, axes, nbytes) in _edge_comms(problem, sol.choice):
+        dst = problem.nodes[e.dst].label
+        add(kind, axes, nbytes, dst, "reshard")
+    moved = sum(ring_bytes(c.kind, c.nbytes, c.group_size) for c in collectives)
+    del ops
+    return Prediction(compute_time + comm_time, compute_time, comm_time, sol.peak_memory_bytes, moved,
+                      tuple(collectives))
+
+
+def _decisions(problem: Problem, choice: Sequence[int], limit: int = 400) -> tuple[Decision, ...]:
+    """For each distinct decision: the chosen strategy and the best alternative, costed locally
+    (own cost + resharding on incident edges, all other choices fixed)."""
+    members: dict[int, list[int]] = defaultdict(list)
+    for n in range(len(problem.nodes)):
+        members[problem.rep[n]].append(n)
+    incident: dict[int, list] = defaultdict(list)
+    for e in problem.edges:
+        incident[e.src].append(e)
+        incident[e.dst].append(e)
+    mesh_axes = active_axes(problem.cost.mesh)
+
+    def local(rep: int, option: int) -> float:
+        total = 0.0
+        trial = list(choice)
+        for n in members[rep]:
+            trial[n] = option
+        for n in members[rep]:
+            total += problem.nodes[n].costs[option]
+            for e in incident[n]:
+                t = problem.graph.tensors[e.tensor]
+                s, r = e.src_specs[trial[e.src]], e.dst_specs[trial[e.dst]]
+                total += sum(reshard_axis_cost(t, s, a, axis_dim(r, a), problem.cost)[1] for a in mesh_axes)
+        return total
+
+    out = []
+    for rep, group in members.items():
+        node = problem.nodes[rep]
+        if node.size <= 1 or len(out) >= limit:
+            continue
+        chosen = choice[rep]
+        costs = [(local(rep, i), i) for i in range(node.size)]
+        base = costs[chosen][0]
+        alt = min((c for c in costs if c[1] != chosen), default=(base, chosen))
+        spec_of = {t: v[chosen] for t, v in node.owned.items()}
+        first = next(iter(spec_of.values()), None)
+        chosen_text = node.descriptions[chosen] or (str(first) if first is not None else "")
+        alt_node_spec = next(iter(node.owned.values()))[alt[1]] if node.owned else None
+        alt_text = node.descriptions[alt[1]] or str(alt_node_spec)
+        out.append(Decision(node.label, chosen_text, base, alt_text, alt[0] - base, len(group)))
+    return tuple(out)
+
+
+def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None = None) -> Plan:
+    """Plans `graph` on `mesh`.
+
+    Raises:
+      MeshError: a mesh axis that can split nothing.
+      InfeasiblePlanError: no plan fits `options.memory_budget`.
+    """
+    t0 = time.perf_counter()
+    check_mesh_fits(graph, mesh)
+    cost = cost_model_for(mesh, options)
+    problem = build_problem(graph, cost, tie_outputs=options.tie_outputs, share_layers=options.share_layers)
+    t1 = time.perf_counter()
+    log.info("built ILP: %d ops -> %d decisions (%d after layer sharing), %d edges in %.2fs", len(graph.ops),
+             len(problem.nodes), len(set(problem.rep)), len(problem.edges), t1 - t0)
+    sol = solve(problem, options.memory_budget, options.solver_time_limit, options.solver_workers)
+    log.info("solved: %s in %.2fs, predicted %.4g s/step, peak %.4g B/device", sol.status, sol.solve_time_s,
+             sol.objective_s, sol.peak_memory_bytes)
+    producers = graph.producers()
+    op_specs = []
+    for tid, node in sorted(problem.owner.items()):
+        if tid in producers:
+            op, k = producers[tid]
+            op_specs.append((op, k, problem.nodes[node].owned[tid][sol.choice[node]]))
+    in_specs = tuple(problem.spec(t, sol.choice) for t in graph.inputs)
+    out_specs = tuple(
+        (problem.spec(t, sol.choice) if isinstance(t, int) else replicated(len(t.tensor.shape)))
+        for t in graph.outputs
+    )
+    prediction = _predict(problem, sol)
+    solver_info = {
+        "status": sol.status,
+        "solve_time_s": round(sol.solve_time_s, 3),
+        "planning_time_s": round(time.perf_counter() - t0, 3),
+        "rounds": sol.rounds,
+        "ops": len(graph.ops),
+        "decisions": len(problem.nodes),
+        "variables_shared": len(set(problem.rep)),
+        "edges": len(problem.edges),
+        "objective_s": sol.objective_s,
+    }
+    return Plan(
+        mesh=mesh,
+        input_paths=graph.input_paths,
+        input_specs=in_specs,
+        output_paths=graph.output_paths,
+        output_specs=out_specs,
+        op_specs=tuple(sorted(op_specs)),
+        prediction=prediction,
+        decisions=_decisions(problem, sol.choice),
+        solver=solver_info,
+        options=options.to_json(),
+        fallback_primitives=problem.fallback_primitives,
+        in_tree=graph.in_tree,
+        out_tree=graph.out_tree,
+        jax_mesh=jax_mesh,
+    )
