@@ -45,6 +45,11 @@ class PlanOptions:
       share_layers: repeated layers (module names `name_0 ... name_N`) share one decision.
       constrain_intermediates: emit `with_sharding_constraint` on every planned intermediate.
       inter_host_axes: mesh axes whose links cross hosts (slower links in the cost model).
+      profile: path of a profile database written by `planner profile` (measured collective
+        times replace the analytic ones where samples exist), or a loaded database object.
+      pipeline: "auto", True or False: whether to split the program into pipeline stages.
+      num_microbatches: microbatches per step for pipelining (None: the planner chooses).
+      schedule: pipeline schedule, "1f1b" or "gpipe".
     """
 
     memory_budget: float | None = None
@@ -55,8 +60,18 @@ class PlanOptions:
     share_layers: bool = True
     constrain_intermediates: bool = True
     inter_host_axes: tuple[int, ...] = ()
+    profile: Any = None
+    pipeline: bool | str = False
+    num_microbatches: int | None = None
+    schedule: str = "1f1b"
 
     def __post_init__(self):
+        if self.pipeline not in (True, False, "auto"):
+            raise InvalidArgumentError(f"pipeline={self.pipeline!r} must be True, False or 'auto'")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise InvalidArgumentError(f"schedule={self.schedule!r} must be '1f1b' or 'gpipe'")
+        if self.num_microbatches is not None and not (isinstance(self.num_microbatches, int) and self.num_microbatches >= 1):
+            raise InvalidArgumentError(f"num_microbatches={self.num_microbatches!r} must be an int >= 1")
         if not (isinstance(self.solver_time_limit, (int, float)) and self.solver_time_limit > 0):
             raise InvalidArgumentError(f"solver_time_limit={self.solver_time_limit!r} must be a positive number of seconds")
         if not (isinstance(self.solver_workers, int) and self.solver_workers >= 1):
@@ -87,4 +102,5 @@ class PlanOptions:
         hw = self.hardware
         d["hardware"] = hw.name if isinstance(hw, Hardware) else hw
         d["inter_host_axes"] = list(self.inter_host_axes)
+        d["profile"] = self.profile if isinstance(self.profile, (str, type(None))) else getattr(self.profile, "path", "<in memory>")
         return d

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import re
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -76,6 +77,10 @@ class Plan:
       solver: solver facts (status, times, problem size).
       options: the options the plan was made with.
       fallback_primitives: primitives planned replicated for lack of a rule.
+      stages: pipeline stages (each with layers, submesh, mesh, ...); empty for a one-stage plan.
+      scatter_specs: (op index, result position, spec before the scatter) of partial sums the plan
+        reduce-scatters; emission pins the reduced value first so XLA reduces, then slices (the
+        pattern its reduce-scatter pass recognises), instead of resharding an operand.
       in_tree / out_tree / jax_mesh: bound at planning time; not serialised (see `bind`).
     """
 
@@ -90,6 +95,8 @@ class Plan:
     solver: Mapping[str, Any]
     options: Mapping[str, Any]
     fallback_primitives: tuple[str, ...] = ()
+    scatter_specs: tuple[tuple[int, int, Spec], ...] = ()
+    stages: tuple[Mapping[str, Any], ...] = ()
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     jax_mesh: jax.sharding.Mesh | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -172,7 +179,11 @@ class Plan:
         p = self.prediction
         return {
             "format_version": PLAN_FORMAT_VERSION,
-            "mesh": {"shape": list(self.mesh.shape), "axis_names": list(self.mesh.axis_names)},
+            "mesh": {n: int(k) for n, k in zip(self.mesh.axis_names, self.mesh.shape)},
+            "shardings": {a: _spec_names(s, self.mesh) for a, s in zip(self.input_paths, self.input_specs)},
+            "stages": [dict(st) for st in self.stages] or [{
+                "layers": "all", "submesh": list(self.mesh.shape),
+                "mesh": {n: int(k) for n, k in zip(self.mesh.axis_names, self.mesh.shape)}}],
             "inputs": [{"path": a, "spec": spec_to_json(s)} for a, s in zip(self.input_paths, self.input_specs)],
             "outputs": [{"path": a, "spec": None if s is None else spec_to_json(s)}
                         for a, s in zip(self.output_paths, self.output_specs)],
@@ -189,6 +200,7 @@ class Plan:
             "solver": dict(self.solver),
             "options": dict(self.options),
             "fallback_primitives": list(self.fallback_primitives),
+            "scatter_specs": [[i, k, spec_to_json(s)] for i, k, s in self.scatter_specs],
         }
 
     @classmethod
@@ -198,7 +210,7 @@ class Plan:
             if d.get("format_version") != PLAN_FORMAT_VERSION:
                 raise InvalidArgumentError(
                     f"plan format version {d.get('format_version')!r} is not {PLAN_FORMAT_VERSION}; re-plan")
-            mesh = MeshSpec(tuple(d["mesh"]["shape"]), tuple(d["mesh"]["axis_names"]))
+            mesh = MeshSpec(tuple(int(v) for v in d["mesh"].values()), tuple(d["mesh"]))
             p = d["predicted"]
             pred = Prediction(
                 p["step_time_s"], p["compute_time_s"], p["communication_time_s"], int(p["memory_bytes_per_device"]),
@@ -218,11 +230,31 @@ class Plan:
                 solver=d["solver"],
                 options=d["options"],
                 fallback_primitives=tuple(d.get("fallback_primitives", ())),
+                scatter_specs=tuple((int(i), int(k), spec_from_json(s)) for i, k, s in d.get("scatter_specs", ())),
+                stages=tuple(_freeze(st) for st in d.get("stages", ()) if st.get("layers") != "all"),
             )
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
             if isinstance(e, InvalidArgumentError):
                 raise
             raise InvalidArgumentError(f"not a valid plan JSON: {type(e).__name__}: {e}") from None
+
+
+def _spec_names(spec: Spec, mesh: MeshSpec) -> list:
+    """JSON form of a PartitionSpec: one entry per dim, None / axis name / list of axis names."""
+    out: list = []
+    for axes in spec:
+        names = [mesh.axis_names[a] for a in axes]
+        out.append(None if not names else names[0] if len(names) == 1 else names)
+    return out
+
+
+def _freeze(value: Any) -> Any:
+    """JSON values as hashable tuples / read-only mappings, so a loaded plan compares equal."""
+    if isinstance(value, dict):
+        return MappingProxyType({k: _freeze(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
 
 
 _LAYER = re.compile(r"(\w+?)_(\d+)(?=['\]/])")

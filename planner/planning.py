@@ -145,6 +145,15 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
         if tid in producers:
             op, k = producers[tid]
             op_specs.append((op, k, problem.nodes[node].owned[tid][sol.choice[node]]))
+    scatter_specs = []
+    for node in problem.nodes:
+        i = sol.choice[node.index]
+        rs_axes = {a for kind, axes, _ in node.comms[i] if kind == "reduce-scatter" for a in axes}
+        if rs_axes and node.label.split()[0] != "input":
+            root = graph.ops[node.ops[0]]
+            spec = node.owned[root.outputs[0]][i]
+            pre = tuple(tuple(a for a in axes if a not in rs_axes) for axes in spec)
+            scatter_specs.append((root.index, 0, pre))
     in_specs = tuple(problem.spec(t, sol.choice) for t in graph.inputs)
     out_specs = tuple(
         (problem.spec(t, sol.choice) if isinstance(t, int) else replicated(len(t.tensor.shape)))
@@ -174,6 +183,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
         solver=solver_info,
         options=options.to_json(),
         fallback_primitives=problem.fallback_primitives,
+        scatter_specs=tuple(sorted(scatter_specs)),
         in_tree=graph.in_tree,
         out_tree=graph.out_tree,
         jax_mesh=jax_mesh,

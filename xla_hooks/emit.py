@@ -23,12 +23,17 @@ def constrained_function(graph: Graph, plan: Plan) -> Callable[..., Any]:
     wanted: dict[tuple[int, int], jax.sharding.NamedSharding] = {}
     if plan.options.get("constrain_intermediates", True):
         wanted = {(op, k): named_sharding(spec, plan.mesh, mesh) for op, k, spec in plan.op_specs}
+    first = {(op, k): named_sharding(spec, plan.mesh, mesh) for op, k, spec in plan.scatter_specs}
+
+    def pin(key: tuple[int, int], v: Any) -> Any:
+        if key in first:
+            v = jax.lax.with_sharding_constraint(v, first[key])
+        if key in wanted:
+            v = jax.lax.with_sharding_constraint(v, wanted[key])
+        return v
 
     def after_op(op: Op, outs: list[Any]) -> list[Any]:
-        return [
-            jax.lax.with_sharding_constraint(v, wanted[(op.index, k)]) if (op.index, k) in wanted else v
-            for k, v in enumerate(outs)
-        ]
+        return [pin((op.index, k), v) for k, v in enumerate(outs)]
 
     def fn(*args):
         outs = graph.evaluate(jax.tree_util.tree_leaves(args), after_op)

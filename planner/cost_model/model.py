@@ -41,8 +41,15 @@ class CostModel:
         )
         return cls(mesh, hardware, links)
 
-    def collective_time(self, kind: str, nbytes: float, axes: Sequence[int]) -> float:
-        """Seconds for collective `kind` on a `nbytes` buffer over the devices spanned by `axes`."""
+    def collective_time(self, kind: str, nbytes: float, axes: Sequence[int], combined: bool = False) -> float:
+        """Seconds for collective `kind` on a `nbytes` buffer over the devices spanned by `axes`.
+
+        `combined=True` drops the latency term: XLA's collective combiners merge independent
+        reductions (the gradient reductions of a train step) into one, so their latency is paid once.
+        """
+        if combined:
+            links = tuple(AxisLink(0.0, link.beta) for link in self.links)
+            return analytic_time(kind, nbytes, tuple(axes), self.mesh, links)
         return analytic_time(kind, nbytes, tuple(axes), self.mesh, self.links)
 
     def compute_time(self, flops: float, bytes_accessed: float, dtype: np.dtype | None = None) -> float:

@@ -17,11 +17,14 @@ from collections.abc import Sequence
 from planner.cost_model import CostModel
 from planner.graph import Graph, Literal, Tensor
 from planner.ilp.rules import ELEMENTWISE, RULES, signature
-from planner.ilp.strategies import Comm, Strategy, enumerate_strategies, follow
+from planner.ilp.strategies import Comm, Strategy, enumerate_strategies, follow, shard_bytes
 from planner.sharding import Spec, enumerate_specs
 
 log = logging.getLogger("planner")
 
+# Among otherwise equal plans, prefer the one that keeps fewer argument bytes per device
+# (0.1 us per MiB: far below any collective, enough to break ties towards sharded inputs).
+TIE_BREAK_S_PER_BYTE = 1e-13
 HEAVY = frozenset({"dot_general", "conv_general_dilated"})
 # Multi-operand ops that follow their first operand; the others are resharded to match.
 FOLLOW_FIRST = frozenset(ELEMENTWISE)
@@ -122,12 +125,15 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     for tid, path in zip(graph.inputs, graph.input_paths):
         t = graph.tensors[tid]
         specs = list(enumerate_specs(t.shape, cost.mesh))
-        nodes.append(Node(len(nodes), f"input {path}", [0.0] * len(specs), [[] for _ in specs], {tid: specs}, [],
+        keep = [TIE_BREAK_S_PER_BYTE * shard_bytes(t, s, cost.mesh) for s in specs]
+        nodes.append(Node(len(nodes), f"input {path}", keep, [[] for _ in specs], {tid: specs}, [],
                           [], ["" for _ in specs]))
         owner[tid] = len(nodes) - 1
 
+    combinable = _combinable_ops(graph)
     for op in graph.ops:
         sig = signature(op, graph, rules)
+        combined = op.index in combinable
         if not sig.known:
             fallback[op.name] = fallback.get(op.name, 0) + 1
         tensors_in = [x for x in op.inputs if isinstance(x, int)]
@@ -146,7 +152,7 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
             others = [k for k in arrays if k != lead and op.inputs[k] not in free]
             needs: dict[int, list[Spec]] = {k: [] for k in others}
             for i, spec in enumerate(node.owned[src]):
-                strat, pre = follow(sig, lead, spec, ins, outs, cost)
+                strat, pre = follow(sig, lead, spec, ins, outs, cost, combined)
                 node.costs[i] += strat.cost + sum(cost.collective_time(kd, b, a) for kd, a, b in pre)
                 node.comms[i].extend(pre + strat.comms)
                 out_specs.append(strat.out_specs[0])
@@ -158,7 +164,8 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
             node.ops.append(op.index)
             owner[op.outputs[0]] = node.index
             continue
-        strategies: list[Strategy] = enumerate_strategies(sig, ins, outs, cost, full_split_only=op.name in HEAVY)
+        strategies: list[Strategy] = enumerate_strategies(sig, ins, outs, cost, full_split_only=op.name in HEAVY,
+                                                          combined=combined)
         node = Node(
             index=len(nodes),
             label=f"{op.name} {op.name_stack}".strip(),
@@ -198,6 +205,22 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     rep = layer_representatives(nodes, graph) if share_layers else tuple(range(len(nodes)))
     return Problem(graph, cost, tuple(nodes), tuple(edges), owner, tuple(ties), live_ranges(graph),
                    tuple(sorted(fallback)), frozenset(free), rep)
+
+
+def _combinable_ops(graph: Graph) -> set[int]:
+    """Ops whose results feed no matmul: their reductions (gradient reductions, in a train step)
+    are independent of each other and get merged by XLA's combiner passes."""
+    feeds_heavy = [False] * len(graph.tensors)
+    out: set[int] = set()
+    for op in reversed(graph.ops):
+        reaches = any(feeds_heavy[t] for t in op.outputs)
+        if not reaches:
+            out.add(op.index)
+        if reaches or op.name in HEAVY:
+            for x in op.inputs:
+                if isinstance(x, int):
+                    feeds_heavy[x] = True
+    return out
 
 
 _INDEXED = re.compile(r"([A-Za-z][A-Za-z0-9]*?)_(\d+)\b")

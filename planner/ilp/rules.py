@@ -74,9 +74,9 @@ def elementwise_rule(op: Op, graph: Graph) -> OpSig:
         t = _t(graph, x)
         if isinstance(x, Literal):
             ins.append(None)
-        elif t.shape == out.shape:
-            ins.append(labels)
-        else:  # scalar operand broadcast implicitly
+        elif len(t.shape) == len(out.shape):  # size-1 dims broadcast implicitly
+            ins.append(tuple(l if d == o else None for l, d, o in zip(labels, t.shape, out.shape)))
+        else:  # scalar operand
             ins.append((None,) * len(t.shape))
     outs = tuple(labels for _ in op.outputs)
     return OpSig(tuple(ins), outs, sizes, flops=float(out.size))

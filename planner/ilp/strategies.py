@@ -56,7 +56,7 @@ def _spec_of(labels: Sequence[str | None], axes_of: dict[str, tuple[int, ...]]) 
 
 
 def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axes_of: dict[str, tuple[int, ...]],
-           cost: CostModel) -> list[Strategy]:
+           cost: CostModel, combined: bool = False) -> list[Strategy]:
     """Strategies for one label->axes assignment: all-reduce, or reduce-scatter onto a result dim."""
     mesh = cost.mesh
     in_specs = tuple(None if l is None else _spec_of(l, axes_of) for l in sig.inputs)
@@ -73,7 +73,7 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
     result = []
     ar = tuple(("all-reduce", partial, shard_bytes(t, s, mesh)) for t, s in zip(outs, base_out))
     result.append(Strategy(assignment, in_specs, base_out, ar, compute,
-                           sum(cost.collective_time(k, b, a) for k, a, b in ar)))
+                           sum(cost.collective_time(k, b, a, combined) for k, a, b in ar)))
     if len(outs) == 1:
         t, s = outs[0], base_out[0]
         n = mesh.axis_size(partial)
@@ -83,12 +83,12 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
                 new = tuple(tuple(sorted(ax + partial)) if i == d else ax for i, ax in enumerate(s))
                 rs = (("reduce-scatter", partial, shard_bytes(t, s, mesh)),)
                 result.append(Strategy(assignment, in_specs, (new,), rs, compute,
-                                       cost.collective_time("reduce-scatter", rs[0][2], partial)))
+                                       cost.collective_time("reduce-scatter", rs[0][2], partial, combined)))
     return result
 
 
 def enumerate_strategies(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], cost: CostModel,
-                         full_split_only: bool = False) -> list[Strategy]:
+                         full_split_only: bool = False, combined: bool = False) -> list[Strategy]:
     """Every assignment of active mesh axes to shardable labels that divides evenly.
 
     Args:
@@ -97,6 +97,7 @@ def enumerate_strategies(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequenc
       cost: the cost model (mesh, collective and compute times).
       full_split_only: keep only strategies that use every mesh axis when any exist (for heavy ops,
         where leaving an axis idle replicates expensive compute; Alpa makes the same cut).
+      combined: the op's reductions can be combined with others (no latency term).
     """
     mesh = cost.mesh
     labels = sig.shardable()
@@ -109,7 +110,7 @@ def enumerate_strategies(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequenc
                 axes_of[labels[c]] = axes_of.get(labels[c], ()) + (a,)
         if any(sig.sizes[l] % mesh.axis_size(v) for l, v in axes_of.items()):
             continue
-        for s in _build(sig, ins, outs, axes_of, cost):
+        for s in _build(sig, ins, outs, axes_of, cost, combined):
             key = (s.in_specs, s.out_specs)
             if key not in found or s.cost < found[key].cost:
                 found[key] = s
@@ -122,7 +123,7 @@ def enumerate_strategies(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequenc
 
 
 def follow(sig: OpSig, operand: int, spec: Spec, ins: Sequence[Tensor | None], outs: Sequence[Tensor],
-           cost: CostModel) -> tuple[Strategy, tuple[Comm, ...]]:
+           cost: CostModel, combined: bool = False) -> tuple[Strategy, tuple[Comm, ...]]:
     """The strategy of a one-operand op that keeps its operand's sharding as far as the op allows.
 
     Axes that split an operand dimension the op cannot keep split are gathered first (returned as
@@ -147,7 +148,7 @@ def follow(sig: OpSig, operand: int, spec: Spec, ins: Sequence[Tensor | None], o
         t = ins[operand]
         assert t is not None
         pre = (("all-gather", tuple(sorted(gathered)), shard_bytes(t, kept, mesh)),)
-    strategy = _build(sig, ins, outs, axes_of, cost)[0]
+    strategy = _build(sig, ins, outs, axes_of, cost, combined)[0]
     return strategy, pre
 
 
