@@ -122,6 +122,19 @@ def _decisions(problem: Problem, choice: Sequence[int], limit: int = 400) -> tup
     return tuple(out)
 
 
+def _common(specs: Sequence) -> tuple:
+    """Per dim, the leading mesh axes every spec agrees on: a layout each consumer can slice from."""
+    out = []
+    for dims in zip(*specs):
+        common: list[int] = []
+        for axes in zip(*dims):
+            if len(set(axes)) != 1:
+                break
+            common.append(axes[0])
+        out.append(tuple(common))
+    return tuple(out)
+
+
 def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None = None) -> Plan:
     """Plans `graph` on `mesh`.
 
@@ -145,6 +158,14 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
         if tid in producers:
             op, k = producers[tid]
             op_specs.append((op, k, problem.nodes[node].owned[tid][sol.choice[node]]))
+    wanted_free: dict[int, list] = defaultdict(list)
+    for node in problem.nodes:
+        for tid, specs in node.free_requires:
+            wanted_free[tid].append(specs[sol.choice[node.index]])
+    for tid, specs in sorted(wanted_free.items()):
+        if tid in producers:
+            op, k = producers[tid]
+            op_specs.append((op, k, _common(specs)))
     scatter_specs = []
     for node in problem.nodes:
         i = sol.choice[node.index]

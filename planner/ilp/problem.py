@@ -43,6 +43,8 @@ class Node:
       requires: (tensor id, required spec per strategy) for each array operand of the root op.
       ops: op indices decided by this node (root op first, then followers).
       descriptions: per strategy, the root op's strategy in words.
+      free_requires: (free tensor id, spec per strategy) wanted of free operands (iotas, masks), so
+        emission can materialise them directly in the layout their consumers use.
     """
 
     index: int
@@ -53,6 +55,7 @@ class Node:
     requires: list[tuple[int, list[Spec]]]
     ops: list[int]
     descriptions: list[str]
+    free_requires: list[tuple[int, list[Spec]]] = dataclasses.field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -149,7 +152,7 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
             src = op.inputs[lead]
             node = nodes[owner[src]]
             out_specs = []
-            others = [k for k in arrays if k != lead and op.inputs[k] not in free]
+            others = [k for k in arrays if k != lead]
             needs: dict[int, list[Spec]] = {k: [] for k in others}
             for i, spec in enumerate(node.owned[src]):
                 strat, pre = follow(sig, lead, spec, ins, outs, cost, combined)
@@ -159,7 +162,10 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
                 for k in others:
                     needs[k].append(strat.in_specs[k] if strat.in_specs[k] is not None else ((),) * len(ins[k].shape))
             for k in others:
-                extra_edges.append((op.inputs[k], node.index, needs[k]))
+                if op.inputs[k] in free:
+                    node.free_requires.append((op.inputs[k], needs[k]))
+                else:
+                    extra_edges.append((op.inputs[k], node.index, needs[k]))
             node.owned[op.outputs[0]] = out_specs
             node.ops.append(op.index)
             owner[op.outputs[0]] = node.index
@@ -177,6 +183,8 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
             + [(op.inputs[k], [() for _ in strategies]) for k in scalars if op.inputs[k] not in free],
             ops=[op.index],
             descriptions=[s.describe(cost.mesh) for s in strategies],
+            free_requires=[(op.inputs[k], [s.in_specs[k] for s in strategies]) for k in arrays
+                           if op.inputs[k] in free],
         )
         nodes.append(node)
         for t in op.outputs:

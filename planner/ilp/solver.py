@@ -25,7 +25,7 @@ from planner.sharding import active_axes, axis_dim
 
 log = logging.getLogger("planner")
 
-_NS = 1e9  # objective unit: nanoseconds
+_NS = 1e11  # objective unit: 10 picoseconds
 _MEM_UNIT = 1024  # memory constraint unit: KiB
 
 
@@ -293,14 +293,16 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
 def _infeasible(problem: Problem, budget: float, time_limit: float, workers: int) -> InfeasiblePlanError:
     """Finds the smallest liveness peak reachable (minimising peak memory) for the error message."""
     model = _Model(problem)
-    peak = model.m.NewIntVar(0, 2**62, "peak")
+    total = sum(t.nbytes for t in problem.graph.tensors) // _MEM_UNIT + 1
+    peak = model.m.NewIntVar(0, total, "peak")
     model.m.Minimize(peak)
     points: set[int] = set()
     best = None
     choice = None
     for _ in range(20):
-        choice, _status = model.solve(time_limit, workers, choice)
+        choice, status = model.solve(time_limit, workers, choice)
         if choice is None:
+            log.warning("minimum-memory search stopped: solver status %s", cp_model.CpSolver().StatusName(status))
             break
         profile = memory_profile(problem, choice)
         best = int(profile.max()) if best is None else min(best, int(profile.max()))

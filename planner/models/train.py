@@ -18,6 +18,8 @@ Batch = Any
 State = dict[str, Any]
 Metrics = dict[str, jax.Array]
 LossFn = Callable[[Params, Batch], jax.Array]
+ModelState = dict[str, Any]
+StatefulLossFn = Callable[[Params, ModelState, Batch], tuple[jax.Array, ModelState]]
 TrainStep = Callable[[State, Batch], tuple[State, Metrics]]
 
 DTYPES: Mapping[str, Any] = types.MappingProxyType(
@@ -83,6 +85,38 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation) ->
     return train_step
 
 
+def make_stateful_train_step(
+    loss_fn: StatefulLossFn, optimizer: optax.GradientTransformation, collections: tuple[str, ...]
+) -> TrainStep:
+    """Like make_train_step, for models with non-trainable state updated by the forward pass.
+
+    Batch norm's running statistics are the example: they live beside the params in the train
+    state (state = {"params", "batch_stats", "opt_state"}), are not differentiated, and come back
+    from the forward pass as a new value.
+
+    Args:
+      loss_fn: (params, {collection: tree}, batch) -> (scalar loss, {collection: new tree}).
+      optimizer: the optax transformation whose state lives in state["opt_state"].
+      collections: names of the state entries that loss_fn reads and returns, e.g. ("batch_stats",).
+
+    Returns:
+      A non-jitted function (state, batch) -> (new_state, {"loss": loss}).
+    """
+
+    def train_step(state: State, batch: Batch) -> tuple[State, Metrics]:
+        model_state = {name: state[name] for name in collections}
+        (loss, new_model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state["params"], model_state, batch
+        )
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        new_state = {"params": params, "opt_state": opt_state}
+        new_state.update({name: new_model_state[name] for name in collections})
+        return new_state, {"loss": loss}
+
+    return train_step
+
+
 def build_bundle(
     name: str,
     config: Any,
@@ -109,6 +143,68 @@ def build_bundle(
         params = init_params(key)
         return {"params": params, "opt_state": optimizer.init(params)}
 
+    return _assemble(
+        name, config, init_state, make_batch, make_train_step(loss_fn, optimizer), loss_fn
+    )
+
+
+def build_stateful_bundle(
+    name: str,
+    config: Any,
+    init_variables: Callable[[jax.Array], dict[str, Any]],
+    make_batch: Callable[[jax.Array], Batch],
+    loss_fn: StatefulLossFn,
+    optimizer: optax.GradientTransformation,
+    collections: tuple[str, ...],
+) -> ModelBundle:
+    """Assembles a ModelBundle whose state carries non-trainable collections beside the params.
+
+    Args:
+      name: registry name of the model.
+      config: its frozen config.
+      init_variables: key -> {"params": ..., collection: ...} (a flax variables dict).
+      make_batch: key -> batch pytree.
+      loss_fn: (params, {collection: tree}, batch) -> (scalar loss, {collection: new tree}).
+      optimizer: the optax transformation for the train step.
+      collections: the non-trainable collections, e.g. ("batch_stats",).
+
+    Returns:
+      The bundle; its state is {"params", *collections, "opt_state"} and its loss_fn is
+      (params, batch) -> loss evaluated with the initial collections (the training-mode loss
+      of a batch-norm network does not depend on the running statistics).
+    """
+
+    def init_state(key: jax.Array) -> State:
+        variables = init_variables(key)
+        missing = sorted(set(collections) | {"params"} - set(variables))
+        if missing:
+            raise ValueError(f"init_variables of {name!r} returned no {missing}")
+        state = {c: variables[c] for c in collections}
+        state.update(params=variables["params"], opt_state=optimizer.init(variables["params"]))
+        return state
+
+    def params_loss(params: Params, batch: Batch) -> jax.Array:
+        initial = jax.eval_shape(init_variables, jax.random.key(0))
+        model_state = {c: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), initial[c]) for c in collections}
+        return loss_fn(params, model_state, batch)[0]
+
+    train_step = make_stateful_train_step(loss_fn, optimizer, collections)
+    return _assemble(name, config, init_state, make_batch, train_step, params_loss)
+
+
+def _assemble(
+    name: str,
+    config: Any,
+    init_state: Callable[[jax.Array], State],
+    make_batch: Callable[[jax.Array], Batch],
+    train_step: TrainStep,
+    loss_fn: LossFn,
+) -> ModelBundle:
+    # Init and batch creation are jitted: run eagerly, a model's init dispatches hundreds of tiny
+    # ops one by one, which costs seconds even for the tiny models.
+    init_jit = jax.jit(init_state)
+    batch_jit = jax.jit(make_batch)
+
     def abstract_state() -> State:
         return jax.eval_shape(init_state, jax.random.key(0))
 
@@ -118,11 +214,11 @@ def build_bundle(
     return ModelBundle(
         name=name,
         config=config,
-        init_state=init_state,
-        make_batch=make_batch,
+        init_state=init_jit,
+        make_batch=batch_jit,
         abstract_state=abstract_state,
         abstract_batch=abstract_batch,
-        train_step=make_train_step(loss_fn, optimizer),
+        train_step=train_step,
         loss_fn=loss_fn,
     )
 
