@@ -92,8 +92,8 @@ class Plan:
     op_specs: tuple[tuple[int, int, Spec], ...]
     prediction: Prediction
     decisions: tuple[Decision, ...]
-    solver: Mapping[str, Any]
-    options: Mapping[str, Any]
+    solver: Mapping[str, Any] = dataclasses.field(compare=False)  # timings differ run to run
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     fallback_primitives: tuple[str, ...] = ()
     scatter_specs: tuple[tuple[int, int, Spec], ...] = ()
     stages: tuple[Mapping[str, Any], ...] = ()

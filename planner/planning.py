@@ -35,7 +35,8 @@ def check_mesh_fits(graph: Graph, mesh: MeshSpec) -> None:
 
 
 def cost_model_for(mesh: MeshSpec, options: PlanOptions) -> CostModel:
-    return CostModel.default(mesh, get_hardware(options.hardware), options.inter_host_axes)
+    """Analytic model from `options.hardware` / `inter_host_axes`, or measured from `options.profile`."""
+    return CostModel.build(mesh, options.hardware, options.inter_host_axes, options.profile)
 
 
 def _edge_comms(problem: Problem, choice: Sequence[int]):

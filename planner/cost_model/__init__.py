@@ -1,6 +1,14 @@
-"""Cost model: hardware figures, collective times per mesh axis, resharding and compute costs."""
+"""Cost model: hardware figures, cluster layout, collective times per mesh axis (analytic or profiled),
+resharding and compute costs."""
+from planner.cost_model.cluster import Cluster, Link
 from planner.cost_model.collectives import COLLECTIVES, AxisLink, ring_bytes
-from planner.cost_model.hardware import DEFAULT_HARDWARE, PRESETS, Hardware, get_hardware
+from planner.cost_model.fit import Curve, Fit, fit_alpha_beta
+from planner.cost_model.hardware import DEFAULT_HARDWARE, PRESETS, Hardware, get_hardware, hardware_for_device_kind
 from planner.cost_model.model import CostModel
+from planner.cost_model.profile_db import ProfileDB, ProfileWarning, load_profile
 
-__all__ = ["COLLECTIVES", "AxisLink", "CostModel", "DEFAULT_HARDWARE", "Hardware", "PRESETS", "get_hardware", "ring_bytes"]
+__all__ = [
+    "COLLECTIVES", "AxisLink", "Cluster", "CostModel", "Curve", "DEFAULT_HARDWARE", "Fit", "Hardware", "Link",
+    "PRESETS", "ProfileDB", "ProfileWarning", "fit_alpha_beta", "get_hardware", "hardware_for_device_kind",
+    "load_profile", "ring_bytes",
+]

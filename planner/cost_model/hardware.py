@@ -1,14 +1,23 @@
 """Hardware figures the analytic cost model starts from, as data.
 
-Issue-level presets (H100, TPU, ...) extend `PRESETS`; the default is an A100-80GB-class GPU node,
-a common, well-documented target (NVIDIA A100 datasheet: 19.5 TFLOP/s FP32, 312 TFLOP/s BF16 dense,
-2.0 TB/s HBM2e, NVLink3 600 GB/s bidirectional = 300 GB/s per direction; 200 Gb/s HDR InfiniBand).
+Each preset gives per-device peaks (datasheet numbers, dense, no sparsity) and the links a device
+uses: `intra_*` inside a host / NVLink domain / ICI slice, `inter_*` between hosts (InfiniBand or
+data-center network), both as one direction of the per-device share. Latencies are not datasheet
+figures: they are the order of magnitude of small-message collective latency reported by NCCL-tests
+and Cloud TPU benchmarks (a few microseconds on NVLink / ICI, ~10 us across InfiniBand, ~30 us
+across DCN); a profile database (`planner profile`) replaces them with measured values.
+
+The default is an A100-80GB-class GPU node, a common, well-documented target.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
+
+_NUMERIC = ("flops_f32", "flops_bf16", "memory_bytes", "memory_bandwidth", "intra_bandwidth", "intra_latency",
+            "inter_bandwidth", "inter_latency")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -22,6 +31,9 @@ class Hardware:
       memory_bandwidth: device memory bandwidth, bytes/s.
       intra_bandwidth / intra_latency: one direction of the link between devices of one host (bytes/s, s).
       inter_bandwidth / inter_latency: per-device share of the link between hosts (bytes/s, s).
+      devices_per_host: devices one host (node, TPU VM) usually holds; the cluster default.
+      device_kind: regular expression matching `jax.Device.device_kind` of this hardware
+        (case-insensitive, searched); empty for hardware JAX cannot name.
     """
 
     name: str
@@ -33,37 +45,123 @@ class Hardware:
     intra_latency: float
     inter_bandwidth: float
     inter_latency: float
+    devices_per_host: int = 8
+    device_kind: str = ""
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.name != "name" and not (isinstance(v, (int, float)) and v > 0):
-                raise ValueError(f"hardware {self.name}: {f.name}={v!r} must be a positive number")
+        for name in _NUMERIC:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"hardware {self.name}: {name}={v!r} must be a positive number")
+        if not (isinstance(self.devices_per_host, int) and self.devices_per_host >= 1):
+            raise ValueError(f"hardware {self.name}: devices_per_host={self.devices_per_host!r} must be an int >= 1")
+
+    def matches_device_kind(self, kind: str) -> bool:
+        """Whether a `jax.Device.device_kind` string names this hardware."""
+        return bool(self.device_kind) and re.search(self.device_kind, kind, re.IGNORECASE) is not None
 
 
-A100_80GB = Hardware(
-    name="a100-80gb",
-    flops_f32=19.5e12,
-    flops_bf16=312e12,
-    memory_bytes=80e9,
-    memory_bandwidth=2.0e12,
-    intra_bandwidth=300e9,
-    intra_latency=1e-6,
-    inter_bandwidth=25e9,
-    inter_latency=10e-6,
+_GB = 1e9
+_GIB = 2.0**30
+
+# NVIDIA H100 SXM5 80GB datasheet: FP32 67 TFLOP/s, BF16 989 TFLOP/s dense (1979 with sparsity),
+# 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s bidirectional (450 GB/s per direction).
+# DGX H100: 8 GPUs per node, 8x ConnectX-7 400 Gb/s NDR, i.e. 50 GB/s per GPU.
+H100_SXM = Hardware("h100-sxm", flops_f32=67e12, flops_bf16=989e12, memory_bytes=80 * _GB,
+                    memory_bandwidth=3.35e12, intra_bandwidth=450 * _GB, intra_latency=2e-6,
+                    inter_bandwidth=50 * _GB, inter_latency=10e-6, devices_per_host=8, device_kind=r"h100")
+
+# NVIDIA H200 SXM datasheet: same Hopper compute as H100 SXM (FP32 67, BF16 989 TFLOP/s dense),
+# 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional; DGX H200: 8x ConnectX-7 400 Gb/s.
+H200 = Hardware("h200", flops_f32=67e12, flops_bf16=989e12, memory_bytes=141 * _GB, memory_bandwidth=4.8e12,
+                intra_bandwidth=450 * _GB, intra_latency=2e-6, inter_bandwidth=50 * _GB, inter_latency=10e-6,
+                devices_per_host=8, device_kind=r"h200")
+
+# NVIDIA A100 datasheet (SXM4 40GB): FP32 19.5 TFLOP/s, BF16 312 TFLOP/s dense, 40 GB HBM2 at
+# 1,555 GB/s, NVLink 3 600 GB/s bidirectional (300 per direction). DGX A100: 8x 200 Gb/s HDR
+# InfiniBand for compute traffic, i.e. 25 GB/s per GPU.
+A100_40GB = Hardware("a100-40gb", flops_f32=19.5e12, flops_bf16=312e12, memory_bytes=40 * _GB,
+                     memory_bandwidth=1.555e12, intra_bandwidth=300 * _GB, intra_latency=2e-6,
+                     inter_bandwidth=25 * _GB, inter_latency=10e-6, devices_per_host=8,
+                     device_kind=r"a100.*40\s*gb")
+
+# NVIDIA A100 datasheet (SXM4 80GB): as the 40 GB part but 80 GB HBM2e at 2,039 GB/s.
+A100_80GB = Hardware("a100-80gb", flops_f32=19.5e12, flops_bf16=312e12, memory_bytes=80 * _GB,
+                     memory_bandwidth=2.039e12, intra_bandwidth=300 * _GB, intra_latency=2e-6,
+                     inter_bandwidth=25 * _GB, inter_latency=10e-6, devices_per_host=8,
+                     device_kind=r"a100.*80\s*gb")
+
+# NVIDIA V100 datasheet (SXM2 16GB): FP32 15.7 TFLOP/s; no bfloat16, so the 16-bit figure is the
+# FP16 tensor-core peak of 125 TFLOP/s; 16 GB HBM2 at 900 GB/s; NVLink 2 300 GB/s bidirectional
+# (150 per direction). DGX-1: 4x 100 Gb/s EDR InfiniBand for 8 GPUs, i.e. 6.25 GB/s per GPU.
+V100_16GB = Hardware("v100-16gb", flops_f32=15.7e12, flops_bf16=125e12, memory_bytes=16 * _GB,
+                     memory_bandwidth=900 * _GB, intra_bandwidth=150 * _GB, intra_latency=3e-6,
+                     inter_bandwidth=6.25 * _GB, inter_latency=10e-6, devices_per_host=8, device_kind=r"v100")
+
+# TPU presets. JAX's default matmul precision runs float32 matmuls as one bfloat16 MXU pass on
+# TPU, so the float32 peak is the bfloat16 peak. A mesh axis maps to one torus dimension, whose
+# ring uses two ICI links per chip (one each way round), so `intra_bandwidth` is two links' worth
+# of one direction. Hosts (TPU VMs) hold 4 chips (v4, v5p) or 8 (v5e).
+#
+# Cloud TPU v4 docs: 275 TFLOP/s bf16, 32 GiB HBM2 at 1,200 GB/s, 3D torus of 6 ICI links per chip;
+# the TPU v4 paper (Jouppi et al., ISCA 2023) gives ~50 GB/s per link per direction. The docs give no
+# per-chip DCN figure for v4; assumed equal to v5p's 50 Gb/s per chip.
+TPU_V4 = Hardware("tpu-v4", flops_f32=275e12, flops_bf16=275e12, memory_bytes=32 * _GIB,
+                  memory_bandwidth=1.2e12, intra_bandwidth=100 * _GB, intra_latency=5e-6,
+                  inter_bandwidth=6.25 * _GB, inter_latency=30e-6, devices_per_host=4, device_kind=r"^tpu v4")
+
+# Cloud TPU v5e docs: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, ICI 1,600 Gb/s per chip over 4
+# ports of a 2D torus (50 GB/s per port per direction), 8 chips per host with 2x 100 Gb/s NICs
+# (25 GB/s per host, 3.125 GB/s per chip).
+TPU_V5E = Hardware("tpu-v5e", flops_f32=197e12, flops_bf16=197e12, memory_bytes=16 * _GB,
+                   memory_bandwidth=819 * _GB, intra_bandwidth=100 * _GB, intra_latency=5e-6,
+                   inter_bandwidth=3.125 * _GB, inter_latency=30e-6, devices_per_host=8,
+                   device_kind=r"^tpu v5 ?(lite|e)")
+
+# Cloud TPU v5p docs: 459 TFLOP/s bf16, 95 GB HBM2e at 2,765 GB/s, ICI 4,800 Gb/s (1,200 GB/s
+# bidirectional) per chip over 6 ports of a 3D torus (100 GB/s per port per direction), DCN 50 Gb/s
+# per chip (6.25 GB/s), 4 chips per host.
+TPU_V5P = Hardware("tpu-v5p", flops_f32=459e12, flops_bf16=459e12, memory_bytes=95 * _GB,
+                   memory_bandwidth=2.765e12, intra_bandwidth=200 * _GB, intra_latency=5e-6,
+                   inter_bandwidth=6.25 * _GB, inter_latency=30e-6, devices_per_host=4,
+                   device_kind=r"^tpu v5p?$")
+
+# This development machine: a 2-vCPU AMD EPYC (Zen 5, AVX-512, 2.6 GHz; `lscpu`) split into 8 XLA
+# host devices (`--xla_force_host_platform_device_count=8`), so each device gets 1/8 of the host.
+# Peak: 2 cores x 2.6 GHz x 64 f32 FLOP/cycle (two 512-bit FMA pipes) / 8 = 41.6 GFLOP/s per device;
+# XLA:CPU runs bfloat16 dots in float32, hence the same 16-bit peak. Memory and link figures were
+# measured here with `planner profile` (8 devices, 1 process; 2 processes x 4 devices over gloo/TCP
+# for the inter-host link); there is no public datasheet for a shared cloud VM.
+CPU = Hardware("cpu", flops_f32=41.6e9, flops_bf16=41.6e9, memory_bytes=24 * _GB / 8,
+               memory_bandwidth=2 * _GB, intra_bandwidth=1 * _GB, intra_latency=30e-6,
+               inter_bandwidth=0.3 * _GB, inter_latency=300e-6, devices_per_host=8, device_kind=r"^cpu$")
+
+PRESETS: Mapping[str, Hardware] = MappingProxyType(
+    {hw.name: hw for hw in (H100_SXM, H200, A100_40GB, A100_80GB, V100_16GB, TPU_V4, TPU_V5E, TPU_V5P, CPU)}
 )
-
-PRESETS: Mapping[str, Hardware] = MappingProxyType({A100_80GB.name: A100_80GB})
+_ALIASES: Mapping[str, str] = MappingProxyType(
+    {"h100": "h100-sxm", "a100": "a100-80gb", "v100": "v100-16gb", "v4": "tpu-v4", "v5e": "tpu-v5e",
+     "v5p": "tpu-v5p"}
+)
 DEFAULT_HARDWARE = A100_80GB
 
 
 def get_hardware(name_or_hw: str | Hardware | None) -> Hardware:
-    """Looks up a preset by name (case-insensitive); passes a `Hardware` through."""
+    """Looks up a preset by name or alias (case-insensitive); passes a `Hardware` through."""
     if name_or_hw is None:
         return DEFAULT_HARDWARE
     if isinstance(name_or_hw, Hardware):
         return name_or_hw
     key = str(name_or_hw).lower()
+    key = _ALIASES.get(key, key)
     if key not in PRESETS:
         raise ValueError(f"unknown hardware {name_or_hw!r}; known presets: {', '.join(sorted(PRESETS))}")
     return PRESETS[key]
+
+
+def hardware_for_device_kind(kind: str) -> Hardware | None:
+    """The preset whose `device_kind` pattern matches a `jax.Device.device_kind`, if any."""
+    for hw in PRESETS.values():
+        if hw.matches_device_kind(kind):
+            return hw
+    return None

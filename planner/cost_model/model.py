@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
+import jax
 import numpy as np
 
-from planner.cost_model.collectives import AxisLink, analytic_time
-from planner.cost_model.hardware import DEFAULT_HARDWARE, Hardware
+from planner.cost_model.cluster import Cluster
+from planner.cost_model.collectives import AxisLink, analytic_time, best_time, check_kind, group_link
+from planner.cost_model.hardware import DEFAULT_HARDWARE, Hardware, get_hardware, hardware_for_device_kind
+from planner.cost_model.profile_db import MeasuredCollectives, ProfileDB, bind, check_device_kind, load_profile
 from planner.mesh import MeshSpec
 
 
@@ -17,13 +21,16 @@ class CostModel:
 
     Attributes:
       mesh: the logical mesh.
-      hardware: peak figures for compute.
-      links: alpha/beta of each mesh axis.
+      hardware: peak figures for compute (measured figures when built from a profile).
+      links: alpha/beta of each mesh axis, for the analytic model.
+      measured: profiled curves per (collective, axis group); where present they replace the
+        analytic time.
     """
 
     mesh: MeshSpec
     hardware: Hardware
     links: tuple[AxisLink, ...]
+    measured: MeasuredCollectives | None = None
 
     def __post_init__(self):
         if len(self.links) != self.mesh.ndim:
@@ -41,16 +48,88 @@ class CostModel:
         )
         return cls(mesh, hardware, links)
 
+    @classmethod
+    def for_cluster(cls, mesh: MeshSpec, cluster: Cluster) -> CostModel:
+        """Analytic model of `mesh` laid out row-major over `cluster`: axes that span hosts use the
+        inter-host link."""
+        return cls(mesh, cluster.hardware, cluster.axis_links(mesh))
+
+    @classmethod
+    def from_profile(cls, mesh: MeshSpec, profile: Any, hardware: str | Hardware | None = None,
+                     inter_host_axes: Sequence[int] | None = None, device_kind: str | None = None) -> CostModel:
+        """Measured model: profiled curves where the database has the (collective, axis group),
+        the analytic model elsewhere.
+
+        Args:
+          mesh: the planning mesh.
+          profile: a database path, a `ProfileDB`, or its parsed JSON.
+          hardware: the hardware planned for; None means the devices this process sees (or
+            `device_kind`), whose kind must match the database's.
+          inter_host_axes: axes on the inter-host link in the analytic fallback; None: the axes that
+            span hosts of the profiled cluster.
+          device_kind: the device kind planned for when `hardware` is None (default: this process's).
+
+        Raises:
+          ProfileError: an unreadable or corrupt database, or one measured on other devices or
+            another number of devices.
+
+        Warns:
+          ProfileWarning: the database was measured on another mesh shape and serves only in part.
+        """
+        db: ProfileDB = load_profile(profile)
+        hw = get_hardware(hardware) if hardware is not None else None
+        if hw is None and device_kind is None:
+            device_kind = jax.devices()[0].device_kind
+        check_device_kind(db, hw, device_kind if hw is None else None)
+        measured = bind(db, mesh)
+        base = hw or hardware_for_device_kind(db.device_kind) or DEFAULT_HARDWARE
+        flops = dict(db.matmul_flops)
+        base = dataclasses.replace(
+            base,
+            flops_f32=flops.get("float32", base.flops_f32),
+            flops_bf16=flops.get("bfloat16", base.flops_bf16),
+            memory_bandwidth=db.memory_bandwidth or base.memory_bandwidth,
+        )
+        inter = measured.inter_host_axes if inter_host_axes is None else tuple(inter_host_axes)
+        fallback = cls.default(mesh, base, inter).links
+        links = tuple(m if m is not None else f for m, f in zip(measured.links, fallback))
+        return cls(mesh, base, links, measured)
+
+    @classmethod
+    def build(cls, mesh: MeshSpec, hardware: str | Hardware | None = None, inter_host_axes: Sequence[int] = (),
+              profile: Any = None) -> CostModel:
+        """The model planner options ask for: profiled when `profile` is given, analytic otherwise."""
+        if profile is not None:
+            return cls.from_profile(mesh, profile, hardware, tuple(inter_host_axes) or None)
+        return cls.default(mesh, get_hardware(hardware), tuple(inter_host_axes))
+
     def collective_time(self, kind: str, nbytes: float, axes: Sequence[int], combined: bool = False) -> float:
         """Seconds for collective `kind` on a `nbytes` buffer over the devices spanned by `axes`.
 
         `combined=True` drops the latency term: XLA's collective combiners merge independent
         reductions (the gradient reductions of a train step) into one, so their latency is paid once.
         """
+        axes = tuple(sorted(axes))
+        if nbytes <= 0 or self.mesh.axis_size(axes) <= 1:
+            check_kind(kind)
+            return 0.0
+        if self.measured is not None:
+            curve = self.measured.get(kind, axes)
+            if curve is not None:
+                t = curve(nbytes)
+                return max(0.0, t - curve.fit.alpha) if combined else t
         if combined:
             links = tuple(AxisLink(0.0, link.beta) for link in self.links)
-            return analytic_time(kind, nbytes, tuple(axes), self.mesh, links)
-        return analytic_time(kind, nbytes, tuple(axes), self.mesh, self.links)
+            return analytic_time(kind, nbytes, axes, self.mesh, links)
+        return analytic_time(kind, nbytes, axes, self.mesh, self.links)
+
+    def algorithm(self, kind: str, nbytes: float, axes: Sequence[int]) -> str:
+        """How the time of `collective_time` is obtained: "measured", "ring" or "tree"."""
+        axes = tuple(sorted(axes))
+        if self.measured is not None and self.measured.get(kind, axes) is not None:
+            return "measured"
+        n = self.mesh.axis_size(axes)
+        return best_time(kind, nbytes, n, group_link(axes, self.links))[1] if n > 1 else "ring"
 
     def compute_time(self, flops: float, bytes_accessed: float, dtype: np.dtype | None = None) -> float:
         """Roofline: the larger of FLOP time and memory time on one device."""

@@ -64,13 +64,14 @@ class Node:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Edge:
-    """Tensor `tensor` produced under node `src`'s choice and consumed under node `dst`'s choice."""
+    """Tensor `tensor` produced under node `src`'s choice and consumed by op `op` under node `dst`'s choice."""
 
     src: int
     dst: int
     tensor: int
     src_specs: tuple[Spec, ...]
     dst_specs: tuple[Spec, ...]
+    op: int = -1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,6 +88,7 @@ class Problem:
     fallback_primitives: tuple[str, ...]
     free: frozenset[int]
     rep: tuple[int, ...]
+    combinable: frozenset[int] = frozenset()
 
     def spec(self, tensor: int, choice: Sequence[int]) -> Spec | None:
         """The tensor's sharding under `choice` (None for free tensors, which are left to XLA)."""
@@ -123,7 +125,7 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     owner: dict[int, int] = {}
     fallback: dict[str, int] = {}
     free: set[int] = set(graph.consts)
-    extra_edges: list[tuple[int, int, list[Spec]]] = []
+    extra_edges: list[tuple[int, int, list[Spec], int]] = []
 
     for tid, path in zip(graph.inputs, graph.input_paths):
         t = graph.tensors[tid]
@@ -165,7 +167,7 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
                 if op.inputs[k] in free:
                     node.free_requires.append((op.inputs[k], needs[k]))
                 else:
-                    extra_edges.append((op.inputs[k], node.index, needs[k]))
+                    extra_edges.append((op.inputs[k], node.index, needs[k], op.index))
             node.owned[op.outputs[0]] = out_specs
             node.ops.append(op.index)
             owner[op.outputs[0]] = node.index
@@ -194,10 +196,10 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     for node in nodes:
         for tid, req in node.requires:
             src = owner[tid]
-            edges.append(Edge(src, node.index, tid, tuple(nodes[src].owned[tid]), tuple(req)))
-    for tid, dst, req in extra_edges:
+            edges.append(Edge(src, node.index, tid, tuple(nodes[src].owned[tid]), tuple(req), node.ops[0]))
+    for tid, dst, req, op_index in extra_edges:
         src = owner[tid]
-        edges.append(Edge(src, dst, tid, tuple(nodes[src].owned[tid]), tuple(req)))
+        edges.append(Edge(src, dst, tid, tuple(nodes[src].owned[tid]), tuple(req), op_index))
 
     ties = []
     if tie_outputs:
@@ -212,7 +214,7 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
         log.warning("no sharding rule for primitive %r (%d ops): planned replicated", name, n)
     rep = layer_representatives(nodes, graph) if share_layers else tuple(range(len(nodes)))
     return Problem(graph, cost, tuple(nodes), tuple(edges), owner, tuple(ties), live_ranges(graph),
-                   tuple(sorted(fallback)), frozenset(free), rep)
+                   tuple(sorted(fallback)), frozenset(free), rep, frozenset(combinable))
 
 
 def _combinable_ops(graph: Graph) -> set[int]:

@@ -51,7 +51,12 @@ class Solution:
 
 
 def memory_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
-    """Per-device bytes live at each op index (index 0 = before the first op) under `choice`."""
+    """Per-device bytes live at each program point under `choice`.
+
+    Point k+1 is "while op k runs": its operands and results are live, and each operand is also
+    counted in the layout the op reads it in (a resharded copy is a real transient buffer; when no
+    resharding happens this double-counts one op's operands, a deliberate safety margin).
+    """
     n = len(problem.graph.ops)
     delta = np.zeros(n + 3, dtype=np.int64)
     mesh = problem.cost.mesh
@@ -61,7 +66,20 @@ def memory_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
         b = shard_bytes(problem.graph.tensors[tid], problem.spec(tid, choice), mesh)
         delta[first + 1] += b
         delta[last + 2] -= b
-    return np.cumsum(delta)[: n + 2]
+    profile = np.cumsum(delta)[: n + 2]
+    for e in problem.edges:
+        b = shard_bytes(problem.graph.tensors[e.tensor], e.dst_specs[choice[e.dst]], mesh)
+        profile[_transient_point(problem, e)] += b
+    return profile
+
+
+def _transient_point(problem: Problem, e) -> int:
+    """Where an edge's operand copy is counted: at its consumer, except in the combinable tail of
+    the program (the optimizer update), where XLA's combiners gather every resharded operand into
+    one buffer that lives until the end; those all count at the last point."""
+    if e.op in problem.combinable:
+        return len(problem.graph.ops) + 1
+    return e.op + 1
 
 
 def plan_cost(problem: Problem, choice: Sequence[int]) -> float:
@@ -198,6 +216,11 @@ class _Model:
             t = p.graph.tensors[tid]
             for i, spec in enumerate(node.owned[tid]):
                 coef[(p.rep[node.index], i)] += shard_bytes(t, spec, p.cost.mesh)
+        for e in p.edges:  # operands as the op reads them (a resharded copy is a transient buffer)
+            if _transient_point(p, e) == point:
+                t = p.graph.tensors[e.tensor]
+                for j, spec in enumerate(e.dst_specs):
+                    coef[(p.rep[e.dst], j)] += shard_bytes(t, spec, p.cost.mesh)
         return sum(-(-c // _MEM_UNIT) * self.x[n][i] for (n, i), c in coef.items())
 
     def solve(self, time_limit: float, workers: int, hint: Sequence[int] | None):

@@ -13,8 +13,8 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
+from planner.models.lm import causal_mask, next_token_batch, next_token_loss
 from planner.models.train import (
     ModelBundle,
     build_bundle,
@@ -90,10 +90,7 @@ class CausalSelfAttention(nn.Module):
         v = proj(name="value")(x)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
         scores = scores / math.sqrt(cfg.head_dim)
-        seq = x.shape[1]
-        rows = jax.lax.broadcasted_iota(jnp.int32, (seq, seq), 0)
-        cols = jax.lax.broadcasted_iota(jnp.int32, (seq, seq), 1)
-        scores = jnp.where(rows >= cols, scores, jnp.finfo(jnp.float32).min)
+        scores = jnp.where(causal_mask(x.shape[1]), scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
         out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
         return nn.DenseGeneral(
@@ -175,14 +172,11 @@ def build(name: str, config: GPTConfig) -> ModelBundle:
         return model.init(key, tokens)["params"]
 
     def make_batch(key: jax.Array):
-        # One random stream of S + 1 tokens, shifted by one, so targets are the next tokens.
-        tokens = jax.random.randint(key, (config.batch, config.seq + 1), 0, config.vocab, jnp.int32)
-        return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        return next_token_batch(key, config.batch, config.seq, config.vocab)
 
     def loss_fn(params, batch) -> jax.Array:
         logits = model.apply({"params": params}, batch["inputs"])
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-        return jnp.mean(losses)
+        return next_token_loss(logits, batch["targets"])
 
     optimizer = make_optimizer(config.learning_rate, config.weight_decay)
     return build_bundle(name, config, init_params, make_batch, loss_fn, optimizer)

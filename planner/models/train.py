@@ -59,6 +59,16 @@ class ModelBundle:
     loss_fn: LossFn
 
 
+def init_key(key: jax.Array) -> jax.Array:
+    """Turns any PRNG key into the RBG-generator key that parameter initialisers draw from.
+
+    XLA unrolls threefry's rounds at every call site, and a model draws once per parameter, so a
+    threefry init of even a tiny ResNet compiles for seconds on CPU; RngBitGenerator is one op.
+    Deterministic for a given key and backend (its bits may differ between backends).
+    """
+    return jax.random.wrap_key_data(jax.random.bits(key, (4,), jnp.uint32), impl="rbg")
+
+
 def make_optimizer(learning_rate: float, weight_decay: float) -> optax.GradientTransformation:
     """AdamW, the optimizer whose state (two moments per parameter) the planner must place."""
     return optax.adamw(learning_rate=learning_rate, weight_decay=weight_decay)
@@ -176,7 +186,7 @@ def build_stateful_bundle(
 
     def init_state(key: jax.Array) -> State:
         variables = init_variables(key)
-        missing = sorted(set(collections) | {"params"} - set(variables))
+        missing = sorted((set(collections) | {"params"}) - set(variables))
         if missing:
             raise ValueError(f"init_variables of {name!r} returned no {missing}")
         state = {c: variables[c] for c in collections}
@@ -200,13 +210,11 @@ def _assemble(
     train_step: TrainStep,
     loss_fn: LossFn,
 ) -> ModelBundle:
-    # Init and batch creation are jitted: run eagerly, a model's init dispatches hundreds of tiny
-    # ops one by one, which costs seconds even for the tiny models.
-    init_jit = jax.jit(init_state)
-    batch_jit = jax.jit(make_batch)
+    def init_from_any_key(key: jax.Array) -> State:
+        return init_state(init_key(key))
 
     def abstract_state() -> State:
-        return jax.eval_shape(init_state, jax.random.key(0))
+        return jax.eval_shape(init_from_any_key, jax.random.key(0))
 
     def abstract_batch() -> Batch:
         return jax.eval_shape(make_batch, jax.random.key(0))
@@ -214,8 +222,9 @@ def _assemble(
     return ModelBundle(
         name=name,
         config=config,
-        init_state=init_jit,
-        make_batch=batch_jit,
+        # Jitted: run eagerly, an init dispatches hundreds of tiny ops one by one (seconds).
+        init_state=jax.jit(init_from_any_key),
+        make_batch=jax.jit(make_batch),
         abstract_state=abstract_state,
         abstract_batch=abstract_batch,
         train_step=train_step,

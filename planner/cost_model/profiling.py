@@ -1,0 +1,399 @@
+"""`planner profile`: the offline job that measures the cluster and writes the profile database.
+
+Measures, on the devices it runs on, every collective of `COLLECTIVES` over every mesh axis and
+axis group for message sizes from `--min-bytes` to `--max-bytes`, with warm-up and repetitions,
+plus matmul throughput and memory bandwidth; fits alpha-beta per (collective, axis group) and
+writes everything (raw samples included) to a versioned JSON file, atomically, from process 0.
+
+Multi-host: run one copy per host under `jax.distributed` (`--coordinator HOST:PORT
+--num-processes N --process-id I`, or auto-detected from SLURM / Open MPI / Cloud TPU environment
+variables as `jax.distributed.initialize()` does). Every process runs the same programs; process 0's
+timings are kept.
+
+Usable as `planner profile ...` or `python -m planner.cost_model.profiling ...`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import IO
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from planner.cost_model.cluster import group_offsets
+from planner.cost_model.collectives import COLLECTIVES
+from planner.cost_model.fit import Curve, geometric_sizes
+from planner.cost_model.profile_db import CollectiveSamples, ProfileDB, axis_groups, utc_now
+from planner.errors import InvalidArgumentError, PlannerError, ProfileError
+from planner.mesh import MeshSpec, default_axis_names, parse_mesh
+from planner.options import parse_bytes
+
+# Environment variables under which `jax.distributed.initialize()` finds its cluster by itself.
+_CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "OMPI_MCA_orte_hnp_uri", "TPU_WORKER_HOSTNAMES")
+_MATMUL_DTYPES = ("float32", "bfloat16")
+_MATMUL_SIZES = (128, 256, 512, 1024, 2048, 4096, 8192)
+# Stop growing a compute benchmark once one call takes this long: it is then out of the noise.
+_LONG_ENOUGH_S = 0.05
+
+
+class ProgressBar:
+    """A one-line text progress bar (redrawn in place on a terminal, a line per 10% otherwise)."""
+
+    def __init__(self, total: int, stream: IO[str] | None = None, enabled: bool = True, width: int = 30):
+        self.total, self.done, self.width = max(total, 1), 0, width
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self._last_decile = -1
+        self._start = time.perf_counter()
+
+    def step(self, label: str = "") -> None:
+        self.done = min(self.done + 1, self.total)
+        if not self.enabled:
+            return
+        frac = self.done / self.total
+        filled = int(round(frac * self.width))
+        bar = "#" * filled + "." * (self.width - filled)
+        line = f"[{bar}] {self.done}/{self.total} {frac:4.0%} {time.perf_counter() - self._start:6.1f}s {label}"
+        if self.tty:
+            self.stream.write("\r" + line[:120].ljust(120))
+            if self.done == self.total:
+                self.stream.write("\n")
+        elif int(frac * 10) != self._last_decile or self.done == self.total:
+            self._last_decile = int(frac * 10)
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+# ---- measurement ---------------------------------------------------------------------------------
+
+
+def _time_calls(fn: Callable[[], jax.Array], repeats: int, warmup: int) -> tuple[float, ...]:
+    for _ in range(warmup):
+        fn().block_until_ready()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn().block_until_ready()
+        out.append(time.perf_counter() - t0)
+    return tuple(out)
+
+
+def _input(mesh: jax.sharding.Mesh, per_device: int, dtype=jnp.float32) -> jax.Array:
+    """A 1-D array with `per_device` elements on each device (works across processes)."""
+    spec = PartitionSpec(tuple(mesh.axis_names))
+    shape = (per_device * mesh.devices.size,)
+    return jax.make_array_from_callback(shape, NamedSharding(mesh, spec),
+                                        lambda idx: np.ones((per_device,), dtype=dtype))
+
+
+def _collective_body(kind: str, names: tuple[str, ...], n: int) -> Callable[[jax.Array], jax.Array]:
+    if kind == "all-reduce":
+        return lambda x: jax.lax.psum(x, names)
+    if kind == "all-gather":
+        return lambda x: jax.lax.all_gather(x, names, tiled=True)
+    if kind == "reduce-scatter":
+        return lambda x: jax.lax.psum_scatter(x, names, tiled=True)
+    if kind == "all-to-all":
+        return lambda x: jax.lax.all_to_all(x, names, 0, 0, tiled=True)
+    if kind == "collective-permute":
+        perm = [(i, (i + 1) % n) for i in range(n)]
+        return lambda x: jax.lax.ppermute(x, names, perm)
+    raise ValueError(f"unknown collective {kind!r}; expected one of {COLLECTIVES}")
+
+
+def _per_device_elems(kind: str, nbytes: int, n: int, itemsize: int = 4) -> tuple[int, int]:
+    """Input elements per device for a collective whose buffer (see `collectives`) is ~`nbytes`,
+    and the buffer bytes actually measured (rounded so the group size divides the buffer)."""
+    elems = max(nbytes // itemsize, n)
+    elems -= elems % n
+    if kind == "all-gather":
+        return elems // n, elems * itemsize
+    return elems, elems * itemsize
+
+
+def _spmd(mesh: jax.sharding.Mesh, body: Callable[[jax.Array], jax.Array]):
+    spec = PartitionSpec(tuple(mesh.axis_names))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+
+
+def measure_collective(mesh: jax.sharding.Mesh, kind: str, axes: Sequence[int], nbytes: int, repeats: int = 5,
+                       warmup: int = 2) -> tuple[int, tuple[float, ...]]:
+    """Wall times of one collective over mesh `axes` on a buffer of about `nbytes` per device.
+
+    Returns:
+      (buffer bytes actually measured, raw seconds of each repetition).
+    """
+    names = tuple(mesh.axis_names[a] for a in axes)
+    n = int(np.prod([mesh.devices.shape[a] for a in axes]))
+    elems, measured = _per_device_elems(kind, nbytes, n)
+    fn = _spmd(mesh, _collective_body(kind, names, n))
+    x = _input(mesh, elems)
+    times = _time_calls(lambda: fn(x), repeats, warmup)
+    del x
+    return measured, times
+
+
+def measure_overhead(mesh: jax.sharding.Mesh, repeats: int = 10, warmup: int = 2) -> float:
+    """Median time of launching a trivial program on every device (removed from collective times:
+    inside a compiled step a collective pays no launch)."""
+    fn = _spmd(mesh, lambda x: x + 1.0)
+    x = _input(mesh, 256)
+    return float(np.median(_time_calls(lambda: fn(x), max(repeats, 3), warmup)))
+
+
+def measure_matmul(mesh: jax.sharding.Mesh, dtype: str, max_bytes: int, repeats: int = 3, warmup: int = 1,
+                   overhead: float = 0.0) -> tuple[float, list[dict]]:
+    """Best matmul FLOP/s per device with every device multiplying its own square matrices at once
+    (`overhead`, the launch time, is removed from each time)."""
+    best, samples = 0.0, []
+    for size in _MATMUL_SIZES:
+        if 3 * size * size * jnp.dtype(dtype).itemsize > max_bytes:
+            break
+        fn = _spmd(mesh, lambda x, s=size: (x.reshape(s, s) @ x.reshape(s, s)).reshape(-1))
+        x = _input(mesh, size * size, jnp.dtype(dtype))
+        raw = float(np.median(_time_calls(lambda: fn(x), repeats, warmup)))
+        t = max(raw - overhead, 0.01 * raw)
+        flops = 2.0 * size**3 / t
+        samples.append({"kind": "matmul", "dtype": dtype, "n": size, "seconds": raw, "flops_per_s": flops})
+        best = max(best, flops)
+        if t > _LONG_ENOUGH_S:
+            break
+    return best, samples
+
+
+def measure_memory(mesh: jax.sharding.Mesh, max_bytes: int, repeats: int = 3, warmup: int = 1,
+                   overhead: float = 0.0) -> tuple[float, list[dict]]:
+    """Best streaming bandwidth per device (bytes read + written per second), all devices at once
+    (`overhead`, the launch time, is removed from each time)."""
+    best, samples = 0.0, []
+    for nbytes in geometric_sizes(1 << 20, max(max_bytes, 1 << 20), 4):
+        fn = _spmd(mesh, lambda x: x * 2.0)
+        x = _input(mesh, nbytes // 4)
+        raw = float(np.median(_time_calls(lambda: fn(x), repeats, warmup)))
+        t = max(raw - overhead, 0.01 * raw)
+        bw = 2.0 * nbytes / t
+        samples.append({"kind": "memory", "nbytes": nbytes, "seconds": raw, "bytes_per_s": bw})
+        best = max(best, bw)
+        if t > _LONG_ENOUGH_S:
+            break
+    return best, samples
+
+
+def profile(mesh: jax.sharding.Mesh, sizes: Sequence[int], repeats: int = 5, warmup: int = 2,
+            collectives: Sequence[str] = COLLECTIVES, compute: bool = True,
+            progress: ProgressBar | None = None, settings: dict | None = None) -> ProfileDB:
+    """Measures `mesh` and returns the database (every process returns the same structure, with
+    its own timings).
+
+    Args:
+      mesh: the devices to profile, as a mesh (axes define the groups measured).
+      sizes: buffer sizes in bytes (see `collectives` for what a collective's size means).
+      repeats / warmup: timed and untimed calls per point.
+      collectives: which kinds to measure.
+      compute: also measure matmul throughput and memory bandwidth.
+      progress: advanced once per measured point.
+      settings: recorded in the database as the job's options.
+    """
+    spec = MeshSpec(tuple(int(s) for s in mesh.devices.shape), tuple(str(n) for n in mesh.axis_names))
+    groups = axis_groups(spec)
+    overhead = measure_overhead(mesh)
+    entries = []
+    for axes in groups:
+        for kind in collectives:
+            nbytes, seconds = [], []
+            for size in sizes:
+                measured, times = measure_collective(mesh, kind, axes, size, repeats, warmup)
+                if progress is not None:
+                    progress.step(f"{kind} over {'*'.join(spec.axis_names[a] for a in axes)} {_fmt_bytes(size)}")
+                if nbytes and measured <= nbytes[-1]:
+                    continue  # rounding to the group size made it a repeat of the previous size
+                nbytes.append(measured)
+                seconds.append(times)
+            net = [max(s - overhead, 0.01 * s) for reps in seconds for s in reps]
+            xs = [b for b, reps in zip(nbytes, seconds) for _ in reps]
+            fit = Curve.from_samples(xs, net).fit
+            entries.append(CollectiveSamples(kind, axes, group_offsets(spec, axes), tuple(nbytes), tuple(seconds), fit))
+    matmul, memory, compute_samples = {}, None, []
+    if compute:
+        max_bytes = max(sizes)
+        for dtype in _MATMUL_DTYPES:
+            matmul[dtype], s = measure_matmul(mesh, dtype, max(max_bytes, 3 * 128 * 128 * 4), overhead=overhead)
+            compute_samples += s
+            if progress is not None:
+                progress.step(f"matmul {dtype}")
+        memory, s = measure_memory(mesh, max_bytes, overhead=overhead)
+        compute_samples += s
+        if progress is not None:
+            progress.step("memory bandwidth")
+    device = mesh.devices.flat[0]
+    return ProfileDB(
+        device_kind=device.device_kind,
+        platform=device.platform,
+        num_devices=spec.size,
+        num_processes=jax.process_count(),
+        host_of=tuple(int(d.process_index) for d in mesh.devices.flat),
+        mesh=spec,
+        jax_version=jax.__version__,
+        created=utc_now(),
+        settings=dict(settings or {}),
+        dispatch_overhead_s=overhead,
+        collectives=tuple(entries),
+        matmul_flops=tuple(matmul.items()),
+        memory_bandwidth=memory,
+        compute_samples=tuple(compute_samples),
+    )
+
+
+def progress_steps(spec: MeshSpec, sizes: Sequence[int], collectives: Sequence[str], compute: bool) -> int:
+    return len(axis_groups(spec)) * len(collectives) * len(sizes) + (len(_MATMUL_DTYPES) + 1 if compute else 0)
+
+
+def summary(db: ProfileDB) -> str:
+    """A table of the fits: latency, bandwidth and fit error per (collective, axis group)."""
+    lines = [f"profile of {db.num_devices} x {db.device_kind} ({db.num_processes} process(es)), mesh {db.mesh}, "
+             f"launch overhead {db.dispatch_overhead_s * 1e6:.1f} us",
+             f"  {'collective':<20}{'axes':<12}{'n':>4}{'alpha (us)':>12}{'GB/s':>10}{'fit err':>9}"]
+    for e in db.collectives:
+        bw = 1.0 / e.fit.beta / 1e9 if e.fit.beta > 0 else float("inf")
+        axes = "*".join(db.mesh.axis_names[a] for a in e.axes)
+        lines.append(f"  {e.collective:<20}{axes:<12}{e.group_size:>4}{e.fit.alpha * 1e6:>12.1f}{bw:>10.3f}"
+                     f"{e.fit.rel_rmse:>8.0%}")
+    for dtype, flops in db.matmul_flops:
+        lines.append(f"  matmul {dtype:<10} {flops / 1e9:10.2f} GFLOP/s per device")
+    if db.memory_bandwidth:
+        lines.append(f"  memory bandwidth  {db.memory_bandwidth / 1e9:10.2f} GB/s per device")
+    return "\n".join(lines)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:g}{unit}"
+    return f"{n:g}B"
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+
+def _size(text: str) -> int:
+    try:
+        return int(parse_bytes(text, "size"))
+    except InvalidArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
+    return v
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the `planner profile` options to `parser`."""
+    parser.add_argument("--out", required=True, metavar="FILE", help="profile database to write (JSON)")
+    parser.add_argument("--max-bytes", type=_size, default=256 * 2**20, metavar="SIZE",
+                        help="largest message per device, e.g. 64MiB (default 256MiB)")
+    parser.add_argument("--min-bytes", type=_size, default=1024, metavar="SIZE",
+                        help="smallest message per device (default 1KiB)")
+    parser.add_argument("--step", type=_positive_int, default=4, metavar="K",
+                        help="message size grows by this factor, 2 or more (default 4)")
+    parser.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per point (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs before timing (default 2)")
+    parser.add_argument("--mesh", default=None, metavar="SHAPE",
+                        help="mesh to measure, e.g. 2x4 (default: processes x local devices, or all devices 1-D)")
+    parser.add_argument("--collectives", default=",".join(COLLECTIVES), metavar="LIST",
+                        help="comma-separated subset of " + ", ".join(COLLECTIVES))
+    parser.add_argument("--no-compute", action="store_true", help="skip the matmul and memory-bandwidth runs")
+    parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                        help="jax.distributed coordinator address (multi-host runs)")
+    parser.add_argument("--num-processes", type=_positive_int, default=None, metavar="N",
+                        help="processes in the jax.distributed run")
+    parser.add_argument("--process-id", type=int, default=None, metavar="I", help="this process's index")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+
+
+def _init_distributed(args: argparse.Namespace) -> None:
+    explicit = args.coordinator is not None or args.num_processes is not None or args.process_id is not None
+    auto = any(v in os.environ for v in _CLUSTER_ENV) or int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
+    if not (explicit or auto):
+        return
+    # CPU devices exchange data across processes only with a collectives library.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except (RuntimeError, ValueError) as e:
+        raise ProfileError(
+            f"jax.distributed.initialize(coordinator={args.coordinator!r}, num_processes={args.num_processes!r}, "
+            f"process_id={args.process_id!r}) failed: {e}; pass --coordinator HOST:PORT --num-processes N "
+            "--process-id I on every host"
+        ) from None
+
+
+def _mesh(text: str | None) -> jax.sharding.Mesh:
+    devices = jax.devices()
+    if text is None:
+        procs = jax.process_count()
+        shape = (procs, len(devices) // procs) if procs > 1 else (len(devices),)
+        spec = MeshSpec(shape, default_axis_names(len(shape)))
+    else:
+        spec, _ = parse_mesh(text, len(devices))
+    return spec.to_jax_mesh(devices)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the job described by `args` (from `add_arguments`); returns the exit status."""
+    err = sys.stderr
+    try:
+        if args.min_bytes > args.max_bytes:
+            raise InvalidArgumentError(f"--min-bytes {args.min_bytes} exceeds --max-bytes {args.max_bytes}")
+        if args.step < 2:
+            raise InvalidArgumentError(f"--step {args.step} must be 2 or more")
+        kinds = tuple(k.strip() for k in args.collectives.split(",") if k.strip())
+        bad = [k for k in kinds if k not in COLLECTIVES]
+        if bad or not kinds:
+            raise InvalidArgumentError(f"--collectives {args.collectives!r}: choose from {', '.join(COLLECTIVES)}")
+        out_dir = os.path.dirname(os.path.abspath(args.out))
+        if not os.path.isdir(out_dir):
+            raise InvalidArgumentError(f"--out {args.out}: folder {out_dir} does not exist")
+        _init_distributed(args)
+        mesh = _mesh(args.mesh)
+        spec = MeshSpec(tuple(mesh.devices.shape), tuple(mesh.axis_names))
+        sizes = geometric_sizes(args.min_bytes, args.max_bytes, args.step)
+        lead = jax.process_index() == 0
+        bar = ProgressBar(progress_steps(spec, sizes, kinds, not args.no_compute), err, enabled=lead and not args.quiet)
+        settings = {"min_bytes": args.min_bytes, "max_bytes": args.max_bytes, "step": args.step,
+                    "repeats": args.repeats, "warmup": args.warmup, "collectives": list(kinds)}
+        db = profile(mesh, sizes, args.repeats, max(args.warmup, 0), kinds, not args.no_compute, bar, settings)
+        if lead:
+            db.save(args.out)
+            if not args.quiet:
+                print(summary(db))
+                print(f"wrote {args.out}")
+        return 0
+    except PlannerError as e:
+        print(f"planner profile: error: {e}", file=err)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\nplanner profile: interrupted; {args.out} was not written", file=err)
+        return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="planner profile", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""A plan in the vocabulary of MaxText / t5x: logical axis names per dimension, and rules to mesh axes.
+
+Users of those frameworks annotate every parameter dimension with a *logical* name (`embed`, `mlp`,
+`heads`, ...) and map names to mesh axes with rules such as `[('batch', 'data'), ('mlp', 'model')]`.
+The planner works on raw PartitionSpecs; this module translates back.
+
+How logical names are inferred (no annotations are needed, only pytree paths and shapes):
+
+- Leaves are parameters when their path contains a `params` key; optimizer state leaves (under
+  `opt_state`, e.g. Adam's `mu` / `nu`) mirror a parameter when their path ends with that
+  parameter's path and the shapes agree; every other leaf of rank >= 1 is data.
+- `embed` (the model width) is the size of the norm scales (`scale` leaves of modules named
+  `ln*` / `*norm*`); a model without norms takes the input width of its first Dense kernel.
+- Module names decide first: an `embedding` table is `[vocab, embed]`, or `[length, embed]` when
+  its module is a position table (`wpe`, `pos*`, `position*`); a kernel of a module named like an
+  output head (`lm_head`, `head`, `logits`, `unembed`) is `[embed, vocab]`.
+- Then shapes: a 2-D kernel is `[embed, mlp]` or `[mlp, embed]` by which side equals `embed`; a 3-D
+  kernel is `[embed, heads, kv]` (attention q/k/v projections, flax `DenseGeneral`) or
+  `[heads, kv, embed]` (the output projection); a 2-D bias is `[heads, kv]`; a 1-D bias or norm
+  parameter takes the name of its size (`embed`, else `mlp`, or `vocab` for a head).
+- Data: the first dimension is `batch`; the second is `length` for integer tokens and for rank >= 3
+  activations; a last dimension equal to `embed` is `embed`.
+- Dimensions matching none of these get no name (`None`) and never enter the rules.
+
+Rules are read off the plan by a byte-weighted vote: for each logical name, the mesh axes that split
+the dimensions carrying that name, weighted by the bytes of those tensors. Leaves whose planned spec
+the rules do not reproduce are listed as exceptions (paste them as explicit overrides).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+
+Shape = tuple[int, ...]
+Axes = tuple[str, ...]  # mesh axis names splitting one dimension, major to minor; () = not split
+LogicalNames = tuple[str | None, ...]
+
+LOGICAL_ORDER = ("batch", "length", "vocab", "embed", "mlp", "heads", "kv")
+
+_TOKEN = re.compile(r"\['([^']*)'\]|\[(\d+)\]|\.(\w+)")
+_NORM = re.compile(r"(^|_)(ln|norm|layernorm|rmsnorm)", re.IGNORECASE)
+_POSITION = re.compile(r"^(wpe|pos.*|position.*)$", re.IGNORECASE)
+_HEAD = re.compile(r"^(lm_head|head|logits|unembed|output_head|decoder_head)$", re.IGNORECASE)
+
+
+def path_tokens(path: str) -> tuple[str, ...]:
+    """`"[0]['params']['dense_0']['kernel']"` -> `("0", "params", "dense_0", "kernel")`."""
+    return tuple(next(g for g in m.groups() if g is not None) for m in _TOKEN.finditer(path))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Leaf:
+    """One flattened argument: its path, shape, dtype name, planned spec, and inferred role/names.
+
+    Attributes:
+      path: pytree path (`jax.tree_util.keystr`).
+      shape: global shape.
+      dtype: dtype name.
+      spec: mesh axes per dimension.
+      role: "param", "opt_state" (mirrors `param_key`), "data", or "other" (scalars, unknown state).
+      key: the path tokens after `params` for parameters and their optimizer mirrors.
+      names: the logical name of each dimension (None where none was inferred).
+    """
+
+    path: str
+    shape: Shape
+    dtype: str
+    spec: tuple[Axes, ...]
+    role: str
+    key: tuple[str, ...]
+    names: LogicalNames
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: str) -> int:
+    m = re.search(r"(\d+)$", dtype)
+    return max(1, int(m.group(1)) // 8) if m else 4
+
+
+def _param_key(tokens: tuple[str, ...]) -> tuple[str, ...] | None:
+    if "params" in tokens:
+        return tokens[tokens.index("params") + 1:]
+    return None
+
+
+def _embed_size(params: Sequence[tuple[tuple[str, ...], Shape]]) -> int | None:
+    norms = Counter(shape[0] for key, shape in params
+                    if len(shape) == 1 and key and key[-1] == "scale" and any(_NORM.search(k) for k in key[:-1]))
+    if norms:
+        return norms.most_common(1)[0][0]
+    for key, shape in params:
+        if key and key[-1] == "kernel" and len(shape) >= 2:
+            return shape[0]
+    return None
+
+
+def _param_names(key: tuple[str, ...], shape: Shape, embed: int | None) -> LogicalNames:
+    leaf = key[-1] if key else ""
+    module = key[-2] if len(key) >= 2 else ""
+    rank = len(shape)
+
+    def by_size(d: int, head: bool) -> str:
+        if d == embed:
+            return "embed"
+        return "vocab" if head else "mlp"
+
+    if leaf == "embedding" and rank == 2:
+        return ("length" if _POSITION.match(module) else "vocab", "embed")
+    head = bool(_HEAD.match(module))
+    if leaf == "kernel":
+        if rank == 2:
+            a, b = shape
+            if head:
+                return ("embed", "vocab") if a == embed or b != embed else ("vocab", "embed")
+            if a == embed and b == embed:
+                return ("embed", None)
+            if a == embed:
+                return ("embed", "mlp")
+            if b == embed:
+                return ("mlp", "embed")
+            return ("embed", "mlp") if embed is None else (None, None)
+        if rank == 3:
+            if shape[0] == embed or (embed is None and shape[-1] != shape[0]):
+                return ("embed", "heads", "kv")
+            if shape[-1] == embed:
+                return ("heads", "kv", "embed")
+        return (None,) * rank
+    if leaf in ("bias", "scale"):
+        if rank == 1:
+            return (by_size(shape[0], head),)
+        if rank == 2:
+            return ("heads", "kv")
+    if rank == 1 and shape[0] == embed:
+        return ("embed",)
+    return (None,) * rank
+
+
+def _data_names(shape: Shape, dtype: str, embed: int | None) -> LogicalNames:
+    rank = len(shape)
+    names: list[str | None] = ["batch"] + [None] * (rank - 1)
+    if rank >= 2:
+        if "int" in dtype or rank >= 3:
+            names[1] = "length"
+        if shape[-1] == embed and names[-1] is None:
+            names[-1] = "embed"
+    return tuple(names)
+
+
+def classify(paths: Sequence[str], shapes: Sequence[Shape], dtypes: Sequence[str],
+             specs: Sequence[Sequence[Axes]]) -> tuple[Leaf, ...]:
+    """Role and logical names of every argument leaf (see the module docstring for the inference)."""
+    tokens = [path_tokens(p) for p in paths]
+    params = {}
+    for tok, shape in zip(tokens, shapes):
+        key = _param_key(tok)
+        if key is not None:
+            params[key] = tuple(shape)
+    embed = _embed_size(list(params.items()))
+    out = []
+    for path, tok, shape, dtype, spec in zip(paths, tokens, shapes, dtypes, specs):
+        shape = tuple(shape)
+        spec = tuple(tuple(a) for a in spec)
+        key = _param_key(tok)
+        if key is not None:
+            out.append(Leaf(path, shape, dtype, spec, "param", key, _param_names(key, shape, embed)))
+            continue
+        mirror = next((tok[i:] for i in range(len(tok)) if tok[i:] in params and params[tok[i:]] == shape), None)
+        if mirror is not None and len(shape) >= 1:
+            out.append(Leaf(path, shape, dtype, spec, "opt_state", mirror, _param_names(mirror, shape, embed)))
+        elif len(shape) >= 1 and "opt_state" not in tok:
+            out.append(Leaf(path, shape, dtype, spec, "data", (), _data_names(shape, dtype, embed)))
+        else:
+            out.append(Leaf(path, shape, dtype, spec, "other", (), (None,) * len(shape)))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AxisRules:
+    """Logical axis rules read off a plan.
+
+    Attributes:
+      rules: (logical name, mesh axes) in `LOGICAL_ORDER`; () means replicated.
+      coverage: fraction of parameter + data bytes whose planned spec the rules reproduce exactly.
+      exceptions: (path, logical names, planned spec, spec the rules would give) where they differ.
+      optimizer: "same as params" or a description of how optimizer state is sharded differently.
+    """
+
+    rules: tuple[tuple[str, Axes], ...]
+    coverage: float
+    exceptions: tuple[tuple[str, LogicalNames, tuple[Axes, ...], tuple[Axes, ...]], ...]
+    optimizer: str
+
+    def as_python(self) -> str:
+        """t5x / flax `logical_axis_rules` (a list of (name, mesh axis or None) pairs)."""
+        return "logical_axis_rules = [\n" + "".join(
+            f"    ({name!r}, {_axes_py(axes)}),\n" for name, axes in self.rules) + "]"
+
+    def as_yaml(self) -> str:
+        """MaxText YAML (`logical_axis_rules: [['batch', ['data']], ...]`)."""
+        items = ", ".join(f"['{name}', [{', '.join(repr(a) for a in axes)}]]" for name, axes in self.rules)
+        return f"logical_axis_rules: [{items}]"
+
+    def to_dict(self) -> dict:
+        return {
+            "rules": [[n, list(a)] for n, a in self.rules],
+            "coverage": self.coverage,
+            "exceptions": [{"path": p, "logical": list(n), "planned": [list(a) for a in s],
+                            "by_rules": [list(a) for a in r]} for p, n, s, r in self.exceptions],
+            "optimizer": self.optimizer,
+        }
+
+
+def _axes_py(axes: Axes) -> str:
+    if not axes:
+        return "None"
+    return repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
+
+
+def apply_rules(names: LogicalNames, rules: dict[str, Axes]) -> tuple[Axes, ...]:
+    """The spec the rules give a tensor: like flax, a mesh axis already used by an earlier dim is dropped."""
+    used: set[str] = set()
+    out = []
+    for n in names:
+        axes = tuple(a for a in rules.get(n, ()) if a not in used) if n is not None else ()
+        if n is not None and len(axes) != len(rules.get(n, ())):
+            axes = ()
+        used.update(axes)
+        out.append(axes)
+    return tuple(out)
+
+
+def infer_rules(leaves: Sequence[Leaf]) -> AxisRules:
+    """Byte-weighted vote of the planned specs of parameters and data per logical name."""
+    votes: dict[str, Counter] = defaultdict(Counter)
+    for leaf in leaves:
+        if leaf.role not in ("param", "data"):
+            continue
+        for name, axes in zip(leaf.names, leaf.spec):
+            if name is not None:
+                votes[name][axes] += leaf.nbytes
+    order = [n for n in LOGICAL_ORDER if n in votes] + sorted(set(votes) - set(LOGICAL_ORDER))
+    rules = {n: max(votes[n].items(), key=lambda kv: (kv[1], -len(kv[0])))[0] for n in order}
+    covered = total = 0
+    exceptions = []
+    for leaf in leaves:
+        if leaf.role not in ("param", "data"):
+            continue
+        by_rules = apply_rules(leaf.names, rules)
+        total += leaf.nbytes
+        if by_rules == leaf.spec:
+            covered += leaf.nbytes
+        else:
+            exceptions.append((leaf.path, leaf.names, leaf.spec, by_rules))
+    return AxisRules(tuple((n, rules[n]) for n in order), covered / total if total else 1.0, tuple(exceptions),
+                     _optimizer_summary(leaves))
+
+
+def _optimizer_summary(leaves: Sequence[Leaf]) -> str:
+    param_spec = {leaf.key: leaf.spec for leaf in leaves if leaf.role == "param"}
+    mirrors = [leaf for leaf in leaves if leaf.role == "opt_state"]
+    if not mirrors:
+        return "no optimizer state found"
+    differ = [m for m in mirrors if param_spec.get(m.key) != m.spec]
+    if not differ:
+        return "sharded like the parameters"
+    extra = Counter()
+    for m in differ:
+        p = param_spec.get(m.key, ())
+        used_p = {a for axes in p for a in axes}
+        for axes in m.spec:
+            for a in axes:
+                if a not in used_p:
+                    extra[a] += m.nbytes
+    frac = sum(m.nbytes for m in differ) / sum(m.nbytes for m in mirrors)
+    how = (" additionally split over " + ", ".join(sorted(extra)) + " (ZeRO-style optimizer-state sharding)"
+           if extra else " sharded differently")
+    return f"{frac:.0%} of optimizer-state bytes{how}"

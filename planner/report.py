@@ -1,0 +1,374 @@
+"""Plans as text: the ranked mesh table, the per-layer sharding table, logical axis rules.
+
+Everything here reads the plan's JSON form (`Plan.to_dict()`, optionally with the `context` block
+the command line adds: input shapes, model FLOPs, hardware, the mesh ranking), so a plan printed
+right after planning and one re-read from a file with `planner plan --from` look the same.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from planner.errors import InvalidArgumentError
+from planner.logical_axes import Axes, AxisRules, Leaf, classify, infer_rules, path_tokens
+from planner.plan import Plan
+
+_LAYER_TOKEN = re.compile(r"^(.+?)_(\d+)$")
+
+
+# ----- numbers ---------------------------------------------------------------------------------
+def fmt_bytes(n: float | None) -> str:
+    """Decimal units, as memory budgets are written (`--memory-budget 80GB`)."""
+    if n is None:
+        return "-"
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def fmt_pct(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.1%}" if x >= 0.001 else f"{x * 100:.2g}%"
+
+
+def fmt_time(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if abs(s) >= 1:
+        return f"{s:.3f} s"
+    if abs(s) >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    if abs(s) >= 1e-6:
+        return f"{s * 1e6:.2f} us"
+    return f"{s * 1e9:.1f} ns"
+
+
+def fmt_shape(shape: Sequence[int]) -> str:
+    return "x".join(str(d) for d in shape) if shape else "scalar"
+
+
+def fmt_axes_spec(spec: Sequence[Axes]) -> str:
+    """`P(x, None, (x,y))`-style text from mesh axis names per dimension."""
+    parts = ["None" if not axes else axes[0] if len(axes) == 1 else "(" + ",".join(axes) + ")" for axes in spec]
+    return "P(" + ", ".join(parts) + ")"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None, indent: str = "  ") -> str:
+    """A plain monospace table; `align` has one 'l' or 'r' per column."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    align = align or "l" * len(headers)
+
+    def line(r):
+        return indent + "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, align)).rstrip()
+
+    out = [line(cells[0]), indent + "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells[1:]]
+    return "\n".join(out)
+
+
+# ----- the plan record -------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PlanView:
+    """A plan's JSON form, checked by `Plan.from_json`, with the derived facts every view needs.
+
+    Attributes:
+      data: the JSON dict (plan keys plus an optional `context` block).
+      plan: the loaded `Plan`.
+      axis_names: mesh axis names in mesh order.
+      specs: mesh axis names splitting each dimension of each input leaf.
+      leaves: inputs classified with logical names (None when the JSON has no input shapes).
+      rules: logical axis rules read off the plan (None without shapes).
+    """
+
+    data: Mapping[str, Any]
+    plan: Plan
+    axis_names: tuple[str, ...]
+    specs: tuple[tuple[Axes, ...], ...]
+    leaves: tuple[Leaf, ...] | None
+    rules: AxisRules | None
+
+    @property
+    def context(self) -> Mapping[str, Any]:
+        return self.data.get("context") or {}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PlanView:
+        plan = Plan.from_json(json.dumps(data))
+        names = plan.mesh.axis_names
+        specs = tuple(tuple(tuple(names[a] for a in axes) for axes in spec) for spec in plan.input_specs)
+        ctx = data.get("context") or {}
+        shapes, dtypes = ctx.get("input_shapes"), ctx.get("input_dtypes")
+        leaves = rules = None
+        if shapes is not None and dtypes is not None and len(shapes) == len(specs):
+            leaves = classify(plan.input_paths, [tuple(s) for s in shapes], dtypes, specs)
+            rules = infer_rules(leaves)
+        return cls(data, plan, names, specs, leaves, rules)
+
+    @classmethod
+    def load(cls, path: str) -> PlanView:
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError as e:
+            raise InvalidArgumentError(f"cannot read plan file {path!r}: {e.strerror}; pass a file written by "
+                                       "`planner plan --json FILE`") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InvalidArgumentError(f"plan file {path!r} is not JSON ({e.msg} at line {e.lineno}); pass a file "
+                                       "written by `planner plan --json FILE`") from None
+        if not isinstance(data, dict):
+            raise InvalidArgumentError(f"plan file {path!r} holds a {type(data).__name__}, not a plan object")
+        return cls.from_dict(data)
+
+    def mesh_text(self) -> str:
+        inter = set(self.context.get("inter_host_axes", self.data.get("options", {}).get("inter_host_axes", ())))
+        parts = [f"{n}={s}" + ("*" if i in inter else "") for i, (n, s) in enumerate(zip(self.axis_names, self.plan.mesh.shape))]
+        return f"{self.plan.mesh} ({', '.join(parts)})"
+
+    def budget(self) -> float | None:
+        ctx_budget = self.context.get("memory_budget_bytes")
+        return ctx_budget if ctx_budget is not None else self.data.get("options", {}).get("memory_budget")
+
+
+# ----- per-device memory by kind of leaf --------------------------------------------------------
+def shard_bytes(leaf: Leaf, mesh_sizes: Mapping[str, int]) -> float:
+    shards = math.prod(mesh_sizes[a] for axes in leaf.spec for a in axes)
+    return leaf.nbytes / shards
+
+
+def memory_breakdown(view: PlanView) -> dict[str, float] | None:
+    """Per-device bytes of parameters, optimizer state and data, and the rest of the predicted peak."""
+    if view.leaves is None:
+        return None
+    sizes = dict(zip(view.axis_names, view.plan.mesh.shape))
+    out = {"parameters": 0.0, "optimizer state": 0.0, "data": 0.0}
+    for leaf in view.leaves:
+        kind = {"param": "parameters", "data": "data"}.get(leaf.role, "optimizer state")
+        out[kind] += shard_bytes(leaf, sizes)
+    peak = view.plan.prediction.memory_bytes_per_device
+    out["activations and temporaries"] = max(0.0, peak - sum(out.values()))
+    return out
+
+
+def display_tokens(leaf: Leaf) -> tuple[str, ...]:
+    """Path tokens to show: the parameter path, `data/...`, `opt_state/mu/...`, without argument indices."""
+    if leaf.role == "param":
+        return leaf.key
+    tokens = tuple(t for t in path_tokens(leaf.path) if not t.isdigit())
+    return ("data",) + tokens if leaf.role == "data" else tokens
+
+
+# ----- per-layer table -------------------------------------------------------------------------
+def _ranges(indices: Sequence[int]) -> str:
+    out, start, prev = [], None, None
+    for i in sorted(indices):
+        if start is None:
+            start = prev = i
+        elif i == prev + 1:
+            prev = i
+        else:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = i
+    if start is not None:
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ",".join(out)
+
+
+def collapse_layers(items: Sequence[tuple[tuple[str, ...], tuple[str, ...]]]) -> list[tuple[str, str, int, tuple[str, ...]]]:
+    """Collapses repeated identical layers.
+
+    Args:
+      items: (path tokens, row cells) per leaf, in order.
+
+    Returns:
+      (layer label, leaf label, layer count, cells) rows. Layers are the first path token of the
+      form `name_N`; layers with the same set of (leaf, cells) rows become one row group labelled
+      `name_[0-11]` with a count.
+    """
+    groups: dict[tuple, dict[int, list]] = {}
+    singles: list = []
+    order: list = []
+    for tokens, cells in items:
+        at = next((i for i, t in enumerate(tokens) if _LAYER_TOKEN.match(t)), None)
+        if at is None:
+            label = "/".join(tokens[:-1]) or "-"
+            order.append(("single", len(singles)))
+            singles.append((label, tokens[-1] if tokens else "-", 1, cells))
+            continue
+        m = _LAYER_TOKEN.match(tokens[at])
+        key = (tokens[:at], m.group(1))
+        if key not in groups:
+            groups[key] = {}
+            order.append(("group", key))
+        groups[key].setdefault(int(m.group(2)), []).append(("/".join(tokens[at + 1:]), cells))
+    rows = []
+    for kind, ref in order:
+        if kind == "single":
+            rows.append(singles[ref])
+            continue
+        prefix, base = ref
+        by_sig: dict[tuple, list[int]] = {}
+        for idx, members in groups[ref].items():
+            by_sig.setdefault(tuple(members), []).append(idx)
+        for sig, idxs in sorted(by_sig.items(), key=lambda kv: min(kv[1])):
+            label = "/".join(prefix + (f"{base}_{idxs[0]}" if len(idxs) == 1 else f"{base}_[{_ranges(idxs)}]",))
+            for leaf, cells in sig:
+                rows.append((label, leaf, len(idxs), cells))
+    return rows
+
+
+def format_layer_table(view: PlanView, max_rows: int = 60) -> str:
+    """Per-layer PartitionSpecs of the parameters (and of data and diverging optimizer state)."""
+    lines = []
+    if view.leaves is None:
+        items = [(path_tokens(p), (fmt_axes_spec(s),)) for p, s in zip(view.plan.input_paths, view.specs)]
+        rows = collapse_layers(items)
+        body = [(layer, leaf, f"x{n}" if n > 1 else "", *cells) for layer, leaf, n, cells in rows]
+        lines.append(table(("layer", "leaf", "count", "spec"), body[:max_rows]))
+        if len(body) > max_rows:
+            lines.append(f"  ... {len(body) - max_rows} more rows")
+        return "\n".join(lines)
+
+    def rows_for(leaves: Sequence[Leaf], tokens_of) -> list:
+        items = [(tokens_of(leaf), (fmt_shape(leaf.shape), ", ".join(n or "-" for n in leaf.names),
+                                    fmt_axes_spec(leaf.spec))) for leaf in leaves]
+        return [(layer, leaf, f"x{n}" if n > 1 else "", *cells) for layer, leaf, n, cells in collapse_layers(items)]
+
+    headers = ("layer", "parameter", "count", "shape", "logical", "spec")
+    params = [leaf for leaf in view.leaves if leaf.role == "param"]
+    body = rows_for(params, display_tokens)
+    data = [leaf for leaf in view.leaves if leaf.role == "data"]
+    body += rows_for(data, display_tokens)
+    param_spec = {leaf.key: leaf.spec for leaf in params}
+    differ = [leaf for leaf in view.leaves if leaf.role == "opt_state" and param_spec.get(leaf.key) != leaf.spec]
+    body += rows_for(differ, display_tokens)
+    lines.append(table(headers, body[:max_rows], "lllrll"))
+    if len(body) > max_rows:
+        lines.append(f"  ... {len(body) - max_rows} more rows (all leaves: --json FILE)")
+    if view.rules is not None:
+        lines.append(f"  optimizer state: {view.rules.optimizer}")
+    return "\n".join(lines)
+
+
+def format_rules(view: PlanView, max_exceptions: int = 8) -> str:
+    """The plan as logical axis rules, ready to paste into a t5x / flax or MaxText config."""
+    if view.rules is None:
+        return "  (logical axis rules need the input shapes; re-plan with `planner plan --json FILE`)"
+    r = view.rules
+    mesh = ", ".join(f"{n!r}" for n in view.axis_names)
+    shape = ", ".join(str(s) for s in view.plan.mesh.shape)
+    lines = [f"  # mesh_axes = [{mesh}]  with sizes ({shape})", "  # t5x / flax (nn.logical_axis_rules):"]
+    lines += ["  " + line for line in r.as_python().splitlines()]
+    lines += ["  # MaxText (YAML):", "  " + r.as_yaml()]
+    lines.append(f"  the rules reproduce the planned spec of {r.coverage:.0%} of parameter and data bytes")
+    if r.exceptions:
+        by_path = {leaf.path: leaf for leaf in view.leaves or ()}
+        items = [(display_tokens(by_path[p]) if p in by_path else path_tokens(p),
+                  (", ".join(n or "-" for n in names), fmt_axes_spec(s), fmt_axes_spec(b)))
+                 for p, names, s, b in r.exceptions]
+        rows = [(("/".join((layer, leaf)) if layer != "-" else leaf), f"x{n}" if n > 1 else "", *c)
+                for layer, leaf, n, c in collapse_layers(items)]
+        lines.append("  exceptions (override these explicitly):")
+        lines.append(table(("leaf", "count", "logical", "planned", "rules give"), rows[:max_exceptions], indent="    "))
+        if len(rows) > max_exceptions:
+            lines.append(f"    ... {len(rows) - max_exceptions} more")
+    return "\n".join(lines)
+
+
+# ----- the ranking and the header ---------------------------------------------------------------
+def mfu(model_flops: Mapping[str, float] | None, hardware: Mapping[str, float] | None, step_time_s: float,
+        devices: int) -> float | None:
+    """Model FLOP utilisation: ideal time of the model's matmul FLOPs at peak over the predicted time.
+
+    `model_flops` maps dtype name -> FLOPs per step; 16-bit FLOPs count against the bf16 peak.
+    """
+    if not model_flops or not hardware or step_time_s <= 0:
+        return None
+    ideal = sum(f / (hardware["flops_bf16"] if re.search(r"16$", dt) else hardware["flops_f32"])
+                for dt, f in model_flops.items())
+    return ideal / (step_time_s * devices)
+
+
+def format_ranking(rows: Sequence[Mapping[str, Any]], budget: float | None, top: int | None = None) -> str:
+    """The ranked table of candidate meshes (rows as stored in the plan's context)."""
+    shown = list(rows)[:top] if top else list(rows)
+    body = []
+    rank = 0
+    for r in shown:
+        if r["status"] != "ok":
+            body.append(("-", r["mesh"], r.get("axes", ""), "-", "-",
+                         "-" if r.get("memory_bytes_per_device") is None else fmt_bytes(r["memory_bytes_per_device"]),
+                         "-", "-", "-", r["status"] + (f": {r['note']}" if r.get("note") else "")))
+            continue
+        rank += 1
+        mem = r["memory_bytes_per_device"]
+        frac = f"{mem / budget:.0%}" if budget else "-"
+        body.append((rank, r["mesh"], r.get("axes", ""), r.get("stages", 1), fmt_time(r["step_time_s"]), fmt_bytes(mem),
+                     frac, fmt_bytes(r["bytes_moved_per_device"]),
+                     fmt_pct(r.get("mfu")), r.get("note", "")))
+    out = table(("#", "mesh", "axes", "stages", "step time", "memory/dev", "of budget", "moved/dev", "MFU", "note"),
+                body, "rllrrrrrrl")
+    if top and len(rows) > top:
+        out += f"\n  ... {len(rows) - top} more (--top {len(rows)})"
+    return out
+
+
+def format_header(view: PlanView) -> str:
+    p, ctx = view.plan.prediction, view.context
+    budget = view.budget()
+    hw = ctx.get("hardware") or {}
+    stages = view.data.get("stages") or []
+    solver = view.plan.solver
+    m = mfu(ctx.get("model_flops"), hw, p.step_time_s, view.plan.mesh.size)
+    lines = [
+        f"  mesh                  {view.mesh_text()}" + ("   (* axis crosses hosts)" if "*" in view.mesh_text() else ""),
+        f"  pipeline stages       {len(stages) if stages else 1}",
+        f"  predicted step time   {fmt_time(p.step_time_s)}  (compute {fmt_time(p.compute_time_s)}, "
+        f"communication {fmt_time(p.communication_time_s)})",
+        f"  memory per device     {fmt_bytes(p.memory_bytes_per_device)}"
+        + (f" of {fmt_bytes(budget)} budget ({p.memory_bytes_per_device / budget:.0%})" if budget else ""),
+        f"  bytes moved / device  {fmt_bytes(p.bytes_moved_per_device)} in {len(p.collectives)} collectives",
+    ]
+    if m is not None:
+        lines.append(f"  model FLOP util.      {fmt_pct(m)} of {hw.get('name', '?')} peak "
+                     f"({sum(ctx['model_flops'].values()):.3g} model FLOPs per step)")
+    if solver:
+        lines.append(f"  solver                {solver.get('status')} in {solver.get('solve_time_s', 0):.2f} s "
+                     f"({solver.get('decisions')} decisions, {solver.get('variables_shared')} after layer sharing)")
+    if view.plan.fallback_primitives:
+        lines.append(f"  replicated (no rule)  {', '.join(view.plan.fallback_primitives)}")
+    return "\n".join(lines)
+
+
+def format_plan(view: PlanView, top: int | None = None) -> str:
+    """The whole text report: ranking (when a search ran), the best plan, its layers and rules."""
+    ctx = view.context
+    out = []
+    title = ctx.get("model", "program")
+    where = ctx.get("cluster_text") or (f"{ctx['devices']} devices" if "devices" in ctx else f"{view.plan.mesh.size} devices")
+    hw = (ctx.get("hardware") or {}).get("name")
+    out.append(f"Plan for {title} on {where}" + (f" ({hw})" if hw else ""))
+    if ctx.get("params"):
+        out[-1] += f", {fmt_count(ctx['params'])} parameters"
+    ranking = ctx.get("ranking") or []
+    if len(ranking) > 1:
+        out += ["", "Mesh shapes, best first:", format_ranking(ranking, view.budget(), top)]
+    out += ["", "Best plan:" if len(ranking) > 1 else "Plan:", format_header(view)]
+    out += ["", "Per-layer shardings (repeated identical layers collapsed):", format_layer_table(view)]
+    out += ["", "Logical axis rules:", format_rules(view)]
+    return "\n".join(out)

@@ -1,0 +1,178 @@
+"""The cluster, its submesh shapes, and the logical meshes each submesh can be viewed as.
+
+A cluster is `num_hosts` hosts of `devices_per_host` devices; links inside a host are fast,
+links between hosts slow. Pipeline stages run on submeshes of the shapes Alpa showed can always
+tile the cluster: `(1, 1), (1, 2), (1, 4) ... (1, M)` (part of one host, powers of two) and
+`(2, M) ... (N, M)` (whole hosts). Each submesh is planned as one or more logical meshes; a mesh
+axis that spans hosts gets the inter-host link in the cost model.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+
+from planner.cost_model import AxisLink, CostModel, Hardware, get_hardware
+from planner.errors import InfeasiblePlanError, InvalidArgumentError
+from planner.mesh import MeshSpec, default_axis_names
+
+Shape = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cluster:
+    """N hosts x M devices with two link classes.
+
+    Attributes:
+      num_hosts: hosts (N).
+      devices_per_host: devices in each host (M).
+      hardware: device figures (compute, memory, default links).
+      intra_link: link between devices of one host (default: the hardware's intra figures).
+      inter_link: per-device share of the link between hosts (default: the hardware's inter figures).
+    """
+
+    num_hosts: int
+    devices_per_host: int
+    hardware: Hardware
+    intra_link: AxisLink | None = None
+    inter_link: AxisLink | None = None
+
+    def __post_init__(self):
+        for name in ("num_hosts", "devices_per_host"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidArgumentError(f"Cluster.{name}={v!r} must be an int >= 1")
+        if not isinstance(self.hardware, Hardware):
+            raise InvalidArgumentError(f"Cluster.hardware={self.hardware!r} must be a Hardware record")
+
+    @classmethod
+    def of(cls, num_hosts: int, devices_per_host: int, hardware: str | Hardware | None = None,
+           inter_host_gbit: float | None = None) -> Cluster:
+        """A cluster from a preset name; `inter_host_gbit` is the bandwidth of one host's network
+        link in Gbit/s (shared by its devices), overriding the preset's."""
+        hw = get_hardware(hardware)
+        inter = None
+        if inter_host_gbit is not None:
+            if not inter_host_gbit > 0:
+                raise InvalidArgumentError(f"inter_host_gbit={inter_host_gbit!r} must be positive")
+            inter = AxisLink(hw.inter_latency, devices_per_host / (inter_host_gbit * 1e9 / 8))
+        return cls(num_hosts, devices_per_host, hw, None, inter)
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_hosts * self.devices_per_host
+
+    @property
+    def intra(self) -> AxisLink:
+        hw = self.hardware
+        return self.intra_link or AxisLink(hw.intra_latency, 1.0 / hw.intra_bandwidth)
+
+    @property
+    def inter(self) -> AxisLink:
+        hw = self.hardware
+        return self.inter_link or AxisLink(hw.inter_latency, 1.0 / hw.inter_bandwidth)
+
+    def effective_hardware(self) -> Hardware:
+        """The hardware record with this cluster's links, for cost models built from `Hardware` alone."""
+        intra, inter = self.intra, self.inter
+        return dataclasses.replace(self.hardware, intra_latency=intra.alpha, intra_bandwidth=1.0 / intra.beta,
+                                   inter_latency=inter.alpha, inter_bandwidth=1.0 / inter.beta)
+
+    def boundary_link(self) -> AxisLink:
+        """Link activations cross between consecutive stages (between hosts when there are several)."""
+        return self.inter if self.num_hosts > 1 else self.intra
+
+    def __str__(self) -> str:
+        return f"{self.num_hosts}x{self.devices_per_host} {self.hardware.name}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LogicalMesh:
+    """One way to view a submesh as a mesh: its shape and the link of each axis."""
+
+    mesh: MeshSpec
+    links: tuple[AxisLink, ...]
+    host_axes: tuple[int, ...]
+
+    def cost_model(self, hardware: Hardware) -> CostModel:
+        return CostModel(self.mesh, hardware, self.links)
+
+
+def submesh_shapes(num_hosts: int, devices_per_host: int) -> tuple[Shape, ...]:
+    """Alpa's submesh shapes: (1, 2^k) up to (1, M), then (n, M) for n = 2..N."""
+    out: list[Shape] = []
+    m = 1
+    while m < devices_per_host:
+        out.append((1, m))
+        m *= 2
+    out.append((1, devices_per_host))
+    out.extend((n, devices_per_host) for n in range(2, num_hosts + 1))
+    return tuple(out)
+
+
+def logical_meshes(submesh: Shape, cluster: Cluster, max_ndim: int = 2) -> tuple[LogicalMesh, ...]:
+    """The logical meshes a submesh is planned as.
+
+    Inside one host: the 1-D mesh and every 2-D factorisation (all links fast). Across hosts: the
+    1-D mesh (its collectives cross hosts) and (hosts, devices), whose first axis is inter-host.
+    """
+    n, m = submesh
+    size = n * m
+    out: list[LogicalMesh] = []
+    if n == 1:
+        out.append(LogicalMesh(MeshSpec((size,), default_axis_names(1)), (cluster.intra,), ()))
+        if max_ndim >= 2:
+            for a in range(2, size):
+                if size % a == 0:
+                    out.append(LogicalMesh(MeshSpec((a, size // a), default_axis_names(2)),
+                                           (cluster.intra, cluster.intra), ()))
+    else:
+        out.append(LogicalMesh(MeshSpec((size,), default_axis_names(1)), (cluster.inter,), (0,)))
+        if max_ndim >= 2:
+            out.append(LogicalMesh(MeshSpec((n, m), default_axis_names(2)), (cluster.inter, cluster.intra), (0,)))
+    return tuple(out)
+
+
+def place_submeshes(shapes: Sequence[Shape], cluster: Cluster) -> tuple[tuple[int, ...], ...]:
+    """Assigns each stage's submesh concrete device positions (host * M + device), in stage order.
+
+    Whole-host submeshes take whole hosts in order; partial-host submeshes are packed first-fit by
+    decreasing size into the hosts left over (sizes are powers of two, so packing is exact).
+
+    Raises:
+      InfeasiblePlanError: the shapes do not tile the cluster.
+    """
+    M = cluster.devices_per_host
+    total = sum(n * m for n, m in shapes)
+    if total != cluster.num_devices:
+        raise InfeasiblePlanError(
+            f"submeshes {list(shapes)} use {total} devices but the cluster {cluster} has {cluster.num_devices}")
+    out: list[tuple[int, ...] | None] = [None] * len(shapes)
+    host = 0
+    for s, (n, m) in enumerate(shapes):
+        if m == M and (n > 1 or M == 1):
+            out[s] = tuple(range(host * M, (host + n) * M))
+            host += n
+    free = [M] * (cluster.num_hosts - host)
+    order = sorted((s for s in range(len(shapes)) if out[s] is None), key=lambda s: -shapes[s][1])
+    for s in order:
+        size = shapes[s][1]
+        for h, left in enumerate(free):
+            if left >= size:
+                start = (host + h) * M + (M - left)
+                out[s] = tuple(range(start, start + size))
+                free[h] -= size
+                break
+        else:
+            raise InfeasiblePlanError(f"submeshes {list(shapes)} cannot be packed into the cluster {cluster}")
+    return tuple(out)  # type: ignore[arg-type]
+
+
+def cluster_devices(cluster: Cluster, devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
+    """The devices of the cluster in host-major order (`jax.devices()` by default)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < cluster.num_devices:
+        raise InvalidArgumentError(
+            f"cluster {cluster} needs {cluster.num_devices} devices but only {len(devices)} are available")
+    return devices[: cluster.num_devices]
