@@ -28,6 +28,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from planner.cost_model import DEFAULT_HARDWARE, PRESETS
+
 log = logging.getLogger("planner")
 
 _CLUSTER = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*(?::\s*([\w.-]+))?\s*$")
@@ -64,15 +66,16 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                        help="HOSTS hosts with DEVICES devices each, e.g. 2x8 or 2x8:h100; mesh axes that cross "
                             "hosts use the slower inter-host links")
     opts = p.add_argument_group("options")
-    opts.add_argument("--hardware", help="hardware preset of the cost model (default: the planner's default preset)")
+    opts.add_argument("--hardware", help="hardware preset of the cost model: "
+                      + ", ".join(sorted(PRESETS)) + f" (default {DEFAULT_HARDWARE.name})")
     opts.add_argument("--profile", metavar="FILE", help="profile database written by `planner profile`")
     opts.add_argument("--batch", type=_positive_int, help="override the model's batch size")
     opts.add_argument("--seq", type=_positive_int, help="override the model's sequence length")
     opts.add_argument("--memory-budget", metavar="SIZE",
                       help="per-device memory budget such as 80GB or 40GiB (default: the hardware's memory; "
                            "'none' for no limit)")
-    opts.add_argument("--pipeline", choices=("auto", "on", "off"), default="off",
-                      help="split the program into pipeline stages (default: off)")
+    opts.add_argument("--pipeline", choices=("auto", "on", "off"), default=None,
+                      help="split the program into pipeline stages (default: the planner's PlanOptions default)")
     opts.add_argument("--microbatches", type=_positive_int, metavar="K", help="microbatches per step when pipelining")
     opts.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                       help="ILP solver time limit per mesh shape (default: the planner's)")
@@ -87,7 +90,7 @@ def build_parser(profile_arguments=None) -> argparse.ArgumentParser:
     """The argument parser; `profile_arguments(parser)` fills the `profile` subcommand when available."""
     parser = argparse.ArgumentParser(
         prog="planner", description="Plan, explain and compare sharding plans for JAX train steps.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog="examples:\n" + __doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     p = sub.add_parser("plan", help="plan a model for a mesh or cluster and print the best plans",
@@ -311,7 +314,6 @@ def cmd_plan(args, out) -> int:
         raise CLIError(f"--profile {args.profile!r} does not exist; write one with `planner profile` or drop --profile")
 
     import planner
-    from planner.planning import make_plan
 
     t0 = time.perf_counter()
     label, step, example = (load_model(args.model, args.batch, args.seq) if args.model
@@ -320,57 +322,14 @@ def cmd_plan(args, out) -> int:
     graph = planner.trace(step, *example)
     log.info("traced %d ops, %d inputs in %.1fs", len(graph.ops), len(graph.inputs), time.perf_counter() - t0)
     base = {"memory_budget": budget, "hardware": args.hardware, "profile": args.profile,
-            "pipeline": {"auto": "auto", "on": True, "off": False}[args.pipeline],
             "num_microbatches": args.microbatches}
+    if args.pipeline is not None:
+        base["pipeline"] = {"auto": "auto", "on": True, "off": False}[args.pipeline]
     if args.time_limit is not None:
         base["solver_time_limit"] = args.time_limit
     flops = model_flops(graph)
-
-    ranking, plans = [], []
-    for k, spec in enumerate(specs, 1):
-        inter = inter_host_axes(spec.shape, cluster[1]) if cluster else ()
-        options = planner.PlanOptions.from_kwargs({**base, "inter_host_axes": inter})
-        axes_text = ", ".join(f"{n}={s}" + ("*" if i in inter else "") for i, (n, s) in
-                              enumerate(zip(spec.axis_names, spec.shape)))
-        row = {"mesh": str(spec), "axes": axes_text, "inter_host_axes": list(inter)}
-        log.info("planning mesh %s (%d/%d) ...", spec, k, len(specs))
-        t1 = time.perf_counter()
-        try:
-            plan = make_plan(graph, spec, options)
-        except planner.InfeasiblePlanError as e:
-            row.update(status="over budget", memory_bytes_per_device=e.min_memory_bytes,
-                       note=f"needs >= {_short_bytes(e.min_memory_bytes)}" if e.min_memory_bytes else "")
-            ranking.append((row, None, str(e)))
-            log.info("mesh %s: no plan fits the budget", spec)
-            continue
-        except planner.MeshError as e:
-            row.update(status="unusable", note=str(e).split(";")[0])
-            ranking.append((row, None, str(e)))
-            log.info("mesh %s: %s", spec, e)
-            continue
-        p = plan.prediction
-        from planner.report import mfu
-
-        row.update(status="ok", stages=max(1, len(plan.stages)), step_time_s=p.step_time_s,
-                   memory_bytes_per_device=p.memory_bytes_per_device, bytes_moved_per_device=p.bytes_moved_per_device,
-                   mfu=mfu(flops, hardware, p.step_time_s, spec.size), plan_time_s=round(time.perf_counter() - t1, 2))
-        ranking.append((row, plan, None))
-        log.info("mesh %s: %.4g s/step, %s/device, planned in %.1fs", spec, p.step_time_s,
-                 _short_bytes(p.memory_bytes_per_device), time.perf_counter() - t1)
-
-    good = sorted((r for r in ranking if r[1] is not None), key=lambda r: r[1].prediction.step_time_s)
-    bad = sorted((r for r in ranking if r[1] is None), key=lambda r: (r[0]["status"] != "over budget",
-                                                                      r[0].get("memory_bytes_per_device") or 0))
-    if not good:
-        over = [r for r in bad if r[0]["status"] == "over budget"]
-        if over:
-            need = min((r[0].get("memory_bytes_per_device") or math.inf) for r in over)
-            raise planner.InfeasiblePlanError(
-                f"no mesh shape fits the memory budget of {_short_bytes(budget)} per device"
-                + (f" (the smallest reachable peak is {_short_bytes(need)})" if need < math.inf else "")
-                + "; raise --memory-budget, plan for more devices, or enable --pipeline")
-        raise CLIError("no mesh shape could be planned: " + "; ".join(f"{r[0]['mesh']}: {r[2]}" for r in bad))
-    best = good[0][1]
+    ranked = plan_meshes(graph, specs, base, cluster, flops, hardware)
+    best = ranked[0][1]
     data = best.to_dict()
     data["context"] = {
         "model": label,
@@ -384,7 +343,7 @@ def cmd_plan(args, out) -> int:
         "input_dtypes": [str(graph.tensors[t].dtype) for t in graph.inputs],
         "model_flops": flops,
         "params": sum(graph.tensors[t].size for t, p in zip(graph.inputs, graph.input_paths) if "['params']" in p),
-        "ranking": [r[0] for r in good + bad],
+        "ranking": [row for row, _ in ranked],
         "planning_time_s": round(time.perf_counter() - t0, 2),
     }
     view = PlanView.from_dict(data)
@@ -394,6 +353,60 @@ def cmd_plan(args, out) -> int:
     print(format_plan(view, args.top), file=out)
     _write_outputs(args, view, out)
     return 0
+
+
+def plan_meshes(graph, specs, base: dict, cluster, flops, hardware) -> list[tuple[dict, Any]]:
+    """Plans `graph` on every mesh of `specs`; (ranking row, Plan or None), best first, failures last.
+
+    Raises:
+      InfeasiblePlanError: no mesh fits the memory budget.
+      CLIError: no mesh could be planned for another reason.
+    """
+    import planner
+    from planner.planning import make_plan
+    from planner.report import mfu
+
+    done, failed = [], []
+    for k, spec in enumerate(specs, 1):
+        inter = inter_host_axes(spec.shape, cluster[1]) if cluster else ()
+        options = planner.PlanOptions.from_kwargs({**base, "inter_host_axes": inter})
+        axes_text = ", ".join(f"{n}={s}" + ("*" if i in inter else "") for i, (n, s) in
+                              enumerate(zip(spec.axis_names, spec.shape)))
+        row = {"mesh": str(spec), "axes": axes_text, "inter_host_axes": list(inter)}
+        log.info("planning mesh %s (%d/%d) ...", spec, k, len(specs))
+        t1 = time.perf_counter()
+        try:
+            plan = make_plan(graph, spec, options)
+        except planner.InfeasiblePlanError as e:
+            row.update(status="over budget", memory_bytes_per_device=e.min_memory_bytes,
+                       note=f"needs >= {_short_bytes(e.min_memory_bytes)}" if e.min_memory_bytes else "")
+            failed.append((row, str(e)))
+            log.info("mesh %s: no plan fits the budget", spec)
+            continue
+        except planner.MeshError as e:
+            row.update(status="unusable", note=str(e).split(";")[0])
+            failed.append((row, str(e)))
+            log.info("mesh %s: %s", spec, e)
+            continue
+        p = plan.prediction
+        row.update(status="ok", stages=max(1, len(plan.stages)), step_time_s=p.step_time_s,
+                   memory_bytes_per_device=p.memory_bytes_per_device, bytes_moved_per_device=p.bytes_moved_per_device,
+                   mfu=mfu(flops, hardware, p.step_time_s, spec.size), plan_time_s=round(time.perf_counter() - t1, 2))
+        done.append((row, plan))
+        log.info("mesh %s: %.4g s/step, %s/device, planned in %.1fs", spec, p.step_time_s,
+                 _short_bytes(p.memory_bytes_per_device), time.perf_counter() - t1)
+    if not done:
+        over = [row for row, _ in failed if row["status"] == "over budget"]
+        if over:
+            need = min((row.get("memory_bytes_per_device") or math.inf) for row in over)
+            raise planner.InfeasiblePlanError(
+                f"no mesh shape fits the memory budget of {_short_bytes(base['memory_budget'])} per device"
+                + (f" (the smallest reachable peak is {_short_bytes(need)})" if need < math.inf else "")
+                + "; raise --memory-budget, plan for more devices, or enable --pipeline")
+        raise CLIError("no mesh shape could be planned: " + "; ".join(f"{row['mesh']}: {e}" for row, e in failed))
+    done.sort(key=lambda r: r[1].prediction.step_time_s)
+    failed.sort(key=lambda r: (r[0]["status"] != "over budget", r[0].get("memory_bytes_per_device") or 0))
+    return done + [(row, None) for row, _ in failed]
 
 
 def _short_bytes(n) -> str:

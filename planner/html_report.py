@@ -259,7 +259,8 @@ def memory_figure(view: PlanView):
             ax.barh(y, v / 1e9, left=left / 1e9, color=colors.get(k, "#8C8C8C"), label=None if k in seen else k)
             seen.add(k)
             left += v
-        ax.text(left / 1e9, y, f" {fmt_bytes(left)}", va="center", fontsize=9)
+        share = f" ({left / budget:.2g} of the budget)" if budget and left < 0.1 * budget else ""
+        ax.text(left / 1e9, y, f" {fmt_bytes(left)}{share}", va="center", fontsize=9)
     if budget:
         ax.axvline(budget / 1e9, color="#C44E52", linestyle="--", label=f"budget {fmt_bytes(budget)}")
     ax.set_yticks(range(len(rows)), [r[0] for r in rows])

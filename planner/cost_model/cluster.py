@@ -8,16 +8,19 @@ link. For a row-major layout these are the leading axes whose stride reaches a h
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 
 import numpy as np
 
 from planner.cost_model.collectives import AxisLink
-from planner.cost_model.hardware import DEFAULT_HARDWARE, Hardware, get_hardware, hardware_for_device_kind
+from planner.cost_model.hardware import (
+    CLUSTER_PATTERN,
+    DEFAULT_HARDWARE,
+    Hardware,
+    get_hardware,
+    hardware_for_device_kind,
+)
 from planner.mesh import MeshSpec
-
-_CLUSTER_STR = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*(?::\s*([\w.-]+))?\s*$")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,10 +62,15 @@ class Cluster:
             if isinstance(v, bool) or not (isinstance(v, (int, np.integer)) and v >= 1):
                 raise ValueError(f"cluster {name}={v!r} must be an int >= 1")
 
+    @staticmethod
+    def is_cluster(text: object) -> bool:
+        """Whether `text` is a cluster description ("HOSTSxDEVICES[:PRESET]")."""
+        return isinstance(text, str) and CLUSTER_PATTERN.match(text) is not None
+
     @classmethod
     def parse(cls, text: str) -> Cluster:
         """A cluster from `"HOSTSxDEVICES[:PRESET]"`, e.g. `"4x8:h100"`."""
-        m = _CLUSTER_STR.match(text)
+        m = CLUSTER_PATTERN.match(text)
         if not m:
             raise ValueError(f"cluster {text!r} is not of the form 'HOSTSxDEVICES[:PRESET]', e.g. '4x8:h100'")
         return cls(int(m.group(1)), int(m.group(2)), get_hardware(m.group(3)) if m.group(3) else DEFAULT_HARDWARE)

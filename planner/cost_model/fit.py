@@ -40,7 +40,7 @@ class Fit:
         return {"alpha": self.alpha, "beta": self.beta, "rel_rmse": self.rel_rmse, "samples": self.samples}
 
 
-def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> Fit:
+def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float], relative: bool = True) -> Fit:
     """Least-squares `alpha + beta * nbytes` through the samples, minimising relative error.
 
     Both coefficients are kept non-negative: when the unconstrained optimum has a negative one,
@@ -49,6 +49,8 @@ def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> Fit:
     Args:
       nbytes: message size of each sample (bytes).
       seconds: measured time of each sample, > 0.
+      relative: minimise relative error (the default); False minimises absolute error, which
+        suits samples of similar size where one slow outlier should not flatten the slope.
 
     Returns:
       The fit; with one distinct size only, a pure latency or pure bandwidth model cannot be told
@@ -63,26 +65,26 @@ def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> Fit:
         raise ValueError(f"need equally long, non-empty sample lists; got {x.shape} sizes and {y.shape} times")
     if not (np.all(np.isfinite(y)) and np.all(y > 0) and np.all(x >= 0)):
         raise ValueError("sample times must be finite and > 0, sizes >= 0")
-    w = 1.0 / y  # relative error weights
+    w = 1.0 / y if relative else np.full_like(y, 1.0 / y.mean())
     candidates: list[tuple[float, float]] = []
     if np.unique(x).size >= 2:
         a = np.stack([w, w * x], axis=1)
-        (alpha, beta), *_ = np.linalg.lstsq(a, np.ones_like(y), rcond=None)
+        (alpha, beta), *_ = np.linalg.lstsq(a, w * y, rcond=None)
         if alpha >= 0 and beta >= 0:
             candidates.append((float(alpha), float(beta)))
     if not candidates:
-        # alpha = 0: minimise sum((beta x w - 1)^2); beta = 0: minimise sum((alpha w - 1)^2).
-        wx = w * x
-        if np.any(wx > 0):
-            candidates.append((0.0, float(wx.sum() / (wx * wx).sum())))
+        # With one coefficient held at zero, the weighted least-squares optimum of the other.
+        w2 = w * w
+        if np.any(x > 0):
+            candidates.append((0.0, float((w2 * x * y).sum() / (w2 * x * x).sum())))
         if np.unique(x).size >= 2 or not candidates:
-            candidates.append((float(w.sum() / (w * w).sum()), 0.0))
+            candidates.append((float((w2 * y).sum() / w2.sum()), 0.0))
 
-    def err(c: tuple[float, float]) -> float:
-        return float(np.sqrt(np.mean(((c[0] + c[1] * x) / y - 1.0) ** 2)))
+    def err(c: tuple[float, float], weights: np.ndarray = w) -> float:
+        return float(np.sqrt(np.mean(((c[0] + c[1] * x - y) * weights) ** 2)))
 
     alpha, beta = min(candidates, key=err)
-    return Fit(alpha, beta, err((alpha, beta)), int(x.size))
+    return Fit(alpha, beta, err((alpha, beta), 1.0 / y), int(x.size))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -91,8 +93,9 @@ class Curve:
 
     Outside the sampled range the curve continues from the first / last sample with a fitted
     per-byte cost, so it stays continuous. Above the range the slope is `tail`'s, fitted to the
-    `TAIL_SIZES` largest sizes only: there time is bandwidth-bound, while the whole-range fit is
-    also bent by the latency-bound small sizes (and by the switch from tree to ring algorithms).
+    `TAIL_SIZES` largest sizes only (absolute error): there time is bandwidth-bound, while the
+    whole-range fit is also bent by the latency-bound small sizes (and by the switch from tree to
+    ring algorithms).
 
     Attributes:
       nbytes: sampled sizes, strictly increasing.
@@ -121,15 +124,21 @@ class Curve:
         xs = tuple(sorted(by_size))
         ys = tuple(float(np.median(by_size[b])) for b in xs)
         fit = fit if fit is not None else fit_alpha_beta(xs, ys)
-        tail = fit_alpha_beta(xs[-TAIL_SIZES:], ys[-TAIL_SIZES:]) if len(xs) >= 2 else fit
+        tail = fit_alpha_beta(xs[-TAIL_SIZES:], ys[-TAIL_SIZES:], relative=False) if len(xs) >= 2 else fit
         return cls(xs, ys, fit, tail)
+
+    @property
+    def slope(self) -> float:
+        """Seconds per byte for large messages: the tail fit's, or the whole fit's where noise left
+        the tail flat."""
+        return self.tail.beta if self.tail.beta > 0 else self.fit.beta
 
     def __call__(self, nbytes: float) -> float:
         xs, ys = self.nbytes, self.seconds
         if nbytes <= xs[0]:
             return max(0.0, ys[0] - self.fit.beta * (xs[0] - nbytes))
         if nbytes >= xs[-1]:
-            return ys[-1] + self.tail.beta * (nbytes - xs[-1])
+            return ys[-1] + self.slope * (nbytes - xs[-1])
         i = bisect.bisect_right(xs, nbytes)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0)

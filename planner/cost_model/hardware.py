@@ -128,13 +128,15 @@ TPU_V5P = Hardware("tpu-v5p", flops_f32=459e12, flops_bf16=459e12, memory_bytes=
 
 # This development machine: a 2-vCPU AMD EPYC (Zen 5, AVX-512, 2.6 GHz; `lscpu`) split into 8 XLA
 # host devices (`--xla_force_host_platform_device_count=8`), so each device gets 1/8 of the host.
-# Peak: 2 cores x 2.6 GHz x 64 f32 FLOP/cycle (two 512-bit FMA pipes) / 8 = 41.6 GFLOP/s per device;
-# XLA:CPU runs bfloat16 dots in float32, hence the same 16-bit peak. Memory and link figures were
-# measured here with `planner profile` (8 devices, 1 process; 2 processes x 4 devices over gloo/TCP
-# for the inter-host link); there is no public datasheet for a shared cloud VM.
+# Peak: 2 cores x 2.6 GHz x 64 f32 FLOP/cycle (two 512-bit FMA pipes) / 8 = 41.6 GFLOP/s per device
+# (`planner profile` measures ~34); XLA:CPU runs bfloat16 dots in float32, hence the same 16-bit peak.
+# There is no datasheet for a shared cloud VM: memory and link figures are the fits `planner profile`
+# measured here (experiments/bench_collectives.py): ~5.6 GB/s streaming per device; in-process
+# collectives ~10 us per ring step and ~3 GB/s; across 2 processes (gloo over loopback TCP, the
+# "inter-host" link) ~500 us per step and ~0.5 GB/s.
 CPU = Hardware("cpu", flops_f32=41.6e9, flops_bf16=41.6e9, memory_bytes=24 * _GB / 8,
-               memory_bandwidth=2 * _GB, intra_bandwidth=1 * _GB, intra_latency=30e-6,
-               inter_bandwidth=0.3 * _GB, inter_latency=300e-6, devices_per_host=8, device_kind=r"^cpu$")
+               memory_bandwidth=5.6 * _GB, intra_bandwidth=3 * _GB, intra_latency=10e-6,
+               inter_bandwidth=0.5 * _GB, inter_latency=500e-6, devices_per_host=8, device_kind=r"^cpu$")
 
 PRESETS: Mapping[str, Hardware] = MappingProxyType(
     {hw.name: hw for hw in (H100_SXM, H200, A100_40GB, A100_80GB, V100_16GB, TPU_V4, TPU_V5E, TPU_V5P, CPU)}
@@ -146,16 +148,27 @@ _ALIASES: Mapping[str, str] = MappingProxyType(
 DEFAULT_HARDWARE = A100_80GB
 
 
+# "HOSTSxDEVICES[:PRESET]", a cluster description (see `cluster.Cluster.parse`).
+CLUSTER_PATTERN = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*(?::\s*([\w.-]+))?\s*$", re.IGNORECASE)
+
+
 def get_hardware(name_or_hw: str | Hardware | None) -> Hardware:
-    """Looks up a preset by name or alias (case-insensitive); passes a `Hardware` through."""
+    """Looks up a preset by name or alias (case-insensitive); passes a `Hardware` through.
+
+    A cluster description such as "4x8:h100" (hosts x devices per host : preset) names its preset.
+    """
     if name_or_hw is None:
         return DEFAULT_HARDWARE
     if isinstance(name_or_hw, Hardware):
         return name_or_hw
+    m = CLUSTER_PATTERN.match(str(name_or_hw))
+    if m:
+        return get_hardware(m.group(3)) if m.group(3) else DEFAULT_HARDWARE
     key = str(name_or_hw).lower()
     key = _ALIASES.get(key, key)
     if key not in PRESETS:
-        raise ValueError(f"unknown hardware {name_or_hw!r}; known presets: {', '.join(sorted(PRESETS))}")
+        raise ValueError(f"unknown hardware {name_or_hw!r}; known presets: {', '.join(sorted(PRESETS))} "
+                         "(or a cluster such as '4x8:h100')")
     return PRESETS[key]
 
 

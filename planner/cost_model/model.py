@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +13,10 @@ from planner.cost_model.cluster import Cluster
 from planner.cost_model.collectives import AxisLink, analytic_time, best_time, check_kind, group_link
 from planner.cost_model.hardware import DEFAULT_HARDWARE, Hardware, get_hardware, hardware_for_device_kind
 from planner.cost_model.profile_db import MeasuredCollectives, ProfileDB, bind, check_device_kind, load_profile
+from planner.errors import MeshError
 from planner.mesh import MeshSpec
+
+log = logging.getLogger("planner")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,6 +86,9 @@ class CostModel:
             device_kind = jax.devices()[0].device_kind
         check_device_kind(db, hw, device_kind if hw is None else None)
         measured = bind(db, mesh)
+        if db.jax_version not in (jax.__version__, "synthetic"):
+            log.info("profile %s was measured with jax %s; this is jax %s (collective implementations may differ)",
+                     db.name, db.jax_version, jax.__version__)
         base = hw or hardware_for_device_kind(db.device_kind) or DEFAULT_HARDWARE
         flops = dict(db.matmul_flops)
         base = dataclasses.replace(
@@ -98,9 +105,27 @@ class CostModel:
     @classmethod
     def build(cls, mesh: MeshSpec, hardware: str | Hardware | None = None, inter_host_axes: Sequence[int] = (),
               profile: Any = None) -> CostModel:
-        """The model planner options ask for: profiled when `profile` is given, analytic otherwise."""
+        """The model planner options ask for: profiled when `profile` is given, analytic otherwise.
+
+        Args:
+          mesh: the planning mesh.
+          hardware: a preset name, a `Hardware`, a cluster description such as "2x8:h100" (the
+            axes spanning hosts then use the inter-host link), or None.
+          inter_host_axes: axes on the inter-host link (overrides what the cluster or profile says).
+          profile: a profile database (path or loaded) or None.
+
+        Raises:
+          MeshError: a cluster description with another number of devices than the mesh.
+          ProfileError: an unusable profile.
+        """
         if profile is not None:
             return cls.from_profile(mesh, profile, hardware, tuple(inter_host_axes) or None)
+        if Cluster.is_cluster(hardware) and not inter_host_axes:
+            cluster = Cluster.parse(hardware)
+            if cluster.num_devices != mesh.size:
+                raise MeshError(f"cluster {hardware!r} has {cluster.num_devices} devices but the mesh {mesh} has "
+                                f"{mesh.size}; describe the cluster the mesh runs on")
+            return cls.for_cluster(mesh, cluster)
         return cls.default(mesh, get_hardware(hardware), tuple(inter_host_axes))
 
     def collective_time(self, kind: str, nbytes: float, axes: Sequence[int], combined: bool = False) -> float:
@@ -109,8 +134,8 @@ class CostModel:
         `combined=True` drops the latency term: XLA's collective combiners merge independent
         reductions (the gradient reductions of a train step) into one, so their latency is paid once.
         """
-        axes = tuple(sorted(axes))
-        if nbytes <= 0 or self.mesh.axis_size(axes) <= 1:
+        axes = tuple(sorted(a for a in axes if self.mesh.shape[a] > 1))
+        if nbytes <= 0 or not axes:
             check_kind(kind)
             return 0.0
         if self.measured is not None:
@@ -125,7 +150,7 @@ class CostModel:
 
     def algorithm(self, kind: str, nbytes: float, axes: Sequence[int]) -> str:
         """How the time of `collective_time` is obtained: "measured", "ring" or "tree"."""
-        axes = tuple(sorted(axes))
+        axes = tuple(sorted(a for a in axes if self.mesh.shape[a] > 1))
         if self.measured is not None and self.measured.get(kind, axes) is not None:
             return "measured"
         n = self.mesh.axis_size(axes)

@@ -396,8 +396,8 @@ def bind(db: ProfileDB, mesh: MeshSpec) -> MeasuredCollectives:
         n = mesh.shape[a]
         for kind in ("all-reduce", "all-gather", "reduce-scatter"):
             c = curves.get((kind, (a,)))
-            if c is not None and n > 1:
-                link = AxisLink(c.fit.alpha / ring_steps(kind, n), c.tail.beta / ring_bytes(kind, 1.0, n))
+            if c is not None and n > 1 and c.slope > 0:
+                link = AxisLink(c.fit.alpha / ring_steps(kind, n), c.slope / ring_bytes(kind, 1.0, n))
                 break
         links.append(link)
     if tuple(db.mesh.shape) != tuple(mesh.shape) and missing:

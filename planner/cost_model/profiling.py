@@ -261,9 +261,9 @@ def summary(db: ProfileDB) -> str:
              f"launch overhead {db.dispatch_overhead_s * 1e6:.1f} us",
              f"  {'collective':<20}{'axes':<12}{'n':>4}{'alpha (us)':>12}{'GB/s':>10}{'fit err':>9}"]
     for e in db.collectives:
-        bw = 1.0 / e.fit.beta / 1e9 if e.fit.beta > 0 else float("inf")
+        bw = f"{1.0 / e.fit.beta / 1e9:.3f}" if e.fit.beta > 0 else "-"
         axes = "*".join(db.mesh.axis_names[a] for a in e.axes)
-        lines.append(f"  {e.collective:<20}{axes:<12}{e.group_size:>4}{e.fit.alpha * 1e6:>12.1f}{bw:>10.3f}"
+        lines.append(f"  {e.collective:<20}{axes:<12}{e.group_size:>4}{e.fit.alpha * 1e6:>12.1f}{bw:>10}"
                      f"{e.fit.rel_rmse:>8.0%}")
     for dtype, flops in db.matmul_flops:
         lines.append(f"  matmul {dtype:<10} {flops / 1e9:10.2f} GFLOP/s per device")

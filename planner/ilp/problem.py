@@ -234,22 +234,28 @@ def _combinable_ops(graph: Graph) -> set[int]:
 
 
 _INDEXED = re.compile(r"([A-Za-z][A-Za-z0-9]*?)_(\d+)\b")
+_PARTS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def layer_representatives(nodes: Sequence[Node], graph: Graph, min_repeats: int = 4) -> tuple[int, ...]:
+def layer_representatives(nodes: Sequence[Node], graph: Graph, min_repeats: int = 2) -> tuple[int, ...]:
     """Maps each node to the node of the first repeated layer that plays the same part.
 
-    Module names like `blocks_0 ... blocks_11` (a name prefix seen with at least `min_repeats`
-    indices) mark repeated layers. Nodes that play the same part in two layers (same label up to
-    the layer index, same position among such nodes, same types and strategies) share one decision,
-    as Meta's AutoParallel does: the ILP shrinks by the layer count and identical layers get
-    identical shardings.
+    Repeated layers are module names like `blocks_0 ... blocks_11`: a name prefix seen with at
+    least `min_repeats` indices whose modules contain further modules (`blocks_3/attn/query`), so
+    that two leaf layers of an MLP (`dense_0`, `dense_1`), which may well want different
+    shardings, are not mistaken for repeats. Nodes that play the same part in two layers (same
+    label up to the layer index, same position among such nodes, same types and strategies) share
+    one decision, as Meta's AutoParallel does: the ILP shrinks by the layer count and identical
+    layers get identical shardings.
     """
     seen: dict[str, set[str]] = defaultdict(set)
+    nested: set[str] = set()
     for node in nodes:
         for m in _INDEXED.finditer(node.label):
             seen[m.group(1)].add(m.group(2))
-    prefixes = {p for p, idx in seen.items() if len(idx) >= min_repeats}
+            if len(_PARTS.findall(node.label[m.end():])) >= 2:
+                nested.add(m.group(1))
+    prefixes = {p for p, idx in seen.items() if len(idx) >= min_repeats and p in nested}
     if not prefixes:
         return tuple(range(len(nodes)))
     count: dict[tuple, int] = defaultdict(int)

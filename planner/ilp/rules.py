@@ -310,7 +310,17 @@ def gather_rule(op: Op, graph: Graph) -> OpSig:
             lab = f"w{wd}"
             o_lab[wd] = out_lab[od] = lab
             sizes[lab] = operand.shape[wd]
-    return OpSig((tuple(o_lab), tuple(i_lab)), (tuple(out_lab),), sizes, flops=float(out.size))
+    # A looked-up dim (e.g. the vocabulary of an embedding table) may be split: each device looks
+    # up the rows it holds and contributes zeros for the others, leaving partial sums.
+    sums = set()
+    for d in collapsed & start_map:
+        if slice_sizes[d] == 1 and o_lab[d] is None:
+            lab = f"v{d}"
+            o_lab[d] = lab
+            sizes[lab] = operand.shape[d]
+            sums.add(lab)
+    return OpSig((tuple(o_lab), tuple(i_lab)), (tuple(out_lab),), sizes, sum_labels=frozenset(sums),
+                 flops=float(out.size))
 
 
 def scatter_add_rule(op: Op, graph: Graph) -> OpSig:
@@ -342,6 +352,13 @@ def scatter_add_rule(op: Op, graph: Graph) -> OpSig:
             lab = f"w{wd}"
             o_lab[wd] = u_lab[ud] = lab
             sizes[lab] = operand.shape[wd]
+    # A scattered-into dim of the operand (an embedding gradient's vocabulary) may be split: each
+    # device applies the updates that land in the rows it holds.
+    for d in inserted & sdims_to_op:
+        if o_lab[d] is None:
+            lab = f"v{d}"
+            o_lab[d] = lab
+            sizes[lab] = operand.shape[d]
     return OpSig((tuple(o_lab), tuple(i_lab), tuple(u_lab)), (tuple(o_lab),), sizes,
                  sum_labels=frozenset(sums), flops=float(updates.size))
 

@@ -127,33 +127,42 @@ def _match_backward(graph: Graph, op_layer: list[int | None], phases: Sequence[s
 
 def _propagate(graph: Graph, op_layer: list[int | None], input_layer: list[int | None],
                phases: Sequence[str]) -> None:
-    """Fills unlabelled ops and inputs from their module paths, producers, then consumers (in place)."""
+    """Fills unlabelled ops and inputs (in place).
+
+    Order: backward ops by module path; forward and update ops from their producers (the latest
+    layer); then, walking backwards, backward ops from their consumers (the latest: the gradient
+    flows towards earlier layers, so an op between two layers' backward belongs to the later one's
+    side) and other ops from their consumers (the earliest); then backward ops still unlabelled
+    from their producers (the earliest).
+    """
     _match_backward(graph, op_layer, phases)
     tensor_layer: dict[int, int] = {t: l for t, l in zip(graph.inputs, input_layer) if l is not None}
     for op in graph.ops:
-        if op_layer[op.index] is None:
+        if op_layer[op.index] is None and phases[op.index] != BACKWARD:
             known = [tensor_layer[t] for t in op.tensor_inputs if t in tensor_layer]
             if known:
-                op_layer[op.index] = min(known) if phases[op.index] == BACKWARD else max(known)
+                op_layer[op.index] = max(known)
         if op_layer[op.index] is not None:
             for t in op.outputs:
                 tensor_layer[t] = op_layer[op.index]
-    # Reverse pass: the earliest layer among consumers.
-    need: dict[int, int] = {}
+    uses: dict[int, list[int]] = defaultdict(list)
     for op in reversed(graph.ops):
         if op_layer[op.index] is None:
-            cons = [need[t] for t in op.outputs if t in need]
+            cons = [l for t in op.outputs for l in uses.get(t, ())]
             if cons:
-                op_layer[op.index] = min(cons)
+                op_layer[op.index] = max(cons) if phases[op.index] == BACKWARD else min(cons)
         if op_layer[op.index] is not None:
             for t in op.tensor_inputs:
-                need[t] = min(need.get(t, op_layer[op.index]), op_layer[op.index])
+                uses[t].append(op_layer[op.index])
+    for op in graph.ops:
+        if op_layer[op.index] is None:
+            known = [tensor_layer[t] for t in op.tensor_inputs if t in tensor_layer]
+            op_layer[op.index] = min(known) if known else 0
+        for t in op.outputs:
+            tensor_layer.setdefault(t, op_layer[op.index])
     for k, t in enumerate(graph.inputs):
         if input_layer[k] is None:
-            input_layer[k] = need.get(t, 0)
-    for i, l in enumerate(op_layer):
-        if l is None:
-            op_layer[i] = 0
+            input_layer[k] = min(uses.get(t, [0]))
 
 
 def _layer_keys(graph: Graph, op_layer: Sequence[int], num_layers: int, prefix: str | None) -> tuple[str, ...]:
@@ -211,14 +220,15 @@ def cluster_by_modules(graph: Graph, prefix: str | None = None) -> Layers | None
     fwd_in_module = [op.index for op in graph.ops if phases[op.index] == FORWARD and raw[op.index] is not None]
     first, last = fwd_in_module[0], fwd_in_module[-1]
     fwd_free = [op.index for op in graph.ops if phases[op.index] == FORWARD and raw[op.index] is None]
-    has_pre = any(i < first and graph.ops[i].name_stack for i in fwd_free)
-    has_post = any(i > last and graph.ops[i].name_stack for i in fwd_free)
+    real = [i for i in fwd_free if graph.ops[i].tensor_inputs]
+    has_pre = any(i < first for i in real)
+    has_post = any(i > last for i in real)
     base = 1 if has_pre else 0
     rank = {idx: base + k for k, idx in enumerate(order)}
     post = base + len(order)
     op_layer: list[int | None] = [None if i is None else rank[i] for i in raw]
     for i in fwd_free:
-        if has_pre and i < first and graph.ops[i].name_stack:
+        if has_pre and i < first:
             op_layer[i] = 0
         elif has_post and i > last:
             op_layer[i] = post

@@ -13,26 +13,35 @@ Per layer and logical mesh the plan gives:
   state_bytes parameters + gradient accumulator + optimizer state per device,
   act_bytes   activations kept from forward to backward, per microbatch in flight, per device,
   work_bytes  transient working memory of the layer's step beyond those.
+
+A stage runs in one of four ways, and the DP takes the fastest that fits the device memory (the
+intra-op ILP plans each layer for time alone; it has no stage-level view of memory):
+  state layout "plan"           parameters stored as the plan shards them;
+               "sharded-state"  parameters, gradient accumulators and optimizer state split over every
+                                device of the stage (ZeRO-3 on top of the plan), the plan's layout
+                                all-gathered before the forward and again before the backward;
+  remat False  activations kept from each microbatch's forward to its backward;
+        True   only the stage's input kept; the backward recomputes the stage's forward first
+               (extra time: the forward's share of the FLOPs, times the layer's time).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 
 from planner.cost_model import Hardware
 from planner.errors import MeshError, PlannerError
-from planner.graph import Graph
+from planner.graph import Graph, Op
 from planner.ilp.rules import signature
 from planner.ilp.strategies import shard_bytes
 from planner.options import PlanOptions
 from planner.planning import make_plan
-from planner.sharding import Spec, replicated
+from planner.sharding import Spec, active_axes, replicated
 from planner.stages.clustering import APPLY, BACKWARD, FORWARD, Layers
 from planner.stages.submesh import Cluster, LogicalMesh
 
@@ -44,8 +53,12 @@ class LayerCost:
     """Predicted cost of one layer on one logical mesh (see the module docstring).
 
     Attributes:
+      fwd_fraction: the forward's share of the layer's FLOPs (what rematerialisation repeats).
       input_specs: the plan's sharding of each external input of the layer's subgraph, in the
         subgraph's input order (identical layers list their inputs in the same order).
+      zero_extra_s: extra all-gather time per microbatch of the sharded-state layout.
+      zero_state_bytes: state bytes per device of the sharded-state layout.
+      zero_specs: per external input, its sharded-state layout (None: not a parameter).
     """
 
     time_s: float
@@ -53,53 +66,91 @@ class LayerCost:
     state_bytes: float
     act_bytes: float
     work_bytes: float
+    fwd_fraction: float = 0.0
     input_specs: tuple[Spec | None, ...] = ()
+    zero_extra_s: float = 0.0
+    zero_state_bytes: float = 0.0
+    zero_work_bytes: float = 0.0
+    zero_specs: tuple[Spec | None, ...] = ()
 
 
-INFEASIBLE = LayerCost(math.inf, math.inf, math.inf, math.inf, math.inf)
+INFEASIBLE = LayerCost(math.inf, math.inf, math.inf, math.inf, math.inf, 0.0, (), math.inf, math.inf, math.inf, ())
+LAYOUTS = ("plan", "sharded-state")
 
 
-def subgraph(graph: Graph, ops: Sequence[int], name: str = "") -> tuple[Graph, tuple[int, ...]]:
+def zero_spec(shape: tuple[int, ...], spec: Spec, mesh) -> Spec:
+    """`spec` with every mesh axis it leaves unused added to a dimension it divides (largest first)."""
+    out = [list(axes) for axes in spec]
+    used = {a for axes in spec for a in axes}
+    for a in active_axes(mesh):
+        if a in used:
+            continue
+        for d in sorted(range(len(shape)), key=lambda d: -shape[d] // max(1, mesh.axis_size(out[d]))):
+            have = mesh.axis_size(out[d])
+            if (shape[d] // have) % mesh.shape[a] == 0 and shape[d] % have == 0:
+                out[d].append(a)
+                break
+    return tuple(tuple(axes) for axes in out)
+
+
+def external_inputs(graph: Graph, ops: Sequence[int]) -> tuple[int, ...]:
+    """Tensors `ops` read but do not make (constants excluded), in order of first use."""
+    produced = {t for i in ops for t in graph.ops[i].outputs}
+    out: list[int] = []
+    seen: set[int] = set()
+    for i in sorted(ops):
+        for t in graph.ops[i].tensor_inputs:
+            if t not in produced and t not in seen and t not in graph.consts:
+                seen.add(t)
+                out.append(t)
+    return tuple(out)
+
+
+def subgraph(graph: Graph, ops: Sequence[int], name: str = "",
+             updates: Sequence[tuple[int, int]] = ()) -> tuple[Graph, tuple[int, ...]]:
     """The program made of `ops` alone: values from outside become inputs, values used outside outputs.
 
-    Tensor ids are kept (the tensor table is shared); ops are renumbered. Inputs that are program
-    inputs keep their pytree path; the others are named `<name>act<id>`.
+    Tensor ids are kept (ops are renumbered). Inputs that are program inputs keep their pytree path;
+    the others are named `<name>act<id>`. Each `(param, grad)` in `updates` adds `param + grad` as
+    an output under the parameter's own path: a one-op stand-in for the optimizer update, so that
+    the intra-op plan stores the parameter where its update is cheap (output tied to the input)
+    instead of replicated and sliced for free.
 
     Returns:
-      The subgraph and the tensor ids of its inputs (in order of first use).
+      The subgraph and the tensor ids of its inputs (`external_inputs`).
     """
     ops = sorted(ops)
     inside = set(ops)
-    produced = {t for i in ops for t in graph.ops[i].outputs}
     path_of = dict(zip(graph.inputs, graph.input_paths))
-    inputs: list[int] = []
-    seen: set[int] = set()
-    consts = {}
-    for i in ops:
-        for t in graph.ops[i].tensor_inputs:
-            if t in produced or t in seen:
-                continue
-            if t in graph.consts:
-                consts[t] = graph.consts[t]
-                continue
-            seen.add(t)
-            inputs.append(t)
+    inputs = external_inputs(graph, ops)
+    consts = {t: graph.consts[t] for i in ops for t in graph.ops[i].tensor_inputs if t in graph.consts}
     used_outside = {t for op in graph.ops if op.index not in inside for t in op.tensor_inputs}
     used_outside.update(t for t in graph.outputs if isinstance(t, int))
     outputs = [t for i in ops for t in graph.ops[i].outputs if t in used_outside]
-    new_ops = tuple(dataclasses.replace(graph.ops[i], index=k) for k, i in enumerate(ops))
+    output_paths = [f"{name}out{t}" for t in outputs]
+    new_ops = [dataclasses.replace(graph.ops[i], index=k) for k, i in enumerate(ops)]
+    tensors = list(graph.tensors)
+    in_set = set(inputs)
+    produced = {t for i in ops for t in graph.ops[i].outputs}
+    for param, grad in updates:
+        if param in in_set and param in path_of and grad in produced:
+            tensors.append(graph.tensors[param])
+            out = len(tensors) - 1
+            new_ops.append(Op(len(new_ops), jax.lax.add_p, {}, (param, grad), (out,), f"{name}update"))
+            outputs.append(out)
+            output_paths.append(path_of[param])
     sub = Graph(
-        tensors=graph.tensors,
-        ops=new_ops,
-        inputs=tuple(inputs),
+        tensors=tuple(tensors) if updates else graph.tensors,
+        ops=tuple(new_ops),
+        inputs=inputs,
         input_paths=tuple(path_of.get(t, f"{name}act{t}") for t in inputs),
         outputs=tuple(outputs),
-        output_paths=tuple(f"{name}out{t}" for t in outputs),
+        output_paths=tuple(output_paths),
         consts=consts,
         in_tree=jax.tree_util.tree_structure(tuple(range(len(inputs)))),
         out_tree=jax.tree_util.tree_structure(tuple(range(len(outputs)))),
     )
-    return sub, tuple(inputs)
+    return sub, inputs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,9 +160,12 @@ class LayerFacts:
     ops: tuple[int, ...]          # forward + backward ops (planned by the ILP)
     apply_ops: tuple[int, ...]    # optimizer-update ops
     param_inputs: tuple[int, ...]  # program inputs the update writes back (parameters)
+    param_grads: tuple[tuple[int, int], ...]  # (parameter, its gradient) pairs
     state_bytes_total: float      # bytes of every program input the update reads (params + optimizer state)
     param_bytes_total: float
     apply_flops: float
+    saved: tuple[int, ...]        # forward values this layer's backward reads (kept between them)
+    fwd_fraction: float           # forward FLOPs / (forward + backward FLOPs)
 
 
 def layer_facts(graph: Graph, layers: Layers) -> tuple[LayerFacts, ...]:
@@ -124,6 +178,9 @@ def layer_facts(graph: Graph, layers: Layers) -> tuple[LayerFacts, ...]:
             apply_reads[layers.op_layer[op.index]].update(t for t in op.tensor_inputs if t in inputs)
         else:
             grad_reads[layers.op_layer[op.index]].update(t for t in op.tensor_inputs if t in inputs)
+    grads = _gradients(graph, layers)
+    fwd_made = {t for op in graph.ops if layers.op_phase[op.index] == FORWARD for t in op.outputs}
+    flops = [signature(op, graph).flops for op in graph.ops]
     out = []
     for l in range(layers.num_layers):
         ops = layers.ops_of(l, (FORWARD, BACKWARD))
@@ -132,24 +189,57 @@ def layer_facts(graph: Graph, layers: Layers) -> tuple[LayerFacts, ...]:
         # the update, the batch only by the gradient computation).
         params = tuple(sorted(apply_reads[l] & grad_reads[l]))
         state = apply_reads[l]
+        saved = sorted({t for i in ops if layers.op_phase[i] == BACKWARD
+                        for t in graph.ops[i].tensor_inputs if t in fwd_made})
+        f_fwd = sum(flops[i] for i in ops if layers.op_phase[i] == FORWARD)
+        f_all = sum(flops[i] for i in ops)
         out.append(LayerFacts(
             ops=ops,
             apply_ops=apply_ops,
             param_inputs=params,
+            param_grads=tuple((p, grads[p]) for p in params if p in grads),
             state_bytes_total=float(sum(graph.tensors[t].nbytes for t in state)),
             param_bytes_total=float(sum(graph.tensors[t].nbytes for t in params)),
-            apply_flops=float(sum(signature(graph.ops[i], graph).flops for i in apply_ops)),
+            apply_flops=float(sum(flops[i] for i in apply_ops)),
+            saved=tuple(saved),
+            fwd_fraction=f_fwd / f_all if f_all else 0.0,
         ))
     return tuple(out)
 
 
+def _gradients(graph: Graph, layers: Layers) -> dict[int, int]:
+    """Parameter input -> its gradient: the value made outside the update, of the parameter's type,
+    from which the update computes the new value of the parameter (the output with its path)."""
+    producers = graph.producers()
+    out_by_path = {p: t for p, t in zip(graph.output_paths, graph.outputs) if isinstance(t, int)}
+    result = {}
+    for t, path in zip(graph.inputs, graph.input_paths):
+        new = out_by_path.get(path)
+        if new is None or new == t:
+            continue
+        stack, seen = [new], set()
+        while stack:
+            x = stack.pop()
+            if x in seen or x not in producers:
+                continue
+            seen.add(x)
+            op = graph.ops[producers[x][0]]
+            if layers.op_phase[op.index] != APPLY:
+                if graph.tensors[x] == graph.tensors[t]:
+                    result[t] = x
+                    break
+                continue
+            stack.extend(op.tensor_inputs)
+    return result
+
+
 def _layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmesh: LogicalMesh,
                 hardware: Hardware, options: PlanOptions) -> LayerCost:
-    sub, ext = subgraph(graph, facts.ops, f"{layers.names[layer]}/")
+    sub, ext = subgraph(graph, facts.ops, f"{layers.names[layer]}/", facts.param_grads)
     if not sub.ops:
-        return LayerCost(0.0, 0.0, 0.0, 0.0, 0.0, ())
+        return LayerCost(0.0, 0.0, 0.0, 0.0, 0.0)
     cost = lmesh.cost_model(hardware)
-    opts = dataclasses.replace(options, memory_budget=None, pipeline=False, tie_outputs=False,
+    opts = dataclasses.replace(options, memory_budget=None, pipeline=False, tie_outputs=True,
                                inter_host_axes=lmesh.host_axes, hardware=hardware)
     try:
         plan = make_plan(sub, lmesh.mesh, opts)
@@ -168,21 +258,33 @@ def _layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lme
     for op_index, k, spec in plan.op_specs:
         produced_spec[sub.ops[op_index].outputs[k]] = spec
     produced_spec.update(spec_of_input)
-    fwd_made = {t for op in graph.ops if layers.op_phase[op.index] == FORWARD for t in op.outputs}
-    saved: set[int] = set()
-    for i in facts.ops:
-        if layers.op_phase[i] == BACKWARD:
-            saved.update(t for t in graph.ops[i].tensor_inputs if t in fwd_made)
     act = 0.0
-    for t in saved:
+    for t in facts.saved:
         spec = produced_spec.get(t)
         act += shard_bytes(graph.tensors[t], spec, mesh) if spec is not None else graph.tensors[t].nbytes
     peak = float(plan.prediction.memory_bytes_per_device)
     work = max(0.0, peak - param_shard - act)
     apply_bytes = 2 * facts.state_bytes_total + facts.param_bytes_total
     apply_s = cost.compute_time(facts.apply_flops * ratio, apply_bytes * ratio)
-    return LayerCost(plan.prediction.step_time_s, apply_s, state, act, work,
-                     tuple(spec_of_input.get(t) for t in ext))
+    # Sharded-state variant: store each parameter split over all axes, gather the plan's layout twice.
+    zero_specs, zero_extra, zero_param = [], 0.0, 0.0
+    for t in ext:
+        spec = spec_of_input.get(t)
+        if t not in param_set or spec is None:
+            zero_specs.append(None)
+            continue
+        tensor = graph.tensors[t]
+        z = zero_spec(tensor.shape, spec, mesh)
+        zero_specs.append(z)
+        zero_param += shard_bytes(tensor, z, mesh)
+        extra_axes = tuple(sorted({a for axes in z for a in axes} - {a for axes in spec for a in axes}))
+        if extra_axes:
+            zero_extra += 2 * cost.collective_time("all-gather", shard_bytes(tensor, spec, mesh), extra_axes)
+    zratio = zero_param / facts.param_bytes_total if facts.param_bytes_total else 1.0 / mesh.size
+    zero_state = 2 * zero_param + (facts.state_bytes_total - facts.param_bytes_total) * zratio
+    return LayerCost(plan.prediction.step_time_s, apply_s, state, act, work, facts.fwd_fraction,
+                     tuple(spec_of_input.get(t) for t in ext), zero_extra, zero_state, work + param_shard,
+                     tuple(zero_specs))
 
 
 @dataclasses.dataclass(slots=True)
@@ -238,14 +340,128 @@ def boundary_bytes(graph: Graph, layers: Layers) -> np.ndarray:
     return np.cumsum(delta)[:L]
 
 
-def layer_cost_arrays(table: LayerCostTable, mesh_indices: Sequence[int]) -> Mapping[str, np.ndarray]:
-    """Per field of LayerCost, an array [layer, mesh] over the given logical meshes."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageOption:
+    """One way to run a stage on a submesh: a logical mesh (index into the table's meshes), a state
+    layout ("plan" or "sharded-state") and whether the backward recomputes the forward."""
+
+    mesh_index: int
+    layout: str
+    remat: bool
+
+    @property
+    def name(self) -> str:
+        return self.layout + ("+remat" if self.remat else "")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageTimes:
+    """Latency of every (layer range, submesh) for the DP, and how each was obtained.
+
+    Attributes:
+      times: `times[q, k, i, m]` seconds per microbatch of layers k..i on submesh m with
+        `inflight[q]` microbatches in flight; infinity when nothing fits.
+      option: index into `options[m]` of the way achieving it (-1: none).
+      options: per submesh, the ways considered.
+      inflight: in-flight microbatches of each q.
+      boundary: activation bytes crossing each layer boundary per microbatch.
+    """
+
+    times: np.ndarray
+    option: np.ndarray
+    options: tuple[tuple[StageOption, ...], ...]
+    inflight: tuple[int, ...]
+    boundary: np.ndarray
+
+
+def _range_sums(x: np.ndarray) -> np.ndarray:
+    """`out[k, i] = sum(x[k..i])` for i >= k, infinity below the diagonal or over an infinite entry."""
+    L = len(x)
+    bad = ~np.isfinite(x)
+    c = np.concatenate([[0.0], np.cumsum(np.where(bad, 0.0, x))])
+    nbad = np.concatenate([[0], np.cumsum(bad)])
+    out = c[None, 1:] - c[:-1, None]
+    out[(nbad[None, 1:] - nbad[:-1, None]) > 0] = np.inf
+    out[np.tril_indices(L, -1)] = np.inf
+    return out
+
+
+def _range_max(x: np.ndarray) -> np.ndarray:
+    L = len(x)
+    out = np.full((L, L), np.inf)
+    for k in range(L):
+        out[k, k:] = np.maximum.accumulate(x[k:])
+    return out
+
+
+def _columns(table: LayerCostTable, mesh_index: int, layout: str) -> dict[str, np.ndarray]:
+    rows = [table.cost(l, mesh_index) for l in range(table.layers.num_layers)]
+    sharded = layout == "sharded-state"
+    return {
+        "time": np.array([r.time_s + (r.zero_extra_s if sharded else 0.0) for r in rows]),
+        "recompute": np.array([r.time_s * r.fwd_fraction + (r.zero_extra_s / 2 if sharded else 0.0) for r in rows]),
+        "state": np.array([r.zero_state_bytes if sharded else r.state_bytes for r in rows]),
+        "act": np.array([r.act_bytes for r in rows]),
+        "work": np.array([r.zero_work_bytes if sharded else r.work_bytes for r in rows]),
+    }
+
+
+def stage_ranges(table: LayerCostTable, mesh_index: int, option: StageOption, devices: int,
+                 boundary: np.ndarray, link) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every layer range k..i: (latency per microbatch, fixed memory, memory per in-flight microbatch).
+
+    The latency includes sending the stage's output activations forward and its input gradients
+    backward (`alpha + bytes * beta / devices` each, over the cluster's boundary link).
+    """
+    col = _columns(table, mesh_index, option.layout)
+    send = np.array([link.alpha + b * link.beta / devices if b > 0 else 0.0 for b in boundary])
+    fwd_send = send.copy()
+    fwd_send[-1] = 0.0
+    bwd_send = np.concatenate([[0.0], send[:-1]])
+    t = _range_sums(col["time"]) + fwd_send[None, :] + bwd_send[:, None]
+    state, act, work = _range_sums(col["state"]), _range_sums(col["act"]), _range_max(col["work"])
+    if not option.remat:
+        return t, state + work, act
+    t = t + _range_sums(col["recompute"])
+    stage_input = np.concatenate([[0.0], boundary[:-1]]) / devices
+    per_mb = np.where(np.isfinite(act), np.broadcast_to(stage_input[:, None], act.shape), np.inf)
+    return t, state + act + work, per_mb
+
+
+def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
+                mesh_indices: Sequence[Sequence[int]], num_microbatches: int, schedule: str,
+                memory_budget: float, boundary: np.ndarray) -> StageTimes:
+    """The DP's latency table: per (layer range, submesh, in-flight count) the fastest way that fits.
+
+    A way fits when `fixed + inflight * per_microbatch <= memory_budget` (see `stage_ranges`), where
+    `inflight` is what a stage at that pipeline position holds: under 1F1B min(position from the
+    end, B), under GPipe B.
+    """
     L = table.layers.num_layers
-    fields = ("time_s", "apply_s", "state_bytes", "act_bytes", "work_bytes")
-    out = {f: np.zeros((L, len(mesh_indices))) for f in fields}
-    for l in range(L):
-        for j, m in enumerate(mesh_indices):
-            c = table.cost(l, m)
-            for f in fields:
-                out[f][l, j] = getattr(c, f)
-    return MappingProxyType(out)
+    B = num_microbatches
+    inflight = tuple(range(1, min(B, L) + 1)) if schedule == "1f1b" else (B,)
+    Q, S = len(inflight), len(submeshes)
+    times = np.full((Q, L, L, S), np.inf)
+    option = np.full((Q, L, L, S), -1, dtype=np.int32)
+    link = table.cluster.boundary_link()
+    options: list[tuple[StageOption, ...]] = []
+    for m, (n, k) in enumerate(submeshes):
+        opts = tuple(StageOption(mi, layout, remat) for mi in mesh_indices[m] for layout in LAYOUTS
+                     for remat in (False, True))
+        options.append(opts)
+        for j, opt in enumerate(opts):
+            t, fixed, per_mb = stage_ranges(table, opt.mesh_index, opt, n * k, boundary, link)
+            for q, f in enumerate(inflight):
+                ok = np.isfinite(t) & (fixed + f * per_mb <= memory_budget)
+                cand = np.where(ok, t, np.inf)
+                better = cand < times[q, :, :, m]
+                times[q, :, :, m] = np.where(better, cand, times[q, :, :, m])
+                option[q, :, :, m] = np.where(better, j, option[q, :, :, m])
+    return StageTimes(times, option, tuple(options), inflight, boundary)
+
+
+def stage_memory(table: LayerCostTable, first: int, last: int, opt: StageOption, devices: int,
+                 boundary: np.ndarray, inflight: int) -> float:
+    """Predicted per-device memory of one stage holding `inflight` microbatches."""
+    _, fixed, per_mb = stage_ranges(table, opt.mesh_index, opt, devices, boundary, table.cluster.boundary_link())
+    return float(fixed[first, last] + inflight * per_mb[first, last])

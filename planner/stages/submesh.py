@@ -114,24 +114,25 @@ def submesh_shapes(num_hosts: int, devices_per_host: int) -> tuple[Shape, ...]:
 def logical_meshes(submesh: Shape, cluster: Cluster, max_ndim: int = 2) -> tuple[LogicalMesh, ...]:
     """The logical meshes a submesh is planned as.
 
-    Inside one host: the 1-D mesh and every 2-D factorisation (all links fast). Across hosts: the
-    1-D mesh (its collectives cross hosts) and (hosts, devices), whose first axis is inter-host.
+    With `max_ndim=1`: the 1-D mesh (its axis crosses hosts when the submesh does). With 2: inside
+    one host the most square 2-D factorisation (both links fast; (a, b) and (b, a) are the same
+    problem), across hosts (hosts, devices) with an inter-host first axis. A 2-D mesh subsumes the
+    1-D one (the planner may put both axes on one dimension), so the 1-D mesh is only kept where no
+    2-D factorisation exists.
     """
     n, m = submesh
     size = n * m
-    out: list[LogicalMesh] = []
-    if n == 1:
-        out.append(LogicalMesh(MeshSpec((size,), default_axis_names(1)), (cluster.intra,), ()))
-        if max_ndim >= 2:
-            for a in range(2, size):
-                if size % a == 0:
-                    out.append(LogicalMesh(MeshSpec((a, size // a), default_axis_names(2)),
-                                           (cluster.intra, cluster.intra), ()))
-    else:
-        out.append(LogicalMesh(MeshSpec((size,), default_axis_names(1)), (cluster.inter,), (0,)))
-        if max_ndim >= 2:
-            out.append(LogicalMesh(MeshSpec((n, m), default_axis_names(2)), (cluster.inter, cluster.intra), (0,)))
-    return tuple(out)
+    one_d = LogicalMesh(MeshSpec((size,), default_axis_names(1)), (cluster.inter if n > 1 else cluster.intra,),
+                        (0,) if n > 1 else ())
+    if max_ndim < 2:
+        return (one_d,)
+    if n > 1:
+        return (LogicalMesh(MeshSpec((n, m), default_axis_names(2)), (cluster.inter, cluster.intra), (0,)),)
+    factors = [a for a in range(2, size) if size % a == 0 and a * a <= size]
+    if not factors:
+        return (one_d,)
+    a = max(factors)
+    return (LogicalMesh(MeshSpec((a, size // a), default_axis_names(2)), (cluster.intra, cluster.intra), ()),)
 
 
 def place_submeshes(shapes: Sequence[Shape], cluster: Cluster) -> tuple[tuple[int, ...], ...]:

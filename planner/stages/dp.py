@@ -1,0 +1,213 @@
+"""Alpa's inter-op dynamic program: stage boundaries and submeshes minimising pipeline latency.
+
+With `B` microbatches and per-microbatch stage latencies `t_1 .. t_S`, a synchronous pipeline
+(GPipe or 1F1B) takes `T = sum(t_i) + (B - 1) * max(t_i)`. For a fixed bound `t_max` on the
+slowest stage, the least `sum(t_i)` is a dynamic program over (stages left, first layer, devices
+left):
+
+    F(s, k, d) = min over i >= k, submesh m with t(k..i, m) <= t_max:  t(k..i, m) + F(s - 1, i + 1, d - |m|)
+
+with F(0, L, 0) = 0, and T* = min over t_max of (min_s F(s, 0, D)) + (B - 1) * t_max. Stages must
+use every device (Alpa's submesh shapes always tile the cluster). The stage `s` positions from the
+end of the pipeline holds `min(s, B)` microbatches of activations under 1F1B (all `B` under
+GPipe), so its latency table is indexed by that in-flight count: a layer range whose memory does
+not fit with that many microbatches costs infinity there.
+
+`t_max` is enumerated over the distinct stage latencies in increasing order, starting from the
+smallest feasible one (found by bisection, since feasibility only grows with `t_max`) and stopping
+once `(B - 1) * t_max` alone exceeds the best `T` found (Alpa's pruning). `rel_gap > 0` skips
+candidates within that relative distance of the last one evaluated, bounding the loss at
+`(B - 1) * rel_gap * t_max`; `rel_gap = 0` is exact.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageChoice:
+    """One stage of a DP solution: layers `first..last` (inclusive) on submesh index `submesh`."""
+
+    first: int
+    last: int
+    submesh: int
+    time_s: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DPResult:
+    """The best pipeline the DP found.
+
+    Attributes:
+      stages: in pipeline order.
+      objective_s: sum(t_i) + (B - 1) * max(t_i) of these stages.
+      t_max: the slowest stage's latency.
+      evaluations: how many `t_max` bounds were tried.
+    """
+
+    stages: tuple[StageChoice, ...]
+    objective_s: float
+    t_max: float
+    evaluations: int
+
+
+def pipeline_latency(times: Sequence[float], num_microbatches: int) -> float:
+    """`sum(t) + (B - 1) * max(t)`."""
+    return float(sum(times) + (num_microbatches - 1) * max(times))
+
+
+def bubble_fraction(times: Sequence[float], num_microbatches: int) -> float:
+    """Share of device time spent idle: `1 - B * sum(t) / (S * T)`; `(S-1)/(S+B-1)` for equal stages."""
+    total = pipeline_latency(times, num_microbatches)
+    if total <= 0:
+        return 0.0
+    return float(max(0.0, 1.0 - num_microbatches * sum(times) / (len(times) * total)))
+
+
+def _solve(times: np.ndarray, sizes: Sequence[int], num_devices: int, t_max: float, max_stages: int,
+           min_stages: int, keep: bool):
+    """min_s F(s, 0, D) for stages bounded by t_max; optionally the back-pointers to rebuild it."""
+    Q, L = times.shape[0], times.shape[1]
+    D = num_devices
+    inf = math.inf
+    prev = np.full((L + 1, D + 1), inf)
+    prev[L, 0] = 0.0
+    best, best_s = inf, 0
+    pointers = []
+    masked = np.where(times <= t_max, times, inf)
+    usable = [[m for m in range(len(sizes)) if np.isfinite(masked[q, :, :, m]).any() and sizes[m] <= D]
+              for q in range(Q)]
+    for s in range(1, max_stages + 1):
+        q = min(s, Q) - 1
+        cur = np.full((L + 1, D + 1), inf)
+        arg_i = np.zeros((L, D + 1), dtype=np.int32)
+        arg_m = np.full((L, D + 1), -1, dtype=np.int32)
+        for m in usable[q]:
+            z = sizes[m]
+            shifted = np.full((L, D + 1), inf)
+            shifted[:, z:] = prev[1:, : D + 1 - z]
+            cand = masked[q, :, :, m][:, :, None] + shifted[None, :, :]
+            i = cand.argmin(axis=1)
+            val = np.take_along_axis(cand, i[:, None, :], axis=1)[:, 0, :]
+            better = val < cur[:L]
+            cur[:L] = np.where(better, val, cur[:L])
+            arg_i = np.where(better, i, arg_i)
+            arg_m = np.where(better, m, arg_m)
+        if keep:
+            pointers.append((arg_i, arg_m))
+        if s >= min_stages and cur[0, D] < best:
+            best, best_s = float(cur[0, D]), s
+        if not np.isfinite(cur).any():
+            break
+        prev = cur
+    return best, best_s, pointers
+
+
+def pipeline_dp(times: np.ndarray, sizes: Sequence[int], num_devices: int, num_microbatches: int,
+                max_stages: int | None = None, min_stages: int = 1, rel_gap: float = 0.0) -> DPResult | None:
+    """Best stage boundaries and submeshes.
+
+    Args:
+      times: `times[q, k, i, m]`: per-microbatch latency of a stage of layers k..i (inclusive) on
+        submesh m when it must hold `q + 1` microbatches of activations (for q = Q - 1: at least Q);
+        infinity where the range does not fit or i < k. Pass Q = 1 when memory does not depend on
+        the stage's position (GPipe, or no memory limit).
+      sizes: devices of each submesh.
+      num_devices: devices the stages must use in total.
+      num_microbatches: B.
+      max_stages / min_stages: bounds on the number of stages.
+      rel_gap: t_max candidates closer than this (relative) to the last one tried are skipped.
+
+    Returns:
+      The best pipeline, or None when no assignment covers all layers and devices.
+    """
+    Q, L, L2, M = times.shape
+    if L != L2 or M != len(sizes):
+        raise ValueError(f"times has shape {times.shape}; expected (Q, L, L, {len(sizes)})")
+    max_stages = min(max_stages or L, L, num_devices)
+    if min_stages > max_stages:
+        return None
+    values = np.unique(times[np.isfinite(times)])
+    if values.size == 0:
+        return None
+    B = num_microbatches
+    evaluations = 0
+
+    def run(t):
+        nonlocal evaluations
+        evaluations += 1
+        return _solve(times, sizes, num_devices, t, max_stages, min_stages, keep=False)[:2]
+
+    # Smallest feasible bound (feasibility is monotone in t_max).
+    lo, hi = 0, values.size - 1
+    if not math.isfinite(run(values[hi])[0]):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if math.isfinite(run(values[mid])[0]):
+            hi = mid
+        else:
+            lo = mid + 1
+    best_obj, best_t = math.inf, values[-1]
+    candidates = values[lo:] if B > 1 else values[-1:]
+    last = -math.inf
+    for t in candidates:
+        if B > 1 and (B - 1) * t >= best_obj:
+            break
+        if t <= last * (1.0 + rel_gap) and t != candidates[-1]:
+            continue
+        last = t
+        total, _ = run(t)
+        if math.isfinite(total) and total + (B - 1) * t < best_obj:
+            best_obj, best_t = total + (B - 1) * t, float(t)
+    total, s, pointers = _solve(times, sizes, num_devices, best_t, max_stages, min_stages, keep=True)
+    evaluations += 1
+    if not math.isfinite(total):
+        return None
+    stages = []
+    k, d = 0, num_devices
+    masked = np.where(times <= best_t, times, math.inf)
+    for left in range(s, 0, -1):
+        arg_i, arg_m = pointers[left - 1]
+        i, m = int(arg_i[k, d]), int(arg_m[k, d])
+        q = min(left, Q) - 1
+        stages.append(StageChoice(k, i, m, float(masked[q, k, i, m])))
+        k, d = i + 1, d - sizes[m]
+    assert k == L and d == 0, (k, d)
+    ts = [st.time_s for st in stages]
+    return DPResult(tuple(stages), pipeline_latency(ts, B), max(ts), evaluations)
+
+
+def brute_force(times: np.ndarray, sizes: Sequence[int], num_devices: int, num_microbatches: int,
+                max_stages: int | None = None, min_stages: int = 1) -> tuple[float, tuple[StageChoice, ...]] | None:
+    """Exhaustive search over every split and submesh assignment (for tests on small cases)."""
+    Q, L = times.shape[0], times.shape[1]
+    max_stages = min(max_stages or L, L, num_devices)
+    best: tuple[float, tuple[StageChoice, ...]] | None = None
+
+    def rec(k: int, d: int, chosen: list[tuple[int, int, int]]):
+        nonlocal best
+        if k == L:
+            if d == 0 and min_stages <= len(chosen) <= max_stages:
+                S = len(chosen)
+                stages = tuple(StageChoice(a, b, m, float(times[min(S - j, Q) - 1, a, b, m]))
+                               for j, (a, b, m) in enumerate(chosen))
+                ts = [st.time_s for st in stages]
+                if all(math.isfinite(t) for t in ts):
+                    obj = pipeline_latency(ts, num_microbatches)
+                    if best is None or obj < best[0] - 1e-12:
+                        best = (obj, stages)
+            return
+        if len(chosen) >= max_stages:
+            return
+        for i in range(k, L):
+            for m, z in enumerate(sizes):
+                if z <= d:
+                    rec(i + 1, d - z, chosen + [(k, i, m)])
+
+    rec(0, num_devices, [])
+    return best

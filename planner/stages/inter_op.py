@@ -1,0 +1,429 @@
+"""Inter-op planning: from a train step and a cluster to pipeline stages on submeshes.
+
+    pp = plan_pipeline(train_step, (state, batch), Cluster.of(8, 8, "v100", inter_host_gbit=25))
+    print(pp.summary())
+
+For each candidate microbatch count B the step is traced at the microbatch size, its ops grouped
+into layers, every distinct layer planned by the intra-op ILP on every logical mesh of every
+submesh (once: identical layers share the result), and Alpa's DP picks stage boundaries and
+submeshes. With `pipeline="auto"` the best single-stage plan (the whole cluster, no microbatching)
+competes too. The batch is the last positional argument; every leaf of it is split along axis 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import jax
+import numpy as np
+
+from planner.errors import InfeasiblePlanError, InvalidArgumentError
+from planner.graph import Graph, trace
+from planner.mesh import MeshSpec
+from planner.options import PlanOptions
+from planner.sharding import Spec
+from planner.stages.clustering import Layers, cluster_layers
+from planner.stages.dp import DPResult, StageChoice, bubble_fraction, pipeline_dp, pipeline_latency
+from planner.stages.stage_cost import (
+    LayerCostTable,
+    StageOption,
+    boundary_bytes,
+    external_inputs,
+    stage_memory,
+    stage_times,
+)
+from planner.stages.submesh import Cluster, LogicalMesh, logical_meshes, place_submeshes, submesh_shapes
+
+log = logging.getLogger("planner")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StagePlan:
+    """One pipeline stage.
+
+    Attributes:
+      layers: names of its layers, in order.
+      layer_range: (first, last) layer index, inclusive.
+      submesh: (hosts, devices per host).
+      mesh: the logical mesh it is planned and run as.
+      host_axes: axes of `mesh` that cross hosts.
+      devices: device positions in the cluster (host * devices_per_host + device).
+      state_layout: "plan" (parameters as the intra-op plan shards them) or "sharded-state"
+        (parameters, gradients and optimizer state split over all the stage's devices).
+      remat: the backward recomputes the stage's forward (only the stage input is kept).
+      time_s: forward + backward latency of one microbatch, with the boundary transfers.
+      apply_s: the optimizer update, once per step.
+      memory_bytes: predicted per-device peak with `inflight` microbatches of activations.
+      inflight: microbatches whose activations the stage holds at once under the schedule.
+      specs: sharding (on `mesh`) of each program input the stage reads: parameters and batch.
+    """
+
+    layers: tuple[str, ...]
+    layer_range: tuple[int, int]
+    submesh: tuple[int, int]
+    mesh: MeshSpec
+    host_axes: tuple[int, ...]
+    devices: tuple[int, ...]
+    state_layout: str
+    remat: bool
+    time_s: float
+    apply_s: float
+    memory_bytes: float
+    inflight: int
+    specs: Mapping[str, Spec]
+
+    def to_dict(self) -> dict:
+        names = self.mesh.axis_names
+        return {
+            "layers": list(self.layers),
+            "layer_range": list(self.layer_range),
+            "submesh": list(self.submesh),
+            "mesh": {n: int(s) for n, s in zip(names, self.mesh.shape)},
+            "host_axes": [names[a] for a in self.host_axes],
+            "devices": list(self.devices),
+            "state_layout": self.state_layout,
+            "remat": self.remat,
+            "time_per_microbatch_s": self.time_s,
+            "apply_time_s": self.apply_s,
+            "memory_bytes_per_device": int(self.memory_bytes) if math.isfinite(self.memory_bytes) else None,
+            "inflight_microbatches": self.inflight,
+            "shardings": {p: [None if not axes else [names[a] for a in axes] for axes in spec]
+                          for p, spec in sorted(self.specs.items())},
+        }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PipelinePlan:
+    """The inter-op planner's answer.
+
+    Attributes:
+      stages: in pipeline order (one stage: no pipelining).
+      num_microbatches: B.
+      schedule: "1f1b" or "gpipe".
+      step_time_s: predicted step: pipeline latency plus the slowest stage's update.
+      pipeline_time_s: sum(t_i) + (B - 1) * max(t_i).
+      bubble_fraction: share of device time idle in the pipeline.
+      single_stage_time_s: best single-stage step on the whole cluster that fits memory (inf: none).
+      single_stage_time_unconstrained_s: the same ignoring memory.
+      cluster: the cluster in words.
+      layer_names: every layer, in order.
+      candidates: (B, predicted step time, number of stages) of each microbatch count tried.
+      planning: timings and counts of the planning run.
+    """
+
+    stages: tuple[StagePlan, ...]
+    num_microbatches: int
+    schedule: str
+    step_time_s: float
+    pipeline_time_s: float
+    bubble_fraction: float
+    single_stage_time_s: float | None
+    single_stage_time_unconstrained_s: float | None
+    cluster: str
+    layer_names: tuple[str, ...]
+    candidates: tuple[tuple[int, float, int], ...]
+    planning: Mapping[str, Any]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def memory_bytes_per_device(self) -> float:
+        return max(st.memory_bytes for st in self.stages)
+
+    def to_dict(self) -> dict:
+        """The pipeline-level facts (stages go separately to `Plan.stages`, see `stage_dicts`)."""
+        return {
+            "schedule": self.schedule,
+            "num_microbatches": self.num_microbatches,
+            "num_stages": self.num_stages,
+            "bubble_fraction": self.bubble_fraction,
+            "step_time_s": self.step_time_s,
+            "pipeline_time_s": self.pipeline_time_s,
+            "single_stage_step_time_s": _finite(self.single_stage_time_s),
+            "single_stage_step_time_ignoring_memory_s": _finite(self.single_stage_time_unconstrained_s),
+            "cluster": self.cluster,
+            "candidates": [{"num_microbatches": b, "step_time_s": _finite(t), "stages": s}
+                           for b, t, s in self.candidates],
+            "planning": dict(self.planning),
+        }
+
+    def stage_dicts(self) -> tuple[Mapping[str, Any], ...]:
+        return tuple(MappingProxyType(st.to_dict()) for st in self.stages)
+
+    def summary(self) -> str:
+        lines = [
+            f"Pipeline on {self.cluster}: {self.num_stages} stage(s), {self.num_microbatches} microbatches, "
+            f"{self.schedule}",
+            f"  predicted step time   {self.step_time_s * 1e3:10.3f} ms  (pipeline {self.pipeline_time_s * 1e3:.3f} ms, "
+            f"bubble {self.bubble_fraction:.1%})",
+        ]
+        if self.single_stage_time_s is not None:
+            single = "does not fit" if not math.isfinite(self.single_stage_time_s) else \
+                f"{self.single_stage_time_s * 1e3:.3f} ms"
+            free = self.single_stage_time_unconstrained_s
+            lines.append(f"  best single stage     {single}" + (
+                f" (ignoring memory {free * 1e3:.3f} ms)" if free is not None and math.isfinite(free) else ""))
+        for k, st in enumerate(self.stages):
+            names = st.layers[0] if len(st.layers) == 1 else f"{st.layers[0]}..{st.layers[-1]} ({len(st.layers)})"
+            lines.append(
+                f"  stage {k}: {names:<28} submesh {st.submesh[0]}x{st.submesh[1]} mesh {st.mesh} "
+                f"{st.state_layout + ('+remat' if st.remat else ''):<19} {st.time_s * 1e3:9.3f} ms/microbatch, "
+                f"{st.memory_bytes / 2**30:7.2f} GiB/device, devices {_ranges(st.devices)}")
+        return "\n".join(lines)
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _ranges(ids: Sequence[int]) -> str:
+    return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 and list(ids) == list(range(ids[0], ids[-1] + 1)) else \
+        ",".join(map(str, ids))
+
+
+def batch_size(args: tuple[Any, ...], batch_argnum: int = -1) -> int:
+    """The leading dimension shared by every leaf of the batch argument."""
+    leaves = jax.tree_util.tree_leaves(args[batch_argnum])
+    sizes = {int(np.shape(x)[0]) for x in leaves if np.ndim(x) >= 1}
+    if len(sizes) != 1:
+        raise InvalidArgumentError(
+            f"the batch argument (position {batch_argnum}) must have leaves with one common leading dimension "
+            f"to split into microbatches; found leading dimensions {sorted(sizes)}")
+    return sizes.pop()
+
+
+def microbatch_args(args: tuple[Any, ...], microbatch: int, batch_argnum: int = -1) -> tuple[Any, ...]:
+    """`args` as ShapeDtypeStructs with the batch argument's leaves cut to `microbatch` rows."""
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
+    out = list(abstract)
+    out[batch_argnum] = jax.tree.map(lambda x: jax.ShapeDtypeStruct((microbatch,) + tuple(x.shape[1:]), x.dtype),
+                                     abstract[batch_argnum])
+    return tuple(out)
+
+
+def microbatch_counts(batch: int, requested: int | None, limit: int) -> tuple[int, ...]:
+    """Microbatch counts to try: the requested one, else the `limit` largest powers of two >= 2 dividing the batch."""
+    if requested is not None:
+        if batch % requested:
+            raise InvalidArgumentError(
+                f"num_microbatches={requested} does not divide the batch size {batch}; choose a divisor of {batch}")
+        return (requested,)
+    counts = [b for b in (2**k for k in range(1, batch.bit_length())) if batch % b == 0]
+    return tuple(sorted(counts, reverse=True)[:limit])
+
+
+@dataclasses.dataclass(slots=True)
+class _Candidate:
+    B: int
+    graph: Graph
+    layers: Layers
+    table: LayerCostTable
+    st: Any
+    dp: DPResult | None
+    step_s: float
+
+
+def _stage_specs(graph: Graph, layers: Layers, table: LayerCostTable, first: int, last: int,
+                 opt: StageOption) -> dict[str, Spec]:
+    """Sharding of each program input the stage's layers read (from the representative layer's plan)."""
+    path_of = dict(zip(graph.inputs, graph.input_paths))
+    out: dict[str, Spec] = {}
+    for l in range(first, last + 1):
+        cost = table.cost(l, opt.mesh_index)
+        ext = external_inputs(graph, table.facts[l].ops)
+        specs = cost.zero_specs if opt.layout == "sharded-state" else cost.input_specs
+        for j, t in enumerate(ext):
+            if t in path_of and j < len(specs):
+                spec = specs[j]
+                if spec is None and j < len(cost.input_specs):
+                    spec = cost.input_specs[j]
+                if spec is not None:
+                    out.setdefault(path_of[t], spec)
+    return out
+
+
+def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster,
+                  options: PlanOptions | None = None, *, batch_argnum: int = -1, max_mesh_ndim: int = 2,
+                  microbatch_limit: int = 2, rel_gap: float = 0.01, num_layers: int | None = None) -> PipelinePlan:
+    """Plans pipeline stages for `fn(*args)` on `cluster`.
+
+    Args:
+      fn: the train step (traced, never run).
+      args: its arguments (arrays or ShapeDtypeStructs); `args[batch_argnum]` is the batch.
+      cluster: hosts x devices and their links.
+      options: `pipeline` (True: at least two stages; "auto": one stage allowed), `num_microbatches`
+        (None: try the `microbatch_limit` largest powers of two dividing the batch), `schedule`,
+        `memory_budget` (default: the device memory), `solver_time_limit` for each layer's ILP.
+      batch_argnum: position of the batch argument.
+      max_mesh_ndim: 1 plans submeshes as 1-D meshes only (faster), 2 adds 2-D ones.
+      microbatch_limit: how many microbatch counts to try when none is given.
+      rel_gap: relative spacing of the DP's t_max candidates (0: exact).
+      num_layers: layer count for balanced clustering when the model has no repeated modules.
+
+    Raises:
+      InfeasiblePlanError: no stage assignment fits the memory budget.
+    """
+    options = options or PlanOptions(pipeline=True)
+    t_start = time.perf_counter()
+    batch = batch_size(args, batch_argnum)
+    counts = microbatch_counts(batch, options.num_microbatches, microbatch_limit)
+    min_stages = 2 if options.pipeline is True else 1
+    budget = options.memory_budget or cluster.hardware.memory_bytes
+    shapes = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
+    meshes: list[LogicalMesh] = []
+    per_submesh: list[list[int]] = []
+    for shape in shapes:
+        idx = []
+        for lm in logical_meshes(shape, cluster, max_mesh_ndim):
+            idx.append(len(meshes))
+            meshes.append(lm)
+        per_submesh.append(idx)
+    sizes = [n * m for n, m in shapes]
+    cache: dict = {}
+    timings: dict[str, float] = {"trace_s": 0.0, "layer_costs_s": 0.0, "dp_s": 0.0}
+    evaluations = 0
+
+    def build(B: int):
+        t0 = time.perf_counter()
+        graph = trace(fn, *microbatch_args(args, batch // B, batch_argnum))
+        layers = cluster_layers(graph, num_layers)
+        timings["trace_s"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        table = LayerCostTable(graph, layers, tuple(meshes), cluster, options, cache)
+        return graph, layers, table, t0
+
+    candidates: list[_Candidate] = []
+    for B in counts:
+        graph, layers, table, t0 = build(B)
+        st = stage_times(table, shapes, per_submesh, B, options.schedule, budget, boundary_bytes(graph, layers))
+        timings["layer_costs_s"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        dp = pipeline_dp(st.times, sizes, cluster.num_devices, B, min_stages=min_stages, rel_gap=rel_gap)
+        timings["dp_s"] += time.perf_counter() - t0
+        step = math.inf
+        if dp is not None:
+            evaluations += dp.evaluations
+            step = dp.objective_s + _apply_max(table, st, dp.stages)
+        log.info("B=%d: %s", B, "no feasible pipeline" if dp is None else
+                 f"{len(dp.stages)} stages, predicted {step:.4g} s/step")
+        candidates.append(_Candidate(B, graph, layers, table, st, dp, step))
+
+    # The single-stage plan: the whole cluster, the whole batch at once.
+    single = single_free = None
+    full = len(shapes) - 1
+    if options.pipeline == "auto" or options.pipeline is True:
+        graph, layers, table, t0 = build(1)
+        st1 = stage_times(table, shapes[full:], [per_submesh[full]], 1, options.schedule, budget,
+                          boundary_bytes(graph, layers))
+        free = stage_times(table, shapes[full:], [per_submesh[full]], 1, options.schedule, math.inf,
+                           boundary_bytes(graph, layers))
+        timings["layer_costs_s"] += time.perf_counter() - t0
+        L = layers.num_layers
+        single = float(st1.times[0, 0, L - 1, 0])
+        single_free = float(free.times[0, 0, L - 1, 0])
+        if math.isfinite(single):
+            single += _apply_max(table, st1, (StageChoice(0, L - 1, 0, single),))
+        if math.isfinite(single_free):
+            single_free += _apply_max(table, free, (StageChoice(0, L - 1, 0, single_free),))
+        if options.pipeline == "auto":
+            dp1 = DPResult((StageChoice(0, L - 1, full, float(st1.times[0, 0, L - 1, 0])),), single, single, 0)
+            one = _Candidate(1, graph, layers, table, _remap(st1, full, len(shapes)), dp1, single)
+            candidates.append(one)
+
+    feasible = [c for c in candidates if c.dp is not None and math.isfinite(c.step_s)]
+    if not feasible:
+        raise InfeasiblePlanError(
+            f"no pipeline of {cluster} fits the memory budget of {budget:.4g} bytes per device for any of "
+            f"{list(counts)} microbatches; raise memory_budget, use more devices or more microbatches")
+    best = min(feasible, key=lambda c: (c.step_s, len(c.dp.stages)))
+    stages = _stage_plans(best, shapes, meshes, cluster)
+    times = [s.time_s for s in stages]
+    planning = {
+        "planning_time_s": round(time.perf_counter() - t_start, 3),
+        **{k: round(v, 3) for k, v in timings.items()},
+        "ilp_solves": len(cache),
+        "dp_evaluations": evaluations,
+        "layers": best.layers.num_layers,
+        "distinct_layers": len(set(best.layers.keys)),
+        "layer_method": best.layers.method,
+        "logical_meshes": len(meshes),
+    }
+    return PipelinePlan(
+        stages=stages,
+        num_microbatches=best.B,
+        schedule=options.schedule,
+        step_time_s=best.step_s,
+        pipeline_time_s=pipeline_latency(times, best.B),
+        bubble_fraction=bubble_fraction(times, best.B),
+        single_stage_time_s=single,
+        single_stage_time_unconstrained_s=single_free,
+        cluster=str(cluster),
+        layer_names=best.layers.names,
+        candidates=tuple((c.B, c.step_s, len(c.dp.stages) if c.dp else 0) for c in candidates),
+        planning=MappingProxyType(planning),
+    )
+
+
+def _remap(st, full: int, num_submeshes: int):
+    """A one-submesh StageTimes seen as the table of all submeshes (only `full` populated)."""
+    Q, L = st.times.shape[:2]
+    times = np.full((Q, L, L, num_submeshes), np.inf)
+    option = np.full((Q, L, L, num_submeshes), -1, dtype=np.int32)
+    times[..., full] = st.times[..., 0]
+    option[..., full] = st.option[..., 0]
+    options = tuple(st.options[0] if m == full else () for m in range(num_submeshes))
+    return dataclasses.replace(st, times=times, option=option, options=options)
+
+
+def _option(st, stage: StageChoice, position: int) -> StageOption:
+    q = min(position, len(st.inflight)) - 1
+    j = int(st.option[q, stage.first, stage.last, stage.submesh])
+    return st.options[stage.submesh][j]
+
+
+def _apply_max(table: LayerCostTable, st, stages: Sequence[StageChoice]) -> float:
+    """The slowest stage's optimizer update (all stages update in parallel after the last backward)."""
+    out = 0.0
+    S = len(stages)
+    for k, stage in enumerate(stages):
+        opt = _option(st, stage, S - k)
+        out = max(out, sum(table.cost(l, opt.mesh_index).apply_s for l in range(stage.first, stage.last + 1)))
+    return out
+
+
+def _stage_plans(best: _Candidate, shapes, meshes: Sequence[LogicalMesh], cluster: Cluster) -> tuple[StagePlan, ...]:
+    stages = best.dp.stages
+    sizes = [n * m for n, m in shapes]
+    S = len(stages)
+    placed = place_submeshes([shapes[s.submesh] for s in stages], cluster)
+    out = []
+    for k, stage in enumerate(stages):
+        opt = _option(best.st, stage, S - k)
+        inflight = best.st.inflight[min(S - k, len(best.st.inflight)) - 1]
+        lm = meshes[opt.mesh_index]
+        out.append(StagePlan(
+            layers=best.layers.names[stage.first: stage.last + 1],
+            layer_range=(stage.first, stage.last),
+            submesh=shapes[stage.submesh],
+            mesh=lm.mesh,
+            host_axes=lm.host_axes,
+            devices=placed[k],
+            state_layout=opt.layout,
+            remat=opt.remat,
+            time_s=stage.time_s,
+            apply_s=sum(best.table.cost(l, opt.mesh_index).apply_s for l in range(stage.first, stage.last + 1)),
+            memory_bytes=stage_memory(best.table, stage.first, stage.last, opt, sizes[stage.submesh],
+                                      best.st.boundary, inflight),
+            inflight=inflight,
+            specs=MappingProxyType(_stage_specs(best.graph, best.layers, best.table, stage.first, stage.last, opt)),
+        ))
+    return tuple(out)
+
+
