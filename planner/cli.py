@@ -18,6 +18,7 @@ import argparse
 import importlib
 import importlib.util
 import inspect
+import io
 import json
 import logging
 import math
@@ -548,6 +549,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("planner: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`planner plan ... | head`): stop quietly
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, io.UnsupportedOperation):
+            pass
+        return 0
     finally:
         if handler is not None:
             log.removeHandler(handler)

@@ -9,6 +9,7 @@ breakdown adds up to the planner's own numbers up to the latency the collective 
 from __future__ import annotations
 
 import ast
+import math
 import os
 import re
 from collections import defaultdict
@@ -253,16 +254,26 @@ def diff(a: PlanView, b: PlanView, top: int = 20) -> str:
         faster = "A" if pa.step_time_s < pb.step_time_s else "B"
         out.append(f"  {faster} is faster by {fmt_time(abs(pb.step_time_s - pa.step_time_s))} per step")
     if a.plan.mesh != b.plan.mesh:
-        out.append("  the meshes differ; shardings are compared by mesh axis name")
+        out.append("  the meshes differ; shardings are compared by mesh axis name and by shards per dimension")
 
     spec_a = dict(zip(a.plan.input_paths, a.specs))
     spec_b = dict(zip(b.plan.input_paths, b.specs))
-    items = []
+    size_a = dict(zip(a.axis_names, a.plan.mesh.shape))
+    size_b = dict(zip(b.axis_names, b.plan.mesh.shape))
+
+    def splits(spec, sizes):
+        return tuple(math.prod(sizes[x] for x in axes) for axes in spec)
+
+    items, renamed = [], 0
     for path in list(a.plan.input_paths) + [p for p in b.plan.input_paths if p not in spec_a]:
         sa, sb = spec_a.get(path), spec_b.get(path)
-        if sa != sb:
-            items.append((path_tokens(path), ("-" if sa is None else fmt_axes_spec(sa),
-                                              "-" if sb is None else fmt_axes_spec(sb))))
+        if sa == sb:
+            continue
+        if sa is not None and sb is not None and splits(sa, size_a) == splits(sb, size_b):
+            renamed += 1  # the same number of shards per dimension, over differently named axes
+            continue
+        items.append((tuple(t for t in path_tokens(path) if not t.isdigit()),
+                      ("-" if sa is None else fmt_axes_spec(sa), "-" if sb is None else fmt_axes_spec(sb))))
     out.append("")
     if items:
         rows = [(("/".join((layer, leaf)) if layer != "-" else leaf), f"x{n}" if n > 1 else "", *c)
@@ -272,7 +283,10 @@ def diff(a: PlanView, b: PlanView, top: int = 20) -> str:
         if len(rows) > top:
             out.append(f"  ... {len(rows) - top} more rows")
     else:
-        out.append("Input shardings: identical")
+        out.append("Input shardings: identical" if not renamed else "Input shardings: equivalent")
+    if renamed:
+        out.append(f"  {renamed}{' more' if items else ''} leaves are split into the same number of shards per "
+                   "dimension, over differently named mesh axes")
 
     ka, kb = _by_kind(pa.collectives, ta), _by_kind(pb.collectives, tb)
     kinds = sorted(set(ka) | set(kb))
@@ -308,6 +322,9 @@ def diff(a: PlanView, b: PlanView, top: int = 20) -> str:
         out.append(table(("decision", "A chose", "A cost", "B chose", "B cost", "B - A"), rows, "llrlrr"))
         if len(changed) > top:
             out.append(f"  ... {len(changed) - top} more")
+        same = sum(1 for dt, *_ in changed if abs(dt) <= 1e-12)
+        if same:
+            out.append(f"  {same} of them cost the same in both plans")
     else:
         out.append("Decisions: the same choices" if da.keys() == db.keys() else "Decisions: not comparable "
                    "(different programs or meshes)")

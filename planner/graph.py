@@ -126,11 +126,12 @@ class Graph:
         self,
         flat_args: Sequence[Any],
         after_op: Callable[[Op, list[Any]], list[Any]] | None = None,
+        before_op: Callable[[Op, list[Any]], list[Any]] | None = None,
     ) -> list[Any]:
         """Re-interprets the graph on `flat_args` (inside or outside `jax.jit`).
 
-        `after_op(op, outputs)` may replace each op's outputs, which is how planned sharding
-        constraints are inserted.
+        `before_op(op, operands)` and `after_op(op, outputs)` may replace each op's operands and
+        outputs, which is how planned sharding constraints are inserted.
         """
         env: dict[int, Any] = dict(self.consts)
         if len(flat_args) != len(self.inputs):
@@ -141,7 +142,10 @@ class Graph:
             return x.value if isinstance(x, Literal) else env[x]
 
         for op in self.ops:
-            result = op.primitive.bind(*(read(x) for x in op.inputs), **op.params)
+            operands = [read(x) for x in op.inputs]
+            if before_op is not None:
+                operands = before_op(op, operands)
+            result = op.primitive.bind(*operands, **op.params)
             outs = list(result) if op.primitive.multiple_results else [result]
             if after_op is not None:
                 outs = after_op(op, outs)

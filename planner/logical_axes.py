@@ -8,18 +8,25 @@ How logical names are inferred (no annotations are needed, only pytree paths and
 
 - Leaves are parameters when their path contains a `params` key; optimizer state leaves (under
   `opt_state`, e.g. Adam's `mu` / `nu`) mirror a parameter when their path ends with that
-  parameter's path and the shapes agree; every other leaf of rank >= 1 is data.
-- `embed` (the model width) is the size of the norm scales (`scale` leaves of modules named
-  `ln*` / `*norm*`); a model without norms takes the input width of its first Dense kernel.
+  parameter's path and the shapes agree; the leaves of the other arguments are data (below).
+- `embed` (the model width) is the most common size of the norm scales (`scale` leaves of modules
+  named `ln*` / `bn*` / `*norm*`); a model without norms takes the input width of its first kernel.
+  Kernels are leaves named `kernel` (flax) or `w` (haiku); nnx `.value` suffixes are ignored.
 - Module names decide first: an `embedding` table is `[vocab, embed]`, or `[length, embed]` when
   its module is a position table (`wpe`, `pos*`, `position*`); a kernel of a module named like an
   output head (`lm_head`, `head`, `logits`, `unembed`) is `[embed, vocab]`.
+- Mixture-of-experts weights (under a module named `moe*` / `*expert*`): `[exp, embed, mlp]`,
+  `[exp, mlp, embed]`, and the router `[embed, exp]`. Scanned layer stacks (leaves under a `layers` /
+  `blocks` / `scan`... key that share a leading dimension) get `layers` for that dimension.
 - Then shapes: a 2-D kernel is `[embed, mlp]` or `[mlp, embed]` by which side equals `embed`; a 3-D
   kernel is `[embed, heads, kv]` (attention q/k/v projections, flax `DenseGeneral`) or
-  `[heads, kv, embed]` (the output projection); a 2-D bias is `[heads, kv]`; a 1-D bias or norm
-  parameter takes the name of its size (`embed`, else `mlp`, or `vocab` for a head).
-- Data: the first dimension is `batch`; the second is `length` for integer tokens and for rank >= 3
-  activations; a last dimension equal to `embed` is `embed`.
+  `[heads, kv, embed]` (the output projection); a 2-D bias is `[heads, kv]`; a 1-D bias takes the
+  name of its size (`embed`, else `mlp`, or `vocab` for a head); a norm parameter is `embed` or
+  unnamed.
+- Data (arguments holding no parameters or optimizer state): the first dimension is `batch`; the
+  second is `length` for integer tokens [B, S] and activations [B, S, E]; a last dimension equal to
+  `embed` is `embed`. Leaves beside the parameters that mirror none (batch statistics, step
+  counters) are model state and get no names.
 - Dimensions matching none of these get no name (`None`) and never enter the rules.
 
 Rules are read off the plan by a byte-weighted vote: for each logical name, the mesh axes that split
@@ -32,16 +39,20 @@ import dataclasses
 import math
 import re
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 Shape = tuple[int, ...]
 Axes = tuple[str, ...]  # mesh axis names splitting one dimension, major to minor; () = not split
 LogicalNames = tuple[str | None, ...]
 
-LOGICAL_ORDER = ("batch", "length", "vocab", "embed", "mlp", "heads", "kv")
+LOGICAL_ORDER = ("batch", "length", "vocab", "embed", "mlp", "heads", "kv", "exp", "layers")
 
 _TOKEN = re.compile(r"\['([^']*)'\]|\[(\d+)\]|\.(\w+)")
-_NORM = re.compile(r"(^|_)(ln|norm|layernorm|rmsnorm)", re.IGNORECASE)
+_NORM = re.compile(r"norm|^ln(_|\d|$)|^bn(_|\d|$)", re.IGNORECASE)
+_STACKED = re.compile(r"^(layers|blocks|layer|block|stack|stacked|scan|scanned|scanned_layers|repeat)$", re.IGNORECASE)
+_KERNEL = ("kernel", "w")
+_EXPERTS = re.compile(r"moe|expert", re.IGNORECASE)
+_BIAS = ("bias", "b")
 _POSITION = re.compile(r"^(wpe|pos.*|position.*)$", re.IGNORECASE)
 _HEAD = re.compile(r"^(lm_head|head|logits|unembed|output_head|decoder_head)$", re.IGNORECASE)
 
@@ -90,14 +101,24 @@ def _param_key(tokens: tuple[str, ...]) -> tuple[str, ...] | None:
 
 
 def _embed_size(params: Sequence[tuple[tuple[str, ...], Shape]]) -> int | None:
-    norms = Counter(shape[0] for key, shape in params
-                    if len(shape) == 1 and key and key[-1] == "scale" and any(_NORM.search(k) for k in key[:-1]))
+    norms = Counter(shape[-1] for key, shape in params
+                    if len(shape) >= 1 and len(key) >= 2 and key[-1] == "scale" and _NORM.search(key[-2]))
     if norms:
         return norms.most_common(1)[0][0]
     for key, shape in params:
-        if key and key[-1] == "kernel" and len(shape) >= 2:
+        if key and key[-1] in _KERNEL and len(shape) >= 2:
             return shape[0]
     return None
+
+
+def _stacked_prefixes(params: Mapping[tuple[str, ...], Shape]) -> dict[tuple[str, ...], int]:
+    """Key prefixes of scanned layer stacks (`layers`, `blocks`, ...) whose leaves share a leading dim."""
+    lead: dict[tuple[str, ...], set[int]] = defaultdict(set)
+    for key, shape in params.items():
+        for i, token in enumerate(key[:-1]):
+            if _STACKED.match(token):
+                lead[key[: i + 1]].add(shape[0] if shape else -1)
+    return {prefix: next(iter(dims)) for prefix, dims in lead.items() if len(dims) == 1 and next(iter(dims)) > 1}
 
 
 def _param_names(key: tuple[str, ...], shape: Shape, embed: int | None) -> LogicalNames:
@@ -110,10 +131,19 @@ def _param_names(key: tuple[str, ...], shape: Shape, embed: int | None) -> Logic
             return "embed"
         return "vocab" if head else "mlp"
 
-    if leaf == "embedding" and rank == 2:
+    if leaf in ("embedding", "embeddings") and rank == 2:
         return ("length" if _POSITION.match(module) else "vocab", "embed")
     head = bool(_HEAD.match(module))
-    if leaf == "kernel":
+    if any(_EXPERTS.search(k) for k in key[:-1]) or _EXPERTS.search(leaf):
+        if rank == 3 and shape[1] == embed:
+            return ("exp", "embed", "mlp")
+        if rank == 3 and shape[2] == embed:
+            return ("exp", "mlp", "embed")
+        if rank == 2 and shape[0] == embed:  # the router
+            return ("embed", "exp")
+    if _NORM.search(module) and leaf in ("scale", "bias") and rank == 1:
+        return ("embed" if shape[0] == embed else None,)
+    if leaf in _KERNEL:
         if rank == 2:
             a, b = shape
             if head:
@@ -131,7 +161,7 @@ def _param_names(key: tuple[str, ...], shape: Shape, embed: int | None) -> Logic
             if shape[-1] == embed:
                 return ("heads", "kv", "embed")
         return (None,) * rank
-    if leaf in ("bias", "scale"):
+    if leaf in _BIAS:
         if rank == 1:
             return (by_size(shape[0], head),)
         if rank == 2:
@@ -144,40 +174,51 @@ def _param_names(key: tuple[str, ...], shape: Shape, embed: int | None) -> Logic
 def _data_names(shape: Shape, dtype: str, embed: int | None) -> LogicalNames:
     rank = len(shape)
     names: list[str | None] = ["batch"] + [None] * (rank - 1)
-    if rank >= 2:
-        if "int" in dtype or rank >= 3:
-            names[1] = "length"
-        if shape[-1] == embed and names[-1] is None:
-            names[-1] = "embed"
+    if (rank == 2 and "int" in dtype) or rank == 3:  # tokens [B, S] or activations [B, S, E]; not images
+        names[1] = "length"
+    if rank in (2, 3) and shape[-1] == embed and names[-1] is None:
+        names[-1] = "embed"
     return tuple(names)
 
 
 def classify(paths: Sequence[str], shapes: Sequence[Shape], dtypes: Sequence[str],
              specs: Sequence[Sequence[Axes]]) -> tuple[Leaf, ...]:
     """Role and logical names of every argument leaf (see the module docstring for the inference)."""
-    tokens = [path_tokens(p) for p in paths]
+    tokens = [path_tokens(p)[:-1] if p.endswith(".value") else path_tokens(p) for p in paths]  # nnx Variables
     params = {}
     for tok, shape in zip(tokens, shapes):
         key = _param_key(tok)
         if key is not None:
             params[key] = tuple(shape)
-    embed = _embed_size(list(params.items()))
+    embed = _embed_size([(k, s[1:] if _stack_of(k, stacks := _stacked_prefixes(params)) else s)
+                         for k, s in params.items()])
+    state_args = {tok[0] for tok in tokens if tok and ("params" in tok or "opt_state" in tok)}
+
+    def names_of(key: tuple[str, ...], shape: Shape) -> LogicalNames:
+        if _stack_of(key, stacks) and len(shape) >= 1:
+            return ("layers",) + _param_names(key, shape[1:], embed)
+        return _param_names(key, shape, embed)
+
     out = []
     for path, tok, shape, dtype, spec in zip(paths, tokens, shapes, dtypes, specs):
         shape = tuple(shape)
         spec = tuple(tuple(a) for a in spec)
         key = _param_key(tok)
         if key is not None:
-            out.append(Leaf(path, shape, dtype, spec, "param", key, _param_names(key, shape, embed)))
+            out.append(Leaf(path, shape, dtype, spec, "param", key, names_of(key, shape)))
             continue
         mirror = next((tok[i:] for i in range(len(tok)) if tok[i:] in params and params[tok[i:]] == shape), None)
         if mirror is not None and len(shape) >= 1:
-            out.append(Leaf(path, shape, dtype, spec, "opt_state", mirror, _param_names(mirror, shape, embed)))
-        elif len(shape) >= 1 and "opt_state" not in tok:
+            out.append(Leaf(path, shape, dtype, spec, "opt_state", mirror, names_of(mirror, shape)))
+        elif len(shape) >= 1 and tok and tok[0] not in state_args:
             out.append(Leaf(path, shape, dtype, spec, "data", (), _data_names(shape, dtype, embed)))
-        else:
+        else:  # scalars, optimizer counters, model state such as batch statistics
             out.append(Leaf(path, shape, dtype, spec, "other", (), (None,) * len(shape)))
     return tuple(out)
+
+
+def _stack_of(key: tuple[str, ...], stacks: Mapping[tuple[str, ...], int]) -> bool:
+    return any(key[: len(p)] == p for p in stacks)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

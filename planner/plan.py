@@ -77,6 +77,9 @@ class Plan:
       solver: solver facts (status, times, problem size).
       options: the options the plan was made with.
       fallback_primitives: primitives planned replicated for lack of a rule.
+      operand_specs: (op index, operand position, spec) where an op reads an operand in another
+        layout than its producer left it: the planned resharding, pinned so XLA reshards there
+        instead of picking another decomposition of the op.
       stages: pipeline stages (each with layers, submesh, mesh, ...); empty for a one-stage plan.
       scatter_specs: (op index, result position, spec before the scatter) of partial sums the plan
         reduce-scatters; emission pins the reduced value first so XLA reduces, then slices (the
@@ -97,6 +100,7 @@ class Plan:
     fallback_primitives: tuple[str, ...] = ()
     scatter_specs: tuple[tuple[int, int, Spec], ...] = ()
     stages: tuple[Mapping[str, Any], ...] = ()
+    operand_specs: tuple[tuple[int, int, Spec], ...] = ()
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     jax_mesh: jax.sharding.Mesh | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -201,6 +205,7 @@ class Plan:
             "options": dict(self.options),
             "fallback_primitives": list(self.fallback_primitives),
             "scatter_specs": [[i, k, spec_to_json(s)] for i, k, s in self.scatter_specs],
+            "operand_specs": [[i, k, spec_to_json(s)] for i, k, s in self.operand_specs],
         }
 
     @classmethod
@@ -231,6 +236,7 @@ class Plan:
                 options=d["options"],
                 fallback_primitives=tuple(d.get("fallback_primitives", ())),
                 scatter_specs=tuple((int(i), int(k), spec_from_json(s)) for i, k, s in d.get("scatter_specs", ())),
+                operand_specs=tuple((int(i), int(k), spec_from_json(s)) for i, k, s in d.get("operand_specs", ())),
                 stages=tuple(_freeze(st) for st in d.get("stages", ()) if st.get("layers") != "all"),
             )
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:

@@ -167,6 +167,11 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
         if tid in producers:
             op, k = producers[tid]
             op_specs.append((op, k, _common(specs)))
+    operand_specs = []
+    for e in problem.edges:
+        src, dst = e.src_specs[sol.choice[e.src]], e.dst_specs[sol.choice[e.dst]]
+        if src != dst:
+            operand_specs.append((e.op, e.pos, dst))
     scatter_specs = []
     for node in problem.nodes:
         i = sol.choice[node.index]
@@ -206,6 +211,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
         options=options.to_json(),
         fallback_primitives=problem.fallback_primitives,
         scatter_specs=tuple(sorted(scatter_specs)),
+        operand_specs=tuple(sorted(set(operand_specs))),
         in_tree=graph.in_tree,
         out_tree=graph.out_tree,
         jax_mesh=jax_mesh,

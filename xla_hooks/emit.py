@@ -24,6 +24,11 @@ def constrained_function(graph: Graph, plan: Plan) -> Callable[..., Any]:
     if plan.options.get("constrain_intermediates", True):
         wanted = {(op, k): named_sharding(spec, plan.mesh, mesh) for op, k, spec in plan.op_specs}
     first = {(op, k): named_sharding(spec, plan.mesh, mesh) for op, k, spec in plan.scatter_specs}
+    reads = {(op, k): named_sharding(spec, plan.mesh, mesh) for op, k, spec in plan.operand_specs} if wanted else {}
+
+    def before_op(op: Op, operands: list[Any]) -> list[Any]:
+        return [jax.lax.with_sharding_constraint(v, reads[(op.index, k)]) if (op.index, k) in reads else v
+                for k, v in enumerate(operands)]
 
     def pin(key: tuple[int, int], v: Any) -> Any:
         if key in first:
@@ -36,7 +41,7 @@ def constrained_function(graph: Graph, plan: Plan) -> Callable[..., Any]:
         return [pin((op.index, k), v) for k, v in enumerate(outs)]
 
     def fn(*args):
-        outs = graph.evaluate(jax.tree_util.tree_leaves(args), after_op)
+        outs = graph.evaluate(jax.tree_util.tree_leaves(args), after_op, before_op)
         return jax.tree_util.tree_unflatten(graph.out_tree, outs)
 
     return fn

@@ -40,7 +40,8 @@ class Node:
       costs: seconds per strategy (own compute + own collectives + those of its followers).
       comms: collectives per strategy (for predictions and explanations).
       owned: tensor id -> spec per strategy, for every tensor whose sharding this node decides.
-      requires: (tensor id, required spec per strategy) for each array operand of the root op.
+      requires: (tensor id, required spec per strategy, operand position) for each array operand of
+        the root op.
       ops: op indices decided by this node (root op first, then followers).
       descriptions: per strategy, the root op's strategy in words.
       free_requires: (free tensor id, spec per strategy) wanted of free operands (iotas, masks), so
@@ -52,7 +53,7 @@ class Node:
     costs: list[float]
     comms: list[list[Comm]]
     owned: dict[int, list[Spec]]
-    requires: list[tuple[int, list[Spec]]]
+    requires: list[tuple[int, list[Spec], int]]
     ops: list[int]
     descriptions: list[str]
     free_requires: list[tuple[int, list[Spec]]] = dataclasses.field(default_factory=list)
@@ -64,7 +65,8 @@ class Node:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Edge:
-    """Tensor `tensor` produced under node `src`'s choice and consumed by op `op` under node `dst`'s choice."""
+    """Tensor `tensor` produced under node `src`'s choice and read as operand `pos` of op `op` under
+    node `dst`'s choice."""
 
     src: int
     dst: int
@@ -72,6 +74,7 @@ class Edge:
     src_specs: tuple[Spec, ...]
     dst_specs: tuple[Spec, ...]
     op: int = -1
+    pos: int = -1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -125,7 +128,7 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     owner: dict[int, int] = {}
     fallback: dict[str, int] = {}
     free: set[int] = set(graph.consts)
-    extra_edges: list[tuple[int, int, list[Spec], int]] = []
+    extra_edges: list[tuple[int, int, list[Spec], int, int]] = []
 
     for tid, path in zip(graph.inputs, graph.input_paths):
         t = graph.tensors[tid]
@@ -167,7 +170,7 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
                 if op.inputs[k] in free:
                     node.free_requires.append((op.inputs[k], needs[k]))
                 else:
-                    extra_edges.append((op.inputs[k], node.index, needs[k], op.index))
+                    extra_edges.append((op.inputs[k], node.index, needs[k], op.index, k))
             node.owned[op.outputs[0]] = out_specs
             node.ops.append(op.index)
             owner[op.outputs[0]] = node.index
@@ -180,9 +183,9 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
             costs=[s.cost for s in strategies],
             comms=[list(s.comms) for s in strategies],
             owned={t: [s.out_specs[j] for s in strategies] for j, t in enumerate(op.outputs)},
-            requires=[(op.inputs[k], [s.in_specs[k] for s in strategies]) for k in arrays
+            requires=[(op.inputs[k], [s.in_specs[k] for s in strategies], k) for k in arrays
                       if op.inputs[k] not in free]
-            + [(op.inputs[k], [() for _ in strategies]) for k in scalars if op.inputs[k] not in free],
+            + [(op.inputs[k], [() for _ in strategies], k) for k in scalars if op.inputs[k] not in free],
             ops=[op.index],
             descriptions=[s.describe(cost.mesh) for s in strategies],
             free_requires=[(op.inputs[k], [s.in_specs[k] for s in strategies]) for k in arrays
@@ -194,12 +197,12 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
 
     edges = []
     for node in nodes:
-        for tid, req in node.requires:
+        for tid, req, k in node.requires:
             src = owner[tid]
-            edges.append(Edge(src, node.index, tid, tuple(nodes[src].owned[tid]), tuple(req), node.ops[0]))
-    for tid, dst, req, op_index in extra_edges:
+            edges.append(Edge(src, node.index, tid, tuple(nodes[src].owned[tid]), tuple(req), node.ops[0], k))
+    for tid, dst, req, op_index, k in extra_edges:
         src = owner[tid]
-        edges.append(Edge(src, dst, tid, tuple(nodes[src].owned[tid]), tuple(req), op_index))
+        edges.append(Edge(src, dst, tid, tuple(nodes[src].owned[tid]), tuple(req), op_index, k))
 
     ties = []
     if tie_outputs:
@@ -271,7 +274,7 @@ def layer_representatives(nodes: Sequence[Node], graph: Graph, min_repeats: int 
         signature_ = (
             norm, occurrence, node.size, tuple(node.costs),
             tuple((graph.tensors[t], tuple(v)) for t, v in node.owned.items()),
-            tuple((graph.tensors[t], tuple(r)) for t, r in node.requires),
+            tuple((graph.tensors[t], tuple(r), k) for t, r, k in node.requires),
         )
         if signature_ in first:
             rep[node.index] = first[signature_]

@@ -163,18 +163,39 @@ def reshard_axis_cost(t: Tensor, src: Spec, axis: int, to_dim: int | None, cost:
     if frm is None or frm == to_dim:
         return None, 0.0
     nbytes = shard_bytes(t, src, mesh)
+    # Taking a major axis out of a dim split by several leaves the minor axes' blocks out of order:
+    # XLA first permutes the shards (collective-permute), then gathers. Assumes the minor axes stay.
+    reorder = cost.collective_time("collective-permute", nbytes, (axis,)) if src[frm][-1] != axis else 0.0
     if to_dim is None:
         gathered = nbytes * mesh.shape[axis]
-        return ("all-gather", (axis,), gathered), cost.collective_time("all-gather", gathered, (axis,))
-    return ("all-to-all", (axis,), nbytes), cost.collective_time("all-to-all", nbytes, (axis,))
+        return ("all-gather", (axis,), gathered), cost.collective_time("all-gather", gathered, (axis,)) + reorder
+    return ("all-to-all", (axis,), nbytes), cost.collective_time("all-to-all", nbytes, (axis,)) + reorder
 
 
 def reshard_cost(t: Tensor, src: Spec, dst: Spec, cost: CostModel) -> tuple[tuple[Comm, ...], float]:
-    """Total resharding collectives and time from `src` to `dst` (sum over mesh axes)."""
+    """Total resharding collectives and time from `src` to `dst`.
+
+    Per mesh axis as in `reshard_axis_cost`, except that the shard reordering is predicted exactly:
+    one collective-permute per dim whose kept axes are not a prefix of its source axes.
+    """
     comms, total = [], 0.0
-    for a in active_axes(cost.mesh):
-        c, time = reshard_axis_cost(t, src, a, axis_dim(dst, a), cost)
-        if c is not None:
-            comms.append(c)
-            total += time
+    mesh = cost.mesh
+    for d, (s_axes, d_axes) in enumerate(zip(src, dst)):
+        kept = [a for a in s_axes if a in d_axes]
+        if kept and tuple(kept) != s_axes[: len(kept)]:
+            nbytes = shard_bytes(t, src, mesh)
+            moved = tuple(a for a in s_axes[: s_axes.index(kept[-1])] if a not in kept)
+            comms.append(("collective-permute", moved, nbytes))
+            total += cost.collective_time("collective-permute", nbytes, moved)
+    for a in active_axes(mesh):
+        frm, to = axis_dim(src, a), axis_dim(dst, a)
+        if frm is None or frm == to:
+            continue
+        nbytes = shard_bytes(t, src, mesh)
+        if to is None:
+            c = ("all-gather", (a,), nbytes * mesh.shape[a])
+        else:
+            c = ("all-to-all", (a,), nbytes)
+        comms.append(c)
+        total += cost.collective_time(c[0], c[2], c[1])
     return tuple(comms), total

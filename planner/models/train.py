@@ -46,8 +46,9 @@ class ModelBundle:
     Attributes:
       name: registry name, e.g. "gpt-tiny".
       config: the frozen size config the bundle was built from.
-      init_state: key -> {"params": ..., "opt_state": ...} with concrete arrays.
-      make_batch: key -> batch pytree of concrete arrays.
+      init_state: key -> {"params": ..., "opt_state": ...} with concrete arrays (jitted; models with
+        non-trainable state add entries, e.g. "batch_stats"). Any PRNG key type is accepted.
+      make_batch: key -> batch pytree of concrete arrays (jitted).
       abstract_state: () -> init_state's pytree as jax.ShapeDtypeStruct (nothing allocated).
       abstract_batch: () -> make_batch's pytree as jax.ShapeDtypeStruct.
       train_step: (state, batch) -> (new_state, {"loss": scalar}); plain Python, not jitted.
@@ -185,9 +186,15 @@ def build_stateful_bundle(
 
     Returns:
       The bundle; its state is {"params", *collections, "opt_state"} and its loss_fn is
-      (params, batch) -> loss evaluated with the initial collections (the training-mode loss
-      of a batch-norm network does not depend on the running statistics).
+      (params, batch) -> loss evaluated with zeroed collections (the training-mode loss of a
+      batch-norm network does not depend on the running statistics).
+
+    Raises:
+      ValueError: a collection is named "params" or "opt_state".
     """
+    clashes = sorted({"params", "opt_state"} & set(collections))
+    if clashes:
+        raise ValueError(f"collections {clashes} of {name!r} clash with the train state's own keys")
 
     def init_state(key: jax.Array) -> State:
         variables = init_variables(key)
@@ -199,9 +206,9 @@ def build_stateful_bundle(
         return state
 
     def params_loss(params: Params, batch: Batch) -> jax.Array:
-        initial = jax.eval_shape(init_variables, jax.random.key(0))
-        model_state = {c: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), initial[c]) for c in collections}
-        return loss_fn(params, model_state, batch)[0]
+        shapes = jax.eval_shape(init_variables, jax.random.key(0))
+        zeros = {c: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[c]) for c in collections}
+        return loss_fn(params, zeros, batch)[0]
 
     train_step = make_stateful_train_step(loss_fn, optimizer, collections)
     return _assemble(name, config, init_state, make_batch, train_step, params_loss)
