@@ -39,7 +39,7 @@ class Tensor:
     """Type of one value in the graph."""
 
     shape: Shape
-    dtype: np.dtype
+    dtype: Any  # a numpy dtype, or a JAX extended dtype such as key<fry> (has .itemsize)
 
     @property
     def size(self) -> int:
@@ -158,7 +158,11 @@ def _tensor_of(aval) -> Tensor:
     dtype = getattr(aval, "dtype", None)
     if shape is None or dtype is None:
         raise InvalidArgumentError(f"value of type {aval} is not an array; the planner only handles array values")
-    return Tensor(tuple(int(d) for d in shape), np.dtype(dtype))
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:  # extended dtypes (PRNG keys) are kept as they are
+        pass
+    return Tensor(tuple(int(d) for d in shape), dtype)
 
 
 def _check_leaves(args: tuple[Any, ...]) -> tuple[list[str], list[Any]]:

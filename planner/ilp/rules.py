@@ -363,7 +363,84 @@ def scatter_add_rule(op: Op, graph: Graph) -> OpSig:
                  sum_labels=frozenset(sums), flops=float(updates.size))
 
 
-def select_n_rule(op: Op, graph: Graph) -> OpSig:
+def conv_rule(op: Op, graph: Graph) -> OpSig:
+    """Convolution: batch and output-feature splits pass through; a split input feature leaves
+    partial sums. Spatial dims stay whole (no halo exchange)."""
+    dn = op.params["dimension_numbers"]
+    lhs, rhs = graph.tensors[op.inputs[0]], graph.tensors[op.inputs[1]]
+    out = graph.tensors[op.outputs[0]]
+    groups = op.params.get("feature_group_count", 1)
+    bgroups = op.params.get("batch_group_count", 1)
+    l_lab: list[str | None] = [None] * len(lhs.shape)
+    r_lab: list[str | None] = [None] * len(rhs.shape)
+    o_lab: list[str | None] = [None] * len(out.shape)
+    sizes: dict[str, int] = {}
+    sums = set()
+    if bgroups == 1:
+        l_lab[dn.lhs_spec[0]] = o_lab[dn.out_spec[0]] = "b"
+        sizes["b"] = lhs.shape[dn.lhs_spec[0]]
+    if groups == 1 and bgroups == 1:
+        r_lab[dn.rhs_spec[0]] = o_lab[dn.out_spec[1]] = "o"
+        sizes["o"] = rhs.shape[dn.rhs_spec[0]]
+        l_lab[dn.lhs_spec[1]] = r_lab[dn.rhs_spec[1]] = "c"
+        sizes["c"] = lhs.shape[dn.lhs_spec[1]]
+        sums.add("c")
+    window = math.prod(rhs.shape[d] for d in dn.rhs_spec[2:])
+    flops = 2.0 * out.size * window * rhs.shape[dn.rhs_spec[1]]
+    return OpSig((tuple(l_lab), tuple(r_lab)), (tuple(o_lab),), sizes, sum_labels=frozenset(sums), flops=flops)
+
+
+def _pool_keep(op: Op, d: int, size: int) -> bool:
+    pad = op.params["padding"][d]
+    return (op.params["window_dimensions"][d] == 1 and op.params["window_strides"][d] == 1
+            and tuple(pad) == (0, 0))
+
+
+def select_and_scatter_add_rule(op: Op, graph: Graph) -> OpSig:
+    """Max-pool gradient: dims with a unit window pass through (source, operand and result)."""
+    source, operand = graph.tensors[op.inputs[0]], graph.tensors[op.inputs[1]]
+    sizes: dict[str, int] = {}
+    s_lab, o_lab = [], []
+    for d in range(len(operand.shape)):
+        if _pool_keep(op, d, operand.shape[d]) and source.shape[d] == operand.shape[d]:
+            s_lab.append(f"d{d}")
+            o_lab.append(f"d{d}")
+            sizes[f"d{d}"] = operand.shape[d]
+        else:
+            s_lab.append(None)
+            o_lab.append(None)
+    rest = tuple(None if isinstance(v, Literal) else () for v in op.inputs[2:])
+    return OpSig((tuple(s_lab), tuple(o_lab)) + rest, (tuple(o_lab),), sizes, flops=float(operand.size))
+
+
+def _all_but(dims_of: Callable[[Op, int], set[int]]) -> Rule:
+    """Multi-operand/multi-result ops that keep every dim but some (sort, top_k, split)."""
+
+    def rule(op: Op, graph: Graph) -> OpSig:
+        x = graph.tensors[op.inputs[0]]
+        skip = dims_of(op, len(x.shape))
+        labels = tuple(None if d in skip else f"d{d}" for d in range(len(x.shape)))
+        sizes = {f"d{d}": x.shape[d] for d in range(len(x.shape)) if d not in skip}
+        ins = tuple(None if isinstance(v, Literal) else labels for v in op.inputs)
+        outs = tuple(labels for _ in op.outputs)
+        return OpSig(ins, outs, sizes, flops=float(x.size))
+
+    return rule
+
+
+def random_bits_rule(op: Op, graph: Graph) -> OpSig:
+    """Random bits from a single key: the result may be split (JAX's threefry is partitionable, so
+    each device generates its slice of the same numbers); the key stays whole."""
+    labels, sizes = _dims("d", graph.tensors[op.outputs[0]].shape)
+    key = graph.tensors[op.inputs[0]]
+    if key.shape:
+        return replicated_rule(op, graph)
+    return OpSig(((),), (labels,), sizes)
+
+
+def bitcast_rule(op: Op, graph: Graph) -> OpSig:
+    if graph.tensors[op.inputs[0]].shape != graph.tensors[op.outputs[0]].shape:
+        return replicated_rule(op, graph)
     return elementwise_rule(op, graph)
 
 
@@ -376,6 +453,7 @@ ELEMENTWISE = (
     "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count", "imag", "real",
     "conj", "reduce_precision", "copy", "copy_p", "stop_gradient", "select_n", "tan", "polygamma",
     "igamma", "igammac", "bessel_i0e", "bessel_i1e", "random_gamma_grad", "clz", "logaddexp",
+    "cosh", "exp2", "sinh", "tanh", "logistic",
 )
 
 RULES: Mapping[str, Rule] = MappingProxyType({
@@ -409,6 +487,18 @@ RULES: Mapping[str, Rule] = MappingProxyType({
     "gather": gather_rule,
     "scatter-add": scatter_add_rule,
     "scatter_add": scatter_add_rule,
+    "conv_general_dilated": conv_rule,
+    "reduce_window_sum": _window_rule(_pool_keep),
+    "reduce_window_max": _window_rule(_pool_keep),
+    "reduce_window_min": _window_rule(_pool_keep),
+    "reduce_window": _window_rule(_pool_keep),
+    "select_and_scatter_add": select_and_scatter_add_rule,
+    "sort": _all_but(lambda op, n: {op.params["dimension"] % n}),
+    "top_k": _all_but(lambda op, n: {n - 1}),
+    "split": _all_but(lambda op, n: {op.params["axis"] % n}),
+    "random_bits": random_bits_rule,
+    "threefry2x32": elementwise_rule,
+    "bitcast_convert_type": bitcast_rule,
 })
 
 

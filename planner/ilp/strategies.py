@@ -6,6 +6,8 @@ import itertools
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from planner.cost_model import CostModel
 from planner.graph import Tensor
 from planner.ilp.rules import OpSig
@@ -65,7 +67,7 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
     split = math.prod(mesh.axis_size(v) for v in axes_of.values())
     moved = sum(shard_bytes(t, s, mesh) for t, s in zip(ins, in_specs) if t is not None and s is not None)
     moved += sum(shard_bytes(t, s, mesh) for t, s in zip(outs, base_out))
-    dtype = outs[0].dtype if outs else None
+    dtype = outs[0].dtype if outs and isinstance(outs[0].dtype, np.dtype) else None
     compute = cost.compute_time(sig.flops / split, moved, dtype)
     assignment = tuple(sorted(axes_of.items()))
     if not partial:
