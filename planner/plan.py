@@ -81,6 +81,9 @@ class Plan:
         layout than its producer left it: the planned resharding, pinned so XLA reshards there
         instead of picking another decomposition of the op.
       stages: pipeline stages (each with layers, submesh, mesh, ...); empty for a one-stage plan.
+      pipeline: pipeline-level facts when the plan was made with `pipeline=True/"auto"`: schedule,
+        num_microbatches, num_stages, bubble_fraction, the single-stage comparison (see
+        `planner.stages.PipelinePlan.to_dict`); empty otherwise.
       scatter_specs: (op index, result position, spec before the scatter) of partial sums the plan
         reduce-scatters; emission pins the reduced value first so XLA reduces, then slices (the
         pattern its reduce-scatter pass recognises), instead of resharding an operand.
@@ -101,6 +104,7 @@ class Plan:
     scatter_specs: tuple[tuple[int, int, Spec], ...] = ()
     stages: tuple[Mapping[str, Any], ...] = ()
     operand_specs: tuple[tuple[int, int, Spec], ...] = ()
+    pipeline: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), compare=False)
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     jax_mesh: jax.sharding.Mesh | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -167,6 +171,17 @@ class Plan:
         ]
         if self.fallback_primitives:
             lines.append(f"  replicated (no rule)  {', '.join(self.fallback_primitives)}")
+        if self.pipeline:
+            pl = self.pipeline
+            lines.append(f"  pipeline              {pl.get('num_stages')} stage(s), {pl.get('num_microbatches')} "
+                         f"microbatches, {pl.get('schedule')}, bubble {float(pl.get('bubble_fraction') or 0):.1%}")
+            for k, st in enumerate(self.stages):
+                mesh = "x".join(str(v) for v in st.get("mesh", {}).values())
+                layers = list(st.get("layers", ()))
+                names = layers[0] if len(layers) == 1 else f"{layers[0]}..{layers[-1]} ({len(layers)})" if layers else ""
+                devices = list(st.get("devices", ())) or ["?"]
+                lines.append(f"    stage {k}: {names:<28} submesh {'x'.join(map(str, st.get('submesh', ())))} "
+                             f"mesh {mesh:<5} devices {devices[0]}-{devices[-1]}")
         lines.append("  inputs:")
         rows = _collapse_layers(list(zip(self.input_paths, (format_spec(s, self.mesh) for s in self.input_specs))))
         for path, spec, count in rows[:max_rows]:
@@ -185,7 +200,7 @@ class Plan:
             "format_version": PLAN_FORMAT_VERSION,
             "mesh": {n: int(k) for n, k in zip(self.mesh.axis_names, self.mesh.shape)},
             "shardings": {a: _spec_names(s, self.mesh) for a, s in zip(self.input_paths, self.input_specs)},
-            "stages": [dict(st) for st in self.stages] or [{
+            "stages": [_thaw(st) for st in self.stages] or [{
                 "layers": "all", "submesh": list(self.mesh.shape),
                 "mesh": {n: int(k) for n, k in zip(self.mesh.axis_names, self.mesh.shape)}}],
             "inputs": [{"path": a, "spec": spec_to_json(s)} for a, s in zip(self.input_paths, self.input_specs)],
@@ -206,6 +221,7 @@ class Plan:
             "fallback_primitives": list(self.fallback_primitives),
             "scatter_specs": [[i, k, spec_to_json(s)] for i, k, s in self.scatter_specs],
             "operand_specs": [[i, k, spec_to_json(s)] for i, k, s in self.operand_specs],
+            "pipeline": _thaw(self.pipeline),
         }
 
     @classmethod
@@ -238,6 +254,7 @@ class Plan:
                 scatter_specs=tuple((int(i), int(k), spec_from_json(s)) for i, k, s in d.get("scatter_specs", ())),
                 operand_specs=tuple((int(i), int(k), spec_from_json(s)) for i, k, s in d.get("operand_specs", ())),
                 stages=tuple(_freeze(st) for st in d.get("stages", ()) if st.get("layers") != "all"),
+                pipeline=_freeze(d.get("pipeline") or {}),
             )
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
             if isinstance(e, InvalidArgumentError):
@@ -252,6 +269,15 @@ def _spec_names(spec: Spec, mesh: MeshSpec) -> list:
         names = [mesh.axis_names[a] for a in axes]
         out.append(None if not names else names[0] if len(names) == 1 else names)
     return out
+
+
+def _thaw(value: Any) -> Any:
+    """Read-only mappings and tuples back to JSON dicts and lists."""
+    if isinstance(value, Mapping):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_thaw(v) for v in value]
+    return value
 
 
 def _freeze(value: Any) -> Any:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import jax
 
-from planner.cost_model import CostModel, get_hardware, ring_bytes
+from planner.cost_model import CostModel, ring_bytes
 from planner.errors import MeshError
 from planner.graph import Graph
 from planner.ilp.problem import Problem, build_problem
@@ -54,23 +54,33 @@ def _predict(problem: Problem, sol: Solution) -> Prediction:
     comm_time = 0.0
     compute_time = 0.0
 
-    def add(kind, axes, nbytes, where, reason):
+    def add(kind, axes, nbytes, where, reason, combined=False):
         nonlocal comm_time
         n = mesh.axis_size(axes)
         if n <= 1:
-            return
+            return 0.0
         collectives.append(PredictedCollective(kind, tuple(mesh.axis_names[a] for a in axes), int(nbytes), n, where,
                                                reason))
-        comm_time += cost.collective_time(kind, nbytes, axes)
+        t = cost.collective_time(kind, nbytes, axes, combined)
+        comm_time += t
+        return t
 
+    combined_latency: dict[tuple, float] = {}
     for node in problem.nodes:
         i = sol.choice[node.index]
+        # Same convention as the ILP: reductions whose results feed no matmul are combined by XLA,
+        # so they pay bandwidth each and latency once per (kind, axes) group.
+        combined = bool(node.ops) and node.ops[0] in problem.combinable
         own_comm = 0.0
         for kind, axes, nbytes in node.comms[i]:
             reason = "partial sum" if kind in ("all-reduce", "reduce-scatter") else "follow"
-            add(kind, axes, nbytes, node.label, reason)
-            own_comm += cost.collective_time(kind, nbytes, axes)
+            own_comm += add(kind, axes, nbytes, node.label, reason, combined)
+            if combined:
+                key = (kind, tuple(axes))
+                combined_latency[key] = (cost.collective_time(kind, nbytes, axes)
+                                         - cost.collective_time(kind, nbytes, axes, True))
         compute_time += max(0.0, node.costs[i] - own_comm)
+    comm_time += sum(combined_latency.values())
     for e, (kind, axes, nbytes) in _edge_comms(problem, sol.choice):
         dst = problem.nodes[e.dst].label
         add(kind, axes, nbytes, dst, "reshard")

@@ -129,22 +129,37 @@ def _propagate(graph: Graph, op_layer: list[int | None], input_layer: list[int |
                phases: Sequence[str]) -> None:
     """Fills unlabelled ops and inputs (in place).
 
-    Order: backward ops by module path; forward and update ops from their producers (the latest
-    layer); then, walking backwards, backward ops from their consumers (the latest: the gradient
-    flows towards earlier layers, so an op between two layers' backward belongs to the later one's
-    side) and other ops from their consumers (the earliest); then backward ops still unlabelled
-    from their producers (the earliest).
+    Order: backward ops by module path; inputs from the forward ops that read them (the earliest
+    layer); forward and update ops from their producers (the latest layer); backward ops from the
+    parameters and forward values they read (the latest); then, walking backwards, remaining
+    backward ops from their consumers (the latest: the gradient flows towards earlier layers, so a
+    cotangent-only op between two layers' backward belongs to the later one's side) and other ops
+    from their consumers (the earliest); then what is left from its producers (the earliest).
     """
     _match_backward(graph, op_layer, phases)
-    tensor_layer: dict[int, int] = {t: l for t, l in zip(graph.inputs, input_layer) if l is not None}
+    first_fwd_use: dict[int, int] = {}
     for op in graph.ops:
-        if op_layer[op.index] is None and phases[op.index] != BACKWARD:
-            known = [tensor_layer[t] for t in op.tensor_inputs if t in tensor_layer]
+        if phases[op.index] == FORWARD and op_layer[op.index] is not None:
+            for t in op.tensor_inputs:
+                first_fwd_use[t] = min(first_fwd_use.get(t, op_layer[op.index]), op_layer[op.index])
+    for k, t in enumerate(graph.inputs):
+        if input_layer[k] is None and t in first_fwd_use:
+            input_layer[k] = first_fwd_use[t]
+    tensor_layer: dict[int, int] = {t: l for t, l in zip(graph.inputs, input_layer) if l is not None}
+    forward_made: set[int] = set(tensor_layer)
+    for op in graph.ops:
+        if op_layer[op.index] is None:
+            if phases[op.index] != BACKWARD:
+                known = [tensor_layer[t] for t in op.tensor_inputs if t in tensor_layer]
+            else:
+                known = [tensor_layer[t] for t in op.tensor_inputs if t in forward_made and t in tensor_layer]
             if known:
                 op_layer[op.index] = max(known)
         if op_layer[op.index] is not None:
             for t in op.outputs:
                 tensor_layer[t] = op_layer[op.index]
+                if phases[op.index] == FORWARD:
+                    forward_made.add(t)
     uses: dict[int, list[int]] = defaultdict(list)
     for op in reversed(graph.ops):
         if op_layer[op.index] is None:

@@ -258,7 +258,8 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
       fn: the train step (traced, never run).
       args: its arguments (arrays or ShapeDtypeStructs); `args[batch_argnum]` is the batch.
       cluster: hosts x devices and their links.
-      options: `pipeline` (True: at least two stages; "auto": one stage allowed), `num_microbatches`
+      options: `pipeline` (True: at least two stages; "auto": the single-stage plan on the whole
+        cluster without microbatching competes too, and is reported), `num_microbatches`
         (None: try the `microbatch_limit` largest powers of two dividing the batch), `schedule`,
         `memory_budget` (default: the device memory), `solver_time_limit` for each layer's ILP.
       batch_argnum: position of the batch argument.
@@ -318,7 +319,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
     # The single-stage plan: the whole cluster, the whole batch at once.
     single = single_free = None
     full = len(shapes) - 1
-    if options.pipeline == "auto" or options.pipeline is True:
+    if options.pipeline == "auto":
         graph, layers, table, t0 = build(1)
         st1 = stage_times(table, shapes[full:], [per_submesh[full]], 1, options.schedule, budget,
                           boundary_bytes(graph, layers))
@@ -332,10 +333,8 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
             single += _apply_max(table, st1, (StageChoice(0, L - 1, 0, single),))
         if math.isfinite(single_free):
             single_free += _apply_max(table, free, (StageChoice(0, L - 1, 0, single_free),))
-        if options.pipeline == "auto":
-            dp1 = DPResult((StageChoice(0, L - 1, full, float(st1.times[0, 0, L - 1, 0])),), single, single, 0)
-            one = _Candidate(1, graph, layers, table, _remap(st1, full, len(shapes)), dp1, single)
-            candidates.append(one)
+        dp1 = DPResult((StageChoice(0, L - 1, full, float(st1.times[0, 0, L - 1, 0])),), single, single, 0)
+        candidates.append(_Candidate(1, graph, layers, table, _remap(st1, full, len(shapes)), dp1, single))
 
     feasible = [c for c in candidates if c.dp is not None and math.isfinite(c.step_s)]
     if not feasible:

@@ -31,7 +31,6 @@ that mirror them and a copy of the shared ones (e.g. the step count).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -39,6 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from planner.errors import InvalidArgumentError
 from planner.graph import Graph, Literal, trace
@@ -112,6 +112,7 @@ class _Stage:
     fwd: Any
     bwd: Any
     zeros: Any
+    apply: Any
 
 
 def _is_float(dtype) -> bool:
@@ -161,6 +162,12 @@ class PipelinedStep:
         self.tasks = stage_tasks(schedule, len(self.layouts), num_microbatches)
         self.order = dispatch_order(self.tasks)
         self._built: dict[tuple, tuple] = {}
+
+    def with_schedule(self, schedule: str) -> PipelinedStep:
+        """The same stages and compiled programs under another schedule."""
+        other = PipelinedStep(self.loss_fn, self.optimizer, self.layouts, self.num_microbatches, schedule)
+        other._built = self._built
+        return other
 
     @classmethod
     def from_plan(cls, loss_fn: Callable[..., Any], optimizer: Any, plan: Any,
@@ -329,6 +336,12 @@ class PipelinedStep:
         def zeros():
             return [jnp.zeros(graph.tensors[t].shape, graph.tensors[t].dtype) for t in param_ids]
 
+        optimizer = self.optimizer
+
+        def apply(p, o, g):
+            updates, o2 = optimizer.update(g, o, p)
+            return optax.apply_updates(p, updates), o2
+
         nacc = 5 if lay.remat else 2
         return _Stage(
             index=s, layout=lay, mesh=jmesh, ops=ops, params=own, batch=bl, acts_in=acts_in, aux_in=aux_in,
@@ -336,6 +349,7 @@ class PipelinedStep:
             fwd=jax.jit(fwd),
             bwd=jax.jit(bwd, out_shardings=(list(p_shard), None), donate_argnums=(nacc,)),
             zeros=jax.jit(zeros, out_shardings=list(p_shard)),
+            apply=jax.jit(apply),
         )
 
     def _opt_layouts(self, params, opt_state, param_owner):
@@ -442,7 +456,7 @@ class PipelinedStep:
             o = jax.tree_util.tree_unflatten(odef, [jax.device_put(full_opt[k], shard_of(k, full_opt[k]))
                                                     for k in okeys])
             grads = acc[s] if acc[s] is not None else st.zeros()
-            new_p, new_o = self._apply(s, st)(mask(p[s]), o, mask(grads))
+            new_p, new_o = st.apply(mask(p[s]), o, mask(grads))
             for k, x in zip(st.params, [x for x in jax.tree_util.tree_leaves(new_p)]):
                 new_flat[k] = x
             for key, x in zip(okeys, jax.tree_util.tree_leaves(new_o)):
@@ -474,23 +488,9 @@ class PipelinedStep:
 
         return shard_of
 
-    def _apply(self, s: int, st: _Stage):
-        cache = self.__dict__.setdefault("_apply_cache", {})
-        if (s, id(st)) not in cache:
-            import optax
-
-            def apply(p, o, g):
-                updates, o2 = self.optimizer.update(g, o, p)
-                return optax.apply_updates(p, updates), o2
-
-            cache[(s, id(st))] = jax.jit(apply)
-        return cache[(s, id(st))]
-
 
 def predicted_bubble(num_stages: int, num_microbatches: int) -> float:
     """(S - 1) / (S + B - 1): the idle share of equal stages under GPipe or 1F1B."""
     return (num_stages - 1) / (num_stages + num_microbatches - 1) if num_stages + num_microbatches > 1 else 0.0
 
 
-__all__ = ["PipelinedStep", "StageLayout", "even_layouts", "layer_names", "predicted_bubble"]
-del math

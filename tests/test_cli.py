@@ -1,0 +1,224 @@
+"""The `planner` command line, run in-process through `main([...])` plus one real console-script run."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from planner import Plan, cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def mlp_plan(tmp_path_factory):
+    """mlp-tiny searched over the mesh shapes of 8 devices, saved with --json and --html."""
+    d = tmp_path_factory.mktemp("mlp")
+    path, page = d / "plan.json", d / "plan.html"
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(["plan", "--model", "mlp-tiny", "--devices", "8", "--json", str(path), "--html", str(page)])
+    assert code == 0, err.getvalue()
+    return path, page, out.getvalue(), err.getvalue()
+
+
+def test_plan_prints_ranking_layers_and_rules(mlp_plan):
+    _, _, out, err = mlp_plan
+    assert "Mesh shapes, best first:" in out
+    for header in ("mesh", "stages", "step time", "memory/dev", "of budget", "moved/dev", "MFU"):
+        assert header in out
+    for mesh in ("8", "2x4", "4x2"):
+        assert f"  {mesh} " in out
+    assert "Best plan:" in out and "Per-layer shardings" in out
+    assert "logical_axis_rules = [" in out and "('batch'," in out
+    assert "logical_axis_rules: [['batch'" in out  # MaxText form
+    # progress on stderr: tracing, ILP, per mesh
+    assert "tracing mlp-tiny" in err and "planning mesh 2x4" in err and "solved" in err
+
+
+def test_json_has_the_documented_keys(mlp_plan):
+    path, _, _, _ = mlp_plan
+    d = json.loads(path.read_text())
+    assert isinstance(d["mesh"], dict) and all(isinstance(v, int) for v in d["mesh"].values())
+    assert d["stages"] and {"layers", "submesh", "mesh"} <= set(d["stages"][0])
+    assert "[1]['x']" in d["shardings"]
+    assert {"step_time_s", "memory_bytes_per_device", "bytes_moved_per_device"} <= set(d["predicted"])
+    assert d["options"]["memory_budget"] == 80e9  # the hardware's memory when no budget is given
+    ctx = d["context"]
+    assert ctx["model"] == "mlp-tiny" and len(ctx["ranking"]) == 3
+    assert ctx["logical_axis_rules"]["rules"][0][0] == "batch"
+    plan = Plan.from_json(path.read_text())  # the extra context block does not disturb loading
+    assert plan.mesh.size == 8
+
+
+def test_from_reprints_the_saved_plan(mlp_plan, capsys):
+    path, _, out, _ = mlp_plan
+    code, again, err = run(capsys, "plan", "--from", str(path), "--quiet")
+    assert code == 0 and err == ""
+    best = out[out.index("Best plan:"):out.index("plan written")].strip()
+    assert best in again
+
+
+def test_quiet_silences_progress(capsys):
+    code, out, err = run(capsys, "plan", "--model", "mlp-tiny", "--mesh", "8", "--quiet")
+    assert code == 0 and err == ""
+    assert out.startswith("Plan for mlp-tiny on 8 devices") and "Mesh shapes" not in out  # one mesh: no ranking
+
+
+def test_repeated_layers_collapse_and_logical_names(capsys, tmp_path):
+    path = tmp_path / "gpt.json"
+    code, out, _ = run(capsys, "plan", "--model", "gpt-tiny", "--mesh", "8", "--batch", "8", "--seq", "16",
+                       "--quiet", "--json", str(path))
+    assert code == 0
+    rows = [line for line in out.splitlines() if "attn/query/kernel" in line]
+    assert len(rows) == 1 and "blocks_[0-1]" in rows[0] and "x2" in rows[0]
+    assert "embed, heads, kv" in rows[0]
+    assert "vocab, embed" in out and "embed, mlp" in out and "batch, length" in out
+    d = json.loads(path.read_text())
+    assert d["context"]["model"] == "gpt-tiny batch=8 seq=16"
+    assert d["context"]["input_shapes"][d["inputs"].index(next(x for x in d["inputs"] if x["path"] == "[1]['inputs']"))] == [8, 16]
+
+
+def test_cluster_marks_inter_host_axes(capsys, tmp_path):
+    path = tmp_path / "c.json"
+    code, out, _ = run(capsys, "plan", "--model", "mlp-tiny", "--cluster", "2x4", "--mesh", "2x4", "--quiet",
+                       "--json", str(path))
+    assert code == 0
+    d = json.loads(path.read_text())
+    assert d["options"]["inter_host_axes"] == [0]
+    assert "x=2*" in out and "crosses hosts" in out
+    assert "2 hosts x 4 devices" in out
+
+
+@pytest.mark.parametrize("shape, per_host, expected", [
+    ((2, 4), 4, (0,)), ((8,), 4, (0,)), ((4, 2), 4, (0,)), ((1, 16), 8, (1,)), ((2, 8), 8, (0,)),
+    ((2, 4), 8, ()), ((4, 4), 2, (0, 1)),
+])
+def test_inter_host_axes(shape, per_host, expected):
+    assert cli.inter_host_axes(shape, per_host) == expected
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model", "gpt5", "--devices", "8"], "unknown model 'gpt5'"),
+    (["--model", "mlp-tiny", "--cluster", "2by8"], "--cluster '2by8' is not HOSTSxDEVICES"),
+    (["--model", "mlp-tiny", "--cluster", "0x8"], "is not HOSTSxDEVICES"),
+    (["--model", "mlp-tiny", "--mesh", "8", "--memory-budget", "1kB"], "memory budget"),
+    (["--model", "mlp-tiny", "--mesh", "8", "--memory-budget", "lots"], "is not a size"),
+    (["--model", "mlp-tiny", "--mesh", "3x3", "--devices", "8"], "has 9 devices"),
+    (["--model", "mlp-tiny", "--devices", "8", "--hardware", "abacus"], "unknown hardware"),
+    (["--model", "mlp-tiny"], "--devices N, --mesh 2x4 or --cluster"),
+    (["--devices", "8"], "--model NAME"),
+    (["--model", "mlp-tiny", "--mesh", "8", "--seq", "4"], "does not accept"),
+    (["--fn", "no_such_module_xyz:make", "--mesh", "8"], "cannot import 'no_such_module_xyz'"),
+    (["--fn", "json:no_such_factory", "--mesh", "8"], "has no callable 'no_such_factory'"),
+    (["--fn", "json", "--mesh", "8"], "is not MODULE:FACTORY"),
+    (["--fn", "json:dumps", "--mesh", "8"], "dumps() raised TypeError"),
+    (["--model", "mlp-tiny", "--mesh", "8", "--profile", "/nonexistent/db.json"], "does not exist"),
+])
+def test_errors_are_one_line_with_status_2(capsys, argv, needle):
+    code, out, err = run(capsys, "plan", "--quiet", *argv)
+    assert code == 2
+    assert needle in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("planner: error: ")
+
+
+def test_infeasible_budget_names_the_fix(capsys):
+    code, _, err = run(capsys, "plan", "--model", "mlp-tiny", "--mesh", "8", "--memory-budget", "1kB", "--quiet")
+    assert code == 2 and "--memory-budget" in err
+
+
+def test_argparse_errors_exit_2(capsys):
+    code, _, err = run(capsys, "plan", "--model", "mlp-tiny", "--devices", "zero")
+    assert code == 2 and "not an integer" in err
+    assert run(capsys, "frobnicate")[0] == 2
+    assert run(capsys, "--help")[0] == 0
+
+
+def test_fn_factory_from_file_and_module(capsys, tmp_path, monkeypatch):
+    src = textwrap.dedent("""
+        import jax, jax.numpy as jnp
+
+        def make(batch=16):
+            def step(params, x):
+                h = x @ params["w1"]
+                loss = jnp.mean(jnp.tanh(h) @ params["w2"])
+                grads = jax.grad(lambda p: jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"]))(params)
+                return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), loss
+            params = {"w1": jax.ShapeDtypeStruct((32, 64), jnp.float32),
+                      "w2": jax.ShapeDtypeStruct((64, 8), jnp.float32)}
+            return step, (params, jax.ShapeDtypeStruct((batch, 32), jnp.float32))
+
+        def broken():
+            return 42
+    """)
+    (tmp_path / "userstep.py").write_text(src)
+    code, out, err = run(capsys, "plan", "--fn", f"{tmp_path / 'userstep.py'}:make", "--mesh", "2x4", "--batch", "32",
+                         "--quiet")
+    assert code == 0, err
+    assert "Plan for" in out and "userstep.py:make" in out
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = run(capsys, "plan", "--fn", "userstep:make", "--mesh", "8", "--quiet")
+    assert code == 0, err
+    code, _, err = run(capsys, "plan", "--fn", "userstep:broken", "--mesh", "8", "--quiet")
+    assert code == 2 and "not (train_step, example_args)" in err
+    code, _, err = run(capsys, "plan", "--fn", "userstep:broken", "--mesh", "8", "--batch", "4", "--quiet")
+    assert code == 2 and "takes no batch argument" in err
+
+
+def test_list_models(capsys):
+    code, out, _ = run(capsys, "plan", "--list-models")
+    assert code == 0 and "gpt2-small" in out.split()
+
+
+def test_explain_and_diff_commands(mlp_plan, capsys, tmp_path):
+    path, _, _, _ = mlp_plan
+    code, out, _ = run(capsys, "explain", str(path))
+    assert code == 0
+    assert "Cost breakdown:" in out and "runner-up" in out and "communication by collective" in out
+    code, out, _ = run(capsys, "explain", str(path), "--op", "dense_0")
+    assert code == 0 and "Decisions matching 'dense_0'" in out and "chosen" in out
+    other = tmp_path / "other.json"
+    assert run(capsys, "plan", "--model", "mlp-tiny", "--mesh", "2x4", "--quiet", "--json", str(other))[0] == 0
+    code, out, _ = run(capsys, "diff", str(path), str(other))
+    assert code == 0 and "step time" in out and "A:" in out and "B:" in out
+    code, _, err = run(capsys, "explain", str(tmp_path / "missing.json"))
+    assert code == 2 and "cannot read plan file" in err
+    (tmp_path / "bad.json").write_text("{not json")
+    code, _, err = run(capsys, "diff", str(path), str(tmp_path / "bad.json"))
+    assert code == 2 and "is not JSON" in err
+
+
+def test_profile_subcommand(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_profiling_module", lambda: None)
+    code, _, err = run(capsys, "profile", "--out", "db.json")
+    assert code == 2 and "planner profile" in err and "not available" in err
+    calls = []
+    fake = types.SimpleNamespace(
+        add_arguments=lambda p: p.add_argument("--out"),
+        run=lambda args: calls.append(args.out) or 0)
+    monkeypatch.setattr(cli, "_profiling_module", lambda: fake)
+    code, _, _ = run(capsys, "profile", "--out", "db.json")
+    assert code == 0 and calls == ["db.json"]
+
+
+def test_console_script_subprocess():
+    exe = os.path.join(os.path.dirname(sys.executable), "planner")
+    proc = subprocess.run([exe, "plan", "--model", "gpt-tiny", "--devices", "8", "--quiet"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "Best plan:" in proc.stdout and "logical_axis_rules" in proc.stdout
+    assert "[planner" not in proc.stderr  # --quiet: no progress lines

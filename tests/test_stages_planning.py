@@ -1,0 +1,78 @@
+"""Inter-op planning end to end on abstract models: when to pipeline, where stages go, what the plan records."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from planner.errors import InfeasiblePlanError, InvalidArgumentError
+from planner.models import get_model
+from planner.options import PlanOptions
+from planner.stages.inter_op import microbatch_counts, plan_pipeline
+from planner.stages.submesh import Cluster
+
+
+def _plan(name: str, cluster: Cluster, ndim: int = 1, **options):
+    b = get_model(name)
+    return plan_pipeline(b.train_step, (b.abstract_state(), b.abstract_batch()), cluster,
+                         PlanOptions(**options), max_mesh_ndim=ndim)
+
+
+def test_uniform_fast_cluster_keeps_a_small_gpt_in_one_stage():
+    # GPT-2 small (124M) on one 8-GPU NVLink node: pipelining only adds a bubble.
+    pp = _plan("gpt2-small", Cluster.of(1, 8, "a100"), pipeline="auto")
+    assert pp.num_stages == 1
+    assert pp.stages[0].submesh == (1, 8) and pp.stages[0].devices == tuple(range(8))
+    assert pp.num_microbatches == 1 and pp.bubble_fraction == 0.0
+    assert pp.step_time_s == pytest.approx(pp.single_stage_time_s)
+    assert all(t > pp.step_time_s for b, t, s in pp.candidates if s > 1)
+
+
+def test_slow_host_links_pipeline_along_host_boundaries():
+    # Four hosts of two GPUs joined by 10 Gbit/s: collectives across hosts are ruinous, sending one
+    # activation per microbatch between consecutive hosts is cheap.
+    cluster = Cluster.of(4, 2, "a100", inter_host_gbit=10)
+    pp = _plan("gpt2-small", cluster, pipeline="auto")
+    assert pp.num_stages > 1
+    assert pp.step_time_s < pp.single_stage_time_s
+    for st in pp.stages:
+        assert st.devices[0] % 2 == 0 and len(st.devices) % 2 == 0, st.devices  # whole hosts
+    covered = [d for st in pp.stages for d in st.devices]
+    assert sorted(covered) == list(range(8))
+    names = [n for st in pp.stages for n in st.layers]
+    assert names == list(pp.layer_names) and names[0] == "pre" and names[-1] == "post"
+    assert 0.0 < pp.bubble_fraction < 1.0
+    # What the plan records, in words and in JSON.
+    text = pp.summary()
+    assert "stage 0" in text and f"{pp.num_microbatches} microbatches" in text and "bubble" in text
+    info = json.loads(json.dumps(pp.to_dict()))
+    assert info["schedule"] == "1f1b" and info["num_microbatches"] == pp.num_microbatches
+    assert info["bubble_fraction"] == pytest.approx(pp.bubble_fraction)
+    stages = json.loads(json.dumps([dict(s) for s in pp.stage_dicts()]))
+    assert [s["layers"] for s in stages] == [list(st.layers) for st in pp.stages]
+    assert all(s["submesh"] == [1, 2] or s["submesh"][1] == 2 for s in stages)
+    assert all(set(s) >= {"layers", "submesh", "mesh", "devices", "shardings", "inflight_microbatches"}
+               for s in stages)
+    assert any("['params']['blocks_0']" in p for p in stages[0]["shardings"])
+
+
+def test_forced_pipeline_schedule_and_microbatches():
+    cluster = Cluster.of(2, 4, "a100")
+    pp = _plan("gpt-small-test", cluster, pipeline=True, num_microbatches=4, schedule="gpipe")
+    assert pp.num_stages >= 2 and pp.num_microbatches == 4 and pp.schedule == "gpipe"
+    assert all(st.inflight == 4 for st in pp.stages)  # GPipe keeps every microbatch's activations
+    assert [c[0] for c in pp.candidates] == [4]
+    one_f = _plan("gpt-small-test", cluster, pipeline=True, num_microbatches=4)
+    assert [st.inflight for st in one_f.stages] == [min(4, one_f.num_stages - k) for k in range(one_f.num_stages)]
+
+
+def test_microbatch_counts_and_errors():
+    assert microbatch_counts(8, None, 2) == (8, 4)
+    assert microbatch_counts(12, None, 3) == (4, 2)
+    assert microbatch_counts(8, 2, 2) == (2,)
+    with pytest.raises(InvalidArgumentError, match="does not divide"):
+        microbatch_counts(8, 3, 2)
+    with pytest.raises(InfeasiblePlanError, match="memory budget"):
+        _plan("gpt-small-test", Cluster.of(1, 2, "a100"), pipeline=True, memory_budget=1e3)
+    assert math.isinf(float("inf"))
