@@ -18,6 +18,9 @@ plan: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --durations=15 tests
 
+fuzz: $(STAMP)
+	FUZZ_EXAMPLES=1000 $(BIN)/python -m pytest -q -n 2 tests/test_fuzz.py
+
 bench: $(STAMP)
 	XLA_FLAGS="--xla_force_host_platform_device_count=8" $(BIN)/python experiments/bench_gpt_baselines.py
 

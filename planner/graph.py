@@ -12,12 +12,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy  # noqa: F401  (jax.numpy.stack in unroll_scan)
 import numpy as np
 from jax.extend import core as jcore
 
 from planner.errors import InvalidArgumentError
 
 Shape = tuple[int, ...]
+
+# Scans up to this many iterations are unrolled for planning (see `_Builder.unroll_scan`).
+MAX_UNROLL = 512
 
 # Call-like primitives whose body is inlined, with the parameter that holds the body.
 _INLINE_PARAMS: Mapping[str, tuple[str, ...]] = {
@@ -225,6 +229,10 @@ class _Builder:
             operands = [read(x) for x in eqn.invars]
             stack = str(eqn.source_info.name_stack)
             full = "/".join(p for p in (prefix, stack) if p)
+            if eqn.primitive.name == "scan" and 0 < eqn.params["length"] <= MAX_UNROLL:
+                for v, r in zip(eqn.outvars, self.unroll_scan(eqn, operands, full)):
+                    env[v] = r
+                continue
             inner = _inner_jaxpr(eqn)
             if inner is not None:
                 sub_prefix = full
@@ -240,6 +248,37 @@ class _Builder:
                 env[v] = t
             self.ops.append(Op(len(self.ops), eqn.primitive, dict(eqn.params), tuple(operands), outs, full))
         return [read(v) for v in jaxpr.outvars]
+
+    def _aval(self, x: int | Literal):
+        t = x.tensor if isinstance(x, Literal) else self.tensors[x]
+        return jax.ShapeDtypeStruct(t.shape, t.dtype)
+
+    def call(self, fn: Callable[..., Any], args: Sequence[int | Literal], prefix: str) -> list[int | Literal]:
+        """Inlines the primitives of `fn` (traced on the types of `args`) applied to `args`."""
+        closed = jax.make_jaxpr(fn)(*(self._aval(a) for a in args))
+        return self.inline(closed.jaxpr, closed.consts, list(args), prefix)
+
+    def unroll_scan(self, eqn, operands: list[int | Literal], prefix: str) -> list[int | Literal]:
+        """A `scan` as its iterations: index each stacked input, inline the body, stack the outputs.
+
+        Iteration `i` runs under the name `scaniter_<i>`, so the planner's layer sharing gives
+        every iteration the same decisions: the body is planned once, carries keep one sharding
+        across iterations and stacked weights are split on their non-layer dims only.
+        """
+        p = eqn.params
+        length, nc, nk = p["length"], p["num_consts"], p["num_carry"]
+        body = p["jaxpr"]
+        consts, carry, xs = operands[:nc], operands[nc:nc + nk], operands[nc + nk:]
+        ys: dict[int, list[int | Literal]] = {}
+        for i in (range(length - 1, -1, -1) if p["reverse"] else range(length)):
+            x_i = [self.call(lambda a, i=i: jax.lax.index_in_dim(a, i, keepdims=False), [x], prefix)[0] for x in xs]
+            out = self.inline(body.jaxpr, body.consts, list(consts) + list(carry) + x_i, f"{prefix}/scaniter_{i}")
+            carry, ys[i] = out[:nk], out[nk:]
+        stacked = []
+        for j in range(len(eqn.outvars) - nk):
+            parts = [ys[i][j] for i in range(length)]
+            stacked.append(self.call(lambda *a: jax.numpy.stack(a), parts, prefix)[0])
+        return list(carry) + stacked
 
 
 def trace(fn: Callable[..., Any], *args: Any) -> Graph:

@@ -266,6 +266,17 @@ def concatenate_rule(op: Op, graph: Graph) -> OpSig:
     return OpSig(ins, (labels,), sizes, flops=float(out.size))
 
 
+def stack_rule(op: Op, graph: Graph) -> OpSig:
+    """Stacking along a new dim: operand dims pass through; the new dim may be split freely
+    (each device keeps the slices it holds)."""
+    out = graph.tensors[op.outputs[0]]
+    axis = op.params["axis"] % len(out.shape)
+    labels, sizes = _dims("d", out.shape)
+    in_l = tuple(l for i, l in enumerate(labels) if i != axis)
+    ins = tuple(None if isinstance(v, Literal) else in_l for v in op.inputs)
+    return OpSig(ins, (labels,), sizes, flops=float(out.size))
+
+
 def iota_rule(op: Op, graph: Graph) -> OpSig:
     labels, sizes = _dims("d", graph.tensors[op.outputs[0]].shape)
     return OpSig((), (labels,), sizes)
@@ -483,6 +494,7 @@ RULES: Mapping[str, Rule] = MappingProxyType({
     "rev": _window_rule(_rev_keep),
     "concatenate": concatenate_rule,
     "iota": iota_rule,
+    "stack": stack_rule,
     "dynamic_update_slice": dynamic_update_slice_rule,
     "gather": gather_rule,
     "scatter-add": scatter_add_rule,
