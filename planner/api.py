@@ -40,10 +40,12 @@ class PlannedFunction:
     `jax.ShapeDtypeStruct` pytrees, so large models plan without allocating.
     """
 
-    def __init__(self, fn: Callable[..., Any], mesh: Any = None, devices=None, **options: Any):
+    def __init__(self, fn: Callable[..., Any], mesh: Any = None, devices=None,
+                 donate_argnums: int | tuple[int, ...] = (), **options: Any):
         if not callable(fn):
             raise InvalidArgumentError(f"plan_parallel needs a callable train step, got {type(fn).__name__}")
         self.fn = fn
+        self.donate_argnums = donate_argnums
         self.options = PlanOptions.from_kwargs(options)
         self.devices = list(devices) if devices is not None else jax.devices()
         if mesh is None:
@@ -65,11 +67,17 @@ class PlannedFunction:
         if hit is not None:
             return hit
         graph = trace(self.fn, *args)
+        if self.options.pipeline:
+            from planner.stages.planned import plan_with_stages
+
+            plan, runner = plan_with_stages(self.fn, args, graph, self._mesh_spec, self.devices, self.options)
+            self._cache[key] = (graph, plan, runner)
+            return self._cache[key]
         if self._mesh_spec is not None:
             plan = make_plan(graph, self._mesh_spec, self.options, self._jax_mesh)
         else:
             plan = self._choose_mesh(graph)
-        entry = (graph, plan, jit_planned(graph, plan))
+        entry = (graph, plan, jit_planned(graph, plan, self.donate_argnums))
         self._cache[key] = entry
         return entry
 
@@ -105,11 +113,14 @@ class PlannedFunction:
 
     def __call__(self, *args: Any):
         graph, plan, jitted = self._entry(args)
+        if plan.stages:
+            return jitted(*args)  # a pipeline: stages place their own inputs
         placed = jax.device_put(args, plan.in_shardings)
         return jitted(*placed)
 
 
-def plan_parallel(fn: Callable[..., Any] | None = None, *, mesh: Any = None, **options: Any):
+def plan_parallel(fn: Callable[..., Any] | None = None, *, mesh: Any = None,
+                  donate_argnums: int | tuple[int, ...] = (), **options: Any):
     """Wraps a train step so that it runs auto-sharded on `mesh`.
 
     Usable directly (`plan_parallel(step, mesh=(2, 4))`) or as a decorator
@@ -119,14 +130,16 @@ def plan_parallel(fn: Callable[..., Any] | None = None, *, mesh: Any = None, **o
       fn: the train step.
       mesh: a `jax.sharding.Mesh`, a shape like `(2, 4)`, a string like `"2x4"`, or None to let the
         planner choose the mesh shape as well.
+      donate_argnums: arguments whose buffers the step may reuse (as in `jax.jit`), typically the
+        train state: the new state then takes the old one's memory.
       **options: `PlanOptions` fields (memory_budget, hardware, solver_time_limit, ...).
 
     Returns:
       A `PlannedFunction` (or a decorator making one).
     """
     if fn is None:
-        return lambda f: PlannedFunction(f, mesh=mesh, **options)
-    return PlannedFunction(fn, mesh=mesh, **options)
+        return lambda f: PlannedFunction(f, mesh=mesh, donate_argnums=donate_argnums, **options)
+    return PlannedFunction(fn, mesh=mesh, donate_argnums=donate_argnums, **options)
 
 
 def plan(fn: Callable[..., Any], *args: Any, mesh: Any = None, **options: Any) -> Plan:
