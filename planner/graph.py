@@ -82,6 +82,42 @@ class Op:
         return tuple(i for i in self.inputs if isinstance(i, int))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Body:
+    """One body of a control-flow op as planned: ops [start, end) computing `outputs` from `inputs`
+    (graph tensors bound to the body jaxpr's inputs and outputs)."""
+
+    start: int
+    end: int
+    inputs: tuple[int | Literal, ...]
+    outputs: tuple[int | Literal, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Region:
+    """A control-flow op (scan, cond, while) whose bodies were inlined for planning.
+
+    Ops [start, end) are its planning expansion; evaluation runs the original control flow
+    instead (`lax.scan` / `lax.switch` / `lax.while_loop`) over the planned bodies, so the emitted
+    program keeps its loops and branches while every op inside carries its planned sharding.
+
+    Attributes:
+      kind: "scan", "cond" or "while".
+      params: the original op's parameters.
+      operands: the original op's operands.
+      outputs: graph tensors that hold the op's results.
+      bodies: scan: the first emitted iteration; cond: one per branch; while: the loop body.
+    """
+
+    kind: str
+    start: int
+    end: int
+    params: Mapping[str, Any]
+    operands: tuple[int | Literal, ...]
+    outputs: tuple[int | Literal, ...]
+    bodies: tuple[Body, ...]
+
+
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class Graph:
     """The traced program.
@@ -95,6 +131,8 @@ class Graph:
       output_paths: pytree path of each output.
       consts: constant tensors captured by the program (id -> value).
       in_tree / out_tree: treedefs of the arguments tuple and of the result.
+      regions: control-flow ops by the index of their first planning op, largest first (see `Region`).
+      loop_ties: (carry in, carry out) tensor pairs of while loops: one sharding for both.
     """
 
     tensors: tuple[Tensor, ...]
@@ -106,6 +144,8 @@ class Graph:
     consts: Mapping[int, Any]
     in_tree: Any
     out_tree: Any
+    regions: Mapping[int, tuple[Region, ...]] = dataclasses.field(default_factory=dict)
+    loop_ties: tuple[tuple[int, int], ...] = ()
 
     def producers(self) -> dict[int, tuple[int, int]]:
         """tensor id -> (op index, output position)."""
@@ -142,11 +182,23 @@ class Graph:
             raise InvalidArgumentError(f"expected {len(self.inputs)} flat arguments, got {len(flat_args)}")
         env.update(zip(self.inputs, flat_args))
 
-        def read(x: int | Literal) -> Any:
-            return x.value if isinstance(x, Literal) else env[x]
+        self._run(0, len(self.ops), env, before_op, after_op, ())
+        return [_read(env, x) for x in self.outputs]
 
-        for op in self.ops:
-            operands = [read(x) for x in op.inputs]
+    def _run(self, start: int, end: int, env: dict[int, Any], before_op, after_op, active: tuple) -> None:
+        i = start
+        while i < end:
+            # The largest region starting here that fits the range being run and is not already
+            # running (a body may start, or even end, where its own region does; regions nest).
+            region = next((r for r in self.regions.get(i, ()) if r.end <= end and not any(r is a for a in active)),
+                          None)
+            if region is not None:
+                outs = self._run_region(region, env, before_op, after_op, active + (region,))
+                env.update((t, v) for t, v in zip(region.outputs, outs) if isinstance(t, int))
+                i = region.end
+                continue
+            op = self.ops[i]
+            operands = [_read(env, x) for x in op.inputs]
             if before_op is not None:
                 operands = before_op(op, operands)
             result = op.primitive.bind(*operands, **op.params)
@@ -154,7 +206,49 @@ class Graph:
             if after_op is not None:
                 outs = after_op(op, outs)
             env.update(zip(op.outputs, outs))
-        return [read(x) for x in self.outputs]
+            i += 1
+
+    def _body_fn(self, body: Body, env: dict[int, Any], before_op, after_op, active) -> Callable[..., list[Any]]:
+        def fn(*args):
+            local = dict(env)
+            local.update((t, v) for t, v in zip(body.inputs, args) if isinstance(t, int))
+            self._run(body.start, body.end, local, before_op, after_op, active)
+            return [_read(local, x) for x in body.outputs]
+
+        return fn
+
+    def _run_region(self, region: Region, env: dict[int, Any], before_op, after_op, active) -> list[Any]:
+        p = region.params
+        vals = [_read(env, x) for x in region.operands]
+        if region.kind == "scan":
+            nc, nk = p["num_consts"], p["num_carry"]
+            body = self._body_fn(region.bodies[0], env, before_op, after_op, active)
+
+            def step(carry, x):
+                out = body(*vals[:nc], *carry, *x)
+                return out[:nk], out[nk:]
+
+            carry, ys = jax.lax.scan(step, vals[nc:nc + nk], vals[nc + nk:], length=p["length"], reverse=p["reverse"])
+            outs = list(carry) + list(ys)
+        elif region.kind == "cond":
+            branches = [self._body_fn(b, env, before_op, after_op, active) for b in region.bodies]
+            outs = list(jax.lax.switch(vals[0], branches, *vals[1:]))
+        else:  # while
+            cn, bn = p["cond_nconsts"], p["body_nconsts"]
+            test = jcore.jaxpr_as_fun(p["cond_jaxpr"])
+            body = self._body_fn(region.bodies[0], env, before_op, after_op, active)
+            outs = list(jax.lax.while_loop(lambda c: test(*vals[:cn], *c)[0],
+                                           lambda c: tuple(body(*vals[cn:cn + bn], *c)), tuple(vals[cn + bn:])))
+        if after_op is not None:  # pin the results where the plan decided them
+            producers = {t: op for op in self.ops[region.start:region.end] for t in op.outputs}
+            outs = [after_op(producers[t], [v])[0] if isinstance(t, int) and t in producers
+                    and len(producers[t].outputs) == 1 and region.kind != "while" else v
+                    for t, v in zip(region.outputs, outs)]
+        return outs
+
+
+def _read(env: dict[int, Any], x: int | Literal) -> Any:
+    return x.value if isinstance(x, Literal) else env[x]
 
 
 def _tensor_of(aval) -> Tensor:
@@ -203,6 +297,8 @@ class _Builder:
     tensors: list[Tensor] = dataclasses.field(default_factory=list)
     ops: list[Op] = dataclasses.field(default_factory=list)
     consts: dict[int, Any] = dataclasses.field(default_factory=dict)
+    regions: dict[int, list[Region]] = dataclasses.field(default_factory=dict)
+    loop_ties: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     def new(self, aval) -> int:
         self.tensors.append(_tensor_of(aval))
@@ -229,8 +325,16 @@ class _Builder:
             operands = [read(x) for x in eqn.invars]
             stack = str(eqn.source_info.name_stack)
             full = "/".join(p for p in (prefix, stack) if p)
-            if eqn.primitive.name == "scan" and 0 < eqn.params["length"] <= MAX_UNROLL:
-                for v, r in zip(eqn.outvars, self.unroll_scan(eqn, operands, full)):
+            expand = {"scan": self.unroll_scan, "cond": self.inline_cond, "while": self.inline_while}.get(
+                eqn.primitive.name)
+            if expand is not None and (eqn.primitive.name != "scan" or 0 < eqn.params["length"] <= MAX_UNROLL):
+                start = len(self.ops)
+                results, bodies = expand(eqn, operands, full)
+                if len(self.ops) > start:
+                    self.regions.setdefault(start, []).append(Region(
+                        eqn.primitive.name, start, len(self.ops), dict(eqn.params), tuple(operands), tuple(results),
+                        tuple(bodies)))
+                for v, r in zip(eqn.outvars, results):
                     env[v] = r
                 continue
             inner = _inner_jaxpr(eqn)
@@ -248,6 +352,18 @@ class _Builder:
                 env[v] = t
             self.ops.append(Op(len(self.ops), eqn.primitive, dict(eqn.params), tuple(operands), outs, full))
         return [read(v) for v in jaxpr.outvars]
+
+    def materialize(self, xs: Sequence[int | Literal]) -> list[int]:
+        """Literal loop carries as constant tensors: a loop body rebinds its carries every
+        iteration, which a literal written into the body cannot be."""
+        out = []
+        for x in xs:
+            if isinstance(x, Literal):
+                self.tensors.append(x.tensor)
+                self.consts[len(self.tensors) - 1] = x.value
+                x = len(self.tensors) - 1
+            out.append(x)
+        return out
 
     def _aval(self, x: int | Literal):
         t = x.tensor if isinstance(x, Literal) else self.tensors[x]
@@ -268,17 +384,48 @@ class _Builder:
         p = eqn.params
         length, nc, nk = p["length"], p["num_consts"], p["num_carry"]
         body = p["jaxpr"]
-        consts, carry, xs = operands[:nc], operands[nc:nc + nk], operands[nc + nk:]
+        consts, carry, xs = operands[:nc], self.materialize(operands[nc:nc + nk]), operands[nc + nk:]
         ys: dict[int, list[int | Literal]] = {}
+        template: Body | None = None
         for i in (range(length - 1, -1, -1) if p["reverse"] else range(length)):
             x_i = [self.call(lambda a, i=i: jax.lax.index_in_dim(a, i, keepdims=False), [x], prefix)[0] for x in xs]
-            out = self.inline(body.jaxpr, body.consts, list(consts) + list(carry) + x_i, f"{prefix}/scaniter_{i}")
+            start = len(self.ops)
+            inputs = list(consts) + list(carry) + x_i
+            out = self.inline(body.jaxpr, body.consts, inputs, f"{prefix}/scaniter_{i}")
+            if template is None:
+                template = Body(start, len(self.ops), tuple(inputs), tuple(out))
             carry, ys[i] = out[:nk], out[nk:]
         stacked = []
         for j in range(len(eqn.outvars) - nk):
             parts = [ys[i][j] for i in range(length)]
             stacked.append(self.call(lambda *a: jax.numpy.stack(a), parts, prefix)[0])
-        return list(carry) + stacked
+        return list(carry) + stacked, [template]
+
+    def inline_cond(self, eqn, operands: list[int | Literal], prefix: str):
+        """A `cond`/`switch` as all its branches plus a select of their results: planning sees every
+        branch's ops, and the select makes each result's sharding the same in every branch."""
+        index, args = operands[0], operands[1:]
+        bodies, outs = [], []
+        for k, branch in enumerate(eqn.params["branches"]):
+            start = len(self.ops)
+            out = self.inline(branch.jaxpr, branch.consts, list(args), f"{prefix}/branch_{k}")
+            bodies.append(Body(start, len(self.ops), tuple(args), tuple(out)))
+            outs.append(out)
+        results = [self.call(lambda i, *v: jax.lax.select_n(i, *v), [index] + [o[j] for o in outs], prefix)[0]
+                   for j in range(len(eqn.outvars))]
+        return results, bodies
+
+    def inline_while(self, eqn, operands: list[int | Literal], prefix: str):
+        """A `while_loop` as one pass of its body, whose carry keeps one sharding (loop_ties)."""
+        p = eqn.params
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        consts, init = operands[cn:cn + bn], self.materialize(operands[cn + bn:])
+        start = len(self.ops)
+        out = self.inline(p["body_jaxpr"].jaxpr, p["body_jaxpr"].consts, list(consts) + list(init),
+                          f"{prefix}/while_body")
+        self.loop_ties.extend((a, b) for a, b in zip(init, out) if isinstance(a, int) and isinstance(b, int)
+                              and a != b)
+        return out, [Body(start, len(self.ops), tuple(consts) + tuple(init), tuple(out))]
 
 
 def trace(fn: Callable[..., Any], *args: Any) -> Graph:
@@ -312,4 +459,6 @@ def trace(fn: Callable[..., Any], *args: Any) -> Graph:
         consts=dict(b.consts),
         in_tree=in_tree,
         out_tree=out_tree,
+        regions={k: tuple(sorted(v, key=lambda r: -r.end)) for k, v in b.regions.items()},
+        loop_ties=tuple(b.loop_ties),
     )

@@ -182,6 +182,9 @@ class Plan:
                 devices = list(st.get("devices", ())) or ["?"]
                 lines.append(f"    stage {k}: {names:<28} submesh {'x'.join(map(str, st.get('submesh', ())))} "
                              f"mesh {mesh:<5} devices {devices[0]}-{devices[-1]}")
+        if self.stages:
+            lines.append("  inputs: sharded per stage, on each stage's own mesh (stages[i]['shardings'])")
+            return "\n".join(lines)
         lines.append("  inputs:")
         rows = _collapse_layers(list(zip(self.input_paths, (format_spec(s, self.mesh) for s in self.input_specs))))
         for path, spec, count in rows[:max_rows]:

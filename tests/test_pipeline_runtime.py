@@ -4,17 +4,17 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+import planner
 from planner.errors import InvalidArgumentError
 from planner.mesh import MeshSpec
 from planner.models import get_model, make_optimizer
-from planner.options import PlanOptions
-from planner.stages.inter_op import plan_pipeline
+from planner.stages import pipelinable
 from planner.stages.runtime import PipelinedStep, StageLayout, even_layouts, layer_names
-from planner.stages.submesh import Cluster
 from tests.conftest import skip_if_fewer_devices
 
 
@@ -52,27 +52,6 @@ def test_pipelined_step_equals_unpipelined(gpt, num_stages, num_microbatches):
     assert leaf.sharding.device_set == set(owner.devices)
 
 
-def test_planned_pipeline_runs_with_planned_shardings(gpt):
-    b, opt, state, batch, ref_state, ref_loss, _ = gpt
-    pp = plan_pipeline(b.train_step, (b.abstract_state(), b.abstract_batch()), Cluster.of(2, 4, "cpu"),
-                       PlanOptions(pipeline=True, num_microbatches=4), max_mesh_ndim=2)
-    assert pp.num_stages >= 2
-    step = PipelinedStep.from_plan(b.loss_fn, opt, pp)
-    new_state, metrics = step(state, batch)
-    _close(new_state, ref_state, metrics["loss"], ref_loss)
-    devices = jax.devices()
-    for st in pp.stages:
-        path = next(p for p in st.specs if "['params']" in p and "kernel" in p)
-        leaf = new_state["params"]
-        for key in path.split("['params']")[1].strip("[]'").split("']['"):
-            leaf = leaf[key]
-        assert leaf.sharding.device_set == {devices[i] for i in st.devices}
-        assert leaf.sharding.mesh.shape_tuple == tuple(zip(st.mesh.axis_names, st.mesh.shape))
-    # Second step: the returned state feeds the next step where it lies.
-    again, _ = step(new_state, batch)
-    assert np.isfinite(np.asarray(jax.tree.leaves(again)[0])).all()
-
-
 def test_remat_tied_embeddings_and_sgd_gradients():
     skip_if_fewer_devices(8)
     b = get_model("gpt-tiny", tie_embeddings=True)
@@ -104,3 +83,76 @@ def test_bad_layouts_are_rejected(gpt):
         PipelinedStep(b.loss_fn, opt, backwards, 2)(state, batch)
     with pytest.raises(InvalidArgumentError, match="needs 4 devices"):
         StageLayout(("pre",), tuple(devs[:2]), MeshSpec((4,), ("x",)))
+
+
+def test_plan_parallel_with_pipeline(gpt):
+    """The public API end to end: plan stages on 2 hosts x 4 devices, run them, reload the plan."""
+    b, opt, state, batch, ref_state, ref_loss, _ = gpt
+    train_step = pipelinable(b.loss_fn, opt)
+    step = planner.plan_parallel(train_step, mesh=(2, 4), inter_host_axes=(0,), hardware="cpu", pipeline=True,
+                                 num_microbatches=2, schedule="gpipe")
+    plan = step.plan(state, batch)
+    assert len(plan.stages) >= 2
+    assert plan.pipeline["num_microbatches"] == 2 and plan.pipeline["schedule"] == "gpipe"
+    assert 0 < plan.pipeline["bubble_fraction"] < 1
+    assert all({"layers", "submesh", "mesh", "devices", "shardings"} <= set(st) for st in plan.stages)
+    assert "pipeline" in plan.summary() and "stage 1" in plan.summary()
+    new_state, metrics = step(state, batch)
+    _close(new_state, ref_state, metrics["loss"], ref_loss)
+    # Each stage's parameters live on its submesh, laid out as the stage's intra-op plan says.
+    devices = jax.devices()
+    for st in plan.stages:
+        path = next(p for p, spec in st["shardings"].items() if "['params']" in p and any(spec))
+        leaf = new_state["params"]
+        for key in path.split("['params']")[1].strip("[]'").split("']['"):
+            leaf = leaf[key]
+        assert leaf.sharding.device_set == {devices[i] for i in st["devices"]}
+        assert dict(leaf.sharding.mesh.shape) == dict(st["mesh"])
+        names = [tuple(a) if isinstance(a, list) else a for a in st["shardings"][path]]
+        assert tuple(leaf.sharding.spec) + (None,) * (len(names) - len(leaf.sharding.spec)) == tuple(
+            None if a is None else a[0] if len(a) == 1 else a for a in names)
+    again, _ = step(new_state, batch)  # the returned state feeds the next step where it lies
+    assert np.isfinite(np.asarray(jax.tree.leaves(again)[0])).all()
+    # The JSON form carries everything needed to run the pipeline again.
+    loaded = planner.Plan.from_json(plan.to_json())
+    assert loaded.pipeline["num_microbatches"] == 2
+    assert planner.Plan.from_json(loaded.to_json()).to_dict() == loaded.to_dict()
+    rebuilt = PipelinedStep.from_plan(b.loss_fn, opt, loaded)
+    assert rebuilt.layouts == step.jitted(state, batch)._runtime().layouts
+    assert (rebuilt.num_microbatches, rebuilt.schedule) == (2, "gpipe")
+    with pytest.raises(InvalidArgumentError, match="no single lowering"):
+        step.lower(state, batch)
+    # Without the marker the plan is made but cannot run.
+    bare = planner.plan_parallel(b.train_step, mesh=(2, 4), inter_host_axes=(0,), hardware="cpu", pipeline=True,
+                                 num_microbatches=2)
+    with pytest.raises(InvalidArgumentError, match="pipelinable"):
+        bare(state, batch)
+
+
+def test_auto_pipeline_on_one_device_is_the_intra_op_plan(gpt):
+    b, _, state, batch, _, _, _ = gpt
+    step = planner.plan_parallel(b.train_step, mesh=(1,), devices=jax.devices()[:1], pipeline="auto")
+    plan = step.plan(b.abstract_state(), b.abstract_batch())
+    assert plan.stages == () and plan.pipeline["num_stages"] == 1
+    assert plan.pipeline["bubble_fraction"] == 0.0
+
+
+def test_model_without_module_names_splits_by_balanced_layers():
+    skip_if_fewer_devices(8)
+
+    def loss_fn(ws, batch):
+        h = batch["x"]
+        for w in ws:
+            h = jnp.tanh(h @ w)
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    ws = [jax.random.normal(jax.random.key(i), (16, 16)) * 0.3 for i in range(6)]
+    batch = {"x": jax.random.normal(jax.random.key(9), (8, 16)), "y": jnp.zeros((8, 16))}
+    sgd = optax.sgd(0.1)
+    # Layers named by the planner's balanced clustering are matched to the stages by position.
+    layouts = even_layouts([f"layer{i}" for i in range(4)], jax.devices()[:8], 2)
+    new, metrics = PipelinedStep(loss_fn, sgd, layouts, 4)({"params": ws, "opt_state": sgd.init(ws)}, batch)
+    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(ws, batch)
+    assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-6)
+    for n, w, g in zip(new["params"], ws, grads):
+        np.testing.assert_allclose(np.asarray(n), np.asarray(w - 0.1 * g), rtol=1e-5, atol=1e-6)

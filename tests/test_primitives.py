@@ -72,9 +72,8 @@ def test_planned_program_equals_unsharded(name, devices8):
 # Primitives the zoo may still plan replicated, and why:
 # - random_wrap / random_unwrap / random_seed / random_split / random_fold_in: key bookkeeping on
 #   tiny uint32 arrays; replicating them costs nothing.
-# - while / cond / scan: control flow is planned at its boundary by XLA's propagation (issue 3).
-ALLOWED_FALLBACK = {"random_wrap", "random_unwrap", "random_seed", "random_split", "random_fold_in",
-                    "while", "cond", "scan"}
+# (scan, while and cond are not on the list: their bodies are planned op by op.)
+ALLOWED_FALLBACK = {"random_wrap", "random_unwrap", "random_seed", "random_split", "random_fold_in"}
 
 
 def _tiny_models():

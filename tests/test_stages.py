@@ -23,7 +23,7 @@ from planner.stages.clustering import (
 from planner.stages.dp import brute_force, bubble_fraction, pipeline_dp, pipeline_latency
 from planner.stages.schedule import dispatch_order, peak_inflight, simulate, stage_tasks
 from planner.stages.stage_cost import boundary_bytes, layer_facts, subgraph
-from planner.stages.submesh import Cluster, logical_meshes, place_submeshes, submesh_shapes
+from planner.stages.submesh import logical_meshes, make_cluster, place_submeshes, submesh_shapes
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_layer_subgraph_and_boundaries(tiny_graphs):
 def test_submesh_shapes_and_placement():
     assert submesh_shapes(8, 8) == ((1, 1), (1, 2), (1, 4), (1, 8)) + tuple((n, 8) for n in range(2, 9))
     assert submesh_shapes(1, 6) == ((1, 1), (1, 2), (1, 4), (1, 6))
-    cluster = Cluster.of(4, 4, "a100", inter_host_gbit=100)
+    cluster = make_cluster(4, 4, "a100", inter_host_gbit=100)
     placed = place_submeshes([(1, 2), (2, 4), (1, 1), (1, 1), (1, 4)], cluster)
     assert placed[1] == tuple(range(0, 8))          # whole hosts first
     assert placed[4] == tuple(range(8, 12))         # then the biggest partial-host piece
@@ -140,7 +140,7 @@ def test_submesh_shapes_and_placement():
     assert [m.mesh.shape for m in meshes] == [(2, 4)] and meshes[0].host_axes == (0,)
     assert meshes[0].links[0].beta > meshes[0].links[1].beta  # the host axis is the slow one
     assert [m.mesh.shape for m in logical_meshes((1, 8), cluster, max_ndim=1)] == [(8,)]
-    assert math.isclose(1 / cluster.inter.beta, 100e9 / 8 / 4)  # per-device share of the host link
+    assert math.isclose(cluster.inter_link.bandwidth, 100e9 / 8 / 4)  # per-device share of the host link
 
 
 # ----- the DP ---------------------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
@@ -10,10 +9,10 @@ from planner.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.models import get_model
 from planner.options import PlanOptions
 from planner.stages.inter_op import microbatch_counts, plan_pipeline
-from planner.stages.submesh import Cluster
+from planner.stages.submesh import make_cluster
 
 
-def _plan(name: str, cluster: Cluster, ndim: int = 1, **options):
+def _plan(name: str, cluster, ndim: int = 1, **options):
     b = get_model(name)
     return plan_pipeline(b.train_step, (b.abstract_state(), b.abstract_batch()), cluster,
                          PlanOptions(**options), max_mesh_ndim=ndim)
@@ -21,7 +20,7 @@ def _plan(name: str, cluster: Cluster, ndim: int = 1, **options):
 
 def test_uniform_fast_cluster_keeps_a_small_gpt_in_one_stage():
     # GPT-2 small (124M) on one 8-GPU NVLink node: pipelining only adds a bubble.
-    pp = _plan("gpt2-small", Cluster.of(1, 8, "a100"), pipeline="auto")
+    pp = _plan("gpt2-small", make_cluster(1, 8, "a100"), pipeline="auto")
     assert pp.num_stages == 1
     assert pp.stages[0].submesh == (1, 8) and pp.stages[0].devices == tuple(range(8))
     assert pp.num_microbatches == 1 and pp.bubble_fraction == 0.0
@@ -32,7 +31,7 @@ def test_uniform_fast_cluster_keeps_a_small_gpt_in_one_stage():
 def test_slow_host_links_pipeline_along_host_boundaries():
     # Four hosts of two GPUs joined by 10 Gbit/s: collectives across hosts are ruinous, sending one
     # activation per microbatch between consecutive hosts is cheap.
-    cluster = Cluster.of(4, 2, "a100", inter_host_gbit=10)
+    cluster = make_cluster(4, 2, "a100", inter_host_gbit=10)
     pp = _plan("gpt2-small", cluster, pipeline="auto")
     assert pp.num_stages > 1
     assert pp.step_time_s < pp.single_stage_time_s
@@ -58,7 +57,7 @@ def test_slow_host_links_pipeline_along_host_boundaries():
 
 
 def test_forced_pipeline_schedule_and_microbatches():
-    cluster = Cluster.of(2, 4, "a100")
+    cluster = make_cluster(2, 4, "a100")
     pp = _plan("gpt-small-test", cluster, pipeline=True, num_microbatches=4, schedule="gpipe")
     assert pp.num_stages >= 2 and pp.num_microbatches == 4 and pp.schedule == "gpipe"
     assert all(st.inflight == 4 for st in pp.stages)  # GPipe keeps every microbatch's activations
@@ -74,5 +73,23 @@ def test_microbatch_counts_and_errors():
     with pytest.raises(InvalidArgumentError, match="does not divide"):
         microbatch_counts(8, 3, 2)
     with pytest.raises(InfeasiblePlanError, match="memory budget"):
-        _plan("gpt-small-test", Cluster.of(1, 2, "a100"), pipeline=True, memory_budget=1e3)
-    assert math.isinf(float("inf"))
+        _plan("gpt-small-test", make_cluster(1, 2, "a100"), pipeline=True, memory_budget=1e3)
+
+
+def test_gpt39b_on_alpa_testbed_pipelines_along_hosts():
+    """GPT-39B (abstract) on 8 hosts x 8 V100-16GB with 25 Gbit/s between hosts, as Alpa benchmarked it.
+
+    1-D logical meshes and a fixed B keep this test quick; experiments/bench_pipeline.py plans the
+    full search (2-D meshes, B chosen).
+    """
+    b = get_model("gpt3-39b", dtype="bfloat16")
+    cluster = make_cluster(8, 8, "v100-16gb", inter_host_gbit=25)
+    pp = plan_pipeline(b.train_step, (b.abstract_state(), b.abstract_batch()), cluster,
+                       PlanOptions(pipeline="auto", num_microbatches=8), max_mesh_ndim=1)
+    assert pp.num_stages > 1
+    for st in pp.stages:  # every stage is a whole number of hosts
+        assert st.devices[0] % 8 == 0 and len(st.devices) % 8 == 0, st.devices
+        assert st.memory_bytes <= cluster.hardware.memory_bytes
+    assert pp.step_time_s < pp.single_stage_time_s  # the single stage does not even fit (infinite)
+    assert pp.step_time_s < pp.single_stage_time_unconstrained_s
+    assert pp.planning["distinct_layers"] == 3 and pp.planning["layers"] == 50

@@ -213,6 +213,7 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
                     and graph.tensors[out] == graph.tensors[tin]):
                 ties.append((tin, out))
 
+    ties.extend((a, b) for a, b in graph.loop_ties if a in owner and b in owner)
     for name, n in sorted(fallback.items()):
         log.warning("no sharding rule for primitive %r (%d ops): planned replicated", name, n)
     rep = layer_representatives(nodes, graph) if share_layers else tuple(range(len(nodes)))

@@ -1,0 +1,26 @@
+"""Inter-op planning (pipeline stages by Alpa's dynamic program) and the pipeline runtime.
+
+    pp = plan_pipeline(train_step, (state, batch), make_cluster(8, 8, "v100", inter_host_gbit=25),
+                       PlanOptions(pipeline="auto"))
+    step = PipelinedStep.from_plan(loss_fn, optimizer, pp)
+    state, metrics = step(state, batch)
+
+Modules: `clustering` (ops -> layers), `submesh` (cluster, submesh shapes, logical meshes),
+`stage_cost` (per-layer intra-op plans -> stage latency and memory), `dp` (the inter-op DP),
+`inter_op` (the planning driver), `schedule` (GPipe / 1F1B), `runtime` (per-stage programs),
+`planned` (the bridge to `planner.Plan` and `plan_parallel`).
+"""
+from planner.stages.clustering import Layers, cluster_layers
+from planner.stages.dp import DPResult, StageChoice, bubble_fraction, pipeline_dp, pipeline_latency
+from planner.stages.inter_op import PipelinePlan, StagePlan, plan_pipeline
+from planner.stages.planned import PipelineRunner, cluster_for, pipelinable, plan_with_stages, to_plan
+from planner.stages.runtime import PipelinedStep, StageLayout, even_layouts, layer_names
+from planner.stages.schedule import dispatch_order, stage_tasks
+from planner.stages.submesh import logical_meshes, make_cluster, submesh_shapes
+
+__all__ = [
+    "DPResult", "Layers", "PipelinePlan", "PipelineRunner", "PipelinedStep", "StageChoice", "StageLayout",
+    "StagePlan", "bubble_fraction", "cluster_for", "cluster_layers", "dispatch_order", "even_layouts", "layer_names",
+    "logical_meshes", "make_cluster", "pipelinable", "pipeline_dp", "pipeline_latency", "plan_pipeline", "plan_with_stages",
+    "stage_tasks", "submesh_shapes", "to_plan",
+]

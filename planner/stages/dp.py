@@ -15,7 +15,9 @@ not fit with that many microbatches costs infinity there.
 
 `t_max` is enumerated over the distinct stage latencies in increasing order, starting from the
 smallest feasible one (found by bisection, since feasibility only grows with `t_max`) and stopping
-once `(B - 1) * t_max` alone exceeds the best `T` found (Alpa's pruning). `rel_gap > 0` skips
+once `F_min + (B - 1) * t_max` exceeds the best `T` found, where `F_min` is the least `sum(t_i)`
+with no bound at all (Alpa stops at `(B - 1) * t_max` alone; adding the floor is still exact and
+stops much earlier). `rel_gap > 0` skips
 candidates within that relative distance of the last one evaluated, bounding the loss at
 `(B - 1) * rel_gap * t_max`; `rel_gap = 0` is exact.
 """
@@ -144,7 +146,8 @@ def pipeline_dp(times: np.ndarray, sizes: Sequence[int], num_devices: int, num_m
 
     # Smallest feasible bound (feasibility is monotone in t_max).
     lo, hi = 0, values.size - 1
-    if not math.isfinite(run(values[hi])[0]):
+    floor = run(values[hi])[0]  # the least sum(t_i) of all: no bound on the slowest stage
+    if not math.isfinite(floor):
         return None
     while lo < hi:
         mid = (lo + hi) // 2
@@ -156,7 +159,7 @@ def pipeline_dp(times: np.ndarray, sizes: Sequence[int], num_devices: int, num_m
     candidates = values[lo:] if B > 1 else values[-1:]
     last = -math.inf
     for t in candidates:
-        if B > 1 and (B - 1) * t >= best_obj:
+        if B > 1 and floor + (B - 1) * t >= best_obj:
             break
         if t <= last * (1.0 + rel_gap) and t != candidates[-1]:
             continue

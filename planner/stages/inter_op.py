@@ -1,6 +1,7 @@
 """Inter-op planning: from a train step and a cluster to pipeline stages on submeshes.
 
-    pp = plan_pipeline(train_step, (state, batch), Cluster.of(8, 8, "v100", inter_host_gbit=25))
+    pp = plan_pipeline(train_step, (state, batch), make_cluster(8, 8, "v100", inter_host_gbit=25),
+                       PlanOptions(pipeline="auto"))
     print(pp.summary())
 
 For each candidate microbatch count B the step is traced at the microbatch size, its ops grouped
@@ -22,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from planner.cost_model import Cluster
 from planner.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.graph import Graph, trace
 from planner.mesh import MeshSpec
@@ -37,7 +39,7 @@ from planner.stages.stage_cost import (
     stage_memory,
     stage_times,
 )
-from planner.stages.submesh import Cluster, LogicalMesh, logical_meshes, place_submeshes, submesh_shapes
+from planner.stages.submesh import LogicalMesh, logical_meshes, place_submeshes, submesh_shapes
 
 log = logging.getLogger("planner")
 
@@ -251,7 +253,8 @@ def _stage_specs(graph: Graph, layers: Layers, table: LayerCostTable, first: int
 
 def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster,
                   options: PlanOptions | None = None, *, batch_argnum: int = -1, max_mesh_ndim: int = 2,
-                  microbatch_limit: int = 2, rel_gap: float = 0.01, num_layers: int | None = None) -> PipelinePlan:
+                  microbatch_limit: int = 2, rel_gap: float = 0.0, num_layers: int | None = None,
+                  full_graph: Graph | None = None) -> PipelinePlan:
     """Plans pipeline stages for `fn(*args)` on `cluster`.
 
     Args:
@@ -267,6 +270,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
       microbatch_limit: how many microbatch counts to try when none is given.
       rel_gap: relative spacing of the DP's t_max candidates (0: exact).
       num_layers: layer count for balanced clustering when the model has no repeated modules.
+      full_graph: `trace(fn, *args)` when the caller already has it (saves a trace).
 
     Raises:
       InfeasiblePlanError: no stage assignment fits the memory budget.
@@ -277,7 +281,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
     counts = microbatch_counts(batch, options.num_microbatches, microbatch_limit)
     min_stages = 2 if options.pipeline is True else 1
     budget = options.memory_budget or cluster.hardware.memory_bytes
-    shapes = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
+    shapes = submesh_shapes(cluster.hosts, cluster.devices_per_host)
     meshes: list[LogicalMesh] = []
     per_submesh: list[list[int]] = []
     for shape in shapes:
@@ -293,7 +297,10 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
 
     def build(B: int):
         t0 = time.perf_counter()
-        graph = trace(fn, *microbatch_args(args, batch // B, batch_argnum))
+        if B == 1 and full_graph is not None:
+            graph = full_graph
+        else:
+            graph = trace(fn, *microbatch_args(args, batch // B, batch_argnum))
         layers = cluster_layers(graph, num_layers)
         timings["trace_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()

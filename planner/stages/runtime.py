@@ -12,8 +12,9 @@ step takes and returns the usual state pytree, and computes the same loss and up
 
 How it runs:
   * `loss_fn` is traced at the microbatch size and its ops grouped into the planner's layers
-    (`cluster_layers`); each stage owns the ops of its layers, the parameters it reads first, and
-    the batch leaves it reads.
+    (`cluster_layers`: the model's repeated modules by name, else balanced clustering matched to
+    the stages' layers by position); each stage owns the ops of its layers, the parameters it
+    reads first, and the batch leaves it reads.
   * Stage s gets three `jax.jit` programs on its submesh (a `jax.sharding.Mesh` over its devices,
     inputs placed with its planned shardings): forward (returns its outputs and the residuals of
     `jax.vjp`, or nothing extra under remat), backward (cotangents in, gradient accumulator and
@@ -211,11 +212,15 @@ class PipelinedStep:
         graph = trace(self.loss_fn, abstract_params, abstract_mb)
         if len(graph.outputs) != 1 or not isinstance(graph.outputs[0], int) or graph.tensors[graph.outputs[0]].shape:
             raise InvalidArgumentError("loss_fn must return one scalar (the mean loss over the batch)")
-        layers = cluster_layers(graph)
+        named = [name for lay in self.layouts for name in lay.layers]
+        layers = cluster_layers(graph, num_layers=len(named))
         stage_of_layer = {}
         for s, lay in enumerate(self.layouts):
             for name in lay.layers:
                 stage_of_layer[name] = s
+        if layers.method == "flops" and len(named) == layers.num_layers and set(named) != set(layers.names):
+            # Balanced clustering names layers by op ranges of the graph it ran on; match by position.
+            stage_of_layer = {new: stage_of_layer[old] for new, old in zip(layers.names, named)}
         missing = [n for n in layers.names if n not in stage_of_layer]
         if missing:
             raise InvalidArgumentError(
@@ -487,10 +492,3 @@ class PipelinedStep:
             return rep
 
         return shard_of
-
-
-def predicted_bubble(num_stages: int, num_microbatches: int) -> float:
-    """(S - 1) / (S + B - 1): the idle share of equal stages under GPipe or 1F1B."""
-    return (num_stages - 1) / (num_stages + num_microbatches - 1) if num_stages + num_microbatches > 1 else 0.0
-
-

@@ -2,10 +2,12 @@
 
 Alpa compiled and profiled every (layer range, submesh) pair; here each *distinct* layer (layers
 with equal `Layers.keys` are identical: same ops, same shapes) is planned once per logical mesh by
-the intra-op ILP on the subgraph of its forward and backward ops, at the microbatch size. A range
-of layers then costs the sum of its layers' times, and its memory is assembled from theirs. For a
-GPT that is three ILPs per logical mesh (first block with the embedding, a middle block, last
-block with the head and loss), whatever the depth.
+the intra-op ILP (`make_plan`) on the subgraph of its forward and backward ops at the microbatch
+size, plus a one-op stand-in for each parameter's update (`param + grad`, tied to the parameter,
+so the plan stores parameters where their update is cheap). A range of layers then costs the sum
+of its layers' times, and its memory is assembled from theirs. For a GPT that is three ILPs per
+logical mesh (embedding, one block, head and loss), whatever the depth: GPT-39B's 48 blocks cost
+one block's plan.
 
 Per layer and logical mesh the plan gives:
   time_s      forward + backward time of one microbatch (compute and collectives, ILP prediction),
@@ -34,7 +36,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from planner.cost_model import Hardware
+from planner.cost_model import Cluster, Hardware
 from planner.errors import MeshError, PlannerError
 from planner.graph import Graph, Op
 from planner.ilp.rules import signature
@@ -43,7 +45,7 @@ from planner.options import PlanOptions
 from planner.planning import make_plan
 from planner.sharding import Spec, active_axes, replicated
 from planner.stages.clustering import APPLY, BACKWARD, FORWARD, Layers
-from planner.stages.submesh import Cluster, LogicalMesh
+from planner.stages.submesh import LogicalMesh, boundary_link, effective_hardware
 
 log = logging.getLogger("planner")
 
@@ -314,7 +316,7 @@ class LayerCostTable:
         hit = self.cache.get(key)
         if hit is None:
             hit = _layer_cost(self.graph, self.layers, self.facts[layer], layer, lm,
-                              self.cluster.effective_hardware(), self.options)
+                              effective_hardware(self.cluster), self.options)
             self.cache[key] = hit
             self.solves += 1
         return hit
@@ -443,7 +445,7 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
     Q, S = len(inflight), len(submeshes)
     times = np.full((Q, L, L, S), np.inf)
     option = np.full((Q, L, L, S), -1, dtype=np.int32)
-    link = table.cluster.boundary_link()
+    link = boundary_link(table.cluster)
     options: list[tuple[StageOption, ...]] = []
     for m, (n, k) in enumerate(submeshes):
         opts = tuple(StageOption(mi, layout, remat) for mi in mesh_indices[m] for layout in LAYOUTS
@@ -463,5 +465,5 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
 def stage_memory(table: LayerCostTable, first: int, last: int, opt: StageOption, devices: int,
                  boundary: np.ndarray, inflight: int) -> float:
     """Predicted per-device memory of one stage holding `inflight` microbatches."""
-    _, fixed, per_mb = stage_ranges(table, opt.mesh_index, opt, devices, boundary, table.cluster.boundary_link())
+    _, fixed, per_mb = stage_ranges(table, opt.mesh_index, opt, devices, boundary, boundary_link(table.cluster))
     return float(fixed[first, last] + inflight * per_mb[first, last])

@@ -1,7 +1,7 @@
-"""The cluster, its submesh shapes, and the logical meshes each submesh can be viewed as.
+"""Submesh shapes of a cluster, and the logical meshes each submesh can be viewed as.
 
-A cluster is `num_hosts` hosts of `devices_per_host` devices; links inside a host are fast,
-links between hosts slow. Pipeline stages run on submeshes of the shapes Alpa showed can always
+The cluster is `planner.cost_model.Cluster`: `hosts` hosts of `devices_per_host` devices; links
+inside a host are fast, links between hosts slow. Pipeline stages run on submeshes of the shapes Alpa showed can always
 tile the cluster: `(1, 1), (1, 2), (1, 4) ... (1, M)` (part of one host, powers of two) and
 `(2, M) ... (N, M)` (whole hosts). Each submesh is planned as one or more logical meshes; a mesh
 axis that spans hosts gets the inter-host link in the cost model.
@@ -11,80 +11,44 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import jax
-
-from planner.cost_model import AxisLink, CostModel, Hardware, get_hardware
+from planner.cost_model import AxisLink, Cluster, CostModel, Hardware, Link, get_hardware
 from planner.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.mesh import MeshSpec, default_axis_names
 
 Shape = tuple[int, ...]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Cluster:
-    """N hosts x M devices with two link classes.
+def make_cluster(hosts: int, devices_per_host: int, hardware: str | Hardware | None = None,
+                 inter_host_gbit: float | None = None) -> Cluster:
+    """A `planner.cost_model.Cluster`; `inter_host_gbit` is one host's network bandwidth in Gbit/s,
+    shared by its devices (Alpa's testbed: `make_cluster(8, 8, "v100", inter_host_gbit=25)`)."""
+    hw = get_hardware(hardware)
+    inter = None
+    if inter_host_gbit is not None:
+        if not (isinstance(inter_host_gbit, (int, float)) and inter_host_gbit > 0):
+            raise InvalidArgumentError(f"inter_host_gbit={inter_host_gbit!r} must be a positive number")
+        inter = Link(inter_host_gbit * 1e9 / 8 / devices_per_host, hw.inter_latency)
+    return Cluster(hosts, devices_per_host, hw, None, inter)
 
-    Attributes:
-      num_hosts: hosts (N).
-      devices_per_host: devices in each host (M).
-      hardware: device figures (compute, memory, default links).
-      intra_link: link between devices of one host (default: the hardware's intra figures).
-      inter_link: per-device share of the link between hosts (default: the hardware's inter figures).
-    """
 
-    num_hosts: int
-    devices_per_host: int
-    hardware: Hardware
-    intra_link: AxisLink | None = None
-    inter_link: AxisLink | None = None
+def intra_link(cluster: Cluster) -> AxisLink:
+    return cluster.intra_link.axis_link()
 
-    def __post_init__(self):
-        for name in ("num_hosts", "devices_per_host"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InvalidArgumentError(f"Cluster.{name}={v!r} must be an int >= 1")
-        if not isinstance(self.hardware, Hardware):
-            raise InvalidArgumentError(f"Cluster.hardware={self.hardware!r} must be a Hardware record")
 
-    @classmethod
-    def of(cls, num_hosts: int, devices_per_host: int, hardware: str | Hardware | None = None,
-           inter_host_gbit: float | None = None) -> Cluster:
-        """A cluster from a preset name; `inter_host_gbit` is the bandwidth of one host's network
-        link in Gbit/s (shared by its devices), overriding the preset's."""
-        hw = get_hardware(hardware)
-        inter = None
-        if inter_host_gbit is not None:
-            if not inter_host_gbit > 0:
-                raise InvalidArgumentError(f"inter_host_gbit={inter_host_gbit!r} must be positive")
-            inter = AxisLink(hw.inter_latency, devices_per_host / (inter_host_gbit * 1e9 / 8))
-        return cls(num_hosts, devices_per_host, hw, None, inter)
+def inter_link(cluster: Cluster) -> AxisLink:
+    return cluster.inter_link.axis_link()
 
-    @property
-    def num_devices(self) -> int:
-        return self.num_hosts * self.devices_per_host
 
-    @property
-    def intra(self) -> AxisLink:
-        hw = self.hardware
-        return self.intra_link or AxisLink(hw.intra_latency, 1.0 / hw.intra_bandwidth)
+def boundary_link(cluster: Cluster) -> AxisLink:
+    """Link activations cross between consecutive stages (between hosts when there are several)."""
+    return inter_link(cluster) if cluster.hosts > 1 else intra_link(cluster)
 
-    @property
-    def inter(self) -> AxisLink:
-        hw = self.hardware
-        return self.inter_link or AxisLink(hw.inter_latency, 1.0 / hw.inter_bandwidth)
 
-    def effective_hardware(self) -> Hardware:
-        """The hardware record with this cluster's links, for cost models built from `Hardware` alone."""
-        intra, inter = self.intra, self.inter
-        return dataclasses.replace(self.hardware, intra_latency=intra.alpha, intra_bandwidth=1.0 / intra.beta,
-                                   inter_latency=inter.alpha, inter_bandwidth=1.0 / inter.beta)
-
-    def boundary_link(self) -> AxisLink:
-        """Link activations cross between consecutive stages (between hosts when there are several)."""
-        return self.inter if self.num_hosts > 1 else self.intra
-
-    def __str__(self) -> str:
-        return f"{self.num_hosts}x{self.devices_per_host} {self.hardware.name}"
+def effective_hardware(cluster: Cluster) -> Hardware:
+    """The cluster's hardware record carrying its links, for cost models built from `Hardware` alone."""
+    intra, inter = cluster.intra_link, cluster.inter_link
+    return dataclasses.replace(cluster.hardware, intra_latency=intra.latency, intra_bandwidth=intra.bandwidth,
+                               inter_latency=inter.latency, inter_bandwidth=inter.bandwidth)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -122,17 +86,17 @@ def logical_meshes(submesh: Shape, cluster: Cluster, max_ndim: int = 2) -> tuple
     """
     n, m = submesh
     size = n * m
-    one_d = LogicalMesh(MeshSpec((size,), default_axis_names(1)), (cluster.inter if n > 1 else cluster.intra,),
-                        (0,) if n > 1 else ())
+    one_d = LogicalMesh(MeshSpec((size,), default_axis_names(1)),
+                        (inter_link(cluster) if n > 1 else intra_link(cluster),), (0,) if n > 1 else ())
     if max_ndim < 2:
         return (one_d,)
     if n > 1:
-        return (LogicalMesh(MeshSpec((n, m), default_axis_names(2)), (cluster.inter, cluster.intra), (0,)),)
+        return (LogicalMesh(MeshSpec((n, m), default_axis_names(2)), (inter_link(cluster), intra_link(cluster)), (0,)),)
     factors = [a for a in range(2, size) if size % a == 0 and a * a <= size]
     if not factors:
         return (one_d,)
     a = max(factors)
-    return (LogicalMesh(MeshSpec((a, size // a), default_axis_names(2)), (cluster.intra, cluster.intra), ()),)
+    return (LogicalMesh(MeshSpec((a, size // a), default_axis_names(2)), (intra_link(cluster),) * 2, ()),)
 
 
 def place_submeshes(shapes: Sequence[Shape], cluster: Cluster) -> tuple[tuple[int, ...], ...]:
@@ -155,7 +119,7 @@ def place_submeshes(shapes: Sequence[Shape], cluster: Cluster) -> tuple[tuple[in
         if m == M and (n > 1 or M == 1):
             out[s] = tuple(range(host * M, (host + n) * M))
             host += n
-    free = [M] * (cluster.num_hosts - host)
+    free = [M] * (cluster.hosts - host)
     order = sorted((s for s in range(len(shapes)) if out[s] is None), key=lambda s: -shapes[s][1])
     for s in order:
         size = shapes[s][1]
@@ -168,12 +132,3 @@ def place_submeshes(shapes: Sequence[Shape], cluster: Cluster) -> tuple[tuple[in
         else:
             raise InfeasiblePlanError(f"submeshes {list(shapes)} cannot be packed into the cluster {cluster}")
     return tuple(out)  # type: ignore[arg-type]
-
-
-def cluster_devices(cluster: Cluster, devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
-    """The devices of the cluster in host-major order (`jax.devices()` by default)."""
-    devices = list(jax.devices() if devices is None else devices)
-    if len(devices) < cluster.num_devices:
-        raise InvalidArgumentError(
-            f"cluster {cluster} needs {cluster.num_devices} devices but only {len(devices)} are available")
-    return devices[: cluster.num_devices]
