@@ -10,8 +10,10 @@ from planner.graph import Graph, trace
 from planner.mesh import MeshSpec
 from planner.options import PlanOptions
 from planner.plan import Plan
+from planner.stages.planned import pipelinable
 
 __all__ = [
     "Graph", "InfeasiblePlanError", "InvalidArgumentError", "MeshError", "MeshSpec", "Plan", "PlanOptions",
-    "PlannedFunction", "PlannerError", "ProfileError", "candidate_meshes", "plan", "plan_parallel", "trace",
+    "PlannedFunction", "PlannerError", "ProfileError", "candidate_meshes", "pipelinable", "plan", "plan_parallel",
+    "trace",
 ]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import jax
-import pytest
 
 import planner
 from planner.models import get_model

@@ -122,8 +122,8 @@ def test_plan_parallel_with_pipeline(gpt):
     assert (rebuilt.num_microbatches, rebuilt.schedule) == (2, "gpipe")
     with pytest.raises(InvalidArgumentError, match="no single lowering"):
         step.lower(state, batch)
-    # Without the marker the plan is made but cannot run.
-    bare = planner.plan_parallel(b.train_step, mesh=(2, 4), inter_host_axes=(0,), hardware="cpu", pipeline=True,
+    # Without the marker (zoo steps carry it; a plain wrapper does not) the plan is made but cannot run.
+    bare = planner.plan_parallel(lambda s, x: b.train_step(s, x), mesh=(2, 4), inter_host_axes=(0,), hardware="cpu", pipeline=True,
                                  num_microbatches=2)
     with pytest.raises(InvalidArgumentError, match="pipelinable"):
         bare(state, batch)

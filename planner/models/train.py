@@ -98,6 +98,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation) ->
         params = optax.apply_updates(state["params"], updates)
         return {"params": params, "opt_state": opt_state}, {"loss": loss}
 
+    # The pipeline runtime needs the two halves (see planner.stages.planned.pipelinable).
+    train_step.loss_fn = loss_fn
+    train_step.optimizer = optimizer
     return train_step
 
 

@@ -256,7 +256,6 @@ def cluster_by_modules(graph: Graph, prefix: str | None = None) -> Layers | None
 
 def cut_bytes(graph: Graph, ops: Sequence[int]) -> np.ndarray:
     """`out[p]`: bytes of values made by `ops[:p]` and used by `ops[p:]` (program inputs excluded)."""
-    pos = {i: k for k, i in enumerate(ops)}
     delta = np.zeros(len(ops) + 2, dtype=np.float64)
     last: dict[int, int] = {}
     for k, i in enumerate(ops):

@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any
 
-import jax
 import optax
 
 from planner.cost_model import Cluster, get_hardware
@@ -38,14 +37,9 @@ def pipelinable(loss_fn: Callable[[Any, Any], Any], optimizer: optax.GradientTra
     Traced or called directly it is the ordinary step: value_and_grad, then one optimizer update.
     """
 
-    def train_step(state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, {"loss": loss}
+    from planner.models.train import make_train_step  # the one definition of the plain step
 
-    train_step.loss_fn = loss_fn
-    train_step.optimizer = optimizer
-    return train_step
+    return make_train_step(loss_fn, optimizer)
 
 
 def cluster_for(mesh: MeshSpec | None, num_devices: int, options: PlanOptions) -> Cluster:
