@@ -305,7 +305,11 @@ def cmd_plan(args, out) -> int:
     if bool(args.model) == bool(args.fn):
         raise CLIError("name what to plan: --model NAME (see --list-models) or --fn MODULE:FACTORY, exactly one")
     num_devices, cluster = _target(args)
-    specs = candidate_specs(args, num_devices)
+    pipelined = args.pipeline in ("on", "auto")
+    if pipelined and args.mesh is not None:
+        raise CLIError("--mesh fixes one logical mesh but --pipeline searches submeshes and their meshes itself; "
+                       "drop --mesh or use --pipeline off")
+    specs = [] if pipelined else candidate_specs(args, num_devices)
     try:
         hardware = _hardware_record(args.hardware)
     except ValueError as e:
@@ -329,15 +333,20 @@ def cmd_plan(args, out) -> int:
     if args.time_limit is not None:
         base["solver_time_limit"] = args.time_limit
     flops = model_flops(graph)
-    ranked = plan_meshes(graph, specs, base, cluster, flops, hardware)
+    if pipelined:
+        ranked = plan_stages(step, example, graph, base, cluster or (1, num_devices), args.hardware, flops, hardware)
+    else:
+        ranked = plan_meshes(graph, specs, base, cluster, flops, hardware)
     best = ranked[0][1]
     data = best.to_dict()
+    multi_stage = bool(best.pipeline) and len(best.stages) > 1
     data["context"] = {
         "model": label,
         "devices": num_devices,
         "cluster": None if cluster is None else {"hosts": cluster[0], "devices_per_host": cluster[1]},
         "cluster_text": (f"{cluster[0]} hosts x {cluster[1]} devices" if cluster else f"{num_devices} devices"),
-        "inter_host_axes": list(best.options.get("inter_host_axes", ())),
+        "inter_host_axes": ([0] if multi_stage and best.mesh.ndim > 1 else
+                            list(best.options.get("inter_host_axes", ()))),
         "hardware": hardware,
         "memory_budget_bytes": budget,
         "input_shapes": [list(graph.tensors[t].shape) for t in graph.inputs],
@@ -348,9 +357,12 @@ def cmd_plan(args, out) -> int:
         "planning_time_s": round(time.perf_counter() - t0, 2),
     }
     view = PlanView.from_dict(data)
-    if view.rules is not None:
+    if view.rules is not None and not multi_stage:  # a multi-stage plan's top-level specs are placeholders
         data["context"]["logical_axis_rules"] = view.rules.to_dict()
-    log.info("planned %d mesh shape(s) in %.1fs", len(specs), time.perf_counter() - t0)
+    if pipelined:
+        log.info("planned the pipeline in %.1fs", time.perf_counter() - t0)
+    else:
+        log.info("planned %d mesh shape(s) in %.1fs", len(specs), time.perf_counter() - t0)
     print(format_plan(view, args.top), file=out)
     _write_outputs(args, view, out)
     return 0
@@ -408,6 +420,61 @@ def plan_meshes(graph, specs, base: dict, cluster, flops, hardware) -> list[tupl
     done.sort(key=lambda r: r[1].prediction.step_time_s)
     failed.sort(key=lambda r: (r[0]["status"] != "over budget", r[0].get("memory_bytes_per_device") or 0))
     return done + [(row, None) for row, _ in failed]
+
+
+def plan_stages(step, example, graph, base: dict, cluster: tuple[int, int], hardware_name, flops,
+                hardware) -> list[tuple[dict, Any]]:
+    """Plans pipeline stages on the cluster (the planner searches submeshes and logical meshes).
+
+    Returns:
+      [(ranking row, Plan)] with the chosen plan first; under --pipeline auto, when several stages
+      win, a second informational row gives the best single-stage step time.
+    """
+    import dataclasses
+    from types import MappingProxyType
+
+    import planner
+    from planner.planning import make_plan
+    from planner.report import fmt_time, mfu
+    from planner.stages import make_cluster, plan_pipeline, to_plan
+
+    hosts, per_host = cluster
+    try:
+        target = make_cluster(hosts, per_host, hardware_name)
+    except (ValueError, planner.PlannerError) as e:
+        raise CLIError(f"cannot build the {hosts}x{per_host} cluster: {e}") from None
+    options = planner.PlanOptions.from_kwargs(base)
+    log.info("planning pipeline stages on %d host(s) x %d device(s) ...", hosts, per_host)
+    t1 = time.perf_counter()
+    pp = plan_pipeline(step, example, target, options, full_graph=graph)
+    if pp.num_stages == 1:  # --pipeline auto chose no pipelining: the intra-op plan on the chosen mesh
+        st = pp.stages[0]
+        plan = make_plan(graph, st.mesh, dataclasses.replace(options, inter_host_axes=st.host_axes))
+        plan = dataclasses.replace(plan, pipeline=MappingProxyType(pp.to_dict()))
+        mesh_text, inter = str(st.mesh), list(st.host_axes)
+        axes = ", ".join(f"{n}={s}" + ("*" if i in inter else "")
+                         for i, (n, s) in enumerate(zip(st.mesh.axis_names, st.mesh.shape)))
+        note = "single stage"
+    else:
+        plan = to_plan(pp, graph, target, options)
+        mesh_text = f"{hosts}x{per_host}" if hosts > 1 else str(per_host)
+        axes = f"{pp.num_stages} stages on submeshes " + ", ".join(f"{s.submesh[0]}x{s.submesh[1]}" for s in pp.stages)
+        inter = []
+        note = f"{pp.schedule}, {pp.num_microbatches} microbatches, bubble {pp.bubble_fraction:.1%}"
+    p = plan.prediction
+    row = {"mesh": mesh_text, "axes": axes, "inter_host_axes": inter, "status": "ok", "stages": pp.num_stages,
+           "step_time_s": p.step_time_s, "memory_bytes_per_device": p.memory_bytes_per_device,
+           "bytes_moved_per_device": p.bytes_moved_per_device,
+           "mfu": mfu(flops, hardware, p.step_time_s, hosts * per_host), "note": note,
+           "plan_time_s": round(time.perf_counter() - t1, 2)}
+    out: list[tuple[dict, Any]] = [(row, plan)]
+    single = pp.single_stage_time_s
+    if pp.num_stages > 1 and single is not None:
+        out.append(({"mesh": mesh_text, "axes": "whole cluster, no microbatching", "status": "single stage",
+                     "note": f"{fmt_time(single)}/step" if math.isfinite(single) else "does not fit the budget"}, None))
+    log.info("pipeline: %d stage(s), %.4g s/step, planned in %.1fs", pp.num_stages, p.step_time_s,
+             time.perf_counter() - t1)
+    return out
 
 
 def _short_bytes(n) -> str:

@@ -366,9 +366,41 @@ def format_plan(view: PlanView, top: int | None = None) -> str:
     if ctx.get("params"):
         out[-1] += f", {fmt_count(ctx['params'])} parameters"
     ranking = ctx.get("ranking") or []
-    if len(ranking) > 1:
-        out += ["", "Mesh shapes, best first:", format_ranking(ranking, view.budget(), top)]
-    out += ["", "Best plan:" if len(ranking) > 1 else "Plan:", format_header(view)]
+    pipeline = view.data.get("pipeline") or {}
+    if len(ranking) > 1 or pipeline:
+        title = "Pipeline plans, best first:" if pipeline else "Mesh shapes, best first:"
+        out += ["", title, format_ranking(ranking, view.budget(), top)]
+    out += ["", "Best plan:" if len(ranking) > 1 or pipeline else "Plan:", format_header(view)]
+    stages = view.data.get("stages") or []
+    if pipeline and len(stages) > 1:
+        out += ["", "Pipeline stages:", format_stages(view)]
+        out += ["", "  per-stage shardings: stages[i].shardings in the --json file (each on its stage's mesh)"]
+        return "\n".join(out)
     out += ["", "Per-layer shardings (repeated identical layers collapsed):", format_layer_table(view)]
     out += ["", "Logical axis rules:", format_rules(view)]
+    return "\n".join(out)
+
+
+def format_stages(view: PlanView) -> str:
+    """The pipeline's stages (layers, submesh, logical mesh, predicted time) and its schedule."""
+    pipe = view.data.get("pipeline") or {}
+    rows = []
+    for k, st in enumerate(view.data.get("stages") or []):
+        layers = st.get("layers") or []
+        names = layers[0] if len(layers) == 1 else f"{layers[0]}..{layers[-1]} ({len(layers)})" if layers else "-"
+        mesh = st.get("mesh") or {}
+        host = set(st.get("host_axes") or ())
+        mesh_text = ", ".join(f"{n}={s}" + ("*" if n in host else "") for n, s in mesh.items()) or "-"
+        sub = st.get("submesh") or ()
+        devices = st.get("devices") or []
+        layout = (st.get("state_layout") or "-") + ("+remat" if st.get("remat") else "")
+        rows.append((k, names, "x".join(map(str, sub)) or "-", mesh_text, _ranges(devices) if devices else "-",
+                     layout, fmt_time(st.get("time_per_microbatch_s")), fmt_bytes(st.get("memory_bytes_per_device"))))
+    out = [table(("stage", "layers", "submesh", "mesh", "devices", "state", "time/microbatch", "memory/dev"),
+                 rows, "rllllrrr")]
+    out.append(f"  schedule {pipe.get('schedule', '-')}, {pipe.get('num_microbatches', '-')} microbatches, "
+               f"bubble {fmt_pct(pipe.get('bubble_fraction'))}, pipeline time {fmt_time(pipe.get('pipeline_time_s'))}")
+    single = pipe.get("single_stage_step_time_s")
+    if single is not None:
+        out.append(f"  best single stage {fmt_time(single)}/step (whole cluster, no microbatching)")
     return "\n".join(out)

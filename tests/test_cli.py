@@ -202,6 +202,25 @@ def test_explain_and_diff_commands(mlp_plan, capsys, tmp_path):
     assert code == 2 and "is not JSON" in err
 
 
+def test_pipeline_on_plans_stages(capsys, tmp_path):
+    path = tmp_path / "pp.json"
+    code, out, err = run(capsys, "plan", "--model", "gpt-tiny", "--cluster", "2x4:cpu", "--pipeline", "on",
+                         "--microbatches", "2", "--quiet", "--json", str(path))
+    assert code == 0, err
+    assert err == ""
+    assert "Pipeline plans, best first:" in out and "Pipeline stages:" in out
+    assert "submesh" in out and "time/microbatch" in out and "2 microbatches" in out and "bubble" in out
+    d = json.loads(path.read_text())
+    assert len(d["stages"]) >= 2
+    assert all({"layers", "submesh", "mesh"} <= set(st) and st["layers"] for st in d["stages"])
+    assert d["pipeline"]["num_microbatches"] == 2 and d["pipeline"]["num_stages"] == len(d["stages"])
+    assert d["context"]["ranking"][0]["stages"] == len(d["stages"])
+    code, again, _ = run(capsys, "plan", "--from", str(path), "--quiet")
+    assert code == 0 and "Pipeline stages:" in again
+    code, _, err = run(capsys, "plan", "--model", "gpt-tiny", "--mesh", "2x4", "--pipeline", "on", "--quiet")
+    assert code == 2 and "--mesh" in err and len(err.strip().splitlines()) == 1
+
+
 def test_profile_subcommand(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_profiling_module", lambda: None)
     code, _, err = run(capsys, "profile", "--out", "db.json")
