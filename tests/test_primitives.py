@@ -40,6 +40,8 @@ CASES = {
                         + jnp.split(x, 2, axis=1)[1].sum(), (X,)),
     "gather_scatter": (lambda x: jnp.take_along_axis(x, jnp.argsort(x, axis=1), axis=1)[:, :3].sum()
                        + x.at[jnp.array([1, 3]), :].add(2.0).sum() + x[jnp.array([0, 5, 7])].sum(), (X,)),
+    "scatter_set_max": (lambda x: x.at[jnp.array([1, 3]), 2:6].set(1.5).sum() + x.at[:, jnp.array([0, 7])].max(0.5).sum()
+                        + x.at[jnp.array([2, 4])].multiply(2.0).sum(), (X,)),
     "select_integer_pow": (lambda x: jnp.where(x > 0, x ** 2, -x).sum() + (x ** 3).sum(), (X,)),
     "bfloat16": (lambda x: (x.astype(jnp.bfloat16) ** 3).astype(jnp.float32).sum(), (X,)),
     "conv": (lambda x, w: jnp.sum(_conv(x, w) ** 2), (IMG, KER)),

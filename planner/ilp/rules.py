@@ -334,6 +334,16 @@ def gather_rule(op: Op, graph: Graph) -> OpSig:
                  flops=float(out.size))
 
 
+def scatter_rule(op: Op, graph: Graph) -> OpSig:
+    """Scatters that overwrite (or take min/max/product): window dims pass through, the scattered
+    dims stay whole (updates landing on the same row from different devices do not combine)."""
+    sig = scatter_add_rule(op, graph)
+    ins = list(sig.inputs)
+    ins[1] = tuple(None for _ in ins[1])  # indices whole
+    ins[2] = tuple(None if l in sig.sum_labels else l for l in ins[2])  # updates whole on scatter dims
+    return dataclasses.replace(sig, inputs=tuple(ins), sum_labels=frozenset())
+
+
 def scatter_add_rule(op: Op, graph: Graph) -> OpSig:
     """Scatter-add (embedding gradients): split update batch dims leave partial sums."""
     dn = op.params["dimension_numbers"]
@@ -499,6 +509,13 @@ RULES: Mapping[str, Rule] = MappingProxyType({
     "gather": gather_rule,
     "scatter-add": scatter_add_rule,
     "scatter_add": scatter_add_rule,
+    "scatter": scatter_rule,
+    "scatter-mul": scatter_rule,
+    "scatter_mul": scatter_rule,
+    "scatter-min": scatter_rule,
+    "scatter_min": scatter_rule,
+    "scatter-max": scatter_rule,
+    "scatter_max": scatter_rule,
     "conv_general_dilated": conv_rule,
     "reduce_window_sum": _window_rule(_pool_keep),
     "reduce_window_max": _window_rule(_pool_keep),
