@@ -13,11 +13,11 @@ from planner.errors import MeshError
 from planner.graph import Graph
 from planner.ilp.problem import Problem, build_problem
 from planner.ilp.solver import Solution, solve
-from planner.ilp.strategies import reshard_axis_cost, reshard_cost
+from planner.ilp.strategies import edge_time, reshard_cost
 from planner.mesh import MeshSpec
 from planner.options import PlanOptions
 from planner.plan import Decision, Plan, PredictedCollective, Prediction
-from planner.sharding import active_axes, axis_dim, replicated
+from planner.sharding import active_axes, replicated
 
 log = logging.getLogger("planner")
 
@@ -49,7 +49,6 @@ def _edge_comms(problem: Problem, choice: Sequence[int]):
 
 def _predict(problem: Problem, sol: Solution) -> Prediction:
     cost, mesh = problem.cost, problem.cost.mesh
-    ops = problem.graph.ops
     collectives: list[PredictedCollective] = []
     comm_time = 0.0
     compute_time = 0.0
@@ -85,7 +84,6 @@ def _predict(problem: Problem, sol: Solution) -> Prediction:
         dst = problem.nodes[e.dst].label
         add(kind, axes, nbytes, dst, "reshard")
     moved = sum(ring_bytes(c.kind, c.nbytes, c.group_size) for c in collectives)
-    del ops
     return Prediction(compute_time + comm_time, compute_time, comm_time, sol.peak_memory_bytes, moved,
                       tuple(collectives))
 
@@ -100,7 +98,6 @@ def _decisions(problem: Problem, choice: Sequence[int], limit: int = 400) -> tup
     for e in problem.edges:
         incident[e.src].append(e)
         incident[e.dst].append(e)
-    mesh_axes = active_axes(problem.cost.mesh)
 
     def local(rep: int, option: int) -> float:
         total = 0.0
@@ -112,7 +109,7 @@ def _decisions(problem: Problem, choice: Sequence[int], limit: int = 400) -> tup
             for e in incident[n]:
                 t = problem.graph.tensors[e.tensor]
                 s, r = e.src_specs[trial[e.src]], e.dst_specs[trial[e.dst]]
-                total += sum(reshard_axis_cost(t, s, a, axis_dim(r, a), problem.cost)[1] for a in mesh_axes)
+                total += edge_time(t, s, r, problem.cost)
         return total
 
     out = []

@@ -20,7 +20,7 @@ from ortools.sat.python import cp_model
 
 from planner.errors import InfeasiblePlanError
 from planner.ilp.problem import Problem
-from planner.ilp.strategies import reshard_axis_cost, shard_bytes
+from planner.ilp.strategies import edge_time, reshard_axis_cost, shard_bytes
 from planner.sharding import active_axes, axis_dim
 
 log = logging.getLogger("planner")
@@ -90,8 +90,7 @@ def plan_cost(problem: Problem, choice: Sequence[int]) -> float:
         src = e.src_specs[choice[e.src]]
         dst = e.dst_specs[choice[e.dst]]
         t = problem.graph.tensors[e.tensor]
-        for a in active_axes(problem.cost.mesh):
-            total += reshard_axis_cost(t, src, a, axis_dim(dst, a), problem.cost)[1]
+        total += edge_time(t, src, dst, problem.cost)
     return total
 
 
@@ -162,7 +161,7 @@ class _Model:
         cost = self.problem.cost
         if src == dst:
             for i, (s, r) in enumerate(zip(src_specs, dst_specs)):
-                total = sum(reshard_axis_cost(t, s, a, axis_dim(r, a), cost)[1] for a in active_axes(cost.mesh))
+                total = edge_time(t, s, r, cost)
                 self._add_cost(self.x[src][i], total * mult)
             return
         by_src = self._group(src, src_specs)
@@ -262,7 +261,6 @@ def greedy(problem: Problem) -> tuple[int, ...]:
     tied_out: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for tin, tout in problem.ties:
         tied_out[problem.owner[tout]].append((tin, tout))
-    mesh_axes = active_axes(problem.cost.mesh)
     done: set[int] = set()
     for node in problem.nodes:
         r = problem.rep[node.index]
@@ -279,7 +277,7 @@ def greedy(problem: Problem) -> tuple[int, ...]:
                 if e.src in done:
                     t = problem.graph.tensors[e.tensor]
                     src, dst = e.src_specs[choice[e.src]], e.dst_specs[i]
-                    c += sum(reshard_axis_cost(t, src, a, axis_dim(dst, a), problem.cost)[1] for a in mesh_axes)
+                    c += edge_time(t, src, dst, problem.cost)
             if best_cost is None or c < best_cost:
                 best, best_cost = i, c
         choice[node.index] = best

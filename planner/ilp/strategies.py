@@ -174,6 +174,11 @@ def reshard_axis_cost(t: Tensor, src: Spec, axis: int, to_dim: int | None, cost:
     return ("all-to-all", (axis,), nbytes), cost.collective_time("all-to-all", nbytes, (axis,)) + reorder
 
 
+def edge_time(t: Tensor, src: Spec, dst: Spec, cost: CostModel) -> float:
+    """The ILP's resharding time from `src` to `dst`: the sum of `reshard_axis_cost` over mesh axes."""
+    return sum(reshard_axis_cost(t, src, a, axis_dim(dst, a), cost)[1] for a in active_axes(cost.mesh))
+
+
 def reshard_cost(t: Tensor, src: Spec, dst: Spec, cost: CostModel) -> tuple[tuple[Comm, ...], float]:
     """Total resharding collectives and time from `src` to `dst`.
 
