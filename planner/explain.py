@@ -169,11 +169,17 @@ def _relative(base: float, delta: float) -> str:
 def _explain_decision(d: Decision, view: PlanView, timer: Timer) -> str:
     names = view.axis_names
     comm, items = strategy_comm(d.chosen, timer, d.cost_s)
+    if d.compute_s or d.communication_s or d.resharding_s:  # exact split recorded by the planner
+        comm = d.communication_s
     _, alt_items = strategy_comm(d.runner_up, timer, d.cost_s + d.runner_up_delta_s)
     lines = [f"  {d.label}" + (f"   ({d.ops} ops share this decision)" if d.ops > 1 else "")]
     lines.append(f"    chosen     {readable_strategy(d.chosen, names)}")
-    lines.append(f"               cost {fmt_time(d.cost_s)} = own communication {fmt_time(comm)} + compute and "
-                 f"resharding on its edges {fmt_time(max(0.0, d.cost_s - comm))}")
+    if d.compute_s or d.communication_s or d.resharding_s:
+        lines.append(f"               cost {fmt_time(d.cost_s)} = compute {fmt_time(d.compute_s)} + own communication "
+                     f"{fmt_time(d.communication_s)} + resharding on its edges {fmt_time(d.resharding_s)}")
+    else:  # a plan saved before the split was recorded
+        lines.append(f"               cost {fmt_time(d.cost_s)} = own communication {fmt_time(comm)} + compute and "
+                     f"resharding on its edges {fmt_time(max(0.0, d.cost_s - comm))}")
     lines += [f"               {item}" for item in items]
     lines.append(f"    runner-up  {readable_strategy(d.runner_up, names)}")
     lines.append(f"               cost {fmt_time(d.cost_s + d.runner_up_delta_s)} (+{fmt_time(d.runner_up_delta_s)}"

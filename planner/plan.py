@@ -53,7 +53,11 @@ class Prediction:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Decision:
-    """One ILP decision and why: the chosen strategy, its cost, and the runner-up."""
+    """One ILP decision and why: the chosen strategy, its cost, and the runner-up.
+
+    `cost_s` = `compute_s` + `communication_s` (the op's own collectives) + `resharding_s` (on the
+    edges into and out of it), all other decisions fixed; `ops` counts the layers sharing it.
+    """
 
     label: str
     chosen: str
@@ -61,6 +65,9 @@ class Decision:
     runner_up: str
     runner_up_delta_s: float
     ops: int
+    compute_s: float = 0.0
+    communication_s: float = 0.0
+    resharding_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

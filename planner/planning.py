@@ -99,18 +99,25 @@ def _decisions(problem: Problem, choice: Sequence[int], limit: int = 400) -> tup
         incident[e.src].append(e)
         incident[e.dst].append(e)
 
-    def local(rep: int, option: int) -> float:
-        total = 0.0
+    def split(rep: int, option: int) -> tuple[float, float, float]:
+        """(compute, own communication, resharding on incident edges) of `option` for all members."""
+        compute = comm = reshard = 0.0
         trial = list(choice)
         for n in members[rep]:
             trial[n] = option
         for n in members[rep]:
-            total += problem.nodes[n].costs[option]
+            node = problem.nodes[n]
+            combined = bool(node.ops) and node.ops[0] in problem.combinable
+            own = sum(problem.cost.collective_time(k, b, a, combined) for k, a, b in node.comms[option])
+            comm += own
+            compute += max(0.0, node.costs[option] - own)
             for e in incident[n]:
                 t = problem.graph.tensors[e.tensor]
-                s, r = e.src_specs[trial[e.src]], e.dst_specs[trial[e.dst]]
-                total += edge_time(t, s, r, problem.cost)
-        return total
+                reshard += edge_time(t, e.src_specs[trial[e.src]], e.dst_specs[trial[e.dst]], problem.cost)
+        return compute, comm, reshard
+
+    def local(rep: int, option: int) -> float:
+        return sum(split(rep, option))
 
     out = []
     for rep, group in members.items():
@@ -126,7 +133,8 @@ def _decisions(problem: Problem, choice: Sequence[int], limit: int = 400) -> tup
         chosen_text = node.descriptions[chosen] or (str(first) if first is not None else "")
         alt_node_spec = next(iter(node.owned.values()))[alt[1]] if node.owned else None
         alt_text = node.descriptions[alt[1]] or str(alt_node_spec)
-        out.append(Decision(node.label, chosen_text, base, alt_text, alt[0] - base, len(group)))
+        compute, comm, reshard = split(rep, chosen)
+        out.append(Decision(node.label, chosen_text, base, alt_text, alt[0] - base, len(group), compute, comm, reshard))
     return tuple(out)
 
 

@@ -56,6 +56,11 @@ def test_json_round_trip_and_determinism(devices8):
     bound = loaded.bind(*args)
     assert jax.tree_util.tree_structure(bound.in_shardings) == jax.tree_util.tree_structure(args)
     assert "Plan on mesh 2x4" in p1.summary()
+    # Each decision's cost is split exactly into compute, its own collectives and resharding.
+    assert p1.decisions
+    for d in p1.decisions:
+        assert d.compute_s + d.communication_s + d.resharding_s == pytest.approx(d.cost_s, rel=1e-9, abs=1e-15)
+        assert d.runner_up_delta_s >= -1e-9  # locally optimal too (up to the ILP's 10 ps rounding)
 
 
 def test_mesh_chosen_when_omitted(mlp, devices8):
