@@ -283,3 +283,9 @@ def test_nnx_state_round_trips_through_the_train_step() -> None:
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: NNXMLP(bundle.config, nnx.Rngs(0))))
     out = jax.eval_shape(lambda p, x: nnx.merge(graphdef, p)(x), new_state["params"], batch["x"])
     assert out.shape == (32, 8)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "bert-tiny", "llama-tiny", "moe-tiny"])
+def test_heads_must_divide_d_model(name):
+    with pytest.raises(ValueError, match=r"d_model=64 is not divisible by heads=3"):
+        get_model(name, heads=3)

@@ -60,11 +60,6 @@ class BertConfig:
 
     def __post_init__(self) -> None:
         validate_config(self)
-        if self.d_model % self.heads:
-            raise ValueError(
-                f"BertConfig.d_model={self.d_model} is not divisible by heads={self.heads}; "
-                "choose heads that divide d_model"
-            )
         if not 0 < self.mask_rate <= 1:
             raise ValueError(f"BertConfig.mask_rate={self.mask_rate} must be in (0, 1]")
 

@@ -58,11 +58,6 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         validate_config(self)
-        if self.d_model % self.heads:
-            raise ValueError(
-                f"GPTConfig.d_model={self.d_model} is not divisible by heads={self.heads}; "
-                "choose heads that divide d_model"
-            )
 
     @property
     def head_dim(self) -> int:

@@ -68,11 +68,6 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         validate_config(self)
-        if self.d_model % self.heads:
-            raise ValueError(
-                f"LlamaConfig.d_model={self.d_model} is not divisible by heads={self.heads}; "
-                "choose heads that divide d_model"
-            )
         if self.heads % self.kv_heads:
             raise ValueError(
                 f"LlamaConfig.heads={self.heads} is not a multiple of kv_heads={self.kv_heads}; "

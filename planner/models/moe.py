@@ -74,11 +74,6 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         validate_config(self)
-        if self.d_model % self.heads:
-            raise ValueError(
-                f"MoEConfig.d_model={self.d_model} is not divisible by heads={self.heads}; "
-                "choose heads that divide d_model"
-            )
         if (self.batch * self.seq) % self.group_size:
             raise ValueError(
                 f"MoEConfig.group_size={self.group_size} does not divide batch * seq = "

@@ -249,8 +249,8 @@ def _assemble(
 def validate_config(config: Any) -> None:
     """Checks a size config's fields by their annotated type, so a bad override fails at get_model time.
 
-    Int fields must be positive ints, float fields non-negative numbers, bool fields bools, and a
-    `dtype` field one of DTYPES.
+    Int fields must be positive ints, float fields non-negative numbers, bool fields bools, a
+    `dtype` field one of DTYPES, and a transformer's `d_model` divisible by its `heads`.
 
     Raises:
       TypeError: a field holds a value of the wrong type.
@@ -274,3 +274,8 @@ def validate_config(config: Any) -> None:
             raise TypeError(f"{cls}.{field.name}={value!r} must be True or False")
     if hasattr(config, "dtype"):
         resolve_dtype(config.dtype)
+    if hasattr(config, "heads") and hasattr(config, "d_model") and config.d_model % config.heads:
+        raise ValueError(
+            f"{cls}.d_model={config.d_model} is not divisible by heads={config.heads}; "
+            "choose heads that divide d_model"
+        )
