@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
+from planner.models.gpt import SelfAttention
 from planner.models.train import (
     ModelBundle,
     build_bundle,
@@ -68,29 +68,6 @@ class BertConfig:
         return self.d_model // self.heads
 
 
-class SelfAttention(nn.Module):
-    """Bidirectional multi-head self-attention (every token attends to every token)."""
-
-    config: BertConfig
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        cfg = self.config
-        dtype = resolve_dtype(cfg.dtype)
-        proj = functools.partial(
-            nn.DenseGeneral, features=(cfg.heads, cfg.head_dim), dtype=dtype,
-            param_dtype=jnp.float32, kernel_init=_INIT,
-        )
-        q, k, v = proj(name="query")(x), proj(name="key")(x), proj(name="value")(x)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(cfg.head_dim)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-        return nn.DenseGeneral(
-            features=cfg.d_model, axis=(-2, -1), dtype=dtype, param_dtype=jnp.float32,
-            kernel_init=_INIT, name="out",
-        )(out)
-
-
 class EncoderBlock(nn.Module):
     """Post-norm block: x = ln(x + attn(x)); x = ln(x + ffn(x))."""
 
@@ -102,7 +79,7 @@ class EncoderBlock(nn.Module):
         dtype = resolve_dtype(cfg.dtype)
         norm = functools.partial(nn.LayerNorm, epsilon=1e-12, dtype=dtype, param_dtype=jnp.float32)
         dense = functools.partial(nn.Dense, dtype=dtype, param_dtype=jnp.float32, kernel_init=_INIT)
-        x = norm(name="ln_attn")(x + SelfAttention(cfg, name="attn")(x))
+        x = norm(name="ln_attn")(x + SelfAttention(cfg, causal=False, name="attn")(x))
         h = dense(cfg.d_model, name="fc_out")(nn.gelu(dense(cfg.mlp_dim, name="fc_in")(x)))
         return norm(name="ln_mlp")(x + h)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -64,10 +65,12 @@ class GPTConfig:
         return self.d_model // self.heads
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention; the causal mask is built from iota comparisons, not a stored table."""
+class SelfAttention(nn.Module):
+    """Multi-head self-attention, causal by default (the mask is built from iota comparisons, not a
+    stored table); BERT uses it bidirectionally. `config` needs heads, head_dim, d_model, dtype."""
 
-    config: GPTConfig
+    config: Any
+    causal: bool = True
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -85,7 +88,8 @@ class CausalSelfAttention(nn.Module):
         v = proj(name="value")(x)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
         scores = scores / math.sqrt(cfg.head_dim)
-        scores = jnp.where(causal_mask(x.shape[1]), scores, jnp.finfo(jnp.float32).min)
+        if self.causal:
+            scores = jnp.where(causal_mask(x.shape[1]), scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
         out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
         return nn.DenseGeneral(
@@ -123,7 +127,7 @@ class Block(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = resolve_dtype(self.config.dtype)
         norm = functools.partial(nn.LayerNorm, epsilon=1e-5, dtype=dtype, param_dtype=jnp.float32)
-        x = x + CausalSelfAttention(self.config, name="attn")(norm(name="ln_1")(x))
+        x = x + SelfAttention(self.config, name="attn")(norm(name="ln_1")(x))
         return x + MLPBlock(self.config, name="mlp")(norm(name="ln_2")(x))
 
 

@@ -190,7 +190,7 @@ class MoEBlock(nn.Module):
         norm = functools.partial(
             nn.LayerNorm, epsilon=1e-5, dtype=resolve_dtype(cfg.dtype), param_dtype=jnp.float32
         )
-        x = x + gpt.CausalSelfAttention(cfg.attention_config(), name="attn")(norm(name="ln_1")(x))
+        x = x + gpt.SelfAttention(cfg.attention_config(), name="attn")(norm(name="ln_1")(x))
         h = norm(name="ln_2")(x)
         if self.moe:
             out, aux_loss = MoEFFN(cfg, name="moe")(h)
