@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: plan test fuzz bench clean
+.PHONY: plan test fuzz bench browser clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,8 +15,20 @@ $(STAMP): pyproject.toml
 plan: $(STAMP)
 	XLA_FLAGS="--xla_force_host_platform_device_count=8" $(BIN)/planner plan --model gpt2-small --mesh 2x4
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --durations=15 tests
+# The HTML report test renders the page in headless Chromium. Installing it is part of the test set-up
+# (Debian's package, as root); where that is not possible the test skips and says why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	      echo "installing chromium (Debian package) for the HTML report test"; \
+	      (DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
+	       { DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null 2>&1 && \
+	         DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1; }) || \
+	      echo "chromium could not be installed; the HTML rendering test will skip"; \
+	    else echo "chromium is not installed and apt-get needs root; the HTML rendering test will skip"; fi; }
+
+test: $(STAMP) browser
+	$(BIN)/python -m pytest -q -n 2 --durations=25 tests
 
 fuzz: $(STAMP)
 	FUZZ_EXAMPLES=1000 $(BIN)/python -m pytest -q -n 2 tests/test_fuzz.py

@@ -30,7 +30,7 @@ import jax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import planner  # noqa: E402
-from planner.models import get_model  # noqa: E402
+from zoo import get_model  # noqa: E402
 from xla_hooks.inspect import report  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"

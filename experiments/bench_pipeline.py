@@ -20,7 +20,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from planner.models import get_model  # noqa: E402
+from zoo import get_model  # noqa: E402
 from planner.options import PlanOptions  # noqa: E402
 from planner.stages import make_cluster, plan_pipeline  # noqa: E402
 

@@ -4,13 +4,14 @@
     state, metrics = step(state, batch)
     print(step.plan(state, batch).summary())
 """
-from planner.api import PlannedFunction, candidate_meshes, plan, plan_parallel
+from planner.api import PlannedFunction, plan, plan_parallel
 from planner.errors import InfeasiblePlanError, InvalidArgumentError, MeshError, PlannerError, ProfileError
 from planner.graph import Graph, trace
 from planner.mesh import MeshSpec
 from planner.options import PlanOptions
 from planner.plan import Plan
-from planner.stages.planned import pipelinable
+from planner.search import candidate_meshes
+from planner.stages.step import pipelinable
 
 __all__ = [
     "Graph", "InfeasiblePlanError", "InvalidArgumentError", "MeshError", "MeshSpec", "Plan", "PlanOptions",

@@ -1,31 +1,22 @@
 """Public entry points: `plan_parallel` (function wrapper / decorator) and `plan`."""
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from planner.errors import InvalidArgumentError, MeshError, PlannerError
+from planner.emit import jit_planned
+from planner.errors import InvalidArgumentError
 from planner.graph import Graph, trace
-from planner.mesh import MeshSpec, default_axis_names, parse_mesh
+from planner.mesh import parse_mesh
 from planner.options import PlanOptions
 from planner.plan import Plan
-from planner.planning import make_plan
-from xla_hooks.emit import jit_planned
+from planner.planning import check_options, make_plan
+from planner.search import best_plan, candidate_meshes, search_meshes
+from planner.stages.planned import plan_with_stages
 
-log = logging.getLogger("planner")
-
-
-def candidate_meshes(num_devices: int, max_ndim: int = 2) -> list[MeshSpec]:
-    """Logical mesh shapes to try when the user gives none: (n,) and every 2-D factorisation."""
-    out = [MeshSpec((num_devices,), default_axis_names(1))]
-    if max_ndim >= 2:
-        for a in range(2, num_devices):
-            if num_devices % a == 0:
-                out.append(MeshSpec((a, num_devices // a), default_axis_names(2)))
-    return out
+__all__ = ["PlannedFunction", "candidate_meshes", "plan", "plan_parallel"]
 
 
 def _signature(args: tuple[Any, ...]) -> tuple:
@@ -46,7 +37,7 @@ class PlannedFunction:
             raise InvalidArgumentError(f"plan_parallel needs a callable train step, got {type(fn).__name__}")
         self.fn = fn
         self.donate_argnums = donate_argnums
-        self.options = PlanOptions.from_kwargs(options)
+        self.options = check_options(PlanOptions.from_kwargs(options))
         self.devices = list(devices) if devices is not None else jax.devices()
         if mesh is None:
             self._mesh_spec, self._jax_mesh = None, None
@@ -68,8 +59,6 @@ class PlannedFunction:
             return hit
         graph = trace(self.fn, *args)
         if self.options.pipeline:
-            from planner.stages.planned import plan_with_stages
-
             plan, runner = plan_with_stages(self.fn, args, graph, self._mesh_spec, self.devices, self.options)
             self._cache[key] = (graph, plan, runner)
             return self._cache[key]
@@ -82,20 +71,8 @@ class PlannedFunction:
         return entry
 
     def _choose_mesh(self, graph: Graph) -> Plan:
-        best: Plan | None = None
-        errors = []
-        for spec in candidate_meshes(len(self.devices)):
-            try:
-                plan = make_plan(graph, spec, self.options, spec.to_jax_mesh(self.devices))
-            except (MeshError, PlannerError) as e:
-                errors.append(f"{spec}: {e}")
-                continue
-            log.info("mesh %s: predicted %.4g s/step", spec, plan.prediction.step_time_s)
-            if best is None or plan.prediction.step_time_s < best.prediction.step_time_s:
-                best = plan
-        if best is None:
-            raise MeshError("no mesh shape could be planned:\n  " + "\n  ".join(errors))
-        return best
+        return best_plan(search_meshes(graph, candidate_meshes(len(self.devices)), self.options,
+                                       devices=self.devices))
 
     def plan(self, *args: Any) -> Plan:
         """The plan for these arguments (arrays or ShapeDtypeStructs); planned once per signature."""

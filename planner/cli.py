@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import inspect
 import io
 import json
 import logging
@@ -27,13 +26,27 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
 
-from planner.cost_model import DEFAULT_HARDWARE, PRESETS
+from planner.cost_model import DEFAULT_HARDWARE, PRESETS, Cluster
+from planner.errors import InfeasiblePlanError, PlannerError
+from planner.graph import matmul_flops, trace
+from planner.mesh import MeshSpec, default_axis_names
+from planner.options import PlanOptions
+from planner.present.diff import diff
+from planner.present.explain import explain
+from planner.present.html_report import render_html
+from planner.present.ranking import hardware_record, mesh_ranking, pipeline_ranking, plan_view
+from planner.present.report import PlanView, fmt_bytes, format_plan
+from planner.programs import load_factory, load_model
+from planner.search import candidate_meshes, inter_host_axes, search_meshes
+from planner.stages import make_cluster, plan_stages
+from planner.units import parse_bytes
+from zoo import model_names
+
+__all__ = ["CLIError", "build_parser", "inter_host_axes", "main"]
 
 log = logging.getLogger("planner")
 
-_CLUSTER = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*(?::\s*([\w.-]+))?\s*$")
 _MESH = re.compile(r"^\s*\d+(\s*x\s*\d+)*\s*$")
 
 
@@ -122,105 +135,20 @@ def _profiling_module():
     return importlib.import_module("planner.cost_model.profiling")
 
 
-# ----- programs --------------------------------------------------------------------------------
-def load_model(name: str, batch: int | None, seq: int | None):
-    """(label, train_step, example_args) of a zoo model, abstract (ShapeDtypeStruct leaves)."""
-    from planner.models import UnknownModelError, get_model, model_names
-
-    overrides = {k: v for k, v in (("batch", batch), ("seq", seq)) if v is not None}
-    try:
-        bundle = get_model(name, **overrides)
-    except UnknownModelError:
-        raise CLIError(f"unknown model {name!r}; choose one of {', '.join(model_names())} "
-                       "or pass your own with --fn MODULE:FACTORY") from None
-    except (TypeError, ValueError) as e:
-        raise CLIError(f"model {name!r} does not accept {overrides}: {e}") from None
-    label = name + "".join(f" {k}={v}" for k, v in overrides.items())
-    return label, bundle.train_step, (bundle.abstract_state(), bundle.abstract_batch())
-
-
-def load_factory(spec: str, batch: int | None, seq: int | None):
-    """(label, train_step, example_args) from a user factory `MODULE:FACTORY`."""
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise CLIError(f"--fn {spec!r} is not MODULE:FACTORY; write e.g. --fn mypkg.train:make_step "
-                       "or --fn path/to/train.py:make_step")
-    try:
-        if module_name.endswith(".py") or os.sep in module_name:
-            if not os.path.isfile(module_name):
-                raise CLIError(f"--fn {spec!r}: file {module_name!r} does not exist; check the path")
-            mod_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(module_name))[0],
-                                                              module_name)
-            module = importlib.util.module_from_spec(mod_spec)
-            mod_spec.loader.exec_module(module)
-        else:
-            if os.getcwd() not in sys.path and "" not in sys.path:
-                sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(module_name)
-    except CLIError:
-        raise
-    except ImportError as e:
-        raise CLIError(f"--fn {spec!r}: cannot import {module_name!r} ({e}); run from the directory that holds it "
-                       "or set PYTHONPATH") from None
-    except Exception as e:  # the user's module failed while loading: name it, no traceback
-        raise CLIError(f"--fn {spec!r}: importing {module_name!r} raised {type(e).__name__}: {e}; fix the module") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise CLIError(f"--fn {spec!r}: module {module_name!r} has no callable {attr!r}; name a function that "
-                       "returns (train_step, example_args)")
-    kwargs = {k: v for k, v in (("batch", batch), ("seq", seq)) if v is not None}
-    try:
-        if kwargs:
-            inspect.signature(factory).bind(**kwargs)
-    except TypeError:
-        raise CLIError(f"--fn {spec!r}: {attr}() takes no {', '.join(kwargs)} argument; drop "
-                       f"{' '.join('--' + k for k in kwargs)} or add the parameter to the factory") from None
-    except ValueError:
-        pass
-    try:
-        result = factory(**kwargs)
-    except Exception as e:
-        raise CLIError(f"--fn {spec!r}: {attr}() raised {type(e).__name__}: {e}; fix the factory") from None
-    if not (isinstance(result, (tuple, list)) and len(result) == 2 and callable(result[0])):
-        raise CLIError(f"--fn {spec!r}: {attr}() returned {type(result).__name__}, not (train_step, example_args); "
-                       "return the step function and a tuple of its example arguments")
-    step, args = result
-    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
-    return spec, step, args
-
-
 # ----- targets ---------------------------------------------------------------------------------
-def parse_cluster(text: str) -> tuple[int, int, str | None]:
-    """`"2x8"` or `"2x8:h100"` -> (hosts, devices per host, hardware preset or None)."""
-    m = _CLUSTER.match(text)
-    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-        raise CLIError(f"--cluster {text!r} is not HOSTSxDEVICES; write e.g. --cluster 2x8 for 2 hosts with "
-                       "8 devices each (optionally 2x8:h100 to name the hardware)")
-    return int(m.group(1)), int(m.group(2)), m.group(3)
-
-
-def inter_host_axes(shape: Sequence[int], devices_per_host: int) -> tuple[int, ...]:
-    """Mesh axes whose device groups span more than one host.
-
-    Devices are numbered host-major (host h owns devices h*D ... h*D+D-1) and laid out row-major on
-    the mesh, as `jax.make_mesh` does for a uniform cluster.
-    """
-    import numpy as np
-
-    hosts = (np.arange(math.prod(shape)) // devices_per_host).reshape(tuple(shape))
-    out = []
-    for a in range(len(shape)):
-        moved = np.moveaxis(hosts, a, -1)
-        if shape[a] > 1 and np.any(moved != moved[..., :1]):
-            out.append(a)
-    return tuple(out)
+def parse_cluster(text: str) -> Cluster:
+    """The hosts x devices of `"2x8"` or `"2x8:h100"` (the preset, if any, becomes `--hardware`)."""
+    try:
+        if not Cluster.is_cluster(text):
+            raise ValueError("not of the form HOSTSxDEVICES[:PRESET]")
+        return Cluster.parse(text.partition(":")[0])
+    except ValueError as e:
+        raise CLIError(f"--cluster {text!r} is not HOSTSxDEVICES ({e}); write e.g. --cluster 2x8 for 2 hosts with "
+                       "8 devices each (optionally 2x8:h100 to name the hardware)") from None
 
 
 def candidate_specs(args, num_devices: int):
     """The MeshSpecs to plan: the --mesh one, or every candidate shape of the device count."""
-    from planner import MeshSpec, candidate_meshes
-    from planner.mesh import default_axis_names
-
     if args.mesh is not None:
         if not _MESH.match(args.mesh):
             raise CLIError(f"--mesh {args.mesh!r} is not a shape like 2x4; write the axis sizes joined by 'x'")
@@ -232,18 +160,19 @@ def candidate_specs(args, num_devices: int):
     return candidate_meshes(num_devices)
 
 
-def _target(args) -> tuple[int, tuple[int, int] | None]:
+def _target(args) -> tuple[int, Cluster | None]:
     given = [n for n, v in (("--devices", args.devices), ("--cluster", args.cluster)) if v is not None]
     if len(given) > 1:
         raise CLIError("give one of --devices N or --cluster HOSTSxDEVICES, not both")
     if args.cluster is not None:
-        hosts, per_host, preset = parse_cluster(args.cluster)
+        cluster = parse_cluster(args.cluster)
+        preset = args.cluster.partition(":")[2].strip() or None
         if preset is not None:
             if args.hardware is not None and args.hardware.lower() != preset.lower():
                 raise CLIError(f"--cluster {args.cluster} names hardware {preset!r} but --hardware is "
                                f"{args.hardware!r}; give it once")
             args.hardware = preset
-        return hosts * per_host, (hosts, per_host)
+        return cluster.num_devices, cluster
     if args.devices is not None:
         return args.devices, None
     if args.mesh is not None:
@@ -253,32 +182,7 @@ def _target(args) -> tuple[int, tuple[int, int] | None]:
     raise CLIError("say where to plan for: --devices N, --mesh 2x4 or --cluster HOSTSxDEVICES")
 
 
-# ----- facts about the program -----------------------------------------------------------------
-def model_flops(graph) -> dict[str, float]:
-    """Matmul FLOPs per step by dtype: 2 x output size x contracted size of every dot_general."""
-    out: dict[str, float] = {}
-    for op in graph.ops:
-        if op.name != "dot_general":
-            continue
-        (lhs_contract, _), _ = op.params["dimension_numbers"]
-        lhs = graph.tensors[op.inputs[0]] if isinstance(op.inputs[0], int) else op.inputs[0].tensor
-        res = graph.tensors[op.outputs[0]]
-        flops = 2.0 * res.size * math.prod(lhs.shape[d] for d in lhs_contract)
-        key = str(lhs.dtype)
-        out[key] = out.get(key, 0.0) + flops
-    return out
-
-
-def _hardware_record(name) -> dict:
-    from planner.cost_model import get_hardware
-
-    hw = get_hardware(name)
-    return {"name": hw.name, "flops_f32": hw.flops_f32, "flops_bf16": hw.flops_bf16, "memory_bytes": hw.memory_bytes}
-
-
 def _budget(args, hardware: dict) -> float | None:
-    from planner.options import parse_bytes
-
     if args.memory_budget is None:
         return float(hardware["memory_bytes"])
     if args.memory_budget.strip().lower() in ("none", "off", "0", "unlimited"):
@@ -286,13 +190,30 @@ def _budget(args, hardware: dict) -> float | None:
     return parse_bytes(args.memory_budget, "--memory-budget")
 
 
+def _options(args, budget: float | None) -> PlanOptions:
+    base = {"memory_budget": budget, "hardware": args.hardware, "profile": args.profile,
+            "num_microbatches": args.microbatches}
+    if args.pipeline is not None:
+        base["pipeline"] = {"auto": "auto", "on": True, "off": False}[args.pipeline]
+    if args.time_limit is not None:
+        base["solver_time_limit"] = args.time_limit
+    return PlanOptions.from_kwargs(base)
+
+
+def _no_plan(results, budget: float | None) -> Exception:
+    over = [r for r in results if r.over_budget]
+    if not over:
+        return CLIError("no mesh shape could be planned: " + "; ".join(f"{r.mesh}: {r.error}" for r in results))
+    need = min((r.min_memory_bytes or math.inf) for r in over)
+    return InfeasiblePlanError(
+        f"no mesh shape fits the memory budget of {fmt_bytes(budget) if budget else 'no limit'} per device"
+        + (f" (the smallest reachable peak is {fmt_bytes(need)})" if need < math.inf else "")
+        + "; raise --memory-budget, plan for more devices, or enable --pipeline")
+
+
 # ----- commands --------------------------------------------------------------------------------
 def cmd_plan(args, out) -> int:
-    from planner.report import PlanView, format_plan
-
     if args.list_models:
-        from planner.models import model_names
-
         print("\n".join(model_names()), file=out)
         return 0
     if args.from_file is not None:
@@ -309,178 +230,45 @@ def cmd_plan(args, out) -> int:
     if pipelined and args.mesh is not None:
         raise CLIError("--mesh fixes one logical mesh but --pipeline searches submeshes and their meshes itself; "
                        "drop --mesh or use --pipeline off")
-    specs = [] if pipelined else candidate_specs(args, num_devices)
+    meshes = [] if pipelined else candidate_specs(args, num_devices)
     try:
-        hardware = _hardware_record(args.hardware)
+        hardware = hardware_record(args.hardware)
     except ValueError as e:
         raise CLIError(f"--hardware {args.hardware!r}: {e}") from None
     budget = _budget(args, hardware)
     if args.profile is not None and not os.path.isfile(args.profile):
         raise CLIError(f"--profile {args.profile!r} does not exist; write one with `planner profile` or drop --profile")
-
-    import planner
+    options = _options(args, budget)
 
     t0 = time.perf_counter()
     label, step, example = (load_model(args.model, args.batch, args.seq) if args.model
                             else load_factory(args.fn, args.batch, args.seq))
     log.info("tracing %s ...", label)
-    graph = planner.trace(step, *example)
+    graph = trace(step, *example)
     log.info("traced %d ops, %d inputs in %.1fs", len(graph.ops), len(graph.inputs), time.perf_counter() - t0)
-    base = {"memory_budget": budget, "hardware": args.hardware, "profile": args.profile,
-            "num_microbatches": args.microbatches}
-    if args.pipeline is not None:
-        base["pipeline"] = {"auto": "auto", "on": True, "off": False}[args.pipeline]
-    if args.time_limit is not None:
-        base["solver_time_limit"] = args.time_limit
-    flops = model_flops(graph)
+    flops = matmul_flops(graph)
     if pipelined:
-        ranked = plan_stages(step, example, graph, base, cluster or (1, num_devices), args.hardware, flops, hardware)
+        hosts, per_host = (cluster.hosts, cluster.devices_per_host) if cluster else (1, num_devices)
+        try:
+            target = make_cluster(hosts, per_host, args.hardware)
+        except (ValueError, PlannerError) as e:
+            raise CLIError(f"cannot build the {hosts}x{per_host} cluster: {e}") from None
+        log.info("planning pipeline stages on %d host(s) x %d device(s) ...", hosts, per_host)
+        t1 = time.perf_counter()
+        plan, pp = plan_stages(step, example, graph, target, options)
+        ranked = pipeline_ranking(plan, pp, target, flops, hardware, time.perf_counter() - t1)
+        log.info("pipeline: %d stage(s), %.4g s/step, planned in %.1fs", pp.num_stages,
+                 plan.prediction.step_time_s, time.perf_counter() - t1)
     else:
-        ranked = plan_meshes(graph, specs, base, cluster, flops, hardware)
-    best = ranked[0][1]
-    data = best.to_dict()
-    multi_stage = bool(best.pipeline) and len(best.stages) > 1
-    data["context"] = {
-        "model": label,
-        "devices": num_devices,
-        "cluster": None if cluster is None else {"hosts": cluster[0], "devices_per_host": cluster[1]},
-        "cluster_text": (f"{cluster[0]} hosts x {cluster[1]} devices" if cluster else f"{num_devices} devices"),
-        "inter_host_axes": ([0] if multi_stage and best.mesh.ndim > 1 else
-                            list(best.options.get("inter_host_axes", ()))),
-        "hardware": hardware,
-        "memory_budget_bytes": budget,
-        "input_shapes": [list(graph.tensors[t].shape) for t in graph.inputs],
-        "input_dtypes": [str(graph.tensors[t].dtype) for t in graph.inputs],
-        "model_flops": flops,
-        "params": sum(graph.tensors[t].size for t, p in zip(graph.inputs, graph.input_paths) if "['params']" in p),
-        "ranking": [row for row, _ in ranked],
-        "planning_time_s": round(time.perf_counter() - t0, 2),
-    }
-    view = PlanView.from_dict(data)
-    if view.rules is not None and not multi_stage:  # a multi-stage plan's top-level specs are placeholders
-        data["context"]["logical_axis_rules"] = view.rules.to_dict()
-    if pipelined:
-        log.info("planned the pipeline in %.1fs", time.perf_counter() - t0)
-    else:
-        log.info("planned %d mesh shape(s) in %.1fs", len(specs), time.perf_counter() - t0)
+        results = search_meshes(graph, meshes, options, cluster.devices_per_host if cluster else None)
+        if results[0].plan is None:
+            raise _no_plan(results, budget)
+        ranked = mesh_ranking(results, flops, hardware)
+        log.info("planned %d mesh shape(s) in %.1fs", len(meshes), time.perf_counter() - t0)
+    view = plan_view(ranked, graph, label, num_devices, cluster, hardware, budget, flops, time.perf_counter() - t0)
     print(format_plan(view, args.top), file=out)
     _write_outputs(args, view, out)
     return 0
-
-
-def plan_meshes(graph, specs, base: dict, cluster, flops, hardware) -> list[tuple[dict, Any]]:
-    """Plans `graph` on every mesh of `specs`; (ranking row, Plan or None), best first, failures last.
-
-    Raises:
-      InfeasiblePlanError: no mesh fits the memory budget.
-      CLIError: no mesh could be planned for another reason.
-    """
-    import planner
-    from planner.planning import make_plan
-    from planner.report import mfu
-
-    done, failed = [], []
-    for k, spec in enumerate(specs, 1):
-        inter = inter_host_axes(spec.shape, cluster[1]) if cluster else ()
-        options = planner.PlanOptions.from_kwargs({**base, "inter_host_axes": inter})
-        axes_text = ", ".join(f"{n}={s}" + ("*" if i in inter else "") for i, (n, s) in
-                              enumerate(zip(spec.axis_names, spec.shape)))
-        row = {"mesh": str(spec), "axes": axes_text, "inter_host_axes": list(inter)}
-        log.info("planning mesh %s (%d/%d) ...", spec, k, len(specs))
-        t1 = time.perf_counter()
-        try:
-            plan = make_plan(graph, spec, options)
-        except planner.InfeasiblePlanError as e:
-            row.update(status="over budget", memory_bytes_per_device=e.min_memory_bytes,
-                       note=f"needs >= {_short_bytes(e.min_memory_bytes)}" if e.min_memory_bytes else "")
-            failed.append((row, str(e)))
-            log.info("mesh %s: no plan fits the budget", spec)
-            continue
-        except planner.MeshError as e:
-            row.update(status="unusable", note=str(e).split(";")[0])
-            failed.append((row, str(e)))
-            log.info("mesh %s: %s", spec, e)
-            continue
-        p = plan.prediction
-        row.update(status="ok", stages=max(1, len(plan.stages)), step_time_s=p.step_time_s,
-                   memory_bytes_per_device=p.memory_bytes_per_device, bytes_moved_per_device=p.bytes_moved_per_device,
-                   mfu=mfu(flops, hardware, p.step_time_s, spec.size), plan_time_s=round(time.perf_counter() - t1, 2))
-        done.append((row, plan))
-        log.info("mesh %s: %.4g s/step, %s/device, planned in %.1fs", spec, p.step_time_s,
-                 _short_bytes(p.memory_bytes_per_device), time.perf_counter() - t1)
-    if not done:
-        over = [row for row, _ in failed if row["status"] == "over budget"]
-        if over:
-            need = min((row.get("memory_bytes_per_device") or math.inf) for row in over)
-            raise planner.InfeasiblePlanError(
-                f"no mesh shape fits the memory budget of {_short_bytes(base['memory_budget'])} per device"
-                + (f" (the smallest reachable peak is {_short_bytes(need)})" if need < math.inf else "")
-                + "; raise --memory-budget, plan for more devices, or enable --pipeline")
-        raise CLIError("no mesh shape could be planned: " + "; ".join(f"{row['mesh']}: {e}" for row, e in failed))
-    done.sort(key=lambda r: r[1].prediction.step_time_s)
-    failed.sort(key=lambda r: (r[0]["status"] != "over budget", r[0].get("memory_bytes_per_device") or 0))
-    return done + [(row, None) for row, _ in failed]
-
-
-def plan_stages(step, example, graph, base: dict, cluster: tuple[int, int], hardware_name, flops,
-                hardware) -> list[tuple[dict, Any]]:
-    """Plans pipeline stages on the cluster (the planner searches submeshes and logical meshes).
-
-    Returns:
-      [(ranking row, Plan)] with the chosen plan first; under --pipeline auto, when several stages
-      win, a second informational row gives the best single-stage step time.
-    """
-    import dataclasses
-    from types import MappingProxyType
-
-    import planner
-    from planner.planning import make_plan
-    from planner.report import fmt_time, mfu
-    from planner.stages import make_cluster, plan_pipeline, to_plan
-
-    hosts, per_host = cluster
-    try:
-        target = make_cluster(hosts, per_host, hardware_name)
-    except (ValueError, planner.PlannerError) as e:
-        raise CLIError(f"cannot build the {hosts}x{per_host} cluster: {e}") from None
-    options = planner.PlanOptions.from_kwargs(base)
-    log.info("planning pipeline stages on %d host(s) x %d device(s) ...", hosts, per_host)
-    t1 = time.perf_counter()
-    pp = plan_pipeline(step, example, target, options, full_graph=graph)
-    if pp.num_stages == 1:  # --pipeline auto chose no pipelining: the intra-op plan on the chosen mesh
-        st = pp.stages[0]
-        plan = make_plan(graph, st.mesh, dataclasses.replace(options, inter_host_axes=st.host_axes))
-        plan = dataclasses.replace(plan, pipeline=MappingProxyType(pp.to_dict()))
-        mesh_text, inter = str(st.mesh), list(st.host_axes)
-        axes = ", ".join(f"{n}={s}" + ("*" if i in inter else "")
-                         for i, (n, s) in enumerate(zip(st.mesh.axis_names, st.mesh.shape)))
-        note = "single stage"
-    else:
-        plan = to_plan(pp, graph, target, options)
-        mesh_text = f"{hosts}x{per_host}" if hosts > 1 else str(per_host)
-        axes = f"{pp.num_stages} stages on submeshes " + ", ".join(f"{s.submesh[0]}x{s.submesh[1]}" for s in pp.stages)
-        inter = []
-        note = f"{pp.schedule}, {pp.num_microbatches} microbatches, bubble {pp.bubble_fraction:.1%}"
-    p = plan.prediction
-    row = {"mesh": mesh_text, "axes": axes, "inter_host_axes": inter, "status": "ok", "stages": pp.num_stages,
-           "step_time_s": p.step_time_s, "memory_bytes_per_device": p.memory_bytes_per_device,
-           "bytes_moved_per_device": p.bytes_moved_per_device,
-           "mfu": mfu(flops, hardware, p.step_time_s, hosts * per_host), "note": note,
-           "plan_time_s": round(time.perf_counter() - t1, 2)}
-    out: list[tuple[dict, Any]] = [(row, plan)]
-    single = pp.single_stage_time_s
-    if pp.num_stages > 1 and single is not None:
-        out.append(({"mesh": mesh_text, "axes": "whole cluster, no microbatching", "status": "single stage",
-                     "note": f"{fmt_time(single)}/step" if math.isfinite(single) else "does not fit the budget"}, None))
-    log.info("pipeline: %d stage(s), %.4g s/step, planned in %.1fs", pp.num_stages, p.step_time_s,
-             time.perf_counter() - t1)
-    return out
-
-
-def _short_bytes(n) -> str:
-    from planner.report import fmt_bytes
-
-    return fmt_bytes(n) if n is not None else "no limit"
 
 
 def _write_outputs(args, view, out) -> None:
@@ -489,8 +277,6 @@ def _write_outputs(args, view, out) -> None:
         _write(args.json, text, "--json")
         print(f"\nplan written to {args.json}", file=out)
     if getattr(args, "html", None):
-        from planner.html_report import render_html
-
         _write(args.html, render_html(view), "--html")
         print(f"report written to {args.html}", file=out)
 
@@ -512,17 +298,11 @@ def _write(path: str, text: str, flag: str) -> None:
 
 
 def cmd_explain(args, out) -> int:
-    from planner.explain import explain
-    from planner.report import PlanView
-
     print(explain(PlanView.load(args.plan_file), op=args.op, top=args.top), file=out)
     return 0
 
 
 def cmd_diff(args, out) -> int:
-    from planner.explain import diff
-    from planner.report import PlanView
-
     print(diff(PlanView.load(args.a), PlanView.load(args.b), top=args.top), file=out)
     return 0
 
@@ -600,8 +380,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     old_level = log.level
     if handler is not None:
         log.setLevel(logging.INFO)
-    from planner.errors import PlannerError
-
     try:
         if args.command == "plan":
             return cmd_plan(args, sys.stdout)

@@ -160,12 +160,6 @@ class Graph:
                     out.setdefault(t, []).append((op.index, k))
         return out
 
-    def primitive_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for op in self.ops:
-            counts[op.name] = counts.get(op.name, 0) + 1
-        return dict(sorted(counts.items()))
-
     def evaluate(
         self,
         flat_args: Sequence[Any],
@@ -462,3 +456,18 @@ def trace(fn: Callable[..., Any], *args: Any) -> Graph:
         regions={k: tuple(sorted(v, key=lambda r: -r.end)) for k, v in b.regions.items()},
         loop_ties=tuple(b.loop_ties),
     )
+
+
+def matmul_flops(graph: Graph) -> dict[str, float]:
+    """Matmul FLOPs per step by operand dtype: 2 x output size x contracted size of every dot_general
+    (what model FLOP utilisation counts)."""
+    out: dict[str, float] = {}
+    for op in graph.ops:
+        if op.name != "dot_general":
+            continue
+        (lhs_contract, _), _ = op.params["dimension_numbers"]
+        lhs = graph.tensors[op.inputs[0]] if isinstance(op.inputs[0], int) else op.inputs[0].tensor
+        res = graph.tensors[op.outputs[0]]
+        key = str(lhs.dtype)
+        out[key] = out.get(key, 0.0) + 2.0 * res.size * math.prod(lhs.shape[d] for d in lhs_contract)
+    return out

@@ -1,34 +1,15 @@
-"""Planner options: one frozen record, filled from keyword arguments with defaults."""
+"""Planner options: one frozen record of plain data, filled from keyword arguments with defaults.
+
+Values that need the cost model to check (the hardware preset, the profile) are validated where
+the cost model is built (`planning.check_options`), so this record depends on nothing above it."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 from typing import Any
 
-from planner.cost_model import Hardware, get_hardware
 from planner.errors import InvalidArgumentError
-
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
-          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(value: Any, what: str = "memory_budget") -> float | None:
-    """Bytes from a number or a string such as "80GB", "1.5GiB", "512MB"."""
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value <= 0:
-            raise InvalidArgumentError(f"{what}={value!r} must be positive")
-        return float(value)
-    m = _SIZE.match(str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise InvalidArgumentError(f"{what}={value!r} is not a size; write bytes (1e9) or a string like '80GB' or '1.5GiB'")
-    out = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if out <= 0:
-        raise InvalidArgumentError(f"{what}={value!r} must be positive")
-    return out
+from planner.units import parse_bytes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -37,7 +18,8 @@ class PlanOptions:
 
     Attributes:
       memory_budget: per-device bytes the plan must fit (liveness peak), or None for no limit.
-      hardware: hardware preset name or `Hardware` record for the analytic cost model.
+      hardware: hardware preset name, cluster ("4x8:h100") or `cost_model.Hardware` record for the
+        analytic cost model.
       solver_time_limit: seconds the ILP solver may spend; on time-out the best plan found is used.
       solver_workers: CP-SAT worker threads (1 keeps plans bit-for-bit deterministic).
       tie_outputs: outputs whose pytree path and type equal an input's (the new train state) get
@@ -53,7 +35,7 @@ class PlanOptions:
     """
 
     memory_budget: float | None = None
-    hardware: str | Hardware | None = None
+    hardware: Any = None
     solver_time_limit: float = 30.0
     solver_workers: int = 1
     tie_outputs: bool = True
@@ -88,19 +70,13 @@ class PlanOptions:
         values = dict(kwargs)
         if "memory_budget" in values:
             values["memory_budget"] = parse_bytes(values["memory_budget"])
-        if values.get("hardware") is not None:
-            try:
-                get_hardware(values["hardware"])
-            except ValueError as e:
-                raise InvalidArgumentError(str(e)) from None
         if "inter_host_axes" in values:
             values["inter_host_axes"] = tuple(values["inter_host_axes"])
         return cls(**values)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
-        hw = self.hardware
-        d["hardware"] = hw.name if isinstance(hw, Hardware) else hw
+        d["hardware"] = getattr(self.hardware, "name", self.hardware)  # a `Hardware` record by its preset name
         d["inter_host_axes"] = list(self.inter_host_axes)
         d["profile"] = self.profile if isinstance(self.profile, (str, type(None))) else getattr(self.profile, "path", "<in memory>")
         return d

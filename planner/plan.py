@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import jax
 
 from planner.errors import InvalidArgumentError
+from planner.layer_index import star_indices
 from planner.mesh import MeshSpec
 from planner.sharding import Spec, format_spec, named_sharding, spec_from_json, spec_to_json
 
@@ -299,13 +299,10 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-_LAYER = re.compile(r"(\w+?)_(\d+)(?=['\]/])")
-
-
 def _collapse_layers(rows: list[tuple[str, str]]) -> list[tuple[str, str, int]]:
     """Collapses rows that differ only in a layer index into one row with a count."""
     out: dict[tuple[str, str], int] = {}
     for path, spec in rows:
-        key = (_LAYER.sub(lambda m: f"{m.group(1)}_*", path), spec)
+        key = (star_indices(path), spec)
         out[key] = out.get(key, 0) + 1
     return [(p, s, n) for (p, s), n in out.items()]

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import jax
 
-from planner.cost_model import CostModel, ring_bytes
-from planner.errors import MeshError
+from planner.cost_model import CostModel, get_hardware, ring_bytes
+from planner.errors import InvalidArgumentError, MeshError
 from planner.graph import Graph
 from planner.ilp.problem import Problem, build_problem
 from planner.ilp.solver import Solution, solve
@@ -34,17 +34,33 @@ def check_mesh_fits(graph: Graph, mesh: MeshSpec) -> None:
             )
 
 
+def check_options(options: PlanOptions) -> PlanOptions:
+    """`options` if the cost model can be built from them (a known hardware preset or cluster).
+
+    Raises:
+      InvalidArgumentError: naming the unknown preset and the known ones.
+    """
+    if options.hardware is not None:
+        try:
+            get_hardware(options.hardware)
+        except ValueError as e:
+            raise InvalidArgumentError(str(e)) from None
+    return options
+
+
 def cost_model_for(mesh: MeshSpec, options: PlanOptions) -> CostModel:
     """Analytic model from `options.hardware` / `inter_host_axes`, or measured from `options.profile`."""
+    check_options(options)
     return CostModel.build(mesh, options.hardware, options.inter_host_axes, options.profile)
 
 
 def _edge_comms(problem: Problem, choice: Sequence[int]):
+    """(edge, its collectives, its time) for every edge that reshards; the time is the ILP's."""
     for e in problem.edges:
         src, dst = e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]]
-        comms, _ = reshard_cost(problem.graph.tensors[e.tensor], src, dst, problem.cost)
-        for c in comms:
-            yield e, c
+        comms, seconds = reshard_cost(problem.graph.tensors[e.tensor], src, dst, problem.cost)
+        if comms:
+            yield e, comms, seconds
 
 
 def _predict(problem: Problem, sol: Solution) -> Prediction:
@@ -53,14 +69,14 @@ def _predict(problem: Problem, sol: Solution) -> Prediction:
     comm_time = 0.0
     compute_time = 0.0
 
-    def add(kind, axes, nbytes, where, reason, combined=False):
+    def add(kind, axes, nbytes, where, reason, combined=False, timed=True):
         nonlocal comm_time
         n = mesh.axis_size(axes)
         if n <= 1:
             return 0.0
         collectives.append(PredictedCollective(kind, tuple(mesh.axis_names[a] for a in axes), int(nbytes), n, where,
                                                reason))
-        t = cost.collective_time(kind, nbytes, axes, combined)
+        t = cost.collective_time(kind, nbytes, axes, combined) if timed else 0.0
         comm_time += t
         return t
 
@@ -80,9 +96,13 @@ def _predict(problem: Problem, sol: Solution) -> Prediction:
                                          - cost.collective_time(kind, nbytes, axes, True))
         compute_time += max(0.0, node.costs[i] - own_comm)
     comm_time += sum(combined_latency.values())
-    for e, (kind, axes, nbytes) in _edge_comms(problem, sol.choice):
+    # Resharding time as the ILP priced it (`edge_time`: a multi-axis gather is timed part by part,
+    # each on its own axis's link), not recomputed from the reported collectives.
+    for e, comms, seconds in _edge_comms(problem, sol.choice):
         dst = problem.nodes[e.dst].label
-        add(kind, axes, nbytes, dst, "reshard")
+        for kind, axes, nbytes in comms:
+            add(kind, axes, nbytes, dst, "reshard", timed=False)
+        comm_time += seconds
     moved = sum(ring_bytes(c.kind, c.nbytes, c.group_size) for c in collectives)
     return Prediction(compute_time + comm_time, compute_time, comm_time, sol.peak_memory_bytes, moved,
                       tuple(collectives))

@@ -32,10 +32,6 @@ def is_valid(shape: Shape, spec: Spec, mesh: MeshSpec) -> bool:
     return all(d % mesh.axis_size(axes) == 0 for d, axes in zip(shape, spec))
 
 
-def shard_shape(shape: Shape, spec: Spec, mesh: MeshSpec) -> Shape:
-    return tuple(d // mesh.axis_size(axes) for d, axes in zip(shape, spec))
-
-
 def num_shards(spec: Spec, mesh: MeshSpec) -> int:
     return math.prod(mesh.axis_size(axes) for axes in spec)
 
@@ -75,19 +71,6 @@ def to_partition_spec(spec: Spec, mesh: MeshSpec) -> PartitionSpec:
     while parts and parts[-1] is None:
         parts.pop()
     return PartitionSpec(*parts)
-
-
-def from_partition_spec(pspec: PartitionSpec, rank: int, mesh: MeshSpec) -> Spec:
-    index = {n: i for i, n in enumerate(mesh.axis_names)}
-    out: list[tuple[int, ...]] = []
-    for entry in tuple(pspec) + (None,) * (rank - len(pspec)):
-        if entry is None:
-            out.append(())
-        elif isinstance(entry, str):
-            out.append((index[entry],))
-        else:
-            out.append(tuple(index[n] for n in entry))
-    return tuple(out)
 
 
 def named_sharding(spec: Spec, mesh: MeshSpec, jax_mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:

@@ -20,7 +20,7 @@ def main() -> int:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
     import planner
-    from planner.models import get_model
+    from zoo import get_model
 
     assert len(jax.devices()) == 4 * nproc and len(jax.local_devices()) == 4
     b = get_model("gpt-tiny")

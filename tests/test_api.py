@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import planner
-from planner.models import get_model
+from zoo import get_model
 from tests.helpers import concrete
 
 

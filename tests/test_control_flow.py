@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import planner
-from planner.models import get_model
+from zoo import get_model
 
 
 def _scan_loss(c, xs):

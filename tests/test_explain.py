@@ -9,9 +9,10 @@ import json
 import pytest
 
 from planner import cli
-from planner.explain import diff, explain, readable_strategy, strategy_comm
-from planner.logical_axes import apply_rules, classify, infer_rules, path_tokens
-from planner.report import PlanView, collapse_layers, format_layer_table, memory_breakdown
+from planner.present.diff import diff
+from planner.present.explain import explain, readable_strategy, strategy_comm
+from planner.present.logical_axes import apply_rules, classify, infer_rules, path_tokens
+from planner.present.report import PlanView, collapse_layers, format_layer_table, memory_breakdown
 
 
 def _plan(tmp, *argv) -> PlanView:
@@ -205,7 +206,7 @@ def test_loading_rejects_non_plans(tmp_path):
 def test_plans_saved_by_the_api_work_without_context(tmp_path, capsys):
     """A plan written with `Plan.to_json()` (no CLI context: no shapes) still prints, explains and diffs."""
     import planner
-    from planner.models import get_model
+    from zoo import get_model
     from planner.planning import make_plan
 
     bundle = get_model("mlp-tiny")

@@ -1,8 +1,8 @@
 """Property-based fuzzing: random programs from supported primitives, planned on random meshes,
 must plan without crashing and compute exactly what the unsharded program computes.
 
-The suite runs a bounded number of examples (FUZZ_EXAMPLES, default 50 per mesh, 200 in all);
-`make fuzz` runs many more (FUZZ_EXAMPLES=1000).
+The suite runs a small fixed sample (FUZZ_EXAMPLES, default 12 per mesh, derandomized so every run
+draws the same programs); `make fuzz` runs the scale (FUZZ_EXAMPLES=1000 per mesh).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import planner
 
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "50"))
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "12"))
 MESHES = ["1x8", "2x4", "4x2", "2x2x2"]
 DIMS = (8, 16)
 

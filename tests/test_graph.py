@@ -49,7 +49,7 @@ def test_input_paths_and_abstract_arguments():
 
 
 def test_flax_name_stack_is_kept():
-    from planner.models import get_model
+    from zoo import get_model
 
     b = get_model("gpt-tiny")
     g = trace(b.train_step, b.abstract_state(), b.abstract_batch())

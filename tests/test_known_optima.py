@@ -5,8 +5,8 @@ import jax
 import pytest
 
 import planner
-from planner.models import get_model
-from tests.helpers import TALL, WIDE, assert_trees_close, concrete
+from zoo import get_model
+from tests.helpers import TALL, WIDE, assert_bundle_step_close, concrete
 from xla_hooks.fidelity import check_fidelity
 from xla_hooks.inspect import collectives
 
@@ -49,4 +49,4 @@ def test_hidden_much_larger_than_batch_is_megatron(devices8):
     assert check_fidelity(plan, compiled).ok
     ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
     new_state, metrics = step(state, batch)
-    assert_trees_close(new_state, ref_state)
+    assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)

@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import planner
-from tests.helpers import assert_trees_close, concrete
+from tests.helpers import assert_bundle_step_close, concrete
 from xla_hooks.inspect import memory_stats
 
 
@@ -29,9 +29,9 @@ def test_budget_below_data_parallel_is_met_as_measured(devices8):
     measured = memory_stats(step.lower(state, batch).compile()).peak_bytes
     assert measured <= budget, f"XLA peak {measured} > budget {budget} (data parallel: {dp_peak})"
     # Still the same numbers as the unsharded step.
-    ref_state, _ = jax.jit(b.train_step)(state, batch)
-    new_state, _ = step(state, batch)
-    assert_trees_close(new_state, ref_state)
+    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
+    new_state, metrics = step(state, batch)
+    assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
 
 
 def test_impossible_budget_names_the_reachable_minimum(devices8):

@@ -4,8 +4,8 @@ from __future__ import annotations
 import jax
 
 import planner
-from planner.models import get_model
-from tests.helpers import assert_train_states_close, concrete
+from zoo import get_model
+from tests.helpers import assert_bundle_step_close, concrete
 from xla_hooks.inspect import collectives
 
 
@@ -27,11 +27,11 @@ def test_large_experts_many_tokens_give_expert_parallelism(devices8):
 
 def test_donated_state(devices8):
     b, state, batch = concrete("gpt-tiny")
-    ref_state, _ = jax.jit(b.train_step)(state, batch)
+    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
     step = planner.plan_parallel(b.train_step, mesh="2x4", donate_argnums=0)
     copy = jax.tree_util.tree_map(lambda x: x.copy(), state)  # donation consumes the buffers
     placed = jax.device_put(copy, step.plan(state, batch).in_shardings[0])
-    new_state, _ = step(placed, batch)
-    assert_train_states_close(b, state, batch, new_state, ref_state)
+    new_state, metrics = step(placed, batch)
+    assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
     leaf = jax.tree_util.tree_leaves(placed)[0]
     assert leaf.is_deleted()  # the old state's buffers went to the new state

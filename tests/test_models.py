@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from planner.models import GPTConfig, ModelBundle, get_model, model_names
+from zoo import GPTConfig, ModelBundle, get_model, model_names
 
 TINY = (
     "mlp-tiny",

@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 from jax.extend import core as jcore
 
-from planner.models import get_model
-from planner.models.moe import top2_routing
-from planner.models.nnx_mlp import NNXMLP
+from zoo import get_model
+from zoo.moe import top2_routing
+from zoo.nnx_mlp import NNXMLP
 
 # Each tiny model's jaxpr must contain these: they are what the planner needs rules for.
 SIGNATURE_PRIMITIVES = {

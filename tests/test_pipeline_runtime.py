@@ -12,10 +12,11 @@ import pytest
 import planner
 from planner.errors import InvalidArgumentError
 from planner.mesh import MeshSpec
-from planner.models import get_model, make_optimizer
+from zoo import get_model, make_optimizer
 from planner.stages import pipelinable
 from planner.stages.runtime import PipelinedStep, StageLayout, even_layouts, layer_names
 from tests.conftest import skip_if_fewer_devices
+from tests.helpers import assert_first_step_close, assert_sgd_step_close, longest_reduction, unit_roundoff
 
 
 @pytest.fixture(scope="module")
@@ -27,25 +28,26 @@ def gpt():
     batch = b.make_batch(jax.random.key(1))
     ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
     names = layer_names(b.loss_fn, b.abstract_state()["params"], b.abstract_batch())
-    return b, opt, state, batch, ref_state, float(ref_metrics["loss"]), names
+    return b, opt, state, batch, ref_state, ref_metrics, names
 
 
-def _close(new_state, ref_state, loss, ref_loss):
-    assert float(loss) == pytest.approx(ref_loss, rel=1e-5)
-    for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(ref_state)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=5e-5)
+def _close(b, opt, state, batch, new_state, metrics, ref_state, ref_metrics):
+    """Microbatching reorders the gradient sums; the AdamW update is checked on the pipeline's own
+    gradients (tests/helpers.py explains the tolerances)."""
+    assert_first_step_close(b.loss_fn, opt, state, batch, new_state, metrics, ref_state, ref_metrics,
+                            train_step=b.train_step)
 
 
 @pytest.mark.parametrize("num_stages,num_microbatches", [(2, 2), (2, 8), (4, 4), (4, 8)])
 def test_pipelined_step_equals_unpipelined(gpt, num_stages, num_microbatches):
-    b, opt, state, batch, ref_state, ref_loss, names = gpt
+    b, opt, state, batch, ref_state, ref_metrics, names = gpt
     assert names == ("pre", "blocks_0", "blocks_1", "post")
     layouts = even_layouts(names, jax.devices()[:8], num_stages)
     step = PipelinedStep(b.loss_fn, opt, layouts, num_microbatches, "1f1b")
     for schedule in ("1f1b", "gpipe"):
         run = step.with_schedule(schedule)  # same compiled stage programs, other dispatch order
         new_state, metrics = run(state, batch)
-        _close(new_state, ref_state, metrics["loss"], ref_loss)
+        _close(b, opt, state, batch, new_state, metrics, ref_state, ref_metrics)
     # Each stage's parameters live on its own submesh.
     leaf = new_state["params"]["blocks_1"]["mlp"]["fc_in"]["kernel"]
     owner = next(l for l in layouts if "blocks_1" in l.layers)
@@ -63,11 +65,11 @@ def test_remat_tied_embeddings_and_sgd_gradients():
     layouts = [dataclasses.replace(l, remat=True) for l in even_layouts(names, jax.devices()[:8], 2)]
     step = PipelinedStep(b.loss_fn, sgd, layouts, 4, "1f1b")
     new, metrics = step({"params": params, "opt_state": sgd.init(params)}, batch)
-    loss, grads = jax.jit(jax.value_and_grad(b.loss_fn))(params, batch)
-    assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-5)
+    n = longest_reduction(b.train_step, state, batch)
+    loss = jax.jit(b.loss_fn)(params, batch)
+    assert abs(float(metrics["loss"]) - float(loss)) <= 2 * n * unit_roundoff(np.float32) * float(loss)
     # With SGD(lr=1) the update is the gradient: the tied embedding sums both stages' contributions.
-    for p, n, g in zip(jax.tree.leaves(params), jax.tree.leaves(new["params"]), jax.tree.leaves(grads)):
-        np.testing.assert_allclose(np.asarray(p) - np.asarray(n), np.asarray(g), rtol=1e-3, atol=1e-6)
+    assert_sgd_step_close(b.loss_fn, 1.0, params, batch, new["params"], n=n)
 
 
 def test_bad_layouts_are_rejected(gpt):
@@ -87,7 +89,7 @@ def test_bad_layouts_are_rejected(gpt):
 
 def test_plan_parallel_with_pipeline(gpt):
     """The public API end to end: plan stages on 2 hosts x 4 devices, run them, reload the plan."""
-    b, opt, state, batch, ref_state, ref_loss, _ = gpt
+    b, opt, state, batch, ref_state, ref_metrics, _ = gpt
     train_step = pipelinable(b.loss_fn, opt)
     step = planner.plan_parallel(train_step, mesh=(2, 4), inter_host_axes=(0,), hardware="cpu", pipeline=True,
                                  num_microbatches=2, schedule="gpipe")
@@ -98,7 +100,7 @@ def test_plan_parallel_with_pipeline(gpt):
     assert all({"layers", "submesh", "mesh", "devices", "shardings"} <= set(st) for st in plan.stages)
     assert "pipeline" in plan.summary() and "stage 1" in plan.summary()
     new_state, metrics = step(state, batch)
-    _close(new_state, ref_state, metrics["loss"], ref_loss)
+    _close(b, opt, state, batch, new_state, metrics, ref_state, ref_metrics)
     # Each stage's parameters live on its submesh, laid out as the stage's intra-op plan says.
     devices = jax.devices()
     for st in plan.stages:
@@ -152,7 +154,7 @@ def test_model_without_module_names_splits_by_balanced_layers():
     # Layers named by the planner's balanced clustering are matched to the stages by position.
     layouts = even_layouts([f"layer{i}" for i in range(4)], jax.devices()[:8], 2)
     new, metrics = PipelinedStep(loss_fn, sgd, layouts, 4)({"params": ws, "opt_state": sgd.init(ws)}, batch)
-    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(ws, batch)
-    assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-6)
-    for n, w, g in zip(new["params"], ws, grads):
-        np.testing.assert_allclose(np.asarray(n), np.asarray(w - 0.1 * g), rtol=1e-5, atol=1e-6)
+    n = longest_reduction(jax.value_and_grad(loss_fn), ws, batch)
+    loss = jax.jit(loss_fn)(ws, batch)
+    assert abs(float(metrics["loss"]) - float(loss)) <= 2 * n * unit_roundoff(np.float32) * float(loss)
+    assert_sgd_step_close(loss_fn, 0.1, ws, batch, new["params"], n=n)

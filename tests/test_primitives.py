@@ -11,7 +11,7 @@ import pytest
 import planner
 from planner.graph import trace
 from planner.ilp.rules import signature
-from planner.models import get_model, model_names
+from zoo import get_model, model_names
 
 X = np.linspace(-2.0, 2.0, 8 * 16).reshape(8, 16).astype(np.float32)
 IMG = np.linspace(-1.0, 1.0, 8 * 8 * 8 * 4).reshape(8, 8, 8, 4).astype(np.float32)

@@ -7,7 +7,7 @@ import pytest
 import planner
 from planner.cost_model import AxisLink, ProfileDB
 from planner.errors import ProfileError
-from planner.models import get_model
+from zoo import get_model
 from tests.conftest import skip_if_fewer_devices
 
 # Per-link figures of the synthetic profile: the slow axis is 10x slower in latency and bandwidth,

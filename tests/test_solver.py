@@ -61,7 +61,7 @@ def test_memory_budget_constraint_is_respected():
 
 
 def test_repeated_layers_share_decisions():
-    from planner.models import get_model
+    from zoo import get_model
 
     b = get_model("gpt-tiny", layers=4)
     g = trace(b.train_step, b.abstract_state(), b.abstract_batch())

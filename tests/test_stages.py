@@ -11,7 +11,7 @@ import pytest
 
 from planner.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.graph import trace
-from planner.models import get_model
+from zoo import get_model
 from planner.stages.clustering import (
     APPLY,
     BACKWARD,

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from planner.errors import InfeasiblePlanError, InvalidArgumentError
-from planner.models import get_model
+from zoo import get_model
 from planner.options import PlanOptions
 from planner.stages.inter_op import microbatch_counts, plan_pipeline
 from planner.stages.submesh import make_cluster

@@ -5,8 +5,8 @@ import jax
 import pytest
 
 import planner
-from planner.models import model_names
-from tests.helpers import assert_trees_close, assert_train_states_close, concrete
+from zoo import model_names
+from tests.helpers import assert_bundle_step_close, concrete
 
 # gpt-tiny is covered on three meshes with fidelity checks in test_numerics.py.
 TINY = [n for n in model_names() if n.endswith("-tiny") and n != "gpt-tiny"]
@@ -19,5 +19,4 @@ def test_zoo_model_matches_unsharded(name, mesh, devices8):
     ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
     step = planner.plan_parallel(b.train_step, mesh=mesh)
     new_state, metrics = step(state, batch)
-    assert_trees_close(metrics, ref_metrics, rtol=1e-4, atol=1e-5)
-    assert_train_states_close(b, state, batch, new_state, ref_state)
+    assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)

@@ -3,12 +3,19 @@ resharding and compute costs."""
 from planner.cost_model.cluster import Cluster, Link
 from planner.cost_model.collectives import COLLECTIVES, AxisLink, ring_bytes
 from planner.cost_model.fit import Curve, Fit, fit_alpha_beta
-from planner.cost_model.hardware import DEFAULT_HARDWARE, PRESETS, Hardware, get_hardware, hardware_for_device_kind
+from planner.cost_model.hardware import (
+    DEFAULT_HARDWARE,
+    PRESETS,
+    Hardware,
+    get_hardware,
+    hardware_for_device_kind,
+    peak_flops,
+)
 from planner.cost_model.model import CostModel
 from planner.cost_model.profile_db import ProfileDB, ProfileWarning, load_profile
 
 __all__ = [
     "COLLECTIVES", "AxisLink", "Cluster", "CostModel", "Curve", "DEFAULT_HARDWARE", "Fit", "Hardware", "Link",
     "PRESETS", "ProfileDB", "ProfileWarning", "fit_alpha_beta", "get_hardware", "hardware_for_device_kind",
-    "load_profile", "ring_bytes",
+    "load_profile", "peak_flops", "ring_bytes",
 ]

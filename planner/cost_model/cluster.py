@@ -18,7 +18,6 @@ from planner.cost_model.hardware import (
     DEFAULT_HARDWARE,
     Hardware,
     get_hardware,
-    hardware_for_device_kind,
 )
 from planner.mesh import MeshSpec
 
@@ -74,17 +73,6 @@ class Cluster:
         if not m:
             raise ValueError(f"cluster {text!r} is not of the form 'HOSTSxDEVICES[:PRESET]', e.g. '4x8:h100'")
         return cls(int(m.group(1)), int(m.group(2)), get_hardware(m.group(3)) if m.group(3) else DEFAULT_HARDWARE)
-
-    @classmethod
-    def from_devices(cls, devices: Sequence, hardware: Hardware | None = None) -> Cluster:
-        """The cluster `devices` (e.g. `jax.devices()`) form: hosts = distinct process indices."""
-        hosts = sorted({d.process_index for d in devices})
-        per = len(devices) // max(len(hosts), 1)
-        if per * len(hosts) != len(devices):
-            raise ValueError(f"{len(devices)} devices are not spread evenly over {len(hosts)} processes")
-        if hardware is None:
-            hardware = hardware_for_device_kind(devices[0].device_kind) or DEFAULT_HARDWARE
-        return cls(len(hosts), per, hardware)
 
     @property
     def num_devices(self) -> int:

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
+from typing import Any
+
+import numpy as np
 
 _NUMERIC = ("flops_f32", "flops_bf16", "memory_bytes", "memory_bandwidth", "intra_bandwidth", "intra_latency",
             "inter_bandwidth", "inter_latency")
@@ -170,6 +173,42 @@ def get_hardware(name_or_hw: str | Hardware | None) -> Hardware:
         raise ValueError(f"unknown hardware {name_or_hw!r}; known presets: {', '.join(sorted(PRESETS))} "
                          "(or a cluster such as '4x8:h100')")
     return PRESETS[key]
+
+
+def _itemsize(dtype: Any) -> int | None:
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        pass
+    if isinstance(dtype, str):  # "bfloat16" and the float8 names, which JAX registers
+        import jax.numpy as jnp
+
+        try:
+            return jnp.dtype(dtype).itemsize
+        except TypeError:
+            return None
+    return None  # extended dtypes (PRNG keys) have no arithmetic rate
+
+
+def peak_flops(hardware: Hardware | Mapping[str, float], dtypes: Iterable[Any]) -> float:
+    """Peak FLOP/s of arithmetic on values of `dtypes`: the one rule every compute estimate uses
+    (the ILP's strategies, hence the plan's prediction and stage costs, and the CLI's MFU).
+
+    The 16-bit (tensor-core / MXU) peak applies when every value is 16 bits or narrower; one wider
+    value means the float32 peak (XLA promotes mixed operands of a dot to the wider type before
+    running it). For a dot or convolution the values are its *operands*: the accumulator type
+    (`preferred_element_type=float32`) does not set the rate, a bf16 x bf16 -> f32 matmul runs on
+    the bf16 tensor cores. For other ops they are the results. No known dtype means float32.
+
+    Args:
+      hardware: a `Hardware`, or a mapping with its "flops_f32" and "flops_bf16" figures.
+      dtypes: numpy dtypes or dtype names ("bfloat16", "float32").
+    """
+    sizes = [n for n in map(_itemsize, dtypes) if n is not None]
+    low = bool(sizes) and max(sizes) <= 2
+    if isinstance(hardware, Mapping):
+        return float(hardware["flops_bf16"] if low else hardware["flops_f32"])
+    return hardware.flops_bf16 if low else hardware.flops_f32
 
 
 def hardware_for_device_kind(kind: str) -> Hardware | None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -11,7 +11,13 @@ import numpy as np
 
 from planner.cost_model.cluster import Cluster
 from planner.cost_model.collectives import AxisLink, analytic_time, best_time, check_kind, group_link
-from planner.cost_model.hardware import DEFAULT_HARDWARE, Hardware, get_hardware, hardware_for_device_kind
+from planner.cost_model.hardware import (
+    DEFAULT_HARDWARE,
+    Hardware,
+    get_hardware,
+    hardware_for_device_kind,
+    peak_flops,
+)
 from planner.cost_model.profile_db import MeasuredCollectives, ProfileDB, bind, check_device_kind, load_profile
 from planner.errors import MeshError
 from planner.mesh import MeshSpec
@@ -156,8 +162,15 @@ class CostModel:
         n = self.mesh.axis_size(axes)
         return best_time(kind, nbytes, n, group_link(axes, self.links))[1] if n > 1 else "ring"
 
-    def compute_time(self, flops: float, bytes_accessed: float, dtype: np.dtype | None = None) -> float:
-        """Roofline: the larger of FLOP time and memory time on one device."""
-        low = dtype is not None and np.dtype(dtype).itemsize <= 2
-        peak = self.hardware.flops_bf16 if low else self.hardware.flops_f32
-        return max(flops / peak, bytes_accessed / self.hardware.memory_bandwidth)
+    def compute_time(self, flops: float, bytes_accessed: float,
+                     dtypes: np.dtype | Iterable[np.dtype] | None = None) -> float:
+        """Roofline: the larger of FLOP time and memory time on one device.
+
+        `dtypes` are the values whose precision sets the FLOP rate (`hardware.peak_flops`): a dot's or
+        convolution's operands, another op's results; one dtype or several; None means float32.
+        """
+        if dtypes is None:
+            dtypes = ()
+        elif isinstance(dtypes, (np.dtype, str, type)):
+            dtypes = (dtypes,)
+        return max(flops / peak_flops(self.hardware, dtypes), bytes_accessed / self.hardware.memory_bandwidth)

@@ -32,7 +32,7 @@ from planner.cost_model.fit import Curve, geometric_sizes
 from planner.cost_model.profile_db import CollectiveSamples, ProfileDB, axis_groups, utc_now
 from planner.errors import InvalidArgumentError, PlannerError, ProfileError
 from planner.mesh import MeshSpec, default_axis_names, parse_mesh
-from planner.options import parse_bytes
+from planner.units import parse_bytes
 
 # Environment variables under which `jax.distributed.initialize()` finds its cluster by itself.
 _CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "OMPI_MCA_orte_hnp_uri", "TPU_WORKER_HOSTNAMES")

@@ -18,6 +18,7 @@ from planner.cost_model import CostModel
 from planner.graph import Graph, Literal, Tensor
 from planner.ilp.rules import ELEMENTWISE, RULES, signature
 from planner.ilp.strategies import Comm, Strategy, enumerate_strategies, follow, shard_bytes
+from planner.layer_index import find_indexed, star_indices
 from planner.sharding import Spec, enumerate_specs
 
 log = logging.getLogger("planner")
@@ -237,7 +238,6 @@ def _combinable_ops(graph: Graph) -> set[int]:
     return out
 
 
-_INDEXED = re.compile(r"([A-Za-z][A-Za-z0-9]*?)_(\d+)\b")
 _PARTS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -255,7 +255,7 @@ def layer_representatives(nodes: Sequence[Node], graph: Graph, min_repeats: int 
     seen: dict[str, set[str]] = defaultdict(set)
     nested: set[str] = set()
     for node in nodes:
-        for m in _INDEXED.finditer(node.label):
+        for m in find_indexed(node.label):
             seen[m.group(1)].add(m.group(2))
             if len(_PARTS.findall(node.label[m.end():])) >= 2:
                 nested.add(m.group(1))
@@ -266,10 +266,10 @@ def layer_representatives(nodes: Sequence[Node], graph: Graph, min_repeats: int 
     first: dict[tuple, int] = {}
     rep = list(range(len(nodes)))
     for node in nodes:
-        layer = tuple(m.group(0) for m in _INDEXED.finditer(node.label) if m.group(1) in prefixes)
+        layer = tuple(m.group(0) for m in find_indexed(node.label) if m.group(1) in prefixes)
         if not layer:
             continue
-        norm = _INDEXED.sub(lambda m: f"{m.group(1)}_*" if m.group(1) in prefixes else m.group(0), node.label)
+        norm = star_indices(node.label, prefixes)
         occurrence = count[(norm, layer)]
         count[(norm, layer)] += 1
         signature_ = (

@@ -2,10 +2,11 @@
 
 Variables: one boolean per (node, strategy), exactly one true per node. Objective: each node's own
 cost (compute + its collectives) plus the resharding cost of every edge. Resharding is costed per
-mesh axis (`strategies.reshard_axis_cost`), so an edge needs O(strategies x axes) auxiliary
-booleans instead of the O(strategies^2) of a pairwise table; the per-axis sum is the same number
-the pairwise table would hold. The memory budget is enforced lazily: solve, measure the plan's
-liveness peak, add a constraint at each violated program point, solve again.
+part (`strategies.edge_parts`: each mesh axis, and each group of axes gathered together), so an
+edge needs O(strategies x parts) auxiliary booleans instead of the O(strategies^2) of a pairwise
+table; the sum over parts is the same number the pairwise table would hold (`strategies.edge_time`).
+The memory budget is enforced lazily: solve, measure the plan's liveness peak, add a constraint at
+each violated program point, solve again.
 """
 from __future__ import annotations
 
@@ -20,8 +21,7 @@ from ortools.sat.python import cp_model
 
 from planner.errors import InfeasiblePlanError
 from planner.ilp.problem import Problem
-from planner.ilp.strategies import edge_time, reshard_axis_cost, shard_bytes
-from planner.sharding import active_axes, axis_dim
+from planner.ilp.strategies import edge_parts, edge_time, part_key, part_time, shard_bytes
 
 log = logging.getLogger("planner")
 
@@ -136,13 +136,17 @@ class _Model:
         self.objective = sum(self.terms) + self.constant
 
     def _add_cost(self, var, seconds: float) -> None:
-        c = int(round(seconds * _NS))
-        if c == 0:
+        self._add_ticks((var,), int(round(seconds * _NS)))
+
+    def _add_ticks(self, variables, ticks: int) -> None:
+        """Adds `ticks` objective units for each of `variables` (booleans, or constants 0/1)."""
+        if ticks == 0:
             return
-        if isinstance(var, int):
-            self.constant += c * var
-        else:
-            self.terms.append(c * var)
+        for v in variables:
+            if isinstance(v, int):
+                self.constant += ticks * v
+            else:
+                self.terms.append(ticks * v)
 
     def _group(self, node: int, specs: Sequence) -> dict:
         out: dict = defaultdict(list)
@@ -151,12 +155,13 @@ class _Model:
         return out
 
     def _edge(self, src: int, dst: int, t, src_specs, dst_specs, mult: int) -> None:
-        """Resharding cost of one edge, per mesh axis, with a marginal (tight) linearisation.
+        """Resharding cost of one edge, per part, with a marginal (tight) linearisation.
 
-        For axis `a`, booleans e[s, q] say "the producer picked spec s and the consumer wants axis
-        `a` on dim q"; their row sums equal the producer's spec indicators and their column sums the
+        For a part (a mesh axis `a`, or a group of axes), booleans e[s, q] say "the producer picked
+        spec s and the consumer's spec has key q" (the dim it puts `a` on; whether the group's axes
+        all leave); their row sums equal the producer's spec indicators and their column sums the
         consumer's, which keeps the LP relaxation tight (Alpa's pairwise edge variables, factored
-        per axis).
+        per part).
         """
         cost = self.problem.cost
         if src == dst:
@@ -165,32 +170,40 @@ class _Model:
                 self._add_cost(self.x[src][i], total * mult)
             return
         by_src = self._group(src, src_specs)
-        for a in active_axes(cost.mesh):
-            by_dst: dict = defaultdict(list)
+        for part in edge_parts(cost.mesh):
+            by_key: dict = defaultdict(list)
             for j, r in enumerate(dst_specs):
-                by_dst[axis_dim(r, a)].append(self.x[dst][j])
-            table = {(s, q): reshard_axis_cost(t, s, a, q, cost)[1] * mult for s in by_src for q in by_dst}
-            if all(int(round(v * _NS)) == 0 for v in table.values()):
+                by_key[part_key(part, r)].append(self.x[dst][j])
+            keys = list(by_key)
+            ticks = {s: tuple(int(round(part_time(t, s, part, q, cost) * mult * _NS)) for q in keys) for s in by_src}
+            if not any(any(row) for row in ticks.values()):
                 continue
-            if len(by_src) == 1:
-                (s,) = by_src
-                for q, xs in by_dst.items():
-                    for v in xs:
-                        self._add_cost(v, table[(s, q)])
-                continue
-            if len(by_dst) == 1:
-                (q,) = by_dst
-                for s, xs in by_src.items():
-                    for v in xs:
-                        self._add_cost(v, table[(s, q)])
-                continue
-            e = {k: self.m.NewBoolVar("") for k in table}
+            # Specs with equal cost rows (keys with equal cost columns) share one row (column): the
+            # aggregated transportation polytope has the same LP bound with fewer booleans.
+            rows: dict = defaultdict(list)
             for s, xs in by_src.items():
-                self.m.Add(sum(e[(s, q)] for q in by_dst) == sum(xs))
-            for q, xs in by_dst.items():
-                self.m.Add(sum(e[(s, q)] for s in by_src) == sum(xs))
-            for k, v in e.items():
-                self._add_cost(v, table[k])
+                rows[ticks[s]].extend(xs)
+            col_of = [tuple(row[k] for row in rows) for k in range(len(keys))]
+            cols: dict = defaultdict(list)
+            for k, q in enumerate(keys):
+                cols[col_of[k]].extend(by_key[q])
+            if len(rows) == 1:  # the cost depends on the consumer's choice alone
+                for col, xs in cols.items():
+                    self._add_ticks(xs, col[0])
+                continue
+            if len(cols) == 1:  # on the producer's alone
+                (col,) = cols
+                for r, ys in enumerate(rows.values()):
+                    self._add_ticks(ys, col[r])
+                continue
+            e = {(r, c): self.m.NewBoolVar("") for r in range(len(rows)) for c in range(len(cols))}
+            for r, ys in enumerate(rows.values()):
+                self.m.Add(sum(e[(r, c)] for c in range(len(cols))) == sum(ys))
+            for c, xs in enumerate(cols.values()):
+                self.m.Add(sum(e[(r, c)] for r in range(len(rows))) == sum(xs))
+            for c, col in enumerate(cols):
+                for r in range(len(rows)):
+                    self._add_ticks([e[(r, c)]], col[r])
 
     def _tie(self, tin: int, tout: int) -> None:
         p = self.problem

@@ -57,6 +57,19 @@ def _spec_of(labels: Sequence[str | None], axes_of: dict[str, tuple[int, ...]]) 
     return tuple(axes_of.get(l, ()) if l is not None else () for l in labels)
 
 
+def rate_dtypes(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor]) -> tuple[np.dtype, ...]:
+    """The values whose precision sets an op's FLOP rate (`cost_model.peak_flops`).
+
+    A contraction (dot, convolution) runs at the rate of its operands, whatever it accumulates into;
+    other ops at the rate of their results. A contraction is recognised from its signature: two or
+    more array operands and at least one multiply-add (2 FLOPs) per result element; the rules count
+    one FLOP per element for elementwise ops and reductions.
+    """
+    arrays = [t for t in ins if t is not None]
+    contraction = len(arrays) >= 2 and sig.flops > 0 and sig.flops >= 2 * sum(t.size for t in outs)
+    return tuple(t.dtype for t in (arrays if contraction else outs) if isinstance(t.dtype, np.dtype))
+
+
 def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axes_of: dict[str, tuple[int, ...]],
            cost: CostModel, combined: bool = False) -> list[Strategy]:
     """Strategies for one label->axes assignment: all-reduce, or reduce-scatter onto a result dim."""
@@ -67,8 +80,7 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
     split = math.prod(mesh.axis_size(v) for v in axes_of.values())
     moved = sum(shard_bytes(t, s, mesh) for t, s in zip(ins, in_specs) if t is not None and s is not None)
     moved += sum(shard_bytes(t, s, mesh) for t, s in zip(outs, base_out))
-    dtype = outs[0].dtype if outs and isinstance(outs[0].dtype, np.dtype) else None
-    compute = cost.compute_time(sig.flops / split, moved, dtype)
+    compute = cost.compute_time(sig.flops / split, moved, rate_dtypes(sig, ins, outs))
     assignment = tuple(sorted(axes_of.items()))
     if not partial:
         return [Strategy(assignment, in_specs, base_out, (), compute, 0.0)]
@@ -154,55 +166,134 @@ def follow(sig: OpSig, operand: int, spec: Spec, ins: Sequence[Tensor | None], o
     return strategy, pre
 
 
-def reshard_axis_cost(t: Tensor, src: Spec, axis: int, to_dim: int | None, cost: CostModel) -> tuple[Comm | None, float]:
-    """Cost of changing what mesh `axis` splits, from its dim in `src` to `to_dim` (None = no dim).
+def _gather_order(src: Spec, axes: Sequence[int]) -> list[int]:
+    """The order XLA gathers several axes in (read back from compiled HLO): the last tensor dim
+    first, and within a dim split by several axes the minor axis first."""
+    def key(a: int) -> tuple[int, int]:
+        d = axis_dim(src, a)
+        assert d is not None
+        return -d, -src[d].index(a)
+    return sorted(axes, key=key)
 
-    Resharding is costed axis by axis: an axis that stops splitting the tensor is an all-gather,
-    one that moves to another dimension is an all-to-all, one that starts splitting is a free slice.
+
+def _transitions(t: Tensor, src: Spec, dst: Spec, cost: CostModel) -> tuple[tuple[Comm, ...], float]:
+    """The collectives that take `src` to `dst`, and their time:
+
+    - a collective-permute per dim whose kept axes are not a prefix of its source axes (a major
+      axis leaves a dim split by several, so the minor axes' blocks are out of order);
+    - an all-to-all on the shard per axis that moves to another dim;
+    - the axes that stop splitting the tensor gathered one after another in `_gather_order`, each
+      on its own axis's link and on the buffer the previous gathers left. Their ring bytes sum to
+      (g - 1) / g of the gathered size, what one all-gather over the combined group of g devices
+      moves; consecutive gathers of one dim are reported as one collective over their group (XLA
+      emits one).
+    """
+    mesh = cost.mesh
+    nbytes = shard_bytes(t, src, mesh)
+    comms: list[Comm] = []
+    total = 0.0
+    for s_axes, d_axes in zip(src, dst):
+        kept = [a for a in s_axes if a in d_axes]
+        if kept and tuple(kept) != s_axes[: len(kept)]:
+            moved = tuple(a for a in s_axes[: s_axes.index(kept[-1])] if a not in kept)
+            comms.append(("collective-permute", moved, nbytes))
+            total += cost.collective_time("collective-permute", nbytes, moved)
+    leaving = []
+    for a in active_axes(mesh):
+        frm, to = axis_dim(src, a), axis_dim(dst, a)
+        if frm is None or frm == to:
+            continue
+        if to is None:
+            leaving.append(a)
+        else:
+            comms.append(("all-to-all", (a,), nbytes))
+            total += cost.collective_time("all-to-all", nbytes, (a,))
+    size = nbytes
+    groups: list[tuple[int | None, list[int], int]] = []  # (dim, axes, gathered bytes)
+    for a in _gather_order(src, leaving):
+        size *= mesh.shape[a]
+        total += cost.collective_time("all-gather", size, (a,))
+        d = axis_dim(src, a)
+        if groups and groups[-1][0] == d:
+            groups[-1] = (d, groups[-1][1] + [a], size)
+        else:
+            groups.append((d, [a], size))
+    for d, axes, gathered in groups:
+        comms.append(("all-gather", tuple(a for a in src[d] if a in axes), gathered))
+    return tuple(comms), total
+
+
+def _gather_time(t: Tensor, src: Spec, axes: Sequence[int], cost: CostModel) -> float:
+    """Time to take exactly `axes` out of `src` (all-gathers, and the permute a kept minor axis needs)."""
+    dst = tuple(tuple(a for a in dim if a not in axes) for dim in src)
+    return _transitions(t, src, dst, cost)[1]
+
+
+def reshard_axis_cost(t: Tensor, src: Spec, axis: int, to_dim: int | None, cost: CostModel) -> tuple[Comm | None, float]:
+    """Cost of changing what mesh `axis` splits, from its dim in `src` to `to_dim` (None = no dim),
+    the other axes staying where they are.
+
+    An axis that stops splitting the tensor is an all-gather of the shard, one that moves to another
+    dimension is an all-to-all, one that starts splitting is a free slice.
     """
     mesh = cost.mesh
     frm = axis_dim(src, axis)
     if frm is None or frm == to_dim:
         return None, 0.0
     nbytes = shard_bytes(t, src, mesh)
-    # Taking a major axis out of a dim split by several leaves the minor axes' blocks out of order:
-    # XLA first permutes the shards (collective-permute), then gathers. Assumes the minor axes stay.
-    reorder = cost.collective_time("collective-permute", nbytes, (axis,)) if src[frm][-1] != axis else 0.0
     if to_dim is None:
-        gathered = nbytes * mesh.shape[axis]
-        return ("all-gather", (axis,), gathered), cost.collective_time("all-gather", gathered, (axis,)) + reorder
+        return ("all-gather", (axis,), nbytes * mesh.shape[axis]), _gather_time(t, src, (axis,), cost)
+    # Taking a major axis out of a dim split by several leaves the minor axes' blocks out of order:
+    # XLA first permutes the shards (collective-permute), then exchanges. Assumes the minor axes stay.
+    reorder = cost.collective_time("collective-permute", nbytes, (axis,)) if src[frm][-1] != axis else 0.0
     return ("all-to-all", (axis,), nbytes), cost.collective_time("all-to-all", nbytes, (axis,)) + reorder
 
 
+def edge_parts(mesh: MeshSpec) -> tuple[tuple[int, ...], ...]:
+    """The parts the ILP splits an edge's resharding cost into: each active mesh axis alone, then
+    each group of two or more active axes (what gathering them together costs beyond their parts)."""
+    axes = active_axes(mesh)
+    return tuple(c for k in range(1, len(axes) + 1) for c in itertools.combinations(axes, k))
+
+
+def part_key(part: tuple[int, ...], dst: Spec) -> int | bool | None:
+    """What of the consumer's spec `dst` a part's cost depends on: the dim of a single axis (None: no
+    dim), for a group whether none of its axes splits `dst`."""
+    if len(part) == 1:
+        return axis_dim(dst, part[0])
+    return all(axis_dim(dst, a) is None for a in part)
+
+
+def part_time(t: Tensor, src: Spec, part: tuple[int, ...], key: int | bool | None, cost: CostModel) -> float:
+    """The cost of one part of `edge_parts` given its `part_key`.
+
+    A single axis costs `reshard_axis_cost`. A group leaving together costs the Moebius term
+    sum over its subsets B of (-1)^(|group| - |B|) gather_time(B): summed over every group of the
+    axes L that leave, the parts add up to gather_time(L) exactly, the ring all-gather over the
+    combined group (each axis gathers the buffer the previous axes' gathers left). Per-axis parts
+    alone would price every axis's gather from the original shard (2x4 mesh, both axes leaving: 4
+    shard sizes moved instead of 7).
+    """
+    if len(part) == 1:
+        return reshard_axis_cost(t, src, part[0], key, cost)[1]
+    if not key or any(axis_dim(src, a) is None for a in part):
+        return 0.0
+    return sum((-1) ** (len(part) - k) * _gather_time(t, src, sub, cost)
+               for k in range(1, len(part) + 1) for sub in itertools.combinations(part, k))
+
+
 def edge_time(t: Tensor, src: Spec, dst: Spec, cost: CostModel) -> float:
-    """The ILP's resharding time from `src` to `dst`: the sum of `reshard_axis_cost` over mesh axes."""
-    return sum(reshard_axis_cost(t, src, a, axis_dim(dst, a), cost)[1] for a in active_axes(cost.mesh))
+    """Resharding time from `src` to `dst`: the sum of `part_time` over `edge_parts`, the number the
+    ILP's objective holds for the edge and the plan's prediction reports.
+
+    Exact (equal to the time of `_transitions`) when the change is gathers only, or moves only, or
+    one axis; when axes move and others leave one dim together the permute is priced per axis.
+    """
+    return sum(part_time(t, src, p, part_key(p, dst), cost) for p in edge_parts(cost.mesh))
 
 
 def reshard_cost(t: Tensor, src: Spec, dst: Spec, cost: CostModel) -> tuple[tuple[Comm, ...], float]:
-    """Total resharding collectives and time from `src` to `dst`.
-
-    Per mesh axis as in `reshard_axis_cost`, except that the shard reordering is predicted exactly:
-    one collective-permute per dim whose kept axes are not a prefix of its source axes.
-    """
-    comms, total = [], 0.0
-    mesh = cost.mesh
-    for d, (s_axes, d_axes) in enumerate(zip(src, dst)):
-        kept = [a for a in s_axes if a in d_axes]
-        if kept and tuple(kept) != s_axes[: len(kept)]:
-            nbytes = shard_bytes(t, src, mesh)
-            moved = tuple(a for a in s_axes[: s_axes.index(kept[-1])] if a not in kept)
-            comms.append(("collective-permute", moved, nbytes))
-            total += cost.collective_time("collective-permute", nbytes, moved)
-    for a in active_axes(mesh):
-        frm, to = axis_dim(src, a), axis_dim(dst, a)
-        if frm is None or frm == to:
-            continue
-        nbytes = shard_bytes(t, src, mesh)
-        if to is None:
-            c = ("all-gather", (a,), nbytes * mesh.shape[a])
-        else:
-            c = ("all-to-all", (a,), nbytes)
-        comms.append(c)
-        total += cost.collective_time(c[0], c[2], c[1])
-    return tuple(comms), total
+    """Resharding collectives (as XLA emits them, see `_transitions`) and time (`edge_time`, as the
+    ILP prices the edge) from `src` to `dst`."""
+    comms, _ = _transitions(t, src, dst, cost)
+    return comms, edge_time(t, src, dst, cost)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
@@ -29,8 +28,7 @@ import numpy as np
 from planner.errors import InvalidArgumentError
 from planner.graph import Graph, Literal
 from planner.ilp.rules import signature
-
-_INDEXED = re.compile(r"(?<![A-Za-z0-9])([A-Za-z][A-Za-z0-9_]*?)_(\d+)(?![A-Za-z0-9])")
+from planner.layer_index import find_indexed, star_indices
 
 FORWARD, BACKWARD, APPLY = "forward", "backward", "apply"
 
@@ -90,7 +88,7 @@ def repeated_module(graph: Graph, min_repeats: int = 2) -> str | None:
     ops: Counter = Counter()
     for op in graph.ops:
         seen = set()
-        for m in _INDEXED.finditer(op.name_stack):
+        for m in find_indexed(op.name_stack):
             indices[m.group(1)].add(m.group(2))
             seen.add(m.group(1))
         ops.update(seen)
@@ -101,7 +99,7 @@ def repeated_module(graph: Graph, min_repeats: int = 2) -> str | None:
 
 
 def _module_index(text: str, prefix: str) -> int | None:
-    for m in _INDEXED.finditer(text):
+    for m in find_indexed(text):
         if m.group(1) == prefix:
             return int(m.group(2))
     return None
@@ -198,7 +196,7 @@ def _layer_keys(graph: Graph, op_layer: Sequence[int], num_layers: int, prefix: 
             op = graph.ops[i]
             stack = op.name_stack
             if prefix is not None:
-                stack = _INDEXED.sub(lambda m: f"{m.group(1)}_*" if m.group(1) == prefix else m.group(0), stack)
+                stack = star_indices(stack, (prefix,))
             operands = []
             for x in op.inputs:
                 if isinstance(x, Literal):
@@ -353,17 +351,3 @@ def cluster_layers(graph: Graph, num_layers: int | None = None, delta: float = 0
         return layers
     return cluster_by_flops(graph, num_layers or 8, delta)
 
-
-def merge_layers(layers: Layers, groups: Sequence[tuple[int, int]], graph: Graph) -> Layers:
-    """Coarser layers: `groups[g] = (first, last)` ranges of the old layers become layer g."""
-    new_of = {}
-    for g, (a, b) in enumerate(groups):
-        for l in range(a, b + 1):
-            new_of[l] = g
-    if sorted(new_of) != list(range(layers.num_layers)):
-        raise InvalidArgumentError(f"layer groups {list(groups)} must cover layers 0..{layers.num_layers - 1} once")
-    op_layer = tuple(new_of[l] for l in layers.op_layer)
-    names = tuple(layers.names[a] if a == b else f"{layers.names[a]}..{layers.names[b]}" for a, b in groups)
-    prefix = repeated_module(graph) if layers.method == "modules" else None
-    return Layers(op_layer, tuple(new_of[l] for l in layers.input_layer), layers.op_phase, names,
-                  _layer_keys(graph, op_layer, len(groups), prefix), layers.method)

@@ -16,9 +16,8 @@ from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any
 
-import optax
-
 from planner.cost_model import Cluster, get_hardware
+from planner.emit import jit_planned
 from planner.errors import InvalidArgumentError
 from planner.graph import Graph
 from planner.mesh import MeshSpec
@@ -28,18 +27,6 @@ from planner.planning import make_plan
 from planner.sharding import replicated
 from planner.stages.inter_op import PipelinePlan, plan_pipeline
 from planner.stages.runtime import PipelinedStep
-
-
-def pipelinable(loss_fn: Callable[[Any, Any], Any], optimizer: optax.GradientTransformation):
-    """The train step `(state, batch) -> (state, {"loss"})` of `loss_fn` and `optimizer`, marked so
-    that a pipelined plan can run it (the runtime needs the two halves; see `planner.stages.runtime`).
-
-    Traced or called directly it is the ordinary step: value_and_grad, then one optimizer update.
-    """
-
-    from planner.models.train import make_train_step  # the one definition of the plain step
-
-    return make_train_step(loss_fn, optimizer)
 
 
 def cluster_for(mesh: MeshSpec | None, num_devices: int, options: PlanOptions) -> Cluster:
@@ -129,6 +116,23 @@ class PipelineRunner:
                                    "see plan.stages")
 
 
+def plan_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, cluster: Cluster, options: PlanOptions,
+                devices: Sequence[Any] = (), **kwargs: Any) -> tuple[Plan, PipelinePlan]:
+    """Plans pipeline stages for `cluster` and returns the result as a `Plan` with the `PipelinePlan`.
+
+    For one stage (`pipeline="auto"` chose no pipelining) the plan is the intra-op plan on that
+    stage's mesh, bound to `devices` when there are enough of them, with the pipeline facts
+    attached; for several it is `to_plan(...)`.
+    """
+    pp = plan_pipeline(fn, args, cluster, options, full_graph=graph, **kwargs)
+    if pp.num_stages > 1:
+        return to_plan(pp, graph, cluster, options), pp
+    st = pp.stages[0]
+    jax_mesh = st.mesh.to_jax_mesh([devices[i] for i in st.devices]) if max(st.devices) < len(devices) else None
+    plan = make_plan(graph, st.mesh, dataclasses.replace(options, inter_host_axes=st.host_axes), jax_mesh)
+    return dataclasses.replace(plan, pipeline=MappingProxyType(pp.to_dict())), pp
+
+
 def plan_with_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, mesh: MeshSpec | None,
                      devices: Sequence[Any], options: PlanOptions, **kwargs: Any) -> tuple[Plan, Any]:
     """The plan and the callable for `plan_parallel(..., pipeline=True/"auto")`.
@@ -137,18 +141,14 @@ def plan_with_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph
       (plan, runner): for one stage, the intra-op plan on the chosen mesh and its `jax.jit`
       program; for several, `to_plan(...)` and a `PipelineRunner`.
     """
-    from xla_hooks.emit import jit_planned
-
     cluster = cluster_for(mesh, len(devices), options)
-    pp = plan_pipeline(fn, args, cluster, options, full_graph=graph, **kwargs)
-    if pp.num_stages == 1:
-        st = pp.stages[0]
-        runnable = max(st.devices) < len(devices)
-        jax_mesh = st.mesh.to_jax_mesh([devices[i] for i in st.devices]) if runnable else None
-        plan = make_plan(graph, st.mesh, dataclasses.replace(options, inter_host_axes=st.host_axes), jax_mesh)
-        plan = dataclasses.replace(plan, pipeline=MappingProxyType(pp.to_dict()))
-        return plan, (jit_planned(graph, plan) if runnable else _Unrunnable(len(st.devices), len(devices)))
-    return to_plan(pp, graph, cluster, options), PipelineRunner(fn, pp, devices)
+    plan, pp = plan_stages(fn, args, graph, cluster, options, devices, **kwargs)
+    if pp.num_stages > 1:
+        return plan, PipelineRunner(fn, pp, devices)
+    st = pp.stages[0]
+    if max(st.devices) < len(devices):
+        return plan, jit_planned(graph, plan)
+    return plan, _Unrunnable(len(st.devices), len(devices))
 
 
 class _Unrunnable:

@@ -39,8 +39,8 @@ import numpy as np
 from planner.cost_model import Cluster, Hardware
 from planner.errors import MeshError, PlannerError
 from planner.graph import Graph, Op
-from planner.ilp.rules import signature
-from planner.ilp.strategies import shard_bytes
+from planner.ilp.rules import OpSig, signature
+from planner.ilp.strategies import rate_dtypes, shard_bytes
 from planner.options import PlanOptions
 from planner.planning import make_plan
 from planner.sharding import Spec, active_axes, replicated
@@ -168,6 +168,7 @@ class LayerFacts:
     apply_flops: float
     saved: tuple[int, ...]        # forward values this layer's backward reads (kept between them)
     fwd_fraction: float           # forward FLOPs / (forward + backward FLOPs)
+    apply_dtypes: tuple[np.dtype, ...] = ()  # the values whose precision sets the update's FLOP rate (`rate_dtypes`)
 
 
 def layer_facts(graph: Graph, layers: Layers) -> tuple[LayerFacts, ...]:
@@ -182,7 +183,8 @@ def layer_facts(graph: Graph, layers: Layers) -> tuple[LayerFacts, ...]:
             grad_reads[layers.op_layer[op.index]].update(t for t in op.tensor_inputs if t in inputs)
     grads = _gradients(graph, layers)
     fwd_made = {t for op in graph.ops if layers.op_phase[op.index] == FORWARD for t in op.outputs}
-    flops = [signature(op, graph).flops for op in graph.ops]
+    sigs = [signature(op, graph) for op in graph.ops]
+    flops = [sig.flops for sig in sigs]
     out = []
     for l in range(layers.num_layers):
         ops = layers.ops_of(l, (FORWARD, BACKWARD))
@@ -205,8 +207,15 @@ def layer_facts(graph: Graph, layers: Layers) -> tuple[LayerFacts, ...]:
             apply_flops=float(sum(flops[i] for i in apply_ops)),
             saved=tuple(saved),
             fwd_fraction=f_fwd / f_all if f_all else 0.0,
+            apply_dtypes=tuple(sorted({d for i in apply_ops for d in _rate_dtypes(graph, graph.ops[i], sigs[i])},
+                                      key=str)),
         ))
     return tuple(out)
+
+
+def _rate_dtypes(graph: Graph, op: Op, sig: OpSig) -> tuple[np.dtype, ...]:
+    ins = [graph.tensors[x] if isinstance(x, int) else None for x in op.inputs]
+    return rate_dtypes(sig, ins, [graph.tensors[t] for t in op.outputs])
 
 
 def _gradients(graph: Graph, layers: Layers) -> dict[int, int]:
@@ -267,7 +276,7 @@ def _layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lme
     peak = float(plan.prediction.memory_bytes_per_device)
     work = max(0.0, peak - param_shard - act)
     apply_bytes = 2 * facts.state_bytes_total + facts.param_bytes_total
-    apply_s = cost.compute_time(facts.apply_flops * ratio, apply_bytes * ratio)
+    apply_s = cost.compute_time(facts.apply_flops * ratio, apply_bytes * ratio, facts.apply_dtypes)
     # Sharded-state variant: store each parameter split over all axes, gather the plan's layout twice.
     zero_specs, zero_extra, zero_param = [], 0.0, 0.0
     for t in ext:

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from planner.stages.step import pipelinable
+
 Params = Any
 Batch = Any
 State = dict[str, Any]
@@ -80,28 +82,9 @@ def make_optimizer(learning_rate: float, weight_decay: float) -> optax.GradientT
     return optax.adamw(learning_rate=learning_rate, weight_decay=weight_decay)
 
 
-def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation) -> TrainStep:
-    """Builds the pure train step: value_and_grad of `loss_fn`, then one optimizer update.
-
-    Args:
-      loss_fn: (params, batch) -> scalar loss.
-      optimizer: the optax transformation whose state lives in state["opt_state"].
-
-    Returns:
-      A non-jitted function (state, batch) -> (new_state, {"loss": loss}) that jax.jit and
-      jax.make_jaxpr accept.
-    """
-
-    def train_step(state: State, batch: Batch) -> tuple[State, Metrics]:
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        return {"params": params, "opt_state": opt_state}, {"loss": loss}
-
-    # The pipeline runtime needs the two halves (see planner.stages.planned.pipelinable).
-    train_step.loss_fn = loss_fn
-    train_step.optimizer = optimizer
-    return train_step
+# The plain step is the core's (`planner.pipelinable`): zoo steps carry the markers the pipeline
+# runtime needs, and there is one definition of value_and_grad-then-update.
+make_train_step = pipelinable
 
 
 def make_stateful_train_step(

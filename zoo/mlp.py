@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from planner.models.train import (
+from zoo.train import (
     ModelBundle,
     build_bundle,
     make_optimizer,

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from planner.models.train import ModelBundle, build_bundle, make_optimizer, validate_config
+from zoo.train import ModelBundle, build_bundle, make_optimizer, validate_config
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -16,8 +16,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from planner.models.lm import causal_mask, next_token_batch, next_token_loss
-from planner.models.train import (
+from zoo.lm import causal_mask, next_token_batch, next_token_loss
+from zoo.train import (
     ModelBundle,
     build_bundle,
     make_optimizer,

@@ -2,16 +2,16 @@
 Wide-ResNet, BERT, and MLPs written in plain JAX and in flax.nnx."""
 from __future__ import annotations
 
-from planner.models.bert import BertConfig
-from planner.models.gpt import GPTConfig
-from planner.models.llama import LlamaConfig
-from planner.models.mlp import MLPConfig
-from planner.models.moe import MoEConfig
-from planner.models.nnx_mlp import NNXMLPConfig
-from planner.models.plain import PlainMLPConfig
-from planner.models.registry import UnknownModelError, get_config, get_model, model_names
-from planner.models.resnet import ResNetConfig
-from planner.models.train import (
+from zoo.bert import BertConfig
+from zoo.gpt import GPTConfig
+from zoo.llama import LlamaConfig
+from zoo.mlp import MLPConfig
+from zoo.moe import MoEConfig
+from zoo.nnx_mlp import NNXMLPConfig
+from zoo.plain import PlainMLPConfig
+from zoo.registry import UnknownModelError, get_config, get_model, model_names
+from zoo.resnet import ResNetConfig
+from zoo.train import (
     ModelBundle,
     build_bundle,
     build_stateful_bundle,

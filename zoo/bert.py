@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from planner.models.gpt import SelfAttention
-from planner.models.train import (
+from zoo.gpt import SelfAttention
+from zoo.train import (
     ModelBundle,
     build_bundle,
     make_optimizer,

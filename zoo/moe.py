@@ -20,9 +20,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from planner.models import gpt
-from planner.models.lm import next_token_batch, next_token_loss
-from planner.models.train import (
+from zoo import gpt
+from zoo.lm import next_token_batch, next_token_loss
+from zoo.train import (
     ModelBundle,
     build_bundle,
     make_optimizer,

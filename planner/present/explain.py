@@ -1,4 +1,4 @@
-"""Why a plan is what it is, and how two plans differ: text for `planner explain` and `planner diff`.
+"""Why a plan is what it is: the text of `planner explain`.
 
 Explanations are computed from the plan's JSON form alone: the predicted collectives (kind, axes,
 bytes, where, reason), the per-decision records (chosen strategy, its local cost, the runner-up and
@@ -9,24 +9,16 @@ breakdown adds up to the planner's own numbers up to the latency the collective 
 from __future__ import annotations
 
 import ast
-import math
 import os
 import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
-from planner.cost_model import ring_bytes
-from planner.logical_axes import path_tokens
+from planner.cost_model import CostModel, ring_bytes
+from planner.options import PlanOptions
 from planner.plan import Decision, PredictedCollective
-from planner.report import (
-    PlanView,
-    collapse_layers,
-    fmt_axes_spec,
-    fmt_bytes,
-    fmt_time,
-    memory_breakdown,
-    table,
-)
+from planner.planning import cost_model_for
+from planner.present.report import PlanView, fmt_axes_spec, fmt_bytes, fmt_time, memory_breakdown, table
 
 _COLLECTIVE_IN_TEXT = re.compile(
     r"(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\[([^\]]*)\]\((\d+)B\)")
@@ -41,10 +33,6 @@ Timer = Callable[..., float]  # (kind, nbytes, axis names, combined=False) -> se
 
 def collective_timer(view: PlanView) -> Timer:
     """(kind, nbytes, axis names) -> seconds under the plan's own cost model (hardware, inter-host axes)."""
-    from planner.cost_model import CostModel
-    from planner.options import PlanOptions
-    from planner.planning import cost_model_for
-
     options = dict(view.plan.options)
     try:
         fields = set(PlanOptions.__dataclass_fields__)
@@ -62,7 +50,7 @@ def collective_timer(view: PlanView) -> Timer:
     return timer
 
 
-def _short(label: str, width: int = 64) -> str:
+def shorten(label: str, width: int = 64) -> str:
     return label if len(label) <= width else "..." + label[-(width - 3):]
 
 
@@ -94,7 +82,7 @@ def strategy_comm(text: str, timer: Timer, cost_s: float | None = None) -> tuple
     return sum(times), items
 
 
-def _by_kind(collectives: Sequence[PredictedCollective], timer: Timer) -> dict[str, list[float]]:
+def collectives_by_kind(collectives: Sequence[PredictedCollective], timer: Timer) -> dict[str, list[float]]:
     out: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     for c in collectives:
         row = out[c.kind]
@@ -105,10 +93,12 @@ def _by_kind(collectives: Sequence[PredictedCollective], timer: Timer) -> dict[s
     return dict(out)
 
 
-def _by_reason(collectives: Sequence[PredictedCollective], timer: Timer) -> dict[str, list[float]]:
+def _by(key: Callable[[PredictedCollective], str], collectives: Sequence[PredictedCollective],
+        timer: Timer) -> dict[str, list[float]]:
+    """key -> [count, bytes sent per device, time] over the collectives."""
     out: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     for c in collectives:
-        row = out[c.reason]
+        row = out[key(c)]
         row[0] += 1
         row[1] += ring_bytes(c.kind, c.nbytes, c.group_size)
         row[2] += timer(c.kind, c.nbytes, c.axes)
@@ -121,14 +111,14 @@ def cost_breakdown(view: PlanView, timer: Timer | None = None) -> str:
     p = view.plan.prediction
     lines = [f"  predicted step time {fmt_time(p.step_time_s)} = compute {fmt_time(p.compute_time_s)} "
              f"+ communication {fmt_time(p.communication_time_s)}"]
-    kinds = _by_kind(p.collectives, timer)
+    kinds = collectives_by_kind(p.collectives, timer)
     if kinds:
         lines.append("  communication by collective (times re-costed one by one; the planner merges gradient "
                      "reductions, so its total can be lower):")
         rows = [(k, int(n), fmt_bytes(b), fmt_bytes(m), fmt_time(t)) for k, (n, b, m, t) in
                 sorted(kinds.items(), key=lambda kv: -kv[1][3])]
         lines.append(table(("collective", "count", "buffers", "sent/device", "time"), rows, "lrrrr", "    "))
-        reasons = _by_reason(p.collectives, timer)
+        reasons = _by(lambda c: c.reason, p.collectives, timer)
         rows = [(_REASONS.get(r, r), int(n), fmt_bytes(m), fmt_time(t)) for r, (n, m, t) in
                 sorted(reasons.items(), key=lambda kv: -kv[1][2])]
         lines.append("  communication by reason:")
@@ -145,17 +135,12 @@ def cost_breakdown(view: PlanView, timer: Timer | None = None) -> str:
 
 
 def _sites(collectives: Sequence[PredictedCollective], timer: Timer) -> list[tuple[str, int, float, float]]:
-    acc: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-    for c in collectives:
-        row = acc[c.where]
-        row[0] += 1
-        row[1] += ring_bytes(c.kind, c.nbytes, c.group_size)
-        row[2] += timer(c.kind, c.nbytes, c.axes)
+    acc = _by(lambda c: c.where, collectives, timer)
     return sorted(((w, int(n), b, t) for w, (n, b, t) in acc.items()), key=lambda r: -r[3])
 
 
 def _decision_rows(decisions: Sequence[Decision], names: Sequence[str]) -> list[tuple]:
-    return [(_short(d.label), d.ops, readable_strategy(d.chosen, names), fmt_time(d.cost_s),
+    return [(shorten(d.label), d.ops, readable_strategy(d.chosen, names), fmt_time(d.cost_s),
              readable_strategy(d.runner_up, names), "+" + fmt_time(d.runner_up_delta_s)) for d in decisions]
 
 
@@ -205,7 +190,7 @@ def explain(view: PlanView, op: str | None = None, top: int = 15) -> str:
         if sites:
             out += ["", f"Where the communication happens (top {min(top, len(sites))} of {len(sites)} ops):"]
             out.append(table(("op", "collectives", "sent/device", "time"),
-                             [(_short(w), n, fmt_bytes(b), fmt_time(t)) for w, n, b, t in sites[:top]], "lrrr"))
+                             [(shorten(w), n, fmt_bytes(b), fmt_time(t)) for w, n, b, t in sites[:top]], "lrrr"))
         ds = sorted(plan.decisions, key=lambda d: -d.cost_s)
         out += ["", f"Decisions, costliest first ({len(ds)} decisions; cost = own cost + resharding on its edges):"]
         out.append(table(("decision", "ops", "chosen", "cost", "runner-up", "extra"),
@@ -230,111 +215,7 @@ def explain(view: PlanView, op: str | None = None, top: int = 15) -> str:
         out.append(f"  ... {len(ds) - top * 4} more (raise --top)")
     if cs:
         out += ["", f"Collectives at ops matching {op!r} ({len(cs)}):"]
-        rows = [(_short(c.where, 56), c.kind, "*".join(c.axes), fmt_bytes(c.nbytes), c.reason,
+        rows = [(shorten(c.where, 56), c.kind, "*".join(c.axes), fmt_bytes(c.nbytes), c.reason,
                  fmt_time(timer(c.kind, c.nbytes, c.axes))) for c in cs[: top * 4]]
         out.append(table(("op", "collective", "axes", "buffer", "reason", "time"), rows, "lllrlr"))
-    return "\n".join(out)
-
-
-def _pct(a: float, b: float) -> str:
-    return f"{(b - a) / a:+.1%}" if a else "n/a"
-
-
-def diff(a: PlanView, b: PlanView, top: int = 20) -> str:
-    """The text of `planner diff`: headline numbers, shardings, communication and decisions that differ."""
-    pa, pb = a.plan.prediction, b.plan.prediction
-    ta, tb = collective_timer(a), collective_timer(b)
-    out = [f"A: mesh {a.mesh_text()}  {a.context.get('model', '')}".rstrip(),
-           f"B: mesh {b.mesh_text()}  {b.context.get('model', '')}".rstrip(), ""]
-    rows = []
-    for name, x, y, fmt in (("step time", pa.step_time_s, pb.step_time_s, fmt_time),
-                            ("compute", pa.compute_time_s, pb.compute_time_s, fmt_time),
-                            ("communication", pa.communication_time_s, pb.communication_time_s, fmt_time),
-                            ("memory / device", pa.memory_bytes_per_device, pb.memory_bytes_per_device, fmt_bytes),
-                            ("bytes moved / device", pa.bytes_moved_per_device, pb.bytes_moved_per_device, fmt_bytes),
-                            ("collectives", len(pa.collectives), len(pb.collectives), str)):
-        delta = fmt(y - x) if fmt is not str else f"{y - x:+d}"
-        rows.append((name, fmt(x), fmt(y), ("+" if y - x > 0 and fmt is not str else "") + delta, _pct(x, y)))
-    out.append(table(("", "A", "B", "B - A", "change"), rows, "lrrrr"))
-    if pa.step_time_s != pb.step_time_s:
-        faster = "A" if pa.step_time_s < pb.step_time_s else "B"
-        out.append(f"  {faster} is faster by {fmt_time(abs(pb.step_time_s - pa.step_time_s))} per step")
-    if a.plan.mesh != b.plan.mesh:
-        out.append("  the meshes differ; shardings are compared by mesh axis name and by shards per dimension")
-
-    spec_a = dict(zip(a.plan.input_paths, a.specs))
-    spec_b = dict(zip(b.plan.input_paths, b.specs))
-    size_a = dict(zip(a.axis_names, a.plan.mesh.shape))
-    size_b = dict(zip(b.axis_names, b.plan.mesh.shape))
-
-    def splits(spec, sizes):
-        return tuple(math.prod(sizes[x] for x in axes) for axes in spec)
-
-    items, renamed = [], 0
-    for path in list(a.plan.input_paths) + [p for p in b.plan.input_paths if p not in spec_a]:
-        sa, sb = spec_a.get(path), spec_b.get(path)
-        if sa == sb:
-            continue
-        if sa is not None and sb is not None and splits(sa, size_a) == splits(sb, size_b):
-            renamed += 1  # the same number of shards per dimension, over differently named axes
-            continue
-        items.append((tuple(t for t in path_tokens(path) if not t.isdigit()),
-                      ("-" if sa is None else fmt_axes_spec(sa), "-" if sb is None else fmt_axes_spec(sb))))
-    out.append("")
-    if items:
-        rows = [(("/".join((layer, leaf)) if layer != "-" else leaf), f"x{n}" if n > 1 else "", *c)
-                for layer, leaf, n, c in collapse_layers(items)]
-        out.append(f"Input shardings that differ ({len(items)} of {len(spec_a)} leaves):")
-        out.append(table(("leaf", "count", "A", "B"), rows[:top]))
-        if len(rows) > top:
-            out.append(f"  ... {len(rows) - top} more rows")
-    else:
-        out.append("Input shardings: identical" if not renamed else "Input shardings: equivalent")
-    if renamed:
-        out.append(f"  {renamed}{' more' if items else ''} leaves are split into the same number of shards per "
-                   "dimension, over differently named mesh axes")
-
-    ka, kb = _by_kind(pa.collectives, ta), _by_kind(pb.collectives, tb)
-    kinds = sorted(set(ka) | set(kb))
-    if kinds:
-        zero = [0, 0.0, 0.0, 0.0]
-        out += ["", "Communication by collective (A -> B):"]
-        rows = [(k, f"{int(ka.get(k, zero)[0])} -> {int(kb.get(k, zero)[0])}",
-                 f"{fmt_bytes(ka.get(k, zero)[2])} -> {fmt_bytes(kb.get(k, zero)[2])}",
-                 f"{fmt_time(ka.get(k, zero)[3])} -> {fmt_time(kb.get(k, zero)[3])}") for k in kinds]
-        out.append(table(("collective", "count", "sent/device", "time"), rows, "lrrr"))
-
-    def keyed(decisions):
-        seen: dict[str, int] = defaultdict(int)
-        out_ = {}
-        for d in decisions:
-            out_[(d.label, seen[d.label])] = d
-            seen[d.label] += 1
-        return out_
-
-    da, db = keyed(a.plan.decisions), keyed(b.plan.decisions)
-    changed = []
-    for key in da.keys() & db.keys():
-        x, y = da[key], db[key]
-        cx, cy = readable_strategy(x.chosen, a.axis_names), readable_strategy(y.chosen, b.axis_names)
-        if cx != cy:
-            changed.append((y.cost_s - x.cost_s, x, y, cx, cy))
-    changed.sort(key=lambda r: -abs(r[0]))
-    out.append("")
-    if changed:
-        out.append(f"Decisions that differ ({len(changed)}; local cost = own cost + resharding on its edges):")
-        rows = [(_short(x.label, 56), cx, fmt_time(x.cost_s), cy, fmt_time(y.cost_s), ("+" if dt > 0 else "") + fmt_time(dt))
-                for dt, x, y, cx, cy in changed[:top]]
-        out.append(table(("decision", "A chose", "A cost", "B chose", "B cost", "B - A"), rows, "llrlrr"))
-        if len(changed) > top:
-            out.append(f"  ... {len(changed) - top} more")
-        same = sum(1 for dt, *_ in changed if abs(dt) <= 1e-12)
-        if same:
-            out.append(f"  {same} of them cost the same in both plans")
-    else:
-        out.append("Decisions: the same choices" if da.keys() == db.keys() else "Decisions: not comparable "
-                   "(different programs or meshes)")
-    only = len(da.keys() ^ db.keys())
-    if only and changed:
-        out.append(f"  {only} decisions exist in only one plan")
     return "\n".join(out)

@@ -9,15 +9,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from planner.cost_model import peak_flops
 from planner.errors import InvalidArgumentError
-from planner.logical_axes import Axes, AxisRules, Leaf, classify, infer_rules, path_tokens
+from planner.layer_index import split_indexed
+from planner.present.logical_axes import Axes, AxisRules, Leaf, classify, infer_rules, path_tokens
 from planner.plan import Plan
 
-_LAYER_TOKEN = re.compile(r"^(.+?)_(\d+)$")
 
 
 # ----- numbers ---------------------------------------------------------------------------------
@@ -204,18 +204,18 @@ def collapse_layers(items: Sequence[tuple[tuple[str, ...], tuple[str, ...]]]) ->
     singles: list = []
     order: list = []
     for tokens, cells in items:
-        at = next((i for i, t in enumerate(tokens) if _LAYER_TOKEN.match(t)), None)
+        at = next((i for i, t in enumerate(tokens) if split_indexed(t)), None)
         if at is None:
             label = "/".join(tokens[:-1]) or "-"
             order.append(("single", len(singles)))
             singles.append((label, tokens[-1] if tokens else "-", 1, cells))
             continue
-        m = _LAYER_TOKEN.match(tokens[at])
-        key = (tokens[:at], m.group(1))
+        base, index = split_indexed(tokens[at])
+        key = (tokens[:at], base)
         if key not in groups:
             groups[key] = {}
             order.append(("group", key))
-        groups[key].setdefault(int(m.group(2)), []).append(("/".join(tokens[at + 1:]), cells))
+        groups[key].setdefault(index, []).append(("/".join(tokens[at + 1:]), cells))
     rows = []
     for kind, ref in order:
         if kind == "single":
@@ -295,12 +295,12 @@ def mfu(model_flops: Mapping[str, float] | None, hardware: Mapping[str, float] |
         devices: int) -> float | None:
     """Model FLOP utilisation: ideal time of the model's matmul FLOPs at peak over the predicted time.
 
-    `model_flops` maps dtype name -> FLOPs per step; 16-bit FLOPs count against the bf16 peak.
+    `model_flops` maps operand dtype name -> FLOPs per step, priced at `cost_model.peak_flops` (the
+    rule the plan's prediction uses).
     """
     if not model_flops or not hardware or step_time_s <= 0:
         return None
-    ideal = sum(f / (hardware["flops_bf16"] if re.search(r"16$", dt) else hardware["flops_f32"])
-                for dt, f in model_flops.items())
+    ideal = sum(f / peak_flops(hardware, (dt,)) for dt, f in model_flops.items())
     return ideal / (step_time_s * devices)
 
 

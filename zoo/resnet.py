@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from planner.models.train import (
+from zoo.train import (
     ModelBundle,
     build_stateful_bundle,
     make_optimizer,

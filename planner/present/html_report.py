@@ -9,27 +9,31 @@ import base64
 import html
 import io
 import math
-import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from planner.cost_model import ring_bytes
-from planner.report import (
+from planner.layer_index import split_indexed
+from planner.present.explain import cost_breakdown
+from planner.present.report import (
     PlanView,
     fmt_bytes,
+    fmt_pct,
     fmt_time,
     format_header,
     format_layer_table,
     format_ranking,
     format_rules,
     memory_breakdown,
+    mfu,
 )
+from planner.stages.schedule import simulate as simulate_schedule
+from planner.stages.schedule import stage_tasks
 
 _COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C")
 _KIND_COLORS = {"all-reduce": "#C44E52", "all-gather": "#4C72B0", "reduce-scatter": "#55A868",
                 "all-to-all": "#8172B3", "collective-permute": "#937860"}
-_LAYER = re.compile(r"^(.+?)_(\d+)$")
 
 
 def _figure(width: float, height: float):
@@ -123,53 +127,18 @@ def _rect(x: float, y: float, color: str):
 
 
 def schedule(stages: int, microbatches: int, kind: str = "1f1b") -> list[list[tuple[str, int]]]:
-    """Per stage, the order of (\"F\" | \"B\", microbatch) a 1F1B or GPipe pipeline runs."""
-    out = []
-    for s in range(stages):
-        if kind == "gpipe":
-            out.append([("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)])
-            continue
-        warm = min(stages - s - 1, microbatches)
-        order = [("F", m) for m in range(warm)]
-        f, b = warm, 0
-        while b < microbatches:
-            if f < microbatches:
-                order.append(("F", f))
-                f += 1
-            order.append(("B", b))
-            b += 1
-        out.append(order)
-    return out
+    """Per stage, the order of ("F" | "B", microbatch) a 1F1B or GPipe pipeline runs (`stage_tasks`)."""
+    return [list(tasks) for tasks in stage_tasks(kind, stages, microbatches)]
 
 
 def simulate(order: Sequence[Sequence[tuple[str, int]]], forward_s: Sequence[float]) -> list[list[tuple[str, int, float, float]]]:
-    """Start and end times of every pipeline task; a backward takes twice its forward."""
-    stages = len(order)
-    done: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * stages
-    pos = [0] * stages
-    out: list[list] = [[] for _ in range(stages)]
-    remaining = sum(len(o) for o in order)
-    while remaining:
-        progressed = False
-        for s in range(stages):
-            if pos[s] >= len(order[s]):
-                continue
-            kind, m = order[s][pos[s]]
-            dep = (("F", m, s - 1) if s > 0 else None) if kind == "F" else \
-                (("B", m, s + 1) if s < stages - 1 else ("F", m, s))
-            if dep is not None and dep not in done:
-                continue
-            start = max(free[s], done.get(dep, 0.0) if dep else 0.0)
-            end = start + forward_s[s] * (1 if kind == "F" else 2)
-            done[(kind, m, s)] = end
-            free[s] = end
-            out[s].append((kind, m, start, end))
-            pos[s] += 1
-            remaining -= 1
-            progressed = True
-        if not progressed:
-            raise ValueError("pipeline schedule deadlocks")
+    """Per stage, (kind, microbatch, start, end) of every task, as the runtime's schedule simulation
+    starts them; a backward takes twice its forward."""
+    backward_s = [2 * t for t in forward_s]
+    _, events = simulate_schedule(order, forward_s, backward_s)
+    out: list[list[tuple[str, int, float, float]]] = [[] for _ in order]
+    for start, s, (kind, m) in events:
+        out[s].append((kind, m, start, start + (forward_s[s] if kind == "F" else backward_s[s])))
     return out
 
 
@@ -276,14 +245,14 @@ def layer_of(where: str) -> str:
     stack = where.split(" ", 1)[1] if " " in where else where
     tokens = [t for t in stack.split("/")[1:] if t]
     for t in tokens:
-        if _LAYER.match(t):
+        if split_indexed(t):
             return t
     return tokens[0] if tokens else "(no module)"
 
 
 def _layer_sort_key(name: str):
-    m = _LAYER.match(name)
-    return (0, m.group(1), int(m.group(2))) if m else (1, name, 0)
+    m = split_indexed(name)
+    return (0, *m) if m else (1, name, 0)
 
 
 def communication_by_layer(view: PlanView) -> dict[str, dict[str, float]]:
@@ -337,9 +306,6 @@ def _card(value: str, key: str) -> str:
 
 def render_html(view: PlanView) -> str:
     """The whole page as one string."""
-    from planner.explain import cost_breakdown
-    from planner.report import fmt_pct, mfu
-
     p, ctx = view.plan.prediction, view.context
     budget = view.budget()
     title = f"Plan for {ctx.get('model', 'program')} on {ctx.get('cluster_text') or str(view.plan.mesh.size) + ' devices'}"

@@ -11,7 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from planner.models.train import ModelBundle, build_bundle, make_optimizer, validate_config
+from zoo.train import ModelBundle, build_bundle, make_optimizer, validate_config
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

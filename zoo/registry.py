@@ -11,8 +11,8 @@ import types
 from typing import Any, Callable, Mapping
 
 from planner.errors import InvalidArgumentError, PlannerError
-from planner.models import bert, gpt, llama, mlp, moe, nnx_mlp, plain, resnet
-from planner.models.train import ModelBundle
+from zoo import bert, gpt, llama, mlp, moe, nnx_mlp, plain, resnet
+from zoo.train import ModelBundle
 
 _GPT2_VOCAB = 50304  # 50257 padded to a multiple of 64, as nanoGPT does
 _GPT3_VOCAB = 51200

@@ -1,0 +1,57 @@
+"""Applying a plan: `jax.jit` with the planned in/out shardings, and `with_sharding_constraint`
+on every planned intermediate, inserted by re-interpreting the traced graph."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from planner.graph import Graph, Op
+from planner.plan import Plan
+from planner.sharding import named_sharding
+
+
+def constrained_function(graph: Graph, plan: Plan) -> Callable[..., Any]:
+    """A function of the original arguments that evaluates `graph` with the plan's constraints.
+
+    Every intermediate the plan decided (replicated ones too) is pinned, so XLA's sharding
+    propagation cannot drift from the plan; free tensors (iotas, constants) are left to XLA.
+    Must be called under `jax.jit` (sharding constraints need a tracing context).
+    """
+    mesh = plan._mesh()
+    wanted: dict[tuple[int, int], jax.sharding.NamedSharding] = {}
+    if plan.options.get("constrain_intermediates", True):
+        wanted = {(op, k): named_sharding(spec, plan.mesh, mesh) for op, k, spec in plan.op_specs}
+    first = {(op, k): named_sharding(spec, plan.mesh, mesh) for op, k, spec in plan.scatter_specs}
+    reads = {(op, k): named_sharding(spec, plan.mesh, mesh) for op, k, spec in plan.operand_specs} if wanted else {}
+
+    def before_op(op: Op, operands: list[Any]) -> list[Any]:
+        return [jax.lax.with_sharding_constraint(v, reads[(op.index, k)]) if (op.index, k) in reads else v
+                for k, v in enumerate(operands)]
+
+    def pin(key: tuple[int, int], v: Any) -> Any:
+        if key in first:
+            v = jax.lax.with_sharding_constraint(v, first[key])
+        if key in wanted:
+            v = jax.lax.with_sharding_constraint(v, wanted[key])
+        return v
+
+    def after_op(op: Op, outs: list[Any]) -> list[Any]:
+        return [pin((op.index, k), v) for k, v in enumerate(outs)]
+
+    def fn(*args):
+        outs = graph.evaluate(jax.tree_util.tree_leaves(args), after_op, before_op)
+        return jax.tree_util.tree_unflatten(graph.out_tree, outs)
+
+    return fn
+
+
+def jit_planned(graph: Graph, plan: Plan, donate_argnums: int | tuple[int, ...] = ()) -> jax.stages.Wrapped:
+    """`jax.jit` of the planned program with the plan's input and output shardings."""
+    return jax.jit(
+        constrained_function(graph, plan),
+        in_shardings=plan.in_shardings,
+        out_shardings=plan.out_shardings,
+        donate_argnums=donate_argnums,
+    )

@@ -1,0 +1,50 @@
+"""The dimension labels of one op (`OpSig`) and the helpers every sharding rule builds them with.
+
+See `rules.py` for what the labels mean and the registry of rules.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+from planner.graph import Graph, Literal, Op, Tensor
+
+Labels = tuple[str | None, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpSig:
+    """Dimension labels of one op.
+
+    Attributes:
+      inputs: labels per operand dimension; `None` for a literal operand.
+      outputs: labels per result dimension.
+      sizes: extent of each label (for reshape merges, the extent that a split must divide).
+      sum_labels: contracted labels whose split yields partial results.
+      flops: floating-point operations of the op (for the compute model).
+      known: False when produced by the replicated fallback.
+    """
+
+    inputs: tuple[Labels | None, ...]
+    outputs: tuple[Labels, ...]
+    sizes: Mapping[str, int]
+    sum_labels: frozenset[str] = frozenset()
+    flops: float = 0.0
+    known: bool = True
+
+    def shardable(self) -> tuple[str, ...]:
+        """Labels a mesh axis may be assigned to, in a fixed order."""
+        out_labels = {l for labels in self.outputs for l in labels if l is not None}
+        return tuple(sorted(l for l in self.sizes if l in out_labels or l in self.sum_labels))
+
+
+Rule = Callable[[Op, Graph], OpSig]
+
+
+def tensor_of(graph: Graph, x: int | Literal) -> Tensor:
+    return x.tensor if isinstance(x, Literal) else graph.tensors[x]
+
+
+def dim_labels(prefix: str, shape: tuple[int, ...]) -> tuple[Labels, dict[str, int]]:
+    labels = tuple(f"{prefix}{i}" for i in range(len(shape)))
+    return labels, {l: s for l, s in zip(labels, shape)}
