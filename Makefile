@@ -31,7 +31,7 @@ test: $(STAMP) browser
 	$(BIN)/python -m pytest -q -n 2 --durations=25 tests
 
 fuzz: $(STAMP)
-	FUZZ_EXAMPLES=1000 $(BIN)/python -m pytest -q -n 2 tests/test_fuzz.py
+	FUZZ_EXAMPLES=1000 ZOO_MESHES=2x4,1x8 $(BIN)/python -m pytest -q -n 2 tests/test_fuzz.py tests/test_zoo_numerics.py
 
 bench: $(STAMP)
 	XLA_FLAGS="--xla_force_host_platform_device_count=8" $(BIN)/python experiments/bench_gpt_baselines.py

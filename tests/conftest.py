@@ -24,3 +24,16 @@ def skip_if_fewer_devices(n: int) -> None:
 def devices8():
     skip_if_fewer_devices(8)
     return jax.devices()[:8]
+
+
+# The longest tests start first, so that two workers do not end on one long test each.
+_FIRST = ("test_multihost.py", "test_zoo_numerics.py", "test_pipeline_runtime.py", "test_large_models.py",
+          "test_stages_planning.py", "test_numerics.py", "test_memory.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        name = item.path.name
+        return _FIRST.index(name) if name in _FIRST else len(_FIRST)
+
+    items.sort(key=rank)  # stable: order within a file is kept
