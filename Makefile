@@ -35,6 +35,7 @@ fuzz: $(STAMP)
 
 bench: $(STAMP)
 	XLA_FLAGS="--xla_force_host_platform_device_count=8" $(BIN)/python experiments/bench_gpt_baselines.py
+	XLA_FLAGS="--xla_force_host_platform_device_count=8" $(BIN)/python experiments/bench_suite.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -5,6 +5,7 @@
     print(step.plan(state, batch).summary())
 """
 from planner.api import PlannedFunction, plan, plan_parallel
+from planner.evaluation import Comparison, compare, evaluate
 from planner.errors import InfeasiblePlanError, InvalidArgumentError, MeshError, PlannerError, ProfileError
 from planner.graph import Graph, trace
 from planner.mesh import MeshSpec
@@ -14,7 +15,7 @@ from planner.search import candidate_meshes
 from planner.stages.step import pipelinable
 
 __all__ = [
-    "Graph", "InfeasiblePlanError", "InvalidArgumentError", "MeshError", "MeshSpec", "Plan", "PlanOptions",
-    "PlannedFunction", "PlannerError", "ProfileError", "candidate_meshes", "pipelinable", "plan", "plan_parallel",
+    "Comparison", "Graph", "InfeasiblePlanError", "InvalidArgumentError", "MeshError", "MeshSpec", "Plan", "PlanOptions",
+    "PlannedFunction", "PlannerError", "ProfileError", "candidate_meshes", "compare", "evaluate", "pipelinable", "plan", "plan_parallel",
     "trace",
 ]

@@ -1,18 +1,26 @@
 """Public entry points: `plan_parallel` (function wrapper / decorator) and `plan`."""
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec
 
+from planner.compat import USER_CONSTRAINTS, user_sharding
 from planner.emit import jit_planned
 from planner.errors import InvalidArgumentError
 from planner.graph import Graph, trace
-from planner.mesh import parse_mesh
+from planner.mesh import context_mesh, parse_mesh
 from planner.options import PlanOptions
+from planner.pins import logical_names, resolve as resolve_pins, rules_to_pins
 from planner.plan import Plan
 from planner.planning import check_options, make_plan
+from planner.sharding import to_partition_spec
 from planner.search import best_plan, candidate_meshes, search_meshes
 from planner.stages.planned import plan_with_stages
 
@@ -32,13 +40,24 @@ class PlannedFunction:
     """
 
     def __init__(self, fn: Callable[..., Any], mesh: Any = None, devices=None,
-                 donate_argnums: int | tuple[int, ...] = (), **options: Any):
+                 donate_argnums: int | tuple[int, ...] = (), pins: Mapping[str, Any] | None = None,
+                 unpinned: str = "plan", rules: Any = None, logical: Any = None, **options: Any):
         if not callable(fn):
             raise InvalidArgumentError(f"plan_parallel needs a callable train step, got {type(fn).__name__}")
+        if unpinned not in ("plan", "replicate"):
+            raise InvalidArgumentError(f"unpinned={unpinned!r} must be 'plan' or 'replicate'")
+        if pins is not None and not isinstance(pins, Mapping) and not callable(pins):
+            raise InvalidArgumentError(f"pins must map path patterns to PartitionSpecs, got {type(pins).__name__}")
         self.fn = fn
         self.donate_argnums = donate_argnums
+        self.pins = pins if callable(pins) else dict(pins) if pins else None
+        self.unpinned = unpinned
+        self.rules, self.logical = rules, logical
         self.options = check_options(PlanOptions.from_kwargs(options))
         self.devices = list(devices) if devices is not None else jax.devices()
+        # The user's mesh, as given or from `jax.set_mesh`: the step is traced under it (so its own
+        # `reshard`/`shard_map` calls see it) and results are handed back on it.
+        self._user_mesh = mesh = context_mesh() if mesh is None else mesh
         if mesh is None:
             self._mesh_spec, self._jax_mesh = None, None
         else:
@@ -57,47 +76,136 @@ class PlannedFunction:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        graph = trace(self.fn, *args)
+        with self._user_context():
+            graph = trace(self.fn, *args, user_constraints=self.options.user_constraints)
+        pinned = self._pinned(graph, args)
         if self.options.pipeline:
             plan, runner = plan_with_stages(self.fn, args, graph, self._mesh_spec, self.devices, self.options)
             self._cache[key] = (graph, plan, runner)
             return self._cache[key]
         if self._mesh_spec is not None:
-            plan = make_plan(graph, self._mesh_spec, self.options, self._jax_mesh)
+            plan = make_plan(graph, self._mesh_spec, self.options, self._jax_mesh, pins=pinned)
         else:
             plan = self._choose_mesh(graph)
+        plan = _record_user_constraints(graph, plan)
         entry = (graph, plan, jit_planned(graph, plan, self.donate_argnums))
         self._cache[key] = entry
         return entry
+
+    def _pinned(self, graph: Graph, args: tuple[Any, ...]) -> dict[int, Any] | None:
+        """Input position -> pinned spec (`planner.pins`), or None without pins."""
+        if self.pins is None and self.rules is None and self.unpinned == "plan":
+            return None
+        if self._mesh_spec is None:
+            raise InvalidArgumentError("pins need a mesh (their specs name its axes): pass mesh=")
+        if self.options.pipeline:
+            raise InvalidArgumentError("pins are not supported with pipeline stages yet: pass pipeline=False")
+        shapes = [graph.tensors[t].shape for t in graph.inputs]
+        pins = self.pins(graph.input_paths, shapes, self._mesh_spec) if callable(self.pins) else self.pins
+        if self.rules is not None:
+            named = logical_names(args if self.logical is None else self.logical)
+            if not named:
+                raise InvalidArgumentError("rules need logical axis names: the arguments carry no flax logical "
+                                           "partitioning metadata; pass logical=(nn.get_partition_spec(state), None)")
+            pins = {**(pins or {}), **rules_to_pins(self.rules, named, self._mesh_spec)}
+        return resolve_pins(pins, graph.input_paths, shapes, self._mesh_spec,
+                            complete=self.unpinned == "replicate")
+
+    def _user_context(self):
+        """The user's mesh as the context mesh (tracing), or nothing when no JAX mesh was given."""
+        m = self._user_mesh
+        if isinstance(m, jax.sharding.Mesh):
+            return jax.sharding.set_mesh(m)
+        if isinstance(m, jax.sharding.AbstractMesh):
+            return jax.sharding.use_abstract_mesh(m)
+        return contextlib.nullcontext()
+
+    def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """Keyword arguments bound to their positions (as `jax.jit` accepts them)."""
+        if not kwargs:
+            return args
+        try:
+            bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"arguments do not match {self.__name__}'s signature: {e}") from None
+        if bound.kwargs:
+            raise InvalidArgumentError(f"keyword-only arguments {sorted(bound.kwargs)} of {self.__name__} are not "
+                                       "supported; make them positional or close over them")
+        return tuple(bound.args)
 
     def _choose_mesh(self, graph: Graph) -> Plan:
         return best_plan(search_meshes(graph, candidate_meshes(len(self.devices)), self.options,
                                        devices=self.devices))
 
-    def plan(self, *args: Any) -> Plan:
+    def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments (arrays or ShapeDtypeStructs); planned once per signature."""
-        return self._entry(args)[1]
+        return self._entry(self._positional(args, kwargs))[1]
 
-    def graph(self, *args: Any) -> Graph:
-        return self._entry(args)[0]
+    def graph(self, *args: Any, **kwargs: Any) -> Graph:
+        return self._entry(self._positional(args, kwargs))[0]
 
-    def jitted(self, *args: Any):
-        """The `jax.jit`-wrapped planned program for these arguments."""
-        return self._entry(args)[2]
+    def jitted(self, *args: Any, **kwargs: Any):
+        """The `jax.jit`-wrapped planned program for these arguments (call it under
+        `jax.set_mesh(plan.jax_mesh)` when the user's mesh is not all Auto)."""
+        return self._entry(self._positional(args, kwargs))[2]
 
-    def lower(self, *args: Any) -> jax.stages.Lowered:
-        return self._entry(args)[2].lower(*args)
+    def lower(self, *args: Any, **kwargs: Any):
+        """The `jax.stages.Lowered` planned program; for a multi-stage pipeline plan, one
+        `planner.stages.runtime.StageLowered` per stage (its forward, backward and update programs)."""
+        args = self._positional(args, kwargs)
+        graph, plan, jitted = self._entry(args)
+        if plan.stages:
+            return jitted.lower(*args)
+        with jax.sharding.set_mesh(plan._mesh()):
+            return jitted.lower(*args)
 
-    def __call__(self, *args: Any):
+    def __call__(self, *args: Any, **kwargs: Any):
+        """Runs the planned step. Meshes of any axis types are planned and emitted on their Auto
+        view (`planner.mesh.auto_view`: same devices, names and sizes); results come back placed with
+        the planned specs on the user's own mesh (Explicit axes included), as `jax.jit` on it would."""
+        args = self._positional(args, kwargs)
         graph, plan, jitted = self._entry(args)
         if plan.stages:
             return jitted(*args)  # a pipeline: stages place their own inputs
         placed = jax.device_put(args, plan.in_shardings)
-        return jitted(*placed)
+        with jax.sharding.set_mesh(plan._mesh()):
+            outs = jitted(*placed)
+        user = self._user_mesh
+        if isinstance(user, jax.sharding.Mesh) and user is not plan._mesh():
+            outs = jax.device_put(outs, jax.tree_util.tree_map(
+                lambda s: jax.sharding.NamedSharding(user, s.spec), plan.out_shardings))
+        return outs
+
+
+def _axes(entry, mesh) -> tuple[str, ...]:
+    """A PartitionSpec entry as the mesh axes (of more than one device) that split the dim."""
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return tuple(n for n in names if n not in mesh.axis_names or mesh.shape[mesh.axis_names.index(n)] > 1)
+
+
+def _record_user_constraints(graph: Graph, plan: Plan) -> Plan:
+    """The plan with its record of the step's own sharding constraints: the user's spec, the
+    planned one, and whether they agree (always, when pinned)."""
+    planned = {op: spec for op, k, spec in plan.op_specs if k == 0}
+    out = []
+    for op in graph.ops:
+        if op.name not in USER_CONSTRAINTS or op.index not in planned:
+            continue
+        user = user_sharding(op.params).spec
+        got = to_partition_spec(planned[op.index], plan.mesh)
+        rank = len(graph.tensors[op.outputs[0]].shape)
+        pad = lambda p: tuple(p) + (None,) * (rank - len(p))  # noqa: E731
+        kept = all(u is PartitionSpec.UNCONSTRAINED or _axes(u, plan.mesh) == _axes(g, plan.mesh)
+                   for u, g in zip(pad(user), pad(got)))
+        out.append(MappingProxyType({
+            "where": f"{op.name} {op.name_stack}".strip(), "user_spec": str(user),
+            "planned_spec": str(PartitionSpec(*pad(got))), "kept": kept, "mode": graph.user_constraints}))
+    return dataclasses.replace(plan, user_constraints=tuple(out)) if out else plan
 
 
 def plan_parallel(fn: Callable[..., Any] | None = None, *, mesh: Any = None,
-                  donate_argnums: int | tuple[int, ...] = (), **options: Any):
+                  donate_argnums: int | tuple[int, ...] = (), pins: Mapping[str, Any] | None = None,
+                  rules: Any = None, logical: Any = None, **options: Any):
     """Wraps a train step so that it runs auto-sharded on `mesh`.
 
     Usable directly (`plan_parallel(step, mesh=(2, 4))`) or as a decorator
@@ -105,20 +213,38 @@ def plan_parallel(fn: Callable[..., Any] | None = None, *, mesh: Any = None,
 
     Args:
       fn: the train step.
-      mesh: a `jax.sharding.Mesh`, a shape like `(2, 4)`, a string like `"2x4"`, or None to let the
-        planner choose the mesh shape as well.
+      mesh: a `jax.sharding.Mesh` or `AbstractMesh` with Explicit (`jax.make_mesh`'s default), Auto
+        or mixed axis types, a shape like `(2, 4)`, a string like `"2x4"`, or None: the mesh of
+        `jax.set_mesh` / `jax.sharding.use_abstract_mesh` when one is set, else the planner chooses the
+        mesh shape as well. Plans are emitted on the Auto view of the same devices (only
+        `with_sharding_constraint` needed); results come back with the planned specs on your mesh.
       donate_argnums: arguments whose buffers the step may reuse (as in `jax.jit`), typically the
         train state: the new state then takes the old one's memory.
-      **options: `PlanOptions` fields (memory_budget, hardware, solver_time_limit, ...).
+      pins: {path pattern: PartitionSpec} fixing the sharding of the argument leaves the glob
+        patterns match (`planner.pins`: paths as the plan tables print them, `params/wte/embedding`;
+        first match wins); the planner plans everything else around them. Needs `mesh`.
+      rules: logical-axis rules in the MaxText / t5x form the planner prints
+        (`[('batch', 'x'), ('embed', 'y'), ...]`), applied to flax logical partitioning metadata:
+        `nn.LogicallyPartitioned` leaves of the arguments, or `logical`; they pin the annotated
+        leaves (explicit `pins` win).
+      logical: the arguments' logical PartitionSpecs, shaped like the argument tuple (prefixes and
+        None allowed), e.g. `(nn.get_partition_spec(state), None)` or `nnx.get_partition_spec`'s.
+      **options: `PlanOptions` fields (memory_budget, hardware, solver_time_limit, ...);
+        `user_constraints="pin"` (default: the step's own `with_sharding_constraint` / `reshard`
+        and nested jit in/out shardings fix those values' sharding) or `"hint"` (the planner may
+        choose another); `Plan.user_constraints` records which were kept.
 
     Returns:
       A `PlannedFunction` (or a decorator making one).
     """
     if fn is None:
-        return lambda f: PlannedFunction(f, mesh=mesh, donate_argnums=donate_argnums, **options)
-    return PlannedFunction(fn, mesh=mesh, donate_argnums=donate_argnums, **options)
+        return lambda f: PlannedFunction(f, mesh=mesh, donate_argnums=donate_argnums, pins=pins, rules=rules,
+                                         logical=logical, **options)
+    return PlannedFunction(fn, mesh=mesh, donate_argnums=donate_argnums, pins=pins, rules=rules, logical=logical,
+                           **options)
 
 
-def plan(fn: Callable[..., Any], *args: Any, mesh: Any = None, **options: Any) -> Plan:
-    """Same as `plan_parallel(fn, mesh=mesh, **options).plan(*args)`."""
-    return PlannedFunction(fn, mesh=mesh, **options).plan(*args)
+def plan(fn: Callable[..., Any], *args: Any, mesh: Any = None, pins: Mapping[str, Any] | None = None,
+         rules: Any = None, logical: Any = None, **options: Any) -> Plan:
+    """Same as `plan_parallel(fn, mesh=mesh, pins=pins, rules=rules, logical=logical, **options).plan(*args)`."""
+    return PlannedFunction(fn, mesh=mesh, pins=pins, rules=rules, logical=logical, **options).plan(*args)

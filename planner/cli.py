@@ -6,6 +6,8 @@
     planner plan --from p.json                                 # re-print a saved plan
     planner explain p.json [--op fc_in]                        # why each choice, and the runner-up
     planner diff a.json b.json                                 # where two plans differ and what it costs
+    planner plan --model gpt-tiny --mesh 2x4 --pin 'wte/embedding=P((x,y), None)'   # yours, the rest planned
+    planner compare --model gpt-tiny --mesh 2x4                # the plan beside dp, fsdp, megatron-tp, ...
     planner profile ...                                        # offline profiling (planner.cost_model.profiling)
 
 Planning is abstract: arguments are `jax.ShapeDtypeStruct`s and the target mesh is a description
@@ -15,6 +17,7 @@ stdout, progress to stderr; bad input exits with status 2 and a one-line message
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import io
@@ -27,18 +30,31 @@ import sys
 import time
 from collections.abc import Sequence
 
-from planner.cost_model import DEFAULT_HARDWARE, PRESETS, Cluster
+from planner.cost_model import (
+    DEFAULT_HARDWARE,
+    PRESETS,
+    Cluster,
+    get_hardware,
+    hardware_with_links,
+    profiled_hardware,
+)
 from planner.errors import InfeasiblePlanError, PlannerError
 from planner.graph import matmul_flops, trace
 from planner.mesh import MeshSpec, default_axis_names
 from planner.options import PlanOptions
+from planner.baselines import NAMES as BASELINES, baseline_pins
+from planner.evaluation import labelled
+from planner.pins import parse_spec_text, resolve as resolve_pins
+from planner.planning import make_plan
+from planner.present.compare import format_comparison
 from planner.present.diff import diff
+from planner.present.logical_axes import rules_file_pins
 from planner.present.explain import explain
 from planner.present.html_report import render_html
 from planner.present.ranking import hardware_record, mesh_ranking, pipeline_ranking, plan_view
 from planner.present.report import PlanView, fmt_bytes, format_plan
 from planner.programs import load_factory, load_model
-from planner.search import candidate_meshes, inter_host_axes, search_meshes
+from planner.search import MeshResult, candidate_meshes, inter_host_axes, search_meshes
 from planner.stages import make_cluster, plan_stages
 from planner.units import parse_bytes
 from zoo import model_names
@@ -78,11 +94,23 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--mesh", metavar="AxB", help="a fixed logical mesh shape, e.g. 2x4 (axes named x, y, ...)")
     where.add_argument("--cluster", metavar="HOSTSxDEVICES",
                        help="HOSTS hosts with DEVICES devices each, e.g. 2x8 or 2x8:h100; mesh axes that cross "
-                            "hosts use the slower inter-host links")
+                            "hosts use the slower inter-host links. Or a cluster file (JSON): {\"hosts\": 8, "
+                            "\"devices_per_host\": 8, \"hardware\": \"v100\", \"inter_host\": \"25Gbit\", "
+                            "\"intra_host\": \"150GB/s\"}")
     opts = p.add_argument_group("options")
     opts.add_argument("--hardware", help="hardware preset of the cost model: "
                       + ", ".join(sorted(PRESETS)) + f" (default {DEFAULT_HARDWARE.name})")
-    opts.add_argument("--profile", metavar="FILE", help="profile database written by `planner profile`")
+    opts.add_argument("--profile", metavar="FILE", help="profile database written by `planner profile`; the "
+                      "plan then names the profiled devices, and their memory and measured peaks set the default "
+                      "budget and the MFU")
+    opts.add_argument("--inter-host", metavar="BANDWIDTH[,LATENCY]",
+                      help="network between hosts as it is: one host's bandwidth, shared by its devices, e.g. "
+                           "25Gbit, 100Gbit,5us or 12.5GB/s (default: the hardware preset's)")
+    opts.add_argument("--intra-host", metavar="BANDWIDTH[,LATENCY]",
+                      help="one device's link to the other devices of its host, e.g. 150GB/s (default: the preset's)")
+    opts.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                      help="compute dtype of the model (parameters and optimizer state stay float32); default: "
+                           "what the hardware trains in (bfloat16 on A100/H100/TPU, float16 on V100, float32 on CPU)")
     opts.add_argument("--batch", type=_positive_int, help="override the model's batch size")
     opts.add_argument("--seq", type=_positive_int, help="override the model's sequence length")
     opts.add_argument("--memory-budget", metavar="SIZE",
@@ -94,6 +122,15 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     opts.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                       help="ILP solver time limit per mesh shape (default: the planner's)")
     opts.add_argument("--top", type=_positive_int, default=10, metavar="K", help="rows of the ranked mesh table (default 10)")
+    hand = p.add_argument_group("your configuration (needs --mesh; planner.pins)")
+    hand.add_argument("--pin", action="append", default=[], metavar="PATTERN=SPEC",
+                      help="fix the sharding of the argument leaves the glob PATTERN matches (paths as the tables "
+                           "print them), e.g. 'wte/embedding=P((x,y), None)'; repeatable, first match wins; the "
+                           "rest is planned")
+    hand.add_argument("--rules", metavar="FILE", help="logical-axis rules as the plan prints them (t5x list or "
+                      "MaxText YAML line), applied to the logical names the planner infers for the model's leaves")
+    hand.add_argument("--baseline", metavar="NAME", help="evaluate a named hand configuration instead of planning: "
+                      "dp, zero1, zero2, fsdp, megatron-tp, megatron-tp-sp, dp-tp (planner.baselines)")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write the best plan as JSON")
     out.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
@@ -119,6 +156,13 @@ def build_parser(profile_arguments=None) -> argparse.ArgumentParser:
     d.add_argument("a", metavar="A.json")
     d.add_argument("b", metavar="B.json")
     d.add_argument("--top", type=_positive_int, default=20, metavar="K", help="rows per section (default 20)")
+    c = sub.add_parser("compare", help="the planner's plan beside named baselines (and your pins/rules)",
+                       description="Plan a model on one mesh and evaluate hand configurations under the same cost "
+                                   "model: step time, exposed communication, memory, bytes moved, and the decisions "
+                                   "that make the difference.")
+    _add_plan_arguments(c)
+    c.add_argument("--baselines", default=None, metavar="A,B,...",
+                   help="baselines to compare (default: all of planner.baselines.NAMES)")
     pr = sub.add_parser("profile", help="measure collectives and write the cost-model database",
                         description="Offline profiling job (planner.cost_model.profiling).")
     if profile_arguments is not None:
@@ -160,11 +204,42 @@ def candidate_specs(args, num_devices: int):
     return candidate_meshes(num_devices)
 
 
+_CLUSTER_FILE_KEYS = ("hosts", "devices_per_host", "hardware", "inter_host", "intra_host")
+
+
+def read_cluster_file(args) -> None:
+    """Reads `--cluster FILE` (JSON) into args.cluster ("HOSTSxDEVICES[:PRESET]") and the link flags
+    (a flag given on the command line wins over the file)."""
+    path = args.cluster
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise CLIError(f"--cluster {path!r}: cannot read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise CLIError(f"--cluster {path!r} is not JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(data, dict) or not {"hosts", "devices_per_host"} <= set(data):
+        raise CLIError(f"--cluster {path!r}: expected a JSON object with hosts and devices_per_host (and optionally "
+                       "hardware, inter_host, intra_host)")
+    unknown = sorted(set(data) - set(_CLUSTER_FILE_KEYS))
+    if unknown:
+        raise CLIError(f"--cluster {path!r}: unknown key(s) {', '.join(unknown)}; known: {', '.join(_CLUSTER_FILE_KEYS)}")
+    hosts, per_host = data["hosts"], data["devices_per_host"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (hosts, per_host)):
+        raise CLIError(f"--cluster {path!r}: hosts={hosts!r} and devices_per_host={per_host!r} must be integers >= 1")
+    args.cluster = f"{hosts}x{per_host}" + (f":{data['hardware']}" if data.get("hardware") else "")
+    for key in ("inter_host", "intra_host"):
+        if getattr(args, key) is None and data.get(key) is not None:
+            setattr(args, key, data[key])
+
+
 def _target(args) -> tuple[int, Cluster | None]:
     given = [n for n, v in (("--devices", args.devices), ("--cluster", args.cluster)) if v is not None]
     if len(given) > 1:
         raise CLIError("give one of --devices N or --cluster HOSTSxDEVICES, not both")
     if args.cluster is not None:
+        if args.cluster.strip().lower().endswith(".json") or os.path.isfile(args.cluster):
+            read_cluster_file(args)
         cluster = parse_cluster(args.cluster)
         preset = args.cluster.partition(":")[2].strip() or None
         if preset is not None:
@@ -190,9 +265,12 @@ def _budget(args, hardware: dict) -> float | None:
     return parse_bytes(args.memory_budget, "--memory-budget")
 
 
-def _options(args, budget: float | None) -> PlanOptions:
+def _options(args, budget: float | None, cluster: Cluster | None = None) -> PlanOptions:
     base = {"memory_budget": budget, "hardware": args.hardware, "profile": args.profile,
-            "num_microbatches": args.microbatches}
+            "num_microbatches": args.microbatches, "inter_host": args.inter_host, "intra_host": args.intra_host}
+    if cluster is not None and (args.inter_host or args.intra_host):
+        # the hosts' network is shared by the cluster's devices per host, not the preset's
+        base["hardware"] = f"{cluster.hosts}x{cluster.devices_per_host}:{get_hardware(args.hardware).name}"
     if args.pipeline is not None:
         base["pipeline"] = {"auto": "auto", "on": True, "off": False}[args.pipeline]
     if args.time_limit is not None:
@@ -216,11 +294,13 @@ def cmd_plan(args, out) -> int:
     if args.list_models:
         print("\n".join(model_names()), file=out)
         return 0
+    _check_output_paths(args)
     if args.from_file is not None:
         if args.model or args.fn:
             raise CLIError("--from FILE re-prints a saved plan; drop --model / --fn")
-        view = PlanView.load(args.from_file)
+        view = _load_plan(args.from_file, "--from")
         print(format_plan(view, args.top), file=out)
+        _print_xla_flags(view.plan, out)
         _write_outputs(args, view, out)
         return 0
     if bool(args.model) == bool(args.fn):
@@ -231,26 +311,38 @@ def cmd_plan(args, out) -> int:
         raise CLIError("--mesh fixes one logical mesh but --pipeline searches submeshes and their meshes itself; "
                        "drop --mesh or use --pipeline off")
     meshes = [] if pipelined else candidate_specs(args, num_devices)
+    if args.profile is not None and not os.path.isfile(args.profile):
+        raise CLIError(f"--profile {args.profile!r} does not exist; write one with `planner profile` or drop --profile")
     try:
-        hardware = hardware_record(args.hardware)
+        # With a profile, the devices it measured: their name, memory and measured peaks.
+        target_hw = profiled_hardware(args.profile, args.hardware) if args.profile else get_hardware(args.hardware)
+        hardware = hardware_record(target_hw)
     except ValueError as e:
         raise CLIError(f"--hardware {args.hardware!r}: {e}") from None
     budget = _budget(args, hardware)
-    if args.profile is not None and not os.path.isfile(args.profile):
-        raise CLIError(f"--profile {args.profile!r} does not exist; write one with `planner profile` or drop --profile")
-    options = _options(args, budget)
+    options = _options(args, budget, cluster)
 
     t0 = time.perf_counter()
-    label, step, example = (load_model(args.model, args.batch, args.seq) if args.model
-                            else load_factory(args.fn, args.batch, args.seq))
-    log.info("tracing %s ...", label)
-    graph = trace(step, *example)
+    label, step, example = (load_model(args.model, args.batch, args.seq, args.dtype, target_hw.default_dtype)
+                            if args.model else load_factory(args.fn, args.batch, args.seq, args.dtype))
+    log.info("tracing %s (compute dtype %s) ...", label, args.dtype or
+             (target_hw.default_dtype if args.model else "the factory's"))
+    try:
+        graph = trace(step, *example)
+    except PlannerError:
+        raise
+    except Exception as e:  # the user's step failed to trace: one line naming it, no traceback
+        if not args.fn:
+            raise
+        raise CLIError(f"--fn {args.fn!r}: tracing the step raised {type(e).__name__}: "
+                       f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}; fix the step") from None
     log.info("traced %d ops, %d inputs in %.1fs", len(graph.ops), len(graph.inputs), time.perf_counter() - t0)
     flops = matmul_flops(graph)
     if pipelined:
         hosts, per_host = (cluster.hosts, cluster.devices_per_host) if cluster else (1, num_devices)
         try:
-            target = make_cluster(hosts, per_host, args.hardware)
+            linked = hardware_with_links(args.hardware, args.inter_host, args.intra_host, per_host)
+            target = make_cluster(hosts, per_host, linked)
         except (ValueError, PlannerError) as e:
             raise CLIError(f"cannot build the {hosts}x{per_host} cluster: {e}") from None
         log.info("planning pipeline stages on %d host(s) x %d device(s) ...", hosts, per_host)
@@ -259,6 +351,8 @@ def cmd_plan(args, out) -> int:
         ranked = pipeline_ranking(plan, pp, target, flops, hardware, time.perf_counter() - t1)
         log.info("pipeline: %d stage(s), %.4g s/step, planned in %.1fs", pp.num_stages,
                  plan.prediction.step_time_s, time.perf_counter() - t1)
+    elif _hand_configured(args):
+        ranked = mesh_ranking(_configured_results(args, graph, meshes, options, cluster), flops, hardware)
     else:
         results = search_meshes(graph, meshes, options, cluster.devices_per_host if cluster else None)
         if results[0].plan is None:
@@ -267,8 +361,89 @@ def cmd_plan(args, out) -> int:
         log.info("planned %d mesh shape(s) in %.1fs", len(meshes), time.perf_counter() - t0)
     view = plan_view(ranked, graph, label, num_devices, cluster, hardware, budget, flops, time.perf_counter() - t0)
     print(format_plan(view, args.top), file=out)
+    if _hand_configured(args):
+        solver = view.plan.solver
+        print(f"\nYour configuration: {solver.get('configuration')}, {solver.get('pinned_inputs', 0)} argument leaves "
+              "pinned" + (", the rest planned" if not args.baseline else "")
+              + (f"; approximated: {solver['approximation']}" if solver.get("approximation") else ""), file=out)
+    _print_xla_flags(view.plan, out)
     _write_outputs(args, view, out)
     return 0
+
+
+def _hand_configured(args) -> bool:
+    return bool(getattr(args, "pin", None) or getattr(args, "rules", None) or getattr(args, "baseline", None))
+
+
+def _cli_pins(args, graph, mesh: MeshSpec) -> dict:
+    """--pin / --rules / --baseline as one pins mapping (explicit pins first, then rules, then the baseline)."""
+    pins: dict = {}
+    for item in args.pin:
+        pattern, eq, spec = item.partition("=")
+        if not eq or not pattern.strip():
+            raise CLIError(f"--pin {item!r} is not PATTERN=SPEC; write e.g. --pin 'wte/embedding=P((x,y), None)'")
+        pins[pattern.strip()] = parse_spec_text(spec)
+    if args.rules:
+        pins.update(rules_file_pins(args.rules, graph, mesh))
+    if args.baseline:
+        shapes = [graph.tensors[t].shape for t in graph.inputs]
+        for k, v in baseline_pins(args.baseline)(graph.input_paths, shapes, mesh).items():
+            pins.setdefault(k, v)
+    return pins
+
+
+def _configured_results(args, graph, meshes, options, cluster):
+    """The plan of one mesh with the configuration pinned (a --baseline pins every argument leaf)."""
+    if args.mesh is None or len(meshes) != 1:
+        raise CLIError("--pin / --rules / --baseline name mesh axes: give the mesh with --mesh, e.g. --mesh 2x4")
+    mesh = meshes[0]
+    pinned = resolve_pins(_cli_pins(args, graph, mesh), graph.input_paths,
+                          [graph.tensors[t].shape for t in graph.inputs], mesh, complete=bool(args.baseline))
+    inter = inter_host_axes(mesh.shape, cluster.devices_per_host) if cluster else options.inter_host_axes
+    if args.baseline:
+        options = dataclasses.replace(options, memory_budget=None)  # evaluated as it is; the table shows the fit
+    t0 = time.perf_counter()
+    plan = make_plan(graph, mesh, dataclasses.replace(options, inter_host_axes=inter), pins=pinned)
+    what = [f"baseline {args.baseline}"] if args.baseline else []
+    what += ["--pin"] * bool(args.pin) + ["--rules"] * bool(args.rules)
+    plan = labelled(plan, " + ".join(what))
+    log.info("%s: %d of %d argument leaves pinned", plan.solver["configuration"], len(pinned), len(graph.inputs))
+    return (MeshResult(mesh, plan, None, inter, time.perf_counter() - t0),)
+
+
+def _print_xla_flags(plan, out) -> None:
+    """The XLA flags the prediction assumes (`Plan.xla_flags()`), ready to export."""
+    flags = plan.xla_flags()
+    if flags:
+        print("\nXLA flags this prediction assumes (overlapped gradient reductions):\n"
+              f"  XLA_FLAGS=\"{' '.join(flags)}\"", file=out)
+
+
+def _check_output_paths(args) -> None:
+    """--json / --html paths that cannot be written are refused before any planning."""
+    for flag, path in (("--json", getattr(args, "json", None)), ("--html", getattr(args, "html", None))):
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            raise CLIError(f"{flag} {path!r} is a directory; name a file")
+        if not os.path.isdir(folder):
+            raise CLIError(f"{flag} {path!r}: directory {folder!r} does not exist; create it or choose another path")
+        if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+            raise CLIError(f"{flag} {path!r}: not writable; choose a writable path")
+
+
+def _load_plan(path: str, flag: str) -> PlanView:
+    """A saved plan; a profile database given instead is named as such (one line)."""
+    try:
+        with open(path) as f:
+            head = json.load(f)
+    except (OSError, ValueError):
+        head = None  # PlanView.load says what is wrong with the file
+    if isinstance(head, dict) and head.get("format") == "planner-profile":
+        raise CLIError(f"{flag} {path!r} is a profile database (written by `planner profile`), not a plan; pass a "
+                       "plan written by `planner plan --json FILE` (a profile goes to `planner plan --profile`)")
+    return PlanView.load(path)
 
 
 def _write_outputs(args, view, out) -> None:
@@ -297,13 +472,57 @@ def _write(path: str, text: str, flag: str) -> None:
         raise CLIError(f"{flag} {path!r}: cannot write ({e.strerror}); choose a writable path") from None
 
 
+def cmd_compare(args, out) -> int:
+    """The planner's plan and the baselines (and --pin / --rules as "yours") on one mesh."""
+    if args.list_models:
+        print("\n".join(model_names()), file=out)
+        return 0
+    if bool(args.model) == bool(args.fn):
+        raise CLIError("name what to compare: --model NAME or --fn MODULE:FACTORY, exactly one")
+    if args.mesh is None or not _MESH.match(args.mesh):
+        raise CLIError("compare needs one mesh: --mesh 2x4")
+    names = [n.strip() for n in args.baselines.split(",")] if args.baselines else list(BASELINES)
+    for n in names:
+        if n not in BASELINES:
+            raise CLIError(f"unknown baseline {n!r}; known: {', '.join(BASELINES)}")
+    num_devices, cluster = _target(args)
+    mesh = candidate_specs(args, num_devices)[0]
+    hardware = hardware_record(get_hardware(args.hardware))
+    budget = _budget(args, hardware)
+    options = _options(args, budget, cluster)
+    label, step, example = (load_model(args.model, args.batch, args.seq, args.dtype,
+                                       get_hardware(args.hardware).default_dtype)
+                            if args.model else load_factory(args.fn, args.batch, args.seq, args.dtype))
+    graph = trace(step, *example)
+    rows = []
+    plan = make_plan(graph, mesh, options)
+    for n in names:
+        args.baseline, saved = n, (args.pin, args.rules)
+        args.pin, args.rules = [], None
+        try:
+            rows.append((n, _configured_results(args, graph, [mesh], options, cluster)[0].plan))
+        except PlannerError as e:
+            rows.append((n, _one_line(e)))
+        args.pin, args.rules = saved
+    args.baseline = None
+    if args.pin or args.rules:
+        pinned = resolve_pins(_cli_pins(args, graph, mesh), graph.input_paths,
+                              [graph.tensors[t].shape for t in graph.inputs], mesh)
+        rows.append(("yours", make_plan(graph, mesh, dataclasses.replace(options, memory_budget=None), pins=pinned)))
+    others = [(n, p) for n, p in rows if not isinstance(p, str)]
+    skipped = [(n, p) for n, p in rows if isinstance(p, str)]
+    print(f"{label} on mesh {mesh}: the planner's plan beside hand configurations", file=out)
+    print(format_comparison(plan, others, skipped, budget), file=out)
+    return 0
+
+
 def cmd_explain(args, out) -> int:
-    print(explain(PlanView.load(args.plan_file), op=args.op, top=args.top), file=out)
+    print(explain(_load_plan(args.plan_file, "explain"), op=args.op, top=args.top), file=out)
     return 0
 
 
 def cmd_diff(args, out) -> int:
-    print(diff(PlanView.load(args.a), PlanView.load(args.b), top=args.top), file=out)
+    print(diff(_load_plan(args.a, "diff"), _load_plan(args.b, "diff"), top=args.top), file=out)
     return 0
 
 
@@ -385,6 +604,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_plan(args, sys.stdout)
         if args.command == "explain":
             return cmd_explain(args, sys.stdout)
+        if args.command == "compare":
+            return cmd_compare(args, sys.stdout)
         if args.command == "diff":
             return cmd_diff(args, sys.stdout)
         return cmd_profile(args, profiling)

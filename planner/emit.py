@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 
+from planner.compat import USER_CONSTRAINTS
 from planner.graph import Graph, Op
 from planner.plan import Plan
 from planner.sharding import named_sharding
@@ -16,15 +17,35 @@ def constrained_function(graph: Graph, plan: Plan) -> Callable[..., Any]:
     """A function of the original arguments that evaluates `graph` with the plan's constraints.
 
     Every intermediate the plan decided (replicated ones too) is pinned, so XLA's sharding
-    propagation cannot drift from the plan; free tensors (iotas, constants) are left to XLA.
+    propagation cannot drift from the plan; free tensors (iotas, constants) are left to XLA. The
+    step's own sharding constraints are always applied, in the layout the plan gave them (their
+    spec when pinned). Meshes whose axes are not all Auto are emitted on their Auto view
+    (`mesh.auto_view`), so only `with_sharding_constraint` is needed.
     Must be called under `jax.jit` (sharding constraints need a tracing context).
     """
-    mesh = plan._mesh()
+    before_op, after_op = constraint_hooks(plan, plan._mesh(), graph)
+
+    def fn(*args):
+        outs = graph.evaluate(jax.tree_util.tree_leaves(args), after_op, before_op)
+        return jax.tree_util.tree_unflatten(graph.out_tree, outs)
+
+    return fn
+
+
+def constraint_hooks(plan: Plan, mesh: jax.sharding.Mesh, graph: Graph | None = None):
+    """The `(before_op, after_op)` hooks of `Graph.evaluate` / `Graph.run_range` that pin the
+    plan's operands and intermediates on `mesh` (a `jax.sharding.Mesh` of `plan.mesh`'s shape).
+    With `graph`, the step's own sharding constraints stay pinned when `constrain_intermediates` is off."""
     wanted: dict[tuple[int, int], jax.sharding.NamedSharding] = {}
-    if plan.options.get("constrain_intermediates", True):
+    constrain = plan.options.get("constrain_intermediates", True)
+    if constrain:
         wanted = {(op, k): named_sharding(spec, plan.mesh, mesh) for op, k, spec in plan.op_specs}
+    elif graph is not None:  # the step's own constraints evaluate as identity: the plan's constraint places them
+        wanted = {(op, k): named_sharding(spec, plan.mesh, mesh) for op, k, spec in plan.op_specs
+                  if op < len(graph.ops) and graph.ops[op].name in USER_CONSTRAINTS}
     first = {(op, k): named_sharding(spec, plan.mesh, mesh) for op, k, spec in plan.scatter_specs}
-    reads = {(op, k): named_sharding(spec, plan.mesh, mesh) for op, k, spec in plan.operand_specs} if wanted else {}
+    reads = ({(op, k): named_sharding(spec, plan.mesh, mesh) for op, k, spec in plan.operand_specs}
+             if constrain and wanted else {})
 
     def before_op(op: Op, operands: list[Any]) -> list[Any]:
         return [jax.lax.with_sharding_constraint(v, reads[(op.index, k)]) if (op.index, k) in reads else v
@@ -40,11 +61,7 @@ def constrained_function(graph: Graph, plan: Plan) -> Callable[..., Any]:
     def after_op(op: Op, outs: list[Any]) -> list[Any]:
         return [pin((op.index, k), v) for k, v in enumerate(outs)]
 
-    def fn(*args):
-        outs = graph.evaluate(jax.tree_util.tree_leaves(args), after_op, before_op)
-        return jax.tree_util.tree_unflatten(graph.out_tree, outs)
-
-    return fn
+    return before_op, after_op
 
 
 def jit_planned(graph: Graph, plan: Plan, donate_argnums: int | tuple[int, ...] = ()) -> jax.stages.Wrapped:

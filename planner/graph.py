@@ -16,6 +16,7 @@ import jax.numpy  # noqa: F401  (jax.numpy.stack in unroll_scan)
 import numpy as np
 from jax.extend import core as jcore
 
+from planner.compat import JIT_BOUNDARY, bind
 from planner.errors import InvalidArgumentError
 
 Shape = tuple[int, ...]
@@ -133,6 +134,8 @@ class Graph:
       in_tree / out_tree: treedefs of the arguments tuple and of the result.
       regions: control-flow ops by the index of their first planning op, largest first (see `Region`).
       loop_ties: (carry in, carry out) tensor pairs of while loops: one sharding for both.
+      user_constraints: "pin" (the user's sharding constraints fix their results' sharding) or
+        "hint" (the planner may choose another); read by the constraint's rule.
     """
 
     tensors: tuple[Tensor, ...]
@@ -146,6 +149,7 @@ class Graph:
     out_tree: Any
     regions: Mapping[int, tuple[Region, ...]] = dataclasses.field(default_factory=dict)
     loop_ties: tuple[tuple[int, int], ...] = ()
+    user_constraints: str = "pin"
 
     def producers(self) -> dict[int, tuple[int, int]]:
         """tensor id -> (op index, output position)."""
@@ -179,6 +183,11 @@ class Graph:
         self._run(0, len(self.ops), env, before_op, after_op, ())
         return [_read(env, x) for x in self.outputs]
 
+    def run_range(self, start: int, end: int, env: dict[int, Any], before_op=None, after_op=None) -> None:
+        """Runs ops [start, end) on `env` (tensor id -> value, updated in place) as `evaluate` does:
+        a region wholly inside the range runs as its control flow, one crossing its ends op by op."""
+        self._run(start, end, env, before_op, after_op, ())
+
     def _run(self, start: int, end: int, env: dict[int, Any], before_op, after_op, active: tuple) -> None:
         i = start
         while i < end:
@@ -195,7 +204,7 @@ class Graph:
             operands = [_read(env, x) for x in op.inputs]
             if before_op is not None:
                 operands = before_op(op, operands)
-            result = op.primitive.bind(*operands, **op.params)
+            result = bind(op.primitive, op.params, operands)
             outs = list(result) if op.primitive.multiple_results else [result]
             if after_op is not None:
                 outs = after_op(op, outs)
@@ -337,7 +346,13 @@ class _Builder:
                 call_name = eqn.params.get("name")
                 if isinstance(call_name, str) and eqn.primitive.name in ("jit", "pjit", "custom_jvp_call"):
                     sub_prefix = "/".join(p for p in (full, call_name) if p)
+                if eqn.primitive.name in ("jit", "pjit"):  # the user's in/out shardings pin the boundary
+                    operands = [self.pin(x, sh, sub_prefix) for x, sh in
+                                zip(operands, eqn.params.get("in_shardings", ()) or [None] * len(operands))]
                 results = self.inline(inner[0], inner[1], operands, sub_prefix)
+                if eqn.primitive.name in ("jit", "pjit"):
+                    results = [self.pin(x, sh, sub_prefix) for x, sh in
+                               zip(results, eqn.params.get("out_shardings", ()) or [None] * len(results))]
                 for v, r in zip(eqn.outvars, results):
                     env[v] = r
                 continue
@@ -346,6 +361,15 @@ class _Builder:
                 env[v] = t
             self.ops.append(Op(len(self.ops), eqn.primitive, dict(eqn.params), tuple(operands), outs, full))
         return [read(v) for v in jaxpr.outvars]
+
+    def pin(self, x: int | Literal, sharding, prefix: str) -> int | Literal:
+        """`x` through a constraint op holding `sharding` when that is a `NamedSharding` (a nested
+        jit's stated in/out sharding), planned as the user's own `with_sharding_constraint`."""
+        if not isinstance(sharding, jax.sharding.NamedSharding) or isinstance(x, Literal):
+            return x
+        out = self.new(self.tensors[x])
+        self.ops.append(Op(len(self.ops), JIT_BOUNDARY, {"sharding": sharding}, (x,), (out,), prefix))
+        return out
 
     def materialize(self, xs: Sequence[int | Literal]) -> list[int]:
         """Literal loop carries as constant tensors: a loop body rebinds its carries every
@@ -422,12 +446,13 @@ class _Builder:
         return out, [Body(start, len(self.ops), tuple(consts) + tuple(init), tuple(out))]
 
 
-def trace(fn: Callable[..., Any], *args: Any) -> Graph:
+def trace(fn: Callable[..., Any], *args: Any, user_constraints: str = "pin") -> Graph:
     """Traces `fn(*args)` into a `Graph`.
 
     Args:
       fn: the train step (any JAX-traceable function of array pytrees).
       *args: example arguments: arrays or `jax.ShapeDtypeStruct` pytrees (no allocation needed).
+      user_constraints: "pin" or "hint": how the step's own sharding constraints are planned.
 
     Returns:
       The flattened graph, with nested calls and remat regions inlined.
@@ -455,6 +480,7 @@ def trace(fn: Callable[..., Any], *args: Any) -> Graph:
         out_tree=out_tree,
         regions={k: tuple(sorted(v, key=lambda r: -r.end)) for k, v in b.regions.items()},
         loop_ties=tuple(b.loop_ties),
+        user_constraints=user_constraints,
     )
 
 

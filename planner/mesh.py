@@ -61,6 +61,30 @@ class MeshSpec:
         )
 
 
+def auto_view(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """The same devices, names and sizes with every axis Auto: what plans are emitted on.
+
+    Meshes with Explicit (JAX's default for `jax.make_mesh`) or mixed axis types are planned and
+    emitted on this view (sharding constraints need Auto axes); `PlannedFunction` hands results back
+    placed with the same specs on the user's own mesh.
+    """
+    if all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+
+
+def context_mesh() -> jax.sharding.Mesh | jax.sharding.AbstractMesh | None:
+    """The mesh set by `jax.set_mesh` (or an abstract one by `jax.sharding.use_abstract_mesh`), if any."""
+    mesh = jax.sharding.get_mesh()
+    if mesh is not None and not getattr(mesh, "empty", not mesh.axis_names):
+        return mesh
+    abstract = jax.sharding.get_abstract_mesh()
+    if abstract is not None and abstract.axis_names:
+        return abstract
+    return None
+
+
 def default_axis_names(ndim: int) -> tuple[str, ...]:
     """Axis names for a mesh given only by its shape: x, y, z, then axis_3..."""
     base = ("x", "y", "z")
@@ -70,12 +94,18 @@ def default_axis_names(ndim: int) -> tuple[str, ...]:
 def parse_mesh(mesh, num_devices: int | None = None) -> tuple[MeshSpec, jax.sharding.Mesh | None]:
     """Normalises the user's `mesh=` argument.
 
-    Accepts a `jax.sharding.Mesh`, a shape tuple such as `(2, 4)`, a string such as `"2x4"`, or a
-    `MeshSpec`. Returns the logical description and, for a real `Mesh`, the mesh itself.
+    Accepts a `jax.sharding.Mesh` or `AbstractMesh` of any axis types, a shape tuple such as
+    `(2, 4)`, a string such as `"2x4"`, or a `MeshSpec`. Returns the logical description and, for a
+    real `Mesh`, its Auto view (`auto_view`: the mesh itself when its axes are all Auto).
     """
     if isinstance(mesh, jax.sharding.Mesh):
         spec = MeshSpec(tuple(int(s) for s in mesh.devices.shape), tuple(str(n) for n in mesh.axis_names))
-        return spec, mesh
+        return spec, auto_view(mesh)
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        spec = MeshSpec(tuple(int(s) for s in mesh.axis_sizes), tuple(str(n) for n in mesh.axis_names))
+        if num_devices is not None and spec.size != num_devices:
+            raise MeshError(f"abstract mesh {spec} has {spec.size} devices but {num_devices} devices are available")
+        return spec, None
     if isinstance(mesh, MeshSpec):
         spec = mesh
     elif isinstance(mesh, str):

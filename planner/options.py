@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from planner.errors import InvalidArgumentError
-from planner.units import parse_bytes
+from planner.units import parse_bytes, parse_link
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -32,6 +32,15 @@ class PlanOptions:
       pipeline: "auto", True or False: whether to split the program into pipeline stages.
       num_microbatches: microbatches per step for pipelining (None: the planner chooses).
       schedule: pipeline schedule, "1f1b" or "gpipe".
+      inter_host: the network between hosts as it is: one host's bandwidth, shared by its devices
+        (bytes/s, or "25Gbit", "12.5GB/s"), optionally with a latency ("25Gbit,10us"); None: the
+        hardware preset's (`cost_model.hardware_with_links`).
+      intra_host: one device's link to the other devices of its host, same forms; None: the preset's.
+      overlap: gradient reductions run beside later backward compute (XLA's latency-hiding
+        scheduler; the plan carries the flags, `Plan.xla_flags()`); False prices every collective
+        on the critical path. Never assumed on XLA:CPU, whose collectives are synchronous.
+      user_constraints: "pin": the step's own `with_sharding_constraint` / `jax.sharding.reshard`
+        fix their results' sharding; "hint": the planner may choose another.
     """
 
     memory_budget: float | None = None
@@ -46,8 +55,19 @@ class PlanOptions:
     pipeline: bool | str = False
     num_microbatches: int | None = None
     schedule: str = "1f1b"
+    inter_host: Any = None
+    intra_host: Any = None
+    overlap: bool = True
+    user_constraints: str = "pin"
 
     def __post_init__(self):
+        if not isinstance(self.overlap, bool):
+            raise InvalidArgumentError(f"overlap={self.overlap!r} must be True or False")
+        for name in ("inter_host", "intra_host"):
+            if getattr(self, name) is not None:
+                parse_link(getattr(self, name), name)
+        if self.user_constraints not in ("pin", "hint"):
+            raise InvalidArgumentError(f"user_constraints={self.user_constraints!r} must be 'pin' or 'hint'")
         if self.pipeline not in (True, False, "auto"):
             raise InvalidArgumentError(f"pipeline={self.pipeline!r} must be True, False or 'auto'")
         if self.schedule not in ("1f1b", "gpipe"):

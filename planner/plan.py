@@ -13,6 +13,7 @@ from planner.errors import InvalidArgumentError
 from planner.layer_index import star_indices
 from planner.mesh import MeshSpec
 from planner.sharding import Spec, format_spec, named_sharding, spec_from_json, spec_to_json
+from planner.units import format_bytes
 
 PLAN_FORMAT_VERSION = 1
 
@@ -41,7 +42,12 @@ class PredictedCollective:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Prediction:
-    """What the planner's cost model predicts for one step (per device)."""
+    """What the planner's cost model predicts for one step (per device).
+
+    `step_time_s` = `compute_time_s` + `communication_time_s`, the communication on the critical
+    path (exposed); `hidden_communication_time_s` runs beside compute (overlapped gradient
+    reductions) and is not in the step time.
+    """
 
     step_time_s: float
     compute_time_s: float
@@ -49,6 +55,7 @@ class Prediction:
     memory_bytes_per_device: int
     bytes_moved_per_device: float
     collectives: tuple[PredictedCollective, ...]
+    hidden_communication_time_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,6 +64,9 @@ class Decision:
 
     `cost_s` = `compute_s` + `communication_s` (the op's own collectives) + `resharding_s` (on the
     edges into and out of it), all other decisions fixed; `ops` counts the layers sharing it.
+    `collectives` / `runner_up_collectives`: the op's own collectives under the chosen strategy and
+    under the runner-up, one entry per collective of one member op: (kind, mesh axis names, buffer
+    bytes per device, seconds as the planner costed it).
     """
 
     label: str
@@ -68,6 +78,18 @@ class Decision:
     compute_s: float = 0.0
     communication_s: float = 0.0
     resharding_s: float = 0.0
+    collectives: tuple[tuple[str, tuple[str, ...], int, float], ...] = ()
+    runner_up_collectives: tuple[tuple[str, tuple[str, ...], int, float], ...] = ()
+
+
+def _decision_from_json(x: dict) -> Decision:
+    def comms(items) -> tuple:
+        return tuple((str(k), tuple(str(a) for a in axes), int(b), float(t)) for k, axes, b, t in items)
+
+    x = dict(x)
+    for key in ("collectives", "runner_up_collectives"):
+        x[key] = comms(x.get(key, ()))
+    return Decision(**x)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -95,6 +117,8 @@ class Plan:
         reduce-scatters; emission pins the reduced value first so XLA reduces, then slices (the
         pattern its reduce-scatter pass recognises), instead of resharding an operand.
       in_tree / out_tree / jax_mesh: bound at planning time; not serialised (see `bind`).
+      user_constraints: the step's own sharding constraints (`with_sharding_constraint`,
+        `jax.sharding.reshard`), each {"where", "user_spec", "planned_spec", "kept", "mode"}.
     """
 
     mesh: MeshSpec
@@ -115,6 +139,16 @@ class Plan:
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     jax_mesh: jax.sharding.Mesh | None = dataclasses.field(default=None, compare=False, repr=False)
+    assumed_xla_flags: tuple[str, ...] = ()
+    user_constraints: tuple[Mapping[str, Any], ...] = ()
+
+    def xla_flags(self) -> list[str]:
+        """The XLA flags the prediction assumes (the latency-hiding scheduler and collective combiner
+        thresholds under which gradient reductions overlap the backward pass); empty when it
+        assumes none. Apply them before JAX starts its backend, e.g.
+        `os.environ["XLA_FLAGS"] = " ".join(plan.xla_flags())` (TPU: `LIBTPU_INIT_ARGS`);
+        `planner plan` prints them."""
+        return list(self.assumed_xla_flags)
 
     # ----- shardings -------------------------------------------------------------------------
     def _mesh(self) -> jax.sharding.Mesh:
@@ -171,8 +205,8 @@ class Plan:
             f"Plan on mesh {self.mesh} ({', '.join(f'{n}={s}' for n, s in zip(self.mesh.axis_names, self.mesh.shape))})",
             f"  predicted step time   {p.step_time_s * 1e3:10.3f} ms  (compute {p.compute_time_s * 1e3:.3f} ms, "
             f"communication {p.communication_time_s * 1e3:.3f} ms)",
-            f"  memory per device     {p.memory_bytes_per_device / 2**20:10.2f} MiB",
-            f"  bytes moved / device  {p.bytes_moved_per_device / 2**20:10.2f} MiB in {len(p.collectives)} collectives",
+            f"  memory per device     {format_bytes(p.memory_bytes_per_device):>13}",
+            f"  bytes moved / device  {format_bytes(p.bytes_moved_per_device):>13} in {len(p.collectives)} collectives",
             f"  solver                {self.solver.get('status')} in {self.solver.get('solve_time_s', 0):.2f} s "
             f"({self.solver.get('decisions')} decisions, {self.solver.get('variables_shared')} after layer sharing)",
         ]
@@ -221,6 +255,7 @@ class Plan:
                 "step_time_s": p.step_time_s,
                 "compute_time_s": p.compute_time_s,
                 "communication_time_s": p.communication_time_s,
+                "hidden_communication_time_s": p.hidden_communication_time_s,
                 "memory_bytes_per_device": p.memory_bytes_per_device,
                 "bytes_moved_per_device": p.bytes_moved_per_device,
                 "collectives": [dataclasses.asdict(c) for c in p.collectives],
@@ -232,6 +267,8 @@ class Plan:
             "scatter_specs": [[i, k, spec_to_json(s)] for i, k, s in self.scatter_specs],
             "operand_specs": [[i, k, spec_to_json(s)] for i, k, s in self.operand_specs],
             "pipeline": _thaw(self.pipeline),
+            "xla_flags": list(self.assumed_xla_flags),
+            "user_constraints": [dict(c) for c in self.user_constraints],
         }
 
     @classmethod
@@ -248,6 +285,7 @@ class Plan:
                 p["bytes_moved_per_device"],
                 tuple(PredictedCollective(c["kind"], tuple(c["axes"]), int(c["nbytes"]), int(c["group_size"]),
                                           c["where"], c["reason"]) for c in p["collectives"]),
+                float(p.get("hidden_communication_time_s", 0.0)),
             )
             return cls(
                 mesh=mesh,
@@ -257,7 +295,7 @@ class Plan:
                 output_specs=tuple(None if x["spec"] is None else spec_from_json(x["spec"]) for x in d["outputs"]),
                 op_specs=tuple((int(i), int(k), spec_from_json(s)) for i, k, s in d["op_specs"]),
                 prediction=pred,
-                decisions=tuple(Decision(**x) for x in d["decisions"]),
+                decisions=tuple(_decision_from_json(x) for x in d["decisions"]),
                 solver=d["solver"],
                 options=d["options"],
                 fallback_primitives=tuple(d.get("fallback_primitives", ())),
@@ -265,6 +303,8 @@ class Plan:
                 operand_specs=tuple((int(i), int(k), spec_from_json(s)) for i, k, s in d.get("operand_specs", ())),
                 stages=tuple(_freeze(st) for st in d.get("stages", ()) if st.get("layers") != "all"),
                 pipeline=_freeze(d.get("pipeline") or {}),
+                assumed_xla_flags=tuple(d.get("xla_flags", ())),
+                user_constraints=tuple(MappingProxyType(dict(c)) for c in d.get("user_constraints", ())),
             )
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
             if isinstance(e, InvalidArgumentError):

@@ -1,23 +1,25 @@
 """From a traced graph and a mesh to a Plan: build the ILP, solve it, read the answer back out."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 
-from planner.cost_model import CostModel, get_hardware, ring_bytes
+from planner.cost_model import Cluster, CostModel, get_hardware, hardware_with_links, ring_bytes, xla_flags
 from planner.errors import InvalidArgumentError, MeshError
 from planner.graph import Graph
+from planner.ilp.objective import step_time
 from planner.ilp.problem import Problem, build_problem
 from planner.ilp.solver import Solution, solve
 from planner.ilp.strategies import edge_time, reshard_cost
 from planner.mesh import MeshSpec
 from planner.options import PlanOptions
 from planner.plan import Decision, Plan, PredictedCollective, Prediction
-from planner.sharding import active_axes, replicated
+from planner.sharding import Spec, active_axes, replicated
 
 log = logging.getLogger("planner")
 
@@ -49,9 +51,21 @@ def check_options(options: PlanOptions) -> PlanOptions:
 
 
 def cost_model_for(mesh: MeshSpec, options: PlanOptions) -> CostModel:
-    """Analytic model from `options.hardware` / `inter_host_axes`, or measured from `options.profile`."""
+    """Analytic model from `options.hardware` / `inter_host_axes` and the link speeds
+    `inter_host` / `intra_host`, or measured from `options.profile`."""
     check_options(options)
-    return CostModel.build(mesh, options.hardware, options.inter_host_axes, options.profile)
+    hardware = options.hardware
+    if options.inter_host is not None or options.intra_host is not None:
+        if Cluster.is_cluster(hardware):
+            cluster = Cluster.parse(hardware)
+            linked = hardware_with_links(cluster.hardware, options.inter_host, options.intra_host,
+                                         cluster.devices_per_host)
+            if cluster.num_devices == mesh.size and not options.inter_host_axes and options.profile is None:
+                return CostModel.for_cluster(mesh, dataclasses.replace(cluster, hardware=linked))
+            hardware = linked
+        else:
+            hardware = hardware_with_links(hardware, options.inter_host, options.intra_host)
+    return CostModel.build(mesh, hardware, options.inter_host_axes, options.profile)
 
 
 def _edge_comms(problem: Problem, choice: Sequence[int]):
@@ -64,48 +78,36 @@ def _edge_comms(problem: Problem, choice: Sequence[int]):
 
 
 def _predict(problem: Problem, sol: Solution) -> Prediction:
-    cost, mesh = problem.cost, problem.cost.mesh
+    """The plan's prediction: the ILP's objective (`objective.step_time`, one code path) split into
+    compute and communication, with the collectives it counts."""
+    mesh = problem.cost.mesh
     collectives: list[PredictedCollective] = []
-    comm_time = 0.0
-    compute_time = 0.0
 
-    def add(kind, axes, nbytes, where, reason, combined=False, timed=True):
-        nonlocal comm_time
+    def add(kind, axes, nbytes, where, reason):
         n = mesh.axis_size(axes)
-        if n <= 1:
-            return 0.0
-        collectives.append(PredictedCollective(kind, tuple(mesh.axis_names[a] for a in axes), int(nbytes), n, where,
-                                               reason))
-        t = cost.collective_time(kind, nbytes, axes, combined) if timed else 0.0
-        comm_time += t
-        return t
+        if n > 1:
+            collectives.append(PredictedCollective(kind, tuple(mesh.axis_names[a] for a in axes), int(nbytes), n,
+                                                   where, reason))
 
-    combined_latency: dict[tuple, float] = {}
     for node in problem.nodes:
-        i = sol.choice[node.index]
-        # Same convention as the ILP: reductions whose results feed no matmul are combined by XLA,
-        # so they pay bandwidth each and latency once per (kind, axes) group.
-        combined = bool(node.ops) and node.ops[0] in problem.combinable
-        own_comm = 0.0
-        for kind, axes, nbytes in node.comms[i]:
-            reason = "partial sum" if kind in ("all-reduce", "reduce-scatter") else "follow"
-            own_comm += add(kind, axes, nbytes, node.label, reason, combined)
-            if combined:
-                key = (kind, tuple(axes))
-                combined_latency[key] = (cost.collective_time(kind, nbytes, axes)
-                                         - cost.collective_time(kind, nbytes, axes, True))
-        compute_time += max(0.0, node.costs[i] - own_comm)
-    comm_time += sum(combined_latency.values())
-    # Resharding time as the ILP priced it (`edge_time`: a multi-axis gather is timed part by part,
-    # each on its own axis's link), not recomputed from the reported collectives.
-    for e, comms, seconds in _edge_comms(problem, sol.choice):
-        dst = problem.nodes[e.dst].label
+        for kind, axes, nbytes in node.comms[sol.choice[node.index]]:
+            add(kind, axes, nbytes, node.label, "partial sum" if kind in ("all-reduce", "reduce-scatter") else "follow")
+    for e, comms, _ in _edge_comms(problem, sol.choice):
         for kind, axes, nbytes in comms:
-            add(kind, axes, nbytes, dst, "reshard", timed=False)
-        comm_time += seconds
+            add(kind, axes, nbytes, problem.nodes[e.dst].label, "reshard")
+    t = step_time(problem, sol.choice)
     moved = sum(ring_bytes(c.kind, c.nbytes, c.group_size) for c in collectives)
-    return Prediction(compute_time + comm_time, compute_time, comm_time, sol.peak_memory_bytes, moved,
-                      tuple(collectives))
+    return Prediction(t.total_s, t.compute_s, t.exposed_s, sol.peak_memory_bytes, moved, tuple(collectives),
+                      t.hidden_s)
+
+
+def _xla_flags(problem: Problem, choice: Sequence[int]) -> tuple[str, ...]:
+    """The flags the prediction assumes: overlap only where some gradient reduction hides."""
+    if not problem.overlap or step_time(problem, choice).hidden_s <= 0:
+        return ()
+    largest = max((b for n in problem.nodes for (kind, axes, b) in n.comms[choice[n.index]]
+                   if n.async_s[choice[n.index]] > 0), default=0)
+    return xla_flags(problem.cost.hardware, True, largest)
 
 
 def _decisions(problem: Problem, choice: Sequence[int], limit: int = 400) -> tuple[Decision, ...]:
@@ -127,10 +129,8 @@ def _decisions(problem: Problem, choice: Sequence[int], limit: int = 400) -> tup
             trial[n] = option
         for n in members[rep]:
             node = problem.nodes[n]
-            combined = bool(node.ops) and node.ops[0] in problem.combinable
-            own = sum(problem.cost.collective_time(k, b, a, combined) for k, a, b in node.comms[option])
-            comm += own
-            compute += max(0.0, node.costs[option] - own)
+            comm += node.comm_s[option]
+            compute += node.costs[option] - node.comm_s[option]
             for e in incident[n]:
                 t = problem.graph.tensors[e.tensor]
                 reshard += edge_time(t, e.src_specs[trial[e.src]], e.dst_specs[trial[e.dst]], problem.cost)
@@ -138,6 +138,14 @@ def _decisions(problem: Problem, choice: Sequence[int], limit: int = 400) -> tup
 
     def local(rep: int, option: int) -> float:
         return sum(split(rep, option))
+
+    names = problem.cost.mesh.axis_names
+
+    def collectives(rep: int, option: int) -> tuple:
+        """The rep op's own collectives under `option`, costed as `split` costs them."""
+        node = problem.nodes[rep]
+        return tuple((k, tuple(names[i] for i in a), int(b), t)
+                     for (k, a, b), t in zip(node.comms[option], node.comm_times[option]))
 
     out = []
     for rep, group in members.items():
@@ -154,7 +162,8 @@ def _decisions(problem: Problem, choice: Sequence[int], limit: int = 400) -> tup
         alt_node_spec = next(iter(node.owned.values()))[alt[1]] if node.owned else None
         alt_text = node.descriptions[alt[1]] or str(alt_node_spec)
         compute, comm, reshard = split(rep, chosen)
-        out.append(Decision(node.label, chosen_text, base, alt_text, alt[0] - base, len(group), compute, comm, reshard))
+        out.append(Decision(node.label, chosen_text, base, alt_text, alt[0] - base, len(group), compute, comm, reshard,
+                            collectives(rep, chosen), collectives(rep, alt[1])))
     return tuple(out)
 
 
@@ -171,8 +180,10 @@ def _common(specs: Sequence) -> tuple:
     return tuple(out)
 
 
-def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None = None) -> Plan:
-    """Plans `graph` on `mesh`.
+def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None = None,
+              pins: Mapping[int, Spec] | None = None) -> Plan:
+    """Plans `graph` on `mesh`; `pins` (input position -> spec, `planner.pins.resolve`) fix those
+    inputs' shardings and the ILP plans the rest.
 
     Raises:
       MeshError: a mesh axis that can split nothing.
@@ -181,7 +192,10 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     t0 = time.perf_counter()
     check_mesh_fits(graph, mesh)
     cost = cost_model_for(mesh, options)
-    problem = build_problem(graph, cost, tie_outputs=options.tie_outputs, share_layers=options.share_layers)
+    pinned = {graph.inputs[i]: spec for i, spec in (pins or {}).items()}
+    problem = build_problem(graph, cost, tie_outputs=options.tie_outputs, share_layers=options.share_layers,
+                            pins=pinned)
+    problem = dataclasses.replace(problem, overlap=options.overlap and cost.hardware.platform != "cpu")
     t1 = time.perf_counter()
     log.info("built ILP: %d ops -> %d decisions (%d after layer sharing), %d edges in %.2fs", len(graph.ops),
              len(problem.nodes), len(set(problem.rep)), len(problem.edges), t1 - t0)
@@ -205,7 +219,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     operand_specs = []
     for e in problem.edges:
         src, dst = e.src_specs[sol.choice[e.src]], e.dst_specs[sol.choice[e.dst]]
-        if src != dst:
+        if src != dst and e.op >= 0:
             operand_specs.append((e.op, e.pos, dst))
     scatter_specs = []
     for node in problem.nodes:
@@ -218,7 +232,8 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
             scatter_specs.append((root.index, 0, pre))
     in_specs = tuple(problem.spec(t, sol.choice) for t in graph.inputs)
     out_specs = tuple(
-        (problem.spec(t, sol.choice) if isinstance(t, int) else replicated(len(t.tensor.shape)))
+        (problem.pinned_outputs[t] if isinstance(t, int) and t in problem.pinned_outputs
+         else problem.spec(t, sol.choice) if isinstance(t, int) else replicated(len(t.tensor.shape)))
         for t in graph.outputs
     )
     prediction = _predict(problem, sol)
@@ -233,6 +248,8 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
         "edges": len(problem.edges),
         "objective_s": sol.objective_s,
     }
+    if pins:
+        solver_info["pinned_inputs"] = len(pins)
     return Plan(
         mesh=mesh,
         input_paths=graph.input_paths,
@@ -250,4 +267,5 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
         in_tree=graph.in_tree,
         out_tree=graph.out_tree,
         jax_mesh=jax_mesh,
+        assumed_xla_flags=_xla_flags(problem, sol.choice),
     )

@@ -19,9 +19,16 @@ class ProgramError(InvalidArgumentError):
     """The program to plan cannot be loaded (unknown model, broken factory)."""
 
 
-def load_model(name: str, batch: int | None, seq: int | None):
-    """(label, train_step, example_args) of a zoo model, abstract (ShapeDtypeStruct leaves)."""
-    overrides = {k: v for k, v in (("batch", batch), ("seq", seq)) if v is not None}
+def load_model(name: str, batch: int | None, seq: int | None, dtype: str | None = None,
+               default_dtype: str | None = None):
+    """(label, train_step, example_args) of a zoo model, abstract (ShapeDtypeStruct leaves).
+
+    `dtype` is its compute dtype (parameters and optimizer state stay float32), named in the label;
+    `default_dtype` applies when no `dtype` is given (the hardware's, `Hardware.default_dtype`)."""
+    overrides = {k: v for k, v in (("batch", batch), ("seq", seq), ("dtype", dtype)) if v is not None}
+    label = name + "".join(f" {k}={v}" for k, v in overrides.items())
+    if dtype is None and default_dtype is not None:
+        overrides["dtype"] = default_dtype
     try:
         bundle = get_model(name, **overrides)
     except UnknownModelError:
@@ -29,12 +36,12 @@ def load_model(name: str, batch: int | None, seq: int | None):
                        "or pass your own with --fn MODULE:FACTORY") from None
     except (TypeError, ValueError) as e:
         raise ProgramError(f"model {name!r} does not accept {overrides}: {e}") from None
-    label = name + "".join(f" {k}={v}" for k, v in overrides.items())
     return label, bundle.train_step, (bundle.abstract_state(), bundle.abstract_batch())
 
 
-def load_factory(spec: str, batch: int | None, seq: int | None):
-    """(label, train_step, example_args) from a user factory `MODULE:FACTORY`."""
+def load_factory(spec: str, batch: int | None, seq: int | None, dtype: str | None = None):
+    """(label, train_step, example_args) from a user factory `MODULE:FACTORY` (called with the
+    batch, seq and dtype that are given)."""
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
         raise ProgramError(f"--fn {spec!r} is not MODULE:FACTORY; write e.g. --fn mypkg.train:make_step "
@@ -62,7 +69,7 @@ def load_factory(spec: str, batch: int | None, seq: int | None):
     if not callable(factory):
         raise ProgramError(f"--fn {spec!r}: module {module_name!r} has no callable {attr!r}; name a function that "
                        "returns (train_step, example_args)")
-    kwargs = {k: v for k, v in (("batch", batch), ("seq", seq)) if v is not None}
+    kwargs = {k: v for k, v in (("batch", batch), ("seq", seq), ("dtype", dtype)) if v is not None}
     try:
         if kwargs:
             inspect.signature(factory).bind(**kwargs)

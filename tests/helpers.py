@@ -52,7 +52,7 @@ ELEMENTWISE_ROUNDINGS = 16  # Adam's update is ~12 rounded elementwise operation
 
 
 def unit_roundoff(dtype) -> float:
-    return float(np.finfo(np.dtype(dtype)).eps) / 2
+    return float(jnp.finfo(jnp.dtype(dtype)).eps) / 2  # jnp.finfo knows bfloat16 (2**-9); np.finfo does not
 
 
 def longest_reduction(fn, *args) -> int:
@@ -107,15 +107,15 @@ def gradients_from_adam(opt_state, b1: float = 0.9):
     return jax.tree.map(lambda m: np.asarray(m, np.float64) / (1 - b1), _adam_state(opt_state).mu)
 
 
-def assert_loss_close(got, want, n: int) -> None:
+def assert_loss_close(got, want, n: int, dtype=np.float32) -> None:
     """A mean of n positive per-token losses in two summation orders: sum|x_i| / n is the loss
-    itself, so the two agree within 2 n u |loss|."""
+    itself, so the two agree within 2 n u |loss| (u of `dtype`, the precision the program computes in)."""
     got, want = float(got), float(want)
-    assert abs(got - want) <= 2 * n * unit_roundoff(np.float32) * abs(want), (got, want, n)
+    assert abs(got - want) <= 2 * n * unit_roundoff(dtype) * abs(want), (got, want, n)
 
 
 def assert_gradients_close(loss_fn, params, batch, got, want, n: int, extra_roundings: int = 0,
-                           absolute: float = 0.0):
+                           absolute: float = 0.0, dtype=np.float32):
     """Gradients of a mean loss computed in two summation orders agree within 2 n u ||A||_inf per
     element, A being the per-example absolute gradient over all parameters.
 
@@ -124,9 +124,10 @@ def assert_gradients_close(loss_fn, params, batch, got, want, n: int, extra_roun
     terms as large as the other cotangents), so an element's own per-example magnitude does not
     bound its rounding. `extra_roundings` relative roundings of the gradient itself are added for
     gradients recovered by arithmetic (e.g. from an optimizer moment), `absolute` for the roundings
-    of recovering them from parameters.
+    of recovering them from parameters. `dtype`: the precision the sums are carried in (a mixed
+    precision program's compute dtype).
     """
-    u = unit_roundoff(np.float32)
+    u = unit_roundoff(dtype)
     scale = max(float(np.max(a)) for a in jax.tree.leaves(per_example_abs_grad(loss_fn, params, batch)))
     for (path, gp), gr in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
         gp, gr = np.asarray(gp, np.float64), np.asarray(gr, np.float64)
@@ -152,7 +153,7 @@ def assert_sgd_step_close(loss_fn, lr: float, params, batch, new_params, *, n: i
 
 
 def assert_first_step_close(loss_fn, optimizer, state, batch, new_state, metrics, ref_state, ref_metrics,
-                            *, train_step=None):
+                            *, train_step=None, dtype=np.float32):
     """Checks a planned first AdamW step against the unsharded one: loss and gradients within the
     summation-order bound, then the update applied to the plan's own gradients within a few roundings.
 
@@ -162,16 +163,18 @@ def assert_first_step_close(loss_fn, optimizer, state, batch, new_state, metrics
       state, batch: the step's inputs (opt_state freshly initialised).
       new_state, metrics: what the planned step returned; ref_state, ref_metrics: the unsharded step's.
       train_step: the step, to read its longest sum from; defaults to one built from loss_fn.
+      dtype: the compute dtype of a mixed-precision step (activations and their sums); the
+        parameters, gradients handed to the optimizer and its state are float32.
     """
     step = train_step or (lambda s, x: (jax.value_and_grad(loss_fn)(s["params"], x), s))
     n = longest_reduction(step, state, batch)
     u = unit_roundoff(np.float32)
-    bound = 2 * n * u
-    assert_loss_close(metrics["loss"], ref_metrics["loss"], n)
+    bound = 2 * n * unit_roundoff(dtype)
+    assert_loss_close(metrics["loss"], ref_metrics["loss"], n, dtype)
     # Gradients: what the plan changes.
     g_plan = gradients_from_adam(new_state["opt_state"])
     assert_gradients_close(loss_fn, state["params"], batch, g_plan, gradients_from_adam(ref_state["opt_state"]),
-                           n, extra_roundings=4)
+                           n, extra_roundings=4, dtype=dtype)
     # The update: the reference optimizer applied to the plan's gradients gives the plan's new state.
     g32 = jax.tree.map(lambda g: np.asarray(g, np.float32), g_plan)
     updates, opt_state = optimizer.update(g32, state["opt_state"], state["params"])
@@ -193,7 +196,7 @@ def assert_first_step_close(loss_fn, optimizer, state, batch, new_state, metrics
 
 
 def assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics):
-    """assert_first_step_close for a zoo model bundle (AdamW from its config)."""
+    """assert_first_step_close for a zoo model bundle (AdamW from its config, its compute dtype)."""
     opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
     assert_first_step_close(b.loss_fn, opt, state, batch, new_state, metrics, ref_state, ref_metrics,
-                            train_step=b.train_step)
+                            train_step=b.train_step, dtype=jnp.dtype(getattr(b.config, "dtype", "float32")))

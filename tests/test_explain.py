@@ -10,9 +10,9 @@ import pytest
 
 from planner import cli
 from planner.present.diff import diff
-from planner.present.explain import explain, readable_strategy, strategy_comm
+from planner.present.explain import decision_comm, explain, readable_strategy
 from planner.present.logical_axes import apply_rules, classify, infer_rules, path_tokens
-from planner.present.report import PlanView, collapse_layers, format_layer_table, memory_breakdown
+from planner.present.report import PlanView, collapse_layers, fmt_bytes, fmt_time, format_layer_table, memory_breakdown
 
 
 def _plan(tmp, *argv) -> PlanView:
@@ -188,8 +188,8 @@ def test_readable_strategies():
     assert readable_strategy("((0,), ())", ("x", "y")) == "P(x, None)"
     assert readable_strategy("((0, 1),)", ("x", "y")) == "P((x,y))"
     assert readable_strategy("m0->x*y", ("x", "y")) == "m0->x*y"
-    total, items = strategy_comm("k0->x, all-reduce[x*y](8192B)", lambda k, b, axes, combined=False: 1e-6)
-    assert total == 1e-6 and "all-reduce over x*y" in items[0]
+    items = decision_comm((("all-reduce", ("x", "y"), 8192, 1e-6),), ops=3)
+    assert items == [f"all-reduce over x*y of {fmt_bytes(8192)} ({fmt_time(1e-6)} per op, x3 ops)"]
 
 
 def test_loading_rejects_non_plans(tmp_path):
@@ -229,3 +229,24 @@ def test_diff_lists_a_changed_leaf(views):
     changed = PlanView.from_dict(data)
     text = diff(a, changed)
     assert "Input shardings that differ (1 of" in text and "x" in text.split("Input shardings that differ")[1]
+
+
+def test_decision_records_carry_their_collectives(views):
+    """The collectives `explain` lists for a decision are the ones the planner costed (plan JSON, not text)."""
+    plans = [v.plan for v in views]
+    with_comm = [d for p in plans for d in p.decisions if d.collectives]
+    assert with_comm, "mlp-wide on 8 devices splits its weights: some decision must communicate"
+    for d in with_comm:
+        # communication_s sums the same costs over the ops sharing the decision
+        assert d.communication_s == pytest.approx(d.ops * sum(c[3] for c in d.collectives), rel=1e-9)
+        for kind, axes, nbytes, seconds in d.collectives:
+            assert kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+            assert axes and nbytes > 0 and seconds > 0
+    for d in (d for p in plans for d in p.decisions if not d.collectives):
+        assert d.communication_s == 0.0
+    d = with_comm[0]
+    label = d.label.split()[-1]
+    text = explain(views[0] if d in plans[0].decisions else views[1] if d in plans[1].decisions else views[2],
+                   op=label)
+    kind, axes, nbytes, _ = d.collectives[0]
+    assert f"{kind} over {'*'.join(axes)}" in text

@@ -197,7 +197,7 @@ def test_unknown_override_is_named() -> None:
         ({"batch": 0}, ValueError, "batch=0"),
         ({"batch": 2.5}, TypeError, "batch=2.5"),
         ({"heads": 3}, ValueError, "d_model=64.*heads=3"),
-        ({"dtype": "float16"}, ValueError, "'float16'"),
+        ({"dtype": "int8"}, ValueError, "'int8'"),
     ],
 )
 def test_bad_override_values(overrides: dict, error: type, pattern: str) -> None:

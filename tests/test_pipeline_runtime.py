@@ -38,7 +38,7 @@ def _close(b, opt, state, batch, new_state, metrics, ref_state, ref_metrics):
                             train_step=b.train_step)
 
 
-@pytest.mark.parametrize("num_stages,num_microbatches", [(2, 2), (2, 8), (4, 4), (4, 8)])
+@pytest.mark.parametrize("num_stages,num_microbatches", [(2, 2)])  # 4 stages: Llama in test_pipeline_e2e.py
 def test_pipelined_step_equals_unpipelined(gpt, num_stages, num_microbatches):
     b, opt, state, batch, ref_state, ref_metrics, names = gpt
     assert names == ("pre", "blocks_0", "blocks_1", "post")
@@ -121,13 +121,12 @@ def test_plan_parallel_with_pipeline(gpt):
     rebuilt = PipelinedStep.from_plan(b.loss_fn, opt, loaded)
     assert rebuilt.layouts == step.jitted(state, batch)._runtime().layouts
     assert (rebuilt.num_microbatches, rebuilt.schedule) == (2, "gpipe")
-    with pytest.raises(InvalidArgumentError, match="no single lowering"):
-        step.lower(state, batch)
-    # Without the marker (zoo steps carry it; a plain wrapper does not) the plan is made but cannot run.
-    bare = planner.plan_parallel(lambda s, x: b.train_step(s, x), mesh=(2, 4), inter_host_axes=(0,), hardware="cpu", pipeline=True,
-                                 num_microbatches=2)
-    with pytest.raises(InvalidArgumentError, match="pipelinable"):
-        bare(state, batch)
+    lowered = step.lower(state, batch)  # one StageLowered per stage: forward, backward, update
+    assert [set(st.programs()) for st in lowered] == [{"forward", "backward", "update"}] * len(plan.stages)
+    # A saved plan runs again from its JSON form alone.
+    runner = planner.stages.run_plan(train_step, loaded)
+    again_state, again_metrics = runner(state, batch)
+    _close(b, opt, state, batch, again_state, again_metrics, ref_state, ref_metrics)
 
 
 def test_auto_pipeline_on_one_device_is_the_intra_op_plan(gpt):

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from planner.cost_model import ring_bytes
-from planner.plan import Plan
+from planner.plan import Plan, PredictedCollective
 from xla_hooks.inspect import Collective, collectives
 
 
@@ -62,11 +63,38 @@ def check_fidelity(plan: Plan, compiled_or_hlo, tolerance: float = 0.10, min_byt
       A `FidelityReport`; `.ok` is False when a kind's bytes differ by more than the tolerance,
       XLA emits more collectives of a kind than predicted, or a predicted kind is missing.
     """
-    measured: Sequence[Collective] = collectives(compiled_or_hlo)
+    return compare(plan.prediction.collectives, collectives(compiled_or_hlo), tolerance, min_bytes)
+
+
+def check_stage_fidelity(stages: Sequence[Any], tolerance: float = 0.10,
+                         min_bytes: float = 4096) -> tuple[FidelityReport, ...]:
+    """Per pipeline stage, `check_fidelity` of its intra-op plan against its compiled programs.
+
+    Args:
+      stages: what `.lower()` of a pipelined plan returns (`planner.stages.runtime.StageLowered`):
+        per stage its `plan` (one microbatch's forward + backward) and `programs()` (forward,
+        backward, update as `jax.stages.Lowered`); the collectives of all its programs together
+        are compared with the plan's (the update is planned to communicate nothing). A remat
+        stage's backward recomputes the forward, so its forward collectives compile twice and
+        show as more than predicted.
+      tolerance, min_bytes: as for `check_fidelity`.
+    """
+    out = []
+    for st in stages:
+        if st.plan is None:
+            raise ValueError(f"stage {st.index} carries no intra-op plan to compare with")
+        measured = [c for lowered in st.programs().values() for c in collectives(lowered.compile())]
+        out.append(compare(st.plan.prediction.collectives, measured, tolerance, min_bytes))
+    return tuple(out)
+
+
+def compare(predicted: Sequence[PredictedCollective], measured: Sequence[Collective], tolerance: float = 0.10,
+            min_bytes: float = 4096) -> FidelityReport:
+    """Predicted vs measured collectives, per kind (see `check_fidelity`)."""
     has_rs = any(c.kind == "reduce-scatter" for c in measured)
     pred_count: dict[str, int] = {}
     pred_bytes: dict[str, float] = {}
-    for c in plan.prediction.collectives:
+    for c in predicted:
         kind = c.kind if (c.kind != "reduce-scatter" or has_rs) else "all-reduce"
         pred_count[kind] = pred_count.get(kind, 0) + 1
         pred_bytes[kind] = pred_bytes.get(kind, 0.0) + ring_bytes(kind, c.nbytes, c.group_size)

@@ -366,3 +366,13 @@ def report(compiled: Any) -> HloReport:
         None if flops is None else float(flops),
         None if accessed is None else float(accessed),
     )
+
+
+def stage_reports(stages: Any) -> tuple[dict[str, HloReport], ...]:
+    """Per pipeline stage, the `report` of each of its compiled programs.
+
+    Args:
+      stages: what `.lower()` of a pipelined plan returns: per stage an object whose `programs()`
+        maps program names ("forward", "backward", "update") to `jax.stages.Lowered`.
+    """
+    return tuple({name: report(lowered.compile()) for name, lowered in st.programs().items()} for st in stages)

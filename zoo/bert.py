@@ -41,7 +41,7 @@ class BertConfig:
       layers: encoder blocks.
       mlp_dim: hidden width of the feed-forward network (4 * d_model in BERT).
       mask_rate: fraction of positions masked and predicted.
-      dtype: activation dtype name ("float32" or "bfloat16"); parameters stay float32.
+      dtype: compute dtype name ("float32", "bfloat16" or "float16"); parameters stay float32.
       learning_rate: AdamW learning rate.
       weight_decay: AdamW weight decay.
     """

@@ -40,7 +40,7 @@ class GPTConfig:
       layers: transformer blocks.
       mlp_ratio: MLP hidden width as a multiple of d_model.
       tie_embeddings: reuse the token embedding as the LM head (saves vocab * d_model params).
-      dtype: activation dtype name ("float32" or "bfloat16"); parameters stay float32.
+      dtype: compute dtype name ("float32", "bfloat16" or "float16"); parameters stay float32.
       learning_rate: AdamW learning rate.
       weight_decay: AdamW weight decay.
     """

@@ -45,7 +45,7 @@ class LlamaConfig:
       remat: rematerialise each layer in the backward pass (nn.remat).
       rope_theta: base of the rotary frequencies.
       norm_eps: RMSNorm epsilon.
-      dtype: activation dtype name ("float32" or "bfloat16"); parameters stay float32.
+      dtype: compute dtype name ("float32", "bfloat16" or "float16"); parameters stay float32.
       learning_rate: AdamW learning rate.
       weight_decay: AdamW weight decay.
     """

@@ -31,7 +31,7 @@ class MLPConfig:
       out_dim: output features (the regression target's width).
       layers: number of Dense layers; ReLU between consecutive ones.
       use_bias: whether the Dense layers carry a bias.
-      dtype: activation dtype name ("float32" or "bfloat16"); parameters stay float32.
+      dtype: compute dtype name ("float32", "bfloat16" or "float16"); parameters stay float32.
       learning_rate: AdamW learning rate.
       weight_decay: AdamW weight decay.
     """

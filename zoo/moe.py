@@ -51,7 +51,7 @@ class MoEConfig:
       moe_every: layer i is MoE when (i + 1) % moe_every == 0 (2: every other layer, 1: all).
       capacity_factor: expert capacity as a multiple of the even share, top_k * group_size / experts.
       aux_loss_weight: weight of the load-balancing loss added to the LM loss.
-      dtype: activation dtype name ("float32" or "bfloat16"); parameters and gating stay float32.
+      dtype: compute dtype name ("float32", "bfloat16" or "float16"); parameters and gating stay float32.
       learning_rate: AdamW learning rate.
       weight_decay: AdamW weight decay.
     """

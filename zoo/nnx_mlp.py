@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zoo.train import ModelBundle, build_bundle, make_optimizer, validate_config
+from zoo.train import ModelBundle, build_bundle, make_optimizer, resolve_dtype, validate_config
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -27,6 +27,7 @@ class NNXMLPConfig:
       out_dim: output features (regression target width).
       learning_rate: AdamW learning rate.
       weight_decay: AdamW weight decay.
+      dtype: compute dtype name ("float32", "bfloat16" or "float16"); parameters stay float32.
     """
 
     batch: int
@@ -35,6 +36,7 @@ class NNXMLPConfig:
     out_dim: int
     learning_rate: float = 1e-3
     weight_decay: float = 0.01
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -44,12 +46,13 @@ class NNXMLP(nnx.Module):
     """Linear -> LayerNorm -> GELU -> Linear."""
 
     def __init__(self, config: NNXMLPConfig, rngs: nnx.Rngs):
-        self.fc_in = nnx.Linear(config.in_dim, config.hidden, rngs=rngs)
-        self.norm = nnx.LayerNorm(config.hidden, rngs=rngs)
-        self.fc_out = nnx.Linear(config.hidden, config.out_dim, rngs=rngs)
+        dtype = resolve_dtype(config.dtype)
+        self.fc_in = nnx.Linear(config.in_dim, config.hidden, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.norm = nnx.LayerNorm(config.hidden, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.fc_out = nnx.Linear(config.hidden, config.out_dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.fc_out(jax.nn.gelu(self.norm(self.fc_in(x))))
+        return self.fc_out(jax.nn.gelu(self.norm(self.fc_in(x)))).astype(jnp.float32)
 
 
 def build(name: str, config: NNXMLPConfig) -> ModelBundle:

@@ -11,7 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from zoo.train import ModelBundle, build_bundle, make_optimizer, validate_config
+from zoo.train import ModelBundle, build_bundle, make_optimizer, resolve_dtype, validate_config
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -25,6 +25,7 @@ class PlainMLPConfig:
       classes: output classes.
       learning_rate: AdamW learning rate.
       weight_decay: AdamW weight decay.
+      dtype: compute dtype name ("float32", "bfloat16" or "float16"); parameters stay float32.
     """
 
     batch: int
@@ -33,6 +34,7 @@ class PlainMLPConfig:
     classes: int
     learning_rate: float = 1e-2
     weight_decay: float = 0.01
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -53,13 +55,14 @@ def init_params(config: PlainMLPConfig, key: jax.Array) -> dict:
     }
 
 
-def forward(params: dict, x: jax.Array) -> jax.Array:
-    """Logits f32[batch, classes]; a None bias is skipped."""
-    h = jnp.tanh(x @ params["hidden"]["w"] + params["hidden"]["b"])
-    logits = h @ params["out"]["w"]
+def forward(params: dict, x: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """Logits f32[batch, classes], computed in `dtype` from float32 params; a None bias is skipped."""
+    cast = lambda a: a.astype(dtype)  # noqa: E731
+    h = jnp.tanh(cast(x) @ cast(params["hidden"]["w"]) + cast(params["hidden"]["b"]))
+    logits = h @ cast(params["out"]["w"])
     if params["out"]["b"] is not None:
-        logits = logits + params["out"]["b"]
-    return logits
+        logits = logits + cast(params["out"]["b"])
+    return logits.astype(jnp.float32)
 
 
 def build(name: str, config: PlainMLPConfig) -> ModelBundle:
@@ -73,7 +76,7 @@ def build(name: str, config: PlainMLPConfig) -> ModelBundle:
         }
 
     def loss_fn(params, batch) -> jax.Array:
-        log_probs = jax.nn.log_softmax(forward(params, batch["x"]), axis=-1)
+        log_probs = jax.nn.log_softmax(forward(params, batch["x"], resolve_dtype(config.dtype)), axis=-1)
         picked = jnp.take_along_axis(log_probs, batch["labels"][:, None], axis=-1)
         return -jnp.mean(picked)
 

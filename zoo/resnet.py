@@ -43,7 +43,7 @@ class ResNetConfig:
       bottleneck: 1x1-3x3-1x1 bottleneck blocks with 4x expansion (ResNet-50 style) instead of
         two 3x3 convolutions (ResNet-18 style).
       imagenet_stem: 7x7/2 convolution stem (ImageNet); otherwise a 3x3/1 stem for small images.
-      dtype: activation dtype name ("float32" or "bfloat16"); parameters stay float32.
+      dtype: compute dtype name ("float32", "bfloat16" or "float16"); parameters stay float32.
       learning_rate: AdamW learning rate.
       weight_decay: AdamW weight decay.
     """

@@ -29,8 +29,11 @@ TrainStep = Callable[[State, Batch], tuple[State, Metrics]]
 # lowest backend optimisation level compiles 2-3x faster.
 _RUN_ONCE_OPTIONS: Mapping[str, Any] = types.MappingProxyType({"xla_backend_optimization_level": 0})
 
+# Compute dtypes a zoo model can train in: every config's `dtype` sets activations and matmul
+# inputs, while parameters and the AdamW moments stay float32 (mixed precision as people train:
+# bf16 on A100/H100/TPU, fp16 on V100, which has no bf16 tensor cores).
 DTYPES: Mapping[str, Any] = types.MappingProxyType(
-    {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+    {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 )
 
 

@@ -9,13 +9,16 @@ from planner.cost_model.hardware import (
     Hardware,
     get_hardware,
     hardware_for_device_kind,
+    hardware_with_links,
     peak_flops,
+    xla_flags,
 )
-from planner.cost_model.model import CostModel
+from planner.cost_model.model import CostModel, profiled_hardware
 from planner.cost_model.profile_db import ProfileDB, ProfileWarning, load_profile
 
 __all__ = [
     "COLLECTIVES", "AxisLink", "Cluster", "CostModel", "Curve", "DEFAULT_HARDWARE", "Fit", "Hardware", "Link",
     "PRESETS", "ProfileDB", "ProfileWarning", "fit_alpha_beta", "get_hardware", "hardware_for_device_kind",
-    "load_profile", "peak_flops", "ring_bytes",
+    "hardware_with_links",
+    "load_profile", "peak_flops", "profiled_hardware", "ring_bytes", "xla_flags",
 ]

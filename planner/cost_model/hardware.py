@@ -19,6 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from planner.errors import InvalidArgumentError
+from planner.units import parse_link
+
 _NUMERIC = ("flops_f32", "flops_bf16", "memory_bytes", "memory_bandwidth", "intra_bandwidth", "intra_latency",
             "inter_bandwidth", "inter_latency")
 
@@ -37,6 +40,13 @@ class Hardware:
       devices_per_host: devices one host (node, TPU VM) usually holds; the cluster default.
       device_kind: regular expression matching `jax.Device.device_kind` of this hardware
         (case-insensitive, searched); empty for hardware JAX cannot name.
+      kernel_launch_s: the least time one kernel (a dot, a convolution) takes however small its
+        work: launch and scheduling cost between kernels of one compiled program (`CostModel.
+        compute_time`); `planner profile` measures it (`profiling.measure_kernel_launch`).
+      default_dtype: the compute dtype people train with on this hardware (mixed precision: 16-bit
+        compute, float32 master parameters and optimizer state); `planner plan --dtype` defaults to it.
+      platform: "gpu", "tpu" or "cpu": which XLA flags a plan assumes (`xla_flags`); XLA:CPU runs
+        collectives synchronously, so nothing overlaps there.
     """
 
     name: str
@@ -50,12 +60,23 @@ class Hardware:
     inter_latency: float
     devices_per_host: int = 8
     device_kind: str = ""
+    kernel_launch_s: float = 0.0
+    default_dtype: str = "bfloat16"
+    platform: str = "gpu"
 
     def __post_init__(self):
         for name in _NUMERIC:
             v = getattr(self, name)
             if isinstance(v, bool) or not (isinstance(v, (int, float)) and v > 0):
                 raise ValueError(f"hardware {self.name}: {name}={v!r} must be a positive number")
+        v = self.kernel_launch_s
+        if isinstance(v, bool) or not (isinstance(v, (int, float)) and v >= 0):
+            raise ValueError(f"hardware {self.name}: kernel_launch_s={v!r} must be a number >= 0")
+        if self.platform not in ("gpu", "tpu", "cpu"):
+            raise ValueError(f"hardware {self.name}: platform={self.platform!r} must be gpu, tpu or cpu")
+        if self.default_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"hardware {self.name}: default_dtype={self.default_dtype!r} must be float32, bfloat16 "
+                             "or float16")
         if not (isinstance(self.devices_per_host, int) and self.devices_per_host >= 1):
             raise ValueError(f"hardware {self.name}: devices_per_host={self.devices_per_host!r} must be an int >= 1")
 
@@ -67,18 +88,24 @@ class Hardware:
 _GB = 1e9
 _GIB = 2.0**30
 
+# Kernel launch floor of the GPU presets. NVIDIA Technical Blog, "Getting Started with CUDA Graphs"
+# (A. Gray, 2019, developer.nvidia.com/blog/cuda-graphs): a short kernel (2.9 us of work) issued
+# back to back from one stream on a V100 takes about 3.8 us per kernel, the launch cost of a few
+# microseconds setting the pace of small kernels. Hopper and Ampere launch at the same order.
+_CUDA_KERNEL_LAUNCH_S = 3.8e-6
+
 # NVIDIA H100 SXM5 80GB datasheet: FP32 67 TFLOP/s, BF16 989 TFLOP/s dense (1979 with sparsity),
 # 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s bidirectional (450 GB/s per direction).
 # DGX H100: 8 GPUs per node, 8x ConnectX-7 400 Gb/s NDR, i.e. 50 GB/s per GPU.
 H100_SXM = Hardware("h100-sxm", flops_f32=67e12, flops_bf16=989e12, memory_bytes=80 * _GB,
                     memory_bandwidth=3.35e12, intra_bandwidth=450 * _GB, intra_latency=2e-6,
-                    inter_bandwidth=50 * _GB, inter_latency=10e-6, devices_per_host=8, device_kind=r"h100")
+                    inter_bandwidth=50 * _GB, inter_latency=10e-6, devices_per_host=8, device_kind=r"h100", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S)
 
 # NVIDIA H200 SXM datasheet: same Hopper compute as H100 SXM (FP32 67, BF16 989 TFLOP/s dense),
 # 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional; DGX H200: 8x ConnectX-7 400 Gb/s.
 H200 = Hardware("h200", flops_f32=67e12, flops_bf16=989e12, memory_bytes=141 * _GB, memory_bandwidth=4.8e12,
                 intra_bandwidth=450 * _GB, intra_latency=2e-6, inter_bandwidth=50 * _GB, inter_latency=10e-6,
-                devices_per_host=8, device_kind=r"h200")
+                devices_per_host=8, device_kind=r"h200", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S)
 
 # NVIDIA A100 datasheet (SXM4 40GB): FP32 19.5 TFLOP/s, BF16 312 TFLOP/s dense, 40 GB HBM2 at
 # 1,555 GB/s, NVLink 3 600 GB/s bidirectional (300 per direction). DGX A100: 8x 200 Gb/s HDR
@@ -86,22 +113,25 @@ H200 = Hardware("h200", flops_f32=67e12, flops_bf16=989e12, memory_bytes=141 * _
 A100_40GB = Hardware("a100-40gb", flops_f32=19.5e12, flops_bf16=312e12, memory_bytes=40 * _GB,
                      memory_bandwidth=1.555e12, intra_bandwidth=300 * _GB, intra_latency=2e-6,
                      inter_bandwidth=25 * _GB, inter_latency=10e-6, devices_per_host=8,
-                     device_kind=r"a100.*40\s*gb")
+                     device_kind=r"a100.*40\s*gb", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S)
 
 # NVIDIA A100 datasheet (SXM4 80GB): as the 40 GB part but 80 GB HBM2e at 2,039 GB/s.
 A100_80GB = Hardware("a100-80gb", flops_f32=19.5e12, flops_bf16=312e12, memory_bytes=80 * _GB,
                      memory_bandwidth=2.039e12, intra_bandwidth=300 * _GB, intra_latency=2e-6,
                      inter_bandwidth=25 * _GB, inter_latency=10e-6, devices_per_host=8,
-                     device_kind=r"a100.*80\s*gb")
+                     device_kind=r"a100.*80\s*gb", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S)
 
 # NVIDIA V100 datasheet (SXM2 16GB): FP32 15.7 TFLOP/s; no bfloat16, so the 16-bit figure is the
 # FP16 tensor-core peak of 125 TFLOP/s; 16 GB HBM2 at 900 GB/s; NVLink 2 300 GB/s bidirectional
 # (150 per direction). DGX-1: 4x 100 Gb/s EDR InfiniBand for 8 GPUs, i.e. 6.25 GB/s per GPU.
 V100_16GB = Hardware("v100-16gb", flops_f32=15.7e12, flops_bf16=125e12, memory_bytes=16 * _GB,
                      memory_bandwidth=900 * _GB, intra_bandwidth=150 * _GB, intra_latency=3e-6,
-                     inter_bandwidth=6.25 * _GB, inter_latency=10e-6, devices_per_host=8, device_kind=r"v100")
+                     inter_bandwidth=6.25 * _GB, inter_latency=10e-6, devices_per_host=8, device_kind=r"v100",
+                     kernel_launch_s=_CUDA_KERNEL_LAUNCH_S, default_dtype="float16")
 
-# TPU presets. JAX's default matmul precision runs float32 matmuls as one bfloat16 MXU pass on
+# TPU presets. A TPU program runs its ops from one on-chip instruction stream with no per-kernel
+# host launch; no published per-op floor is known, so none is modelled (kernel_launch_s = 0) unless
+# a profile measures one. JAX's default matmul precision runs float32 matmuls as one bfloat16 MXU pass on
 # TPU, so the float32 peak is the bfloat16 peak. A mesh axis maps to one torus dimension, whose
 # ring uses two ICI links per chip (one each way round), so `intra_bandwidth` is two links' worth
 # of one direction. Hosts (TPU VMs) hold 4 chips (v4, v5p) or 8 (v5e).
@@ -111,7 +141,8 @@ V100_16GB = Hardware("v100-16gb", flops_f32=15.7e12, flops_bf16=125e12, memory_b
 # per-chip DCN figure for v4; assumed equal to v5p's 50 Gb/s per chip.
 TPU_V4 = Hardware("tpu-v4", flops_f32=275e12, flops_bf16=275e12, memory_bytes=32 * _GIB,
                   memory_bandwidth=1.2e12, intra_bandwidth=100 * _GB, intra_latency=5e-6,
-                  inter_bandwidth=6.25 * _GB, inter_latency=30e-6, devices_per_host=4, device_kind=r"^tpu v4")
+                  inter_bandwidth=6.25 * _GB, inter_latency=30e-6, devices_per_host=4, device_kind=r"^tpu v4",
+                  platform="tpu")
 
 # Cloud TPU v5e docs: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, ICI 1,600 Gb/s per chip over 4
 # ports of a 2D torus (50 GB/s per port per direction), 8 chips per host with 2x 100 Gb/s NICs
@@ -119,7 +150,7 @@ TPU_V4 = Hardware("tpu-v4", flops_f32=275e12, flops_bf16=275e12, memory_bytes=32
 TPU_V5E = Hardware("tpu-v5e", flops_f32=197e12, flops_bf16=197e12, memory_bytes=16 * _GB,
                    memory_bandwidth=819 * _GB, intra_bandwidth=100 * _GB, intra_latency=5e-6,
                    inter_bandwidth=3.125 * _GB, inter_latency=30e-6, devices_per_host=8,
-                   device_kind=r"^tpu v5 ?(lite|e)")
+                   device_kind=r"^tpu v5 ?(lite|e)", platform="tpu")
 
 # Cloud TPU v5p docs: 459 TFLOP/s bf16, 95 GB HBM2e at 2,765 GB/s, ICI 4,800 Gb/s (1,200 GB/s
 # bidirectional) per chip over 6 ports of a 3D torus (100 GB/s per port per direction), DCN 50 Gb/s
@@ -127,7 +158,7 @@ TPU_V5E = Hardware("tpu-v5e", flops_f32=197e12, flops_bf16=197e12, memory_bytes=
 TPU_V5P = Hardware("tpu-v5p", flops_f32=459e12, flops_bf16=459e12, memory_bytes=95 * _GB,
                    memory_bandwidth=2.765e12, intra_bandwidth=200 * _GB, intra_latency=5e-6,
                    inter_bandwidth=6.25 * _GB, inter_latency=30e-6, devices_per_host=4,
-                   device_kind=r"^tpu v5p?$")
+                   device_kind=r"^tpu v5p?$", platform="tpu")
 
 # This development machine: a 2-vCPU AMD EPYC (Zen 5, AVX-512, 2.6 GHz; `lscpu`) split into 8 XLA
 # host devices (`--xla_force_host_platform_device_count=8`), so each device gets 1/8 of the host.
@@ -136,10 +167,13 @@ TPU_V5P = Hardware("tpu-v5p", flops_f32=459e12, flops_bf16=459e12, memory_bytes=
 # There is no datasheet for a shared cloud VM: memory and link figures are the fits `planner profile`
 # measured here (experiments/bench_collectives.py): ~5.6 GB/s streaming per device; in-process
 # collectives ~10 us per ring step and ~3 GB/s; across 2 processes (gloo over loopback TCP, the
-# "inter-host" link) ~500 us per step and ~0.5 GB/s.
+# "inter-host" link) ~500 us per step and ~0.5 GB/s. Kernel launch floor: 3.7-5.1 us per dot in
+# three runs of `profiling.measure_kernel_launch` (8 devices). Users of XLA:CPU train in float32
+# (it runs bfloat16 dots in float32 anyway).
 CPU = Hardware("cpu", flops_f32=41.6e9, flops_bf16=41.6e9, memory_bytes=24 * _GB / 8,
                memory_bandwidth=5.6 * _GB, intra_bandwidth=3 * _GB, intra_latency=10e-6,
-               inter_bandwidth=0.5 * _GB, inter_latency=500e-6, devices_per_host=8, device_kind=r"^cpu$")
+               inter_bandwidth=0.5 * _GB, inter_latency=500e-6, devices_per_host=8, device_kind=r"^cpu$",
+               kernel_launch_s=4.5e-6, default_dtype="float32", platform="cpu")
 
 PRESETS: Mapping[str, Hardware] = MappingProxyType(
     {hw.name: hw for hw in (H100_SXM, H200, A100_40GB, A100_80GB, V100_16GB, TPU_V4, TPU_V5E, TPU_V5P, CPU)}
@@ -217,3 +251,61 @@ def hardware_for_device_kind(kind: str) -> Hardware | None:
         if hw.matches_device_kind(kind):
             return hw
     return None
+
+
+def hardware_with_links(hardware: str | Hardware | None, inter_host: Any = None, intra_host: Any = None,
+                        devices_per_host: int | None = None) -> Hardware:
+    """`hardware` with the links of a cluster as it is, instead of the preset's (a DGX network).
+
+    Args:
+      hardware: a preset name, cluster description or `Hardware`.
+      inter_host: one host's network bandwidth, shared by its devices: bytes/s or a string with
+        units ("25Gbit", "12.5GB/s"), optionally with a latency ("25Gbit,10us"). Alpa's testbed,
+        8 V100 per host on 25 Gbit/s, gives each device 3.125 GB/s / 8 = 0.39 GB/s.
+      intra_host: one device's link to the others of its host (one direction), same forms.
+      devices_per_host: devices sharing the host's network (default: the hardware's).
+
+    Raises:
+      InvalidArgumentError: a value that is not a bandwidth (one line).
+    """
+    hw = get_hardware(hardware)
+    per_host = devices_per_host or hw.devices_per_host
+    changes: dict[str, float] = {}
+    if inter_host is not None:
+        bandwidth, latency = parse_link(inter_host, "inter_host")
+        changes["inter_bandwidth"] = bandwidth / per_host
+        if latency is not None:
+            changes["inter_latency"] = latency
+    if intra_host is not None:
+        bandwidth, latency = parse_link(intra_host, "intra_host")
+        changes["intra_bandwidth"] = bandwidth
+        if latency is not None:
+            changes["intra_latency"] = latency
+    if not changes:
+        return hw
+    for name in ("inter_latency", "intra_latency"):
+        if changes.get(name) == 0:
+            raise InvalidArgumentError(f"{name.replace('_latency', '_host')} latency must be positive (every message "
+                                       "pays some); write e.g. '25Gbit,10us'")
+    return dataclasses.replace(hw, **changes)
+
+
+def xla_flags(hardware: Hardware, overlap: bool, combine_threshold_bytes: int = 0) -> tuple[str, ...]:
+    """The XLA flags under which a prediction with overlapped gradient reductions holds.
+
+    GPU: the latency-hiding scheduler (runs collectives asynchronously beside independent compute)
+    and collective combiner thresholds of `combine_threshold_bytes` (the largest gradient reduction
+    of the plan), so gradients are combined per layer and issued as each layer's backward ends,
+    not all at the end of the step. TPU: the same scheduler (XLA:TPU combines on its own; the flag
+    goes in LIBTPU_INIT_ARGS). XLA:CPU runs collectives synchronously: no flags, and nothing is
+    predicted to overlap. Flag names: XLA's debug options (xla/debug_options_flags.cc).
+    """
+    if not overlap or hardware.platform == "cpu":
+        return ()
+    if hardware.platform == "tpu":
+        return ("--xla_tpu_enable_latency_hiding_scheduler=true",)
+    flags = ["--xla_gpu_enable_latency_hiding_scheduler=true"]
+    if combine_threshold_bytes > 0:
+        flags += [f"--xla_gpu_{kind}_combine_threshold_bytes={int(combine_threshold_bytes)}"
+                  for kind in ("all_reduce", "reduce_scatter", "all_gather")]
+    return tuple(flags)

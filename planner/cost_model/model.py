@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from planner.cost_model.cluster import Cluster
-from planner.cost_model.collectives import AxisLink, analytic_time, best_time, check_kind, group_link
+from planner.cost_model.collectives import AxisLink, analytic_time, best_time, check_kind, group_link, ring_steps
 from planner.cost_model.hardware import (
     DEFAULT_HARDWARE,
     Hardware,
@@ -23,6 +23,33 @@ from planner.errors import MeshError
 from planner.mesh import MeshSpec
 
 log = logging.getLogger("planner")
+
+
+def profiled_hardware(profile: Any, hardware: str | Hardware | None = None) -> Hardware:
+    """The hardware a profile database describes: the preset of its device kind (or `hardware`, or
+    the default preset's figures under the device kind's name when no preset matches), with every
+    figure the profile measured replacing the preset's: matmul FLOP/s per dtype, memory bandwidth,
+    device memory, kernel launch floor. The one source of the hardware a `--profile` plan names,
+    its default memory budget and its MFU, and of the cost model built from the profile.
+
+    Raises:
+      ProfileError: an unreadable or corrupt database.
+    """
+    db: ProfileDB = load_profile(profile)
+    base = get_hardware(hardware) if hardware is not None else hardware_for_device_kind(db.device_kind)
+    if base is None:
+        base = dataclasses.replace(DEFAULT_HARDWARE, name=db.device_kind.strip().lower() or "profiled",
+                                   device_kind="")
+    flops = dict(db.matmul_flops)
+    return dataclasses.replace(
+        base,
+        flops_f32=flops.get("float32", base.flops_f32),
+        flops_bf16=flops.get("bfloat16", base.flops_bf16),
+        memory_bandwidth=db.memory_bandwidth or base.memory_bandwidth,
+        memory_bytes=db.device_memory_bytes or base.memory_bytes,
+        kernel_launch_s=base.kernel_launch_s if db.kernel_launch_s is None else db.kernel_launch_s,
+        platform=db.platform if db.platform in ("gpu", "tpu", "cpu") else base.platform,
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -95,14 +122,7 @@ class CostModel:
         if db.jax_version not in (jax.__version__, "synthetic"):
             log.info("profile %s was measured with jax %s; this is jax %s (collective implementations may differ)",
                      db.name, db.jax_version, jax.__version__)
-        base = hw or hardware_for_device_kind(db.device_kind) or DEFAULT_HARDWARE
-        flops = dict(db.matmul_flops)
-        base = dataclasses.replace(
-            base,
-            flops_f32=flops.get("float32", base.flops_f32),
-            flops_bf16=flops.get("bfloat16", base.flops_bf16),
-            memory_bandwidth=db.memory_bandwidth or base.memory_bandwidth,
-        )
+        base = profiled_hardware(db, hw)
         inter = measured.inter_host_axes if inter_host_axes is None else tuple(inter_host_axes)
         fallback = cls.default(mesh, base, inter).links
         links = tuple(m if m is not None else f for m, f in zip(measured.links, fallback))
@@ -154,6 +174,20 @@ class CostModel:
             return analytic_time(kind, nbytes, axes, self.mesh, links)
         return analytic_time(kind, nbytes, axes, self.mesh, self.links)
 
+    def collective_latency(self, kind: str, axes: Sequence[int]) -> float:
+        """The latency `collective_time(..., combined=True)` leaves out: what one combined collective
+        of `kind` over `axes` pays once (the ring's message rounds at the group's slowest link, the
+        measured curve's intercept where profiled)."""
+        check_kind(kind)
+        axes = tuple(sorted(a for a in axes if self.mesh.shape[a] > 1))
+        if not axes:
+            return 0.0
+        if self.measured is not None:
+            curve = self.measured.get(kind, axes)
+            if curve is not None:
+                return max(0.0, curve.fit.alpha)
+        return ring_steps(kind, self.mesh.axis_size(axes)) * group_link(axes, self.links).alpha
+
     def algorithm(self, kind: str, nbytes: float, axes: Sequence[int]) -> str:
         """How the time of `collective_time` is obtained: "measured", "ring" or "tree"."""
         axes = tuple(sorted(a for a in axes if self.mesh.shape[a] > 1))
@@ -163,14 +197,18 @@ class CostModel:
         return best_time(kind, nbytes, n, group_link(axes, self.links))[1] if n > 1 else "ring"
 
     def compute_time(self, flops: float, bytes_accessed: float,
-                     dtypes: np.dtype | Iterable[np.dtype] | None = None) -> float:
-        """Roofline: the larger of FLOP time and memory time on one device.
+                     dtypes: np.dtype | Iterable[np.dtype] | None = None, kernels: int = 0) -> float:
+        """Roofline with a launch floor: the largest of FLOP time, memory time and `kernels` times
+        the hardware's `kernel_launch_s`, on one device.
 
         `dtypes` are the values whose precision sets the FLOP rate (`hardware.peak_flops`): a dot's or
         convolution's operands, another op's results; one dtype or several; None means float32.
+        `kernels`: the kernels the op surely runs as (1 for a dot or convolution, which XLA never
+        fuses with each other; 0 for ops that may fuse into a neighbour's kernel).
         """
         if dtypes is None:
             dtypes = ()
         elif isinstance(dtypes, (np.dtype, str, type)):
             dtypes = (dtypes,)
-        return max(flops / peak_flops(self.hardware, dtypes), bytes_accessed / self.hardware.memory_bandwidth)
+        return max(flops / peak_flops(self.hardware, dtypes), bytes_accessed / self.hardware.memory_bandwidth,
+                   kernels * self.hardware.kernel_launch_s)

@@ -80,6 +80,8 @@ class ProfileDB:
       memory_bandwidth: measured bytes/s per device (read + write), or None.
       compute_samples: raw matmul / memory runs.
       path: file the database was read from (None when built in memory).
+      kernel_launch_s: measured least time of one kernel inside a program (None: not measured).
+      device_memory_bytes: memory one device can allocate (None: the backend does not say).
     """
 
     device_kind: str
@@ -97,6 +99,8 @@ class ProfileDB:
     memory_bandwidth: float | None = None
     compute_samples: tuple[Mapping[str, Any], ...] = ()
     path: str | None = None
+    kernel_launch_s: float | None = None
+    device_memory_bytes: float | None = None
 
     @property
     def name(self) -> str:
@@ -145,6 +149,8 @@ class ProfileDB:
             "compute": {
                 "matmul_flops": dict(self.matmul_flops),
                 "memory_bandwidth": self.memory_bandwidth,
+                "kernel_launch_s": self.kernel_launch_s,
+                "device_memory_bytes": self.device_memory_bytes,
                 "samples": [dict(s) for s in self.compute_samples],
             },
         }
@@ -216,6 +222,13 @@ class ProfileDB:
         bw = compute.get("memory_bandwidth")
         if bw is not None and not _positive(bw):
             raise ProfileError(f"profile {name}: compute.memory_bandwidth={bw!r} must be a positive number or null")
+        launch = compute.get("kernel_launch_s")
+        if launch is not None and not (_positive(launch) or launch == 0):
+            raise ProfileError(f"profile {name}: compute.kernel_launch_s={launch!r} must be a number >= 0 or null")
+        capacity = compute.get("device_memory_bytes")
+        if capacity is not None and not _positive(capacity):
+            raise ProfileError(f"profile {name}: compute.device_memory_bytes={capacity!r} must be a positive number "
+                               "or null")
         return cls(
             device_kind=reader.get(data, "device_kind", str),
             platform=str(data.get("platform", "")),
@@ -232,6 +245,8 @@ class ProfileDB:
             memory_bandwidth=None if bw is None else float(bw),
             compute_samples=tuple(s for s in compute.get("samples", ()) if isinstance(s, Mapping)),
             path=path,
+            kernel_launch_s=None if launch is None else float(launch),
+            device_memory_bytes=None if capacity is None else float(capacity),
         )
 
     @classmethod

@@ -147,6 +147,36 @@ def measure_overhead(mesh: jax.sharding.Mesh, repeats: int = 10, warmup: int = 2
     return float(np.median(_time_calls(lambda: fn(x), max(repeats, 3), warmup)))
 
 
+def measure_kernel_launch(mesh: jax.sharding.Mesh, kernels: int = 129, repeats: int = 20, warmup: int = 2) -> float:
+    """Seconds one kernel of a compiled program takes at least: a chain of `kernels` dependent tiny
+    matmuls (16x16: the work is negligible; dots are never fused together, so each is one kernel)
+    against a chain of one, the difference per extra kernel. The program's own launch cancels out."""
+    def chain(k: int):
+        def body(x):
+            m = x.reshape(16, 16)
+            for _ in range(k):
+                m = m @ m * (1.0 / 16.0)
+            return m.reshape(-1)
+        return _spmd(mesh, body)
+
+    x = _input(mesh, 256)
+    one, many = chain(1), chain(kernels)
+    t1 = float(np.median(_time_calls(lambda: one(x), repeats, warmup)))
+    tk = float(np.median(_time_calls(lambda: many(x), repeats, warmup)))
+    return max(0.0, (tk - t1) / (kernels - 1))
+
+
+def device_memory_bytes(device: jax.Device) -> float | None:
+    """Memory one device can allocate (`memory_stats()["bytes_limit"]`), None where the backend does
+    not say (XLA:CPU)."""
+    try:
+        stats = device.memory_stats()
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return None
+    limit = (stats or {}).get("bytes_limit")
+    return float(limit) if limit else None
+
+
 def measure_matmul(mesh: jax.sharding.Mesh, dtype: str, max_bytes: int, repeats: int = 3, warmup: int = 1,
                    overhead: float = 0.0) -> tuple[float, list[dict]]:
     """Best matmul FLOP/s per device with every device multiplying its own square matrices at once
@@ -219,8 +249,9 @@ def profile(mesh: jax.sharding.Mesh, sizes: Sequence[int], repeats: int = 5, war
             xs = [b for b, reps in zip(nbytes, seconds) for _ in reps]
             fit = Curve.from_samples(xs, net).fit
             entries.append(CollectiveSamples(kind, axes, group_offsets(spec, axes), tuple(nbytes), tuple(seconds), fit))
-    matmul, memory, compute_samples = {}, None, []
+    matmul, memory, compute_samples, launch = {}, None, [], None
     if compute:
+        launch = measure_kernel_launch(mesh)
         max_bytes = max(sizes)
         for dtype in _MATMUL_DTYPES:
             matmul[dtype], s = measure_matmul(mesh, dtype, max(max_bytes, 3 * 128 * 128 * 4), overhead=overhead)
@@ -247,6 +278,8 @@ def profile(mesh: jax.sharding.Mesh, sizes: Sequence[int], repeats: int = 5, war
         matmul_flops=tuple(matmul.items()),
         memory_bandwidth=memory,
         compute_samples=tuple(compute_samples),
+        kernel_launch_s=launch,
+        device_memory_bytes=device_memory_bytes(device),
     )
 
 
@@ -268,6 +301,8 @@ def summary(db: ProfileDB) -> str:
         lines.append(f"  matmul {dtype:<10} {flops / 1e9:10.2f} GFLOP/s per device")
     if db.memory_bandwidth:
         lines.append(f"  memory bandwidth  {db.memory_bandwidth / 1e9:10.2f} GB/s per device")
+    if db.kernel_launch_s is not None:
+        lines.append(f"  kernel launch     {db.kernel_launch_s * 1e6:10.2f} us per kernel")
     return "\n".join(lines)
 
 

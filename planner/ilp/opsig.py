@@ -23,6 +23,9 @@ class OpSig:
       sum_labels: contracted labels whose split yields partial results.
       flops: floating-point operations of the op (for the compute model).
       known: False when produced by the replicated fallback.
+      pinned: label -> mesh axis names: the only sharding these labels may take (the user's own
+        sharding constraints, shard_map boundaries); labels not listed are free. None: no pins.
+      where: what the pins come from, for error messages.
     """
 
     inputs: tuple[Labels | None, ...]
@@ -31,6 +34,8 @@ class OpSig:
     sum_labels: frozenset[str] = frozenset()
     flops: float = 0.0
     known: bool = True
+    pinned: tuple[tuple[str, tuple[str, ...]], ...] | None = None
+    where: str = ""
 
     def shardable(self) -> tuple[str, ...]:
         """Labels a mesh axis may be assigned to, in a fixed order."""

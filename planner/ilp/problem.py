@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import re
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from planner.cost_model import CostModel
 from planner.graph import Graph, Literal, Tensor
@@ -47,6 +47,13 @@ class Node:
       descriptions: per strategy, the root op's strategy in words.
       free_requires: (free tensor id, spec per strategy) wanted of free operands (iotas, masks), so
         emission can materialise them directly in the layout their consumers use.
+      comm_s: per strategy, the seconds of `costs` that are its own collectives (the rest is compute).
+      comm_times: per strategy, the seconds of each entry of `comms` as `costs` counts it (they sum
+        to `comm_s`); decision records carry them.
+      combined: per strategy, the (kind, axes) groups its combinable collectives join; each group's
+        latency is paid once per step (`ilp.objective`), not per collective.
+      async_s: per strategy, the seconds of `comm_s` that XLA's latency-hiding scheduler can run
+        beside later compute (the combinable collectives: gradient reductions).
     """
 
     index: int
@@ -58,6 +65,20 @@ class Node:
     ops: list[int]
     descriptions: list[str]
     free_requires: list[tuple[int, list[Spec]]] = dataclasses.field(default_factory=list)
+    comm_s: list[float] = dataclasses.field(default_factory=list)
+    combined: list[frozenset[tuple[str, tuple[int, ...]]]] = dataclasses.field(default_factory=list)
+    comm_times: list[list[float]] = dataclasses.field(default_factory=list)
+    async_s: list[float] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.async_s:
+            self.async_s = [0.0] * len(self.costs)
+        if not self.comm_times:
+            self.comm_times = [[0.0] * len(c) for c in self.comms]
+        if not self.comm_s:
+            self.comm_s = [0.0] * len(self.costs)
+        if not self.combined:
+            self.combined = [frozenset()] * len(self.costs)
 
     @property
     def size(self) -> int:
@@ -67,7 +88,7 @@ class Node:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Edge:
     """Tensor `tensor` produced under node `src`'s choice and read as operand `pos` of op `op` under
-    node `dst`'s choice."""
+    node `dst`'s choice (op -1: a pinned output handed back in the layout of input node `dst`)."""
 
     src: int
     dst: int
@@ -93,6 +114,8 @@ class Problem:
     free: frozenset[int]
     rep: tuple[int, ...]
     combinable: frozenset[int] = frozenset()
+    overlap: bool = True  # combinable collectives run beside later compute (`ilp.objective`)
+    pinned_outputs: Mapping[int, Spec] = dataclasses.field(default_factory=dict)  # output -> layout handed back
 
     def spec(self, tensor: int, choice: Sequence[int]) -> Spec | None:
         """The tensor's sharding under `choice` (None for free tensors, which are left to XLA)."""
@@ -119,12 +142,17 @@ def _followed_operand(op, sig, graph: Graph, free: set[int], arrays: list[int]) 
 
 
 def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool = True,
-                  share_layers: bool = True) -> Problem:
+                  share_layers: bool = True, pins: Mapping[int, Spec] | None = None) -> Problem:
     """Builds nodes (with follower merging), edges, output ties and tensor live ranges.
 
     Tensors computed from literals alone (iotas, broadcast zeros, masks) are *free*: any device
     can make any shard of them locally, so they carry no decision and no resharding cost.
+
+    `pins` (input tensor id -> spec, `planner.pins`) leave a pinned input's decision that one
+    strategy; its followers follow it. Layer sharing compares strategies, so a pinned input shares
+    a decision only with inputs pinned alike, and an unpinned layer's input keeps all of its own.
     """
+    pins = pins or {}
     nodes: list[Node] = []
     owner: dict[int, int] = {}
     fallback: dict[str, int] = {}
@@ -133,7 +161,7 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
 
     for tid, path in zip(graph.inputs, graph.input_paths):
         t = graph.tensors[tid]
-        specs = list(enumerate_specs(t.shape, cost.mesh))
+        specs = [pins[tid]] if tid in pins else list(enumerate_specs(t.shape, cost.mesh))
         keep = [TIE_BREAK_S_PER_BYTE * shard_bytes(t, s, cost.mesh) for s in specs]
         nodes.append(Node(len(nodes), f"input {path}", keep, [[] for _ in specs], {tid: specs}, [],
                           [], ["" for _ in specs]))
@@ -162,8 +190,15 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
             needs: dict[int, list[Spec]] = {k: [] for k in others}
             for i, spec in enumerate(node.owned[src]):
                 strat, pre = follow(sig, lead, spec, ins, outs, cost, combined)
-                node.costs[i] += strat.cost + sum(cost.collective_time(kd, b, a) for kd, a, b in pre)
+                pre_s = sum(cost.collective_time(kd, b, a) for kd, a, b in pre)
+                node.costs[i] += strat.cost + pre_s
+                node.comm_s[i] += strat.comm_time + pre_s
+                if combined:
+                    node.combined[i] = node.combined[i] | _groups(strat.comms)
+                    node.async_s[i] += strat.comm_time
                 node.comms[i].extend(pre + strat.comms)
+                node.comm_times[i].extend([cost.collective_time(kd, b, a) for kd, a, b in pre]
+                                          + [cost.collective_time(kd, b, a, combined) for kd, a, b in strat.comms])
                 out_specs.append(strat.out_specs[0])
                 for k in others:
                     needs[k].append(strat.in_specs[k] if strat.in_specs[k] is not None else ((),) * len(ins[k].shape))
@@ -191,6 +226,10 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
             descriptions=[s.describe(cost.mesh) for s in strategies],
             free_requires=[(op.inputs[k], [s.in_specs[k] for s in strategies]) for k in arrays
                            if op.inputs[k] in free],
+            comm_s=[s.comm_time for s in strategies],
+            comm_times=[[cost.collective_time(kd, b, a, combined) for kd, a, b in s.comms] for s in strategies],
+            combined=[_groups(s.comms) if combined else frozenset() for s in strategies],
+            async_s=[s.comm_time if combined else 0.0 for s in strategies],
         )
         nodes.append(node)
         for t in op.outputs:
@@ -206,20 +245,35 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
         edges.append(Edge(src, dst, tid, tuple(nodes[src].owned[tid]), tuple(req), op_index, k))
 
     ties = []
+    pinned_outputs: dict[int, Spec] = {}
     if tie_outputs:
         by_path = {p: t for p, t in zip(graph.input_paths, graph.inputs)}
         for path, out in zip(graph.output_paths, graph.outputs):
             tin = by_path.get(path)
             if (isinstance(out, int) and tin is not None and out != tin and out in owner
                     and graph.tensors[out] == graph.tensors[tin]):
-                ties.append((tin, out))
+                if tin in pins:
+                    # A pinned state leaf comes back in its pinned layout, as `jax.jit(out_shardings=...)`
+                    # would hand it back: the output may be computed in another layout and resharded
+                    # at the end (an edge into the pinned input's node), never made infeasible.
+                    src, dst = owner[out], owner[tin]
+                    edges.append(Edge(src, dst, out, tuple(nodes[src].owned[out]), tuple(nodes[dst].owned[tin])))
+                    pinned_outputs[out] = pins[tin]
+                else:
+                    ties.append((tin, out))
 
     ties.extend((a, b) for a, b in graph.loop_ties if a in owner and b in owner)
     for name, n in sorted(fallback.items()):
         log.warning("no sharding rule for primitive %r (%d ops): planned replicated", name, n)
     rep = layer_representatives(nodes, graph) if share_layers else tuple(range(len(nodes)))
     return Problem(graph, cost, tuple(nodes), tuple(edges), owner, tuple(ties), live_ranges(graph),
-                   tuple(sorted(fallback)), frozenset(free), rep, frozenset(combinable))
+                   tuple(sorted(fallback)), frozenset(free), rep, frozenset(combinable),
+                   pinned_outputs=pinned_outputs)
+
+
+def _groups(comms: Sequence[Comm]) -> frozenset[tuple[str, tuple[int, ...]]]:
+    """The (kind, axes) groups of combinable collectives (XLA's combiners merge each group into one)."""
+    return frozenset((kind, tuple(sorted(axes))) for kind, axes, _ in comms)
 
 
 def _combinable_ops(graph: Graph) -> set[int]:

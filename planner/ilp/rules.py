@@ -14,6 +14,9 @@ import math
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
+from jax.sharding import PartitionSpec
+
+from planner.compat import user_sharding
 from planner.graph import Graph, Literal, Op
 from planner.ilp.index_rules import (
     conv_rule,
@@ -268,13 +271,103 @@ def _all_but(dims_of: Callable[[Op, int], set[int]]) -> Rule:
 
 
 def random_bits_rule(op: Op, graph: Graph) -> OpSig:
-    """Random bits from a single key: the result may be split (JAX's threefry is partitionable, so
-    each device generates its slice of the same numbers); the key stays whole."""
+    """Random bits from a key (or a batch of keys, whose dims lead the result): the result may be
+    split (JAX's threefry is partitionable, so each device generates its slice of the same numbers)."""
     labels, sizes = dim_labels("d", graph.tensors[op.outputs[0]].shape)
     key = graph.tensors[op.inputs[0]]
-    if key.shape:
-        return replicated_rule(op, graph)
-    return OpSig(((),), (labels,), sizes)
+    return OpSig((labels[:len(key.shape)],), (labels,), sizes)  # a batch of keys: its dims lead the result
+
+
+def _pins(labels, spec) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """label -> mesh axis names of a `PartitionSpec` (dims it leaves out or marks UNCONSTRAINED: free)."""
+    out = []
+    for lab, entry in zip(labels, tuple(spec) + (None,) * (len(labels) - len(spec))):
+        if entry is PartitionSpec.UNCONSTRAINED:
+            continue
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        out.append((lab, names))
+    return tuple(out)
+
+
+def user_constraint_rule(op: Op, graph: Graph) -> OpSig:
+    """The user's `with_sharding_constraint` / `jax.sharding.reshard`: the result takes the user's
+    spec (a pin: the operand is resharded into it), unless the step was traced with
+    `user_constraints="hint"`, when the op keeps its operand's sharding and the planner decides."""
+    x = op.inputs[0]
+    labels, sizes = dim_labels("d", tensor_of(graph, x).shape)
+    ins = (None if isinstance(x, Literal) else labels,)
+    if graph.user_constraints == "hint":
+        return OpSig(ins, (labels,), sizes)
+    spec = user_sharding(op.params).spec
+    where = f"the sharding constraint {spec} at {op.name_stack or 'top level'}"
+    return OpSig(ins, (labels,), sizes, pinned=_pins(labels, spec), where=where)
+
+
+def shard_map_rule(op: Op, graph: Graph) -> OpSig:
+    """A `shard_map` region, opaque to the planner: its operands and results take the layouts of
+    its in/out specs (the planner reshards into and out of it and plans everything around it)."""
+    p = op.params
+    ins, outs, pins, sizes = [], [], [], {}
+    for tag, xs, specs, acc in (("i", op.inputs, p["in_specs"], ins), ("o", op.outputs, p["out_specs"], outs)):
+        for k, (x, spec) in enumerate(zip(xs, specs)):
+            if isinstance(x, Literal):
+                acc.append(None)
+                continue
+            labels, s = dim_labels(f"{tag}{k}_", graph.tensors[x].shape)
+            sizes.update(s)
+            pins.extend(_pins(labels, spec))
+            acc.append(labels)
+    return OpSig(tuple(ins), tuple(outs), sizes, pinned=tuple(pins),
+                 where=f"shard_map at {op.name_stack or 'top level'}")
+
+
+def unstack_rule(op: Op, graph: Graph) -> OpSig:
+    """`unstack` (the transpose of `stack`, e.g. in RoPE's backward): the unstacked dim stays whole,
+    the others pass through to every result."""
+    x = graph.tensors[op.inputs[0]]
+    axis = op.params["axis"] % len(x.shape)
+    labels, sizes = dim_labels("d", x.shape)
+    out = tuple(l for i, l in enumerate(labels) if i != axis)
+    return OpSig((tuple(None if i == axis else l for i, l in enumerate(labels)),), tuple(out for _ in op.outputs),
+                 sizes, flops=0.0)
+
+
+def identity_each_rule(op: Op, graph: Graph) -> OpSig:
+    """Ops that pass every operand through to the matching result (`optimization_barrier`, which
+    remat emits): each operand keeps its own dims."""
+    ins, sizes = [], {}
+    for k, x in enumerate(op.inputs):
+        if isinstance(x, Literal):
+            ins.append(None)
+            continue
+        labels, s = dim_labels(f"o{k}_", graph.tensors[x].shape)
+        sizes.update(s)
+        ins.append(labels)
+    outs = tuple(lab if lab is not None else () for lab in ins)
+    return OpSig(tuple(ins), outs, sizes)
+
+
+def key_batch_rule(op: Op, graph: Graph) -> OpSig:
+    """PRNG key ops (`random_wrap`, `random_unwrap`, `random_split`, `random_fold_in`, `random_seed`):
+    the leading dims the result shares with the first operand pass through (a batch of keys may be
+    split); trailing dims that differ (key data words, a split's new dims) stay whole."""
+    x, out = tensor_of(graph, op.inputs[0]), graph.tensors[op.outputs[0]]
+    sizes: dict[str, int] = {}
+    in_l: list[str | None] = [None] * len(x.shape)
+    out_l: list[str | None] = [None] * len(out.shape)
+    for d, (a, b) in enumerate(zip(x.shape, out.shape)):
+        if a != b:
+            break
+        in_l[d] = out_l[d] = f"d{d}"
+        sizes[f"d{d}"] = a
+    rest = []
+    for v in op.inputs[1:]:  # fold_in's data: broadcast like an elementwise operand
+        t = tensor_of(graph, v)
+        rest.append(None if isinstance(v, Literal) else tuple(out_l[d] if len(t.shape) == len(out.shape) and
+                                                              t.shape[d] == out.shape[d] else None
+                                                              for d in range(len(t.shape))))
+    first = None if isinstance(op.inputs[0], Literal) else tuple(in_l)
+    return OpSig((first,) + tuple(rest), (tuple(out_l),), sizes, flops=float(out.size))
 
 
 def bitcast_rule(op: Op, graph: Graph) -> OpSig:
@@ -344,8 +437,19 @@ RULES: Mapping[str, Rule] = MappingProxyType({
     "top_k": _all_but(lambda op, n: {n - 1}),
     "split": _all_but(lambda op, n: {op.params["axis"] % n}),
     "random_bits": random_bits_rule,
+    "random_wrap": key_batch_rule,
+    "random_unwrap": key_batch_rule,
+    "random_split": key_batch_rule,
+    "random_fold_in": key_batch_rule,
+    "random_seed": key_batch_rule,
+    "unstack": unstack_rule,
+    "optimization_barrier": identity_each_rule,
+    "name": elementwise_rule,  # checkpoint_name: identity, evaluated as itself so remat policies see it
     "threefry2x32": elementwise_rule,
     "bitcast_convert_type": bitcast_rule,
+    "sharding_constraint": user_constraint_rule,
+    "reshard": user_constraint_rule,
+    "shard_map": shard_map_rule,
 })
 
 

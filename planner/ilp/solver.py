@@ -20,6 +20,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from planner.errors import InfeasiblePlanError
+from planner.ilp.objective import overlap_order, step_time
 from planner.ilp.problem import Problem
 from planner.ilp.strategies import edge_parts, edge_time, part_key, part_time, shard_bytes
 
@@ -69,6 +70,8 @@ def memory_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
         delta[last + 2] -= b
     profile = np.cumsum(delta)[: n + 2]
     for e in problem.edges:
+        if e.op < 0 and e.src_specs[choice[e.src]] == e.dst_specs[choice[e.dst]]:
+            continue  # a pinned output already in its layout: no copy
         b = shard_bytes(problem.graph.tensors[e.tensor], e.dst_specs[choice[e.dst]], mesh)
         profile[_transient_point(problem, e)] += b
     return profile
@@ -78,20 +81,15 @@ def _transient_point(problem: Problem, e) -> int:
     """Where an edge's operand copy is counted: at its consumer, except in the combinable tail of
     the program (the optimizer update), where XLA's combiners gather every resharded operand into
     one buffer that lives until the end; those all count at the last point."""
-    if e.op in problem.combinable:
+    if e.op < 0 or e.op in problem.combinable:  # op -1: a pinned output resharded at the end
         return len(problem.graph.ops) + 1
     return e.op + 1
 
 
 def plan_cost(problem: Problem, choice: Sequence[int]) -> float:
-    """The ILP objective of `choice`, recomputed directly (seconds)."""
-    total = sum(node.costs[choice[node.index]] for node in problem.nodes)
-    for e in problem.edges:
-        src = e.src_specs[choice[e.src]]
-        dst = e.dst_specs[choice[e.dst]]
-        t = problem.graph.tensors[e.tensor]
-        total += edge_time(t, src, dst, problem.cost)
-    return total
+    """The ILP objective of `choice`, recomputed directly (seconds): `objective.step_time`, the
+    number the plan's prediction reports."""
+    return step_time(problem, choice).total_s
 
 
 class _Model:
@@ -131,9 +129,62 @@ class _Model:
             merged[(problem.rep[e.src], problem.rep[e.dst], t, e.src_specs, e.dst_specs)] += 1
         for (src, dst, t, src_specs, dst_specs), mult in merged.items():
             self._edge(src, dst, t, src_specs, dst_specs, mult)
+        self._combined_latency()
+        self._overlap()
         for tin, tout in problem.ties:
             self._tie(tin, tout)
         self.objective = sum(self.terms) + self.constant
+
+    def _combined_latency(self) -> None:
+        """One latency per (kind, axes) group of combined collectives that any chosen strategy
+        joins (`objective.step_time`): a boolean per group, implied by each strategy in it."""
+        members: dict[tuple, list] = defaultdict(list)
+        for node in self.problem.nodes:
+            for i, groups in enumerate(node.combined):
+                for g in groups:
+                    members[g].append(self.x[node.index][i])
+        for (kind, axes), xs in sorted(members.items()):
+            ticks = int(round(self.problem.cost.collective_latency(kind, axes) * _NS))
+            if ticks == 0:
+                continue
+            if any(isinstance(v, int) for v in xs):  # a node with one strategy always pays it
+                self.constant += ticks
+                continue
+            g = self.m.NewBoolVar(f"combined_{kind}_{axes}")
+            for v in {v.Index(): v for v in xs}.values():
+                self.m.AddImplication(v, g)
+            self.terms.append(ticks * g)
+
+    def _overlap(self) -> None:
+        """Replaces the combinable collectives' time by its exposed part (`objective.hidden_time`):
+        the backlog of a first-in-first-out communication stream (Lindley's recursion), B_k >= a_k
+        and B_k >= a_k + B_prev - (compute since the previous issue), exposed E >= B_last - (compute
+        after the last issue), E >= 0; the objective takes E instead of the async times."""
+        p = self.problem
+        if not p.overlap or not any(t > 0 for n in p.nodes for t in n.async_s):
+            return
+
+        def expr(node, values):
+            return sum(int(round(v * _NS)) * x for v, x in zip(values, self.x[node.index]) if round(v * _NS))
+
+        order = overlap_order(p)
+        bound = int(sum(max(n.costs) for n in order) * _NS) + 1
+        backlog = None
+        compute_since = 0
+        for node in order:
+            compute_since = compute_since + expr(node, [c - m for c, m in zip(node.costs, node.comm_s)])
+            if not any(t > 0 for t in node.async_s):
+                continue
+            a = expr(node, node.async_s)
+            b = self.m.NewIntVar(0, bound, "")
+            self.m.Add(b >= a)
+            if backlog is not None:
+                self.m.Add(b >= a + backlog - compute_since)
+            self.terms.append(-a)
+            backlog, compute_since = b, 0
+        exposed = self.m.NewIntVar(0, bound, "exposed_async")
+        self.m.Add(exposed >= backlog - compute_since)
+        self.terms.append(exposed)
 
     def _add_cost(self, var, seconds: float) -> None:
         self._add_ticks((var,), int(round(seconds * _NS)))
@@ -216,7 +267,12 @@ class _Model:
                     self.m.Add(self.x[a][i] == 0) if not isinstance(self.x[a][i], int) else self.m.Add(0 == 1)
             return
         for s in set(ga) | set(gb):
-            self.m.Add(sum(ga.get(s, [])) == sum(gb.get(s, [])))
+            lhs, rhs = sum(ga.get(s, [])), sum(gb.get(s, []))
+            if isinstance(lhs, int) and isinstance(rhs, int):  # both sides pinned (`planner.pins`)
+                if lhs != rhs:
+                    self.m.AddBoolOr([])  # contradictory pins: infeasible
+                continue
+            self.m.Add(lhs == rhs)
 
     def memory_expr(self, point: int):
         """Per-device KiB live at op index `point`, as a linear expression of the choice."""

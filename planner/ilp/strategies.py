@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from planner.cost_model import CostModel
+from planner.errors import MeshError
 from planner.graph import Tensor
 from planner.ilp.rules import OpSig
 from planner.mesh import MeshSpec
@@ -66,8 +67,14 @@ def rate_dtypes(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor]
     one FLOP per element for elementwise ops and reductions.
     """
     arrays = [t for t in ins if t is not None]
-    contraction = len(arrays) >= 2 and sig.flops > 0 and sig.flops >= 2 * sum(t.size for t in outs)
-    return tuple(t.dtype for t in (arrays if contraction else outs) if isinstance(t.dtype, np.dtype))
+    return tuple(t.dtype for t in (arrays if is_contraction(sig, ins, outs) else outs) if isinstance(t.dtype, np.dtype))
+
+
+def is_contraction(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor]) -> bool:
+    """A dot or convolution, recognised from its signature (see `rate_dtypes`): one kernel of its own
+    (XLA fuses elementwise neighbours into it, never another contraction), so it pays the launch floor."""
+    arrays = [t for t in ins if t is not None]
+    return len(arrays) >= 2 and sig.flops > 0 and sig.flops >= 2 * sum(t.size for t in outs)
 
 
 def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axes_of: dict[str, tuple[int, ...]],
@@ -80,7 +87,8 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
     split = math.prod(mesh.axis_size(v) for v in axes_of.values())
     moved = sum(shard_bytes(t, s, mesh) for t, s in zip(ins, in_specs) if t is not None and s is not None)
     moved += sum(shard_bytes(t, s, mesh) for t, s in zip(outs, base_out))
-    compute = cost.compute_time(sig.flops / split, moved, rate_dtypes(sig, ins, outs))
+    compute = cost.compute_time(sig.flops / split, moved, rate_dtypes(sig, ins, outs),
+                                kernels=int(is_contraction(sig, ins, outs)))
     assignment = tuple(sorted(axes_of.items()))
     if not partial:
         return [Strategy(assignment, in_specs, base_out, (), compute, 0.0)]
@@ -114,6 +122,10 @@ def enumerate_strategies(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequenc
       combined: the op's reductions can be combined with others (no latency term).
     """
     mesh = cost.mesh
+    if sig.pinned is not None:
+        fixed = pinned_axes(sig, mesh)
+        if all(l in fixed for l in sig.shardable()):
+            return _build(sig, ins, outs, fixed, cost, combined)
     labels = sig.shardable()
     axes = active_axes(mesh)
     found: dict[tuple, Strategy] = {}
@@ -123,6 +135,8 @@ def enumerate_strategies(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequenc
             if c >= 0:
                 axes_of[labels[c]] = axes_of.get(labels[c], ()) + (a,)
         if any(sig.sizes[l] % mesh.axis_size(v) for l, v in axes_of.items()):
+            continue
+        if sig.pinned is not None and any(axes_of.get(l, ()) != v for l, v in fixed.items()):
             continue
         for s in _build(sig, ins, outs, axes_of, cost, combined):
             key = (s.in_specs, s.out_specs)
@@ -134,6 +148,22 @@ def enumerate_strategies(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequenc
         if full:
             strategies = full
     return strategies
+
+
+def pinned_axes(sig: OpSig, mesh: MeshSpec) -> dict[str, tuple[int, ...]]:
+    """The pinned labels' mesh axes (indices; axes of size 1 dropped), checked against the mesh."""
+    out: dict[str, tuple[int, ...]] = {}
+    for label, names in sig.pinned or ():
+        missing = [n for n in names if n not in mesh.axis_names]
+        if missing:
+            raise MeshError(f"{sig.where} names mesh axis {missing[0]!r}, which mesh {mesh} "
+                            f"(axes {', '.join(mesh.axis_names)}) does not have")
+        axes = tuple(mesh.axis_names.index(n) for n in names if mesh.shape[mesh.axis_names.index(n)] > 1)
+        if sig.sizes.get(label, 1) % mesh.axis_size(axes):
+            raise MeshError(f"{sig.where} splits a dimension of size {sig.sizes.get(label, 1)} over "
+                            f"{'*'.join(names)} ({mesh.axis_size(axes)} devices), which does not divide it")
+        out[label] = axes
+    return out
 
 
 def follow(sig: OpSig, operand: int, spec: Spec, ins: Sequence[Tensor | None], outs: Sequence[Tensor],
@@ -148,14 +178,22 @@ def follow(sig: OpSig, operand: int, spec: Spec, ins: Sequence[Tensor | None], o
     assert labels is not None
     axes_of: dict[str, tuple[int, ...]] = {}
     gathered: list[int] = []
+    fixed = pinned_axes(sig, mesh) if sig.pinned is not None else {}
+    taken = {a for v in fixed.values() for a in v}
     for d, axes in enumerate(spec):
         lab = labels[d]
-        if not axes:
+        if not axes or lab in fixed:
             continue
-        if lab is None or sig.sizes[lab] % mesh.axis_size(axes):
+        if lab is None or sig.sizes[lab] % mesh.axis_size(axes) or taken & set(axes):
             gathered.extend(axes)
         else:
             axes_of[lab] = axes
+    if sig.pinned is not None:  # the operand is resharded to the pinned layout
+        axes_of.update(fixed)
+        strategy = _build(sig, ins, outs, axes_of, cost, combined)[0]
+        t = ins[operand]
+        assert t is not None
+        return strategy, _transitions(t, spec, strategy.in_specs[operand], cost)[0]
     pre: tuple[Comm, ...] = ()
     if gathered:
         kept = tuple(tuple(a for a in axes if a not in gathered) for axes in spec)

@@ -1,8 +1,8 @@
 """Why a plan is what it is: the text of `planner explain`.
 
 Explanations are computed from the plan's JSON form alone: the predicted collectives (kind, axes,
-bytes, where, reason), the per-decision records (chosen strategy, its local cost, the runner-up and
-its extra cost) and, with the command line's context block, the input shapes. Collective times are
+bytes, where, reason), the per-decision records (chosen strategy, its local cost split, its own
+collectives as the planner costed them, the runner-up with its extra cost and collectives) and, with the command line's context block, the input shapes. Collective times are
 re-costed with the same cost model the plan was made with (`planning.cost_model_for`), so the
 breakdown adds up to the planner's own numbers up to the latency the collective combiner saves.
 """
@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import ast
 import os
-import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 from planner.cost_model import CostModel, ring_bytes
 from planner.options import PlanOptions
-from planner.plan import Decision, PredictedCollective
+from planner.plan import Decision, Plan, PredictedCollective
 from planner.planning import cost_model_for
 from planner.present.report import PlanView, fmt_axes_spec, fmt_bytes, fmt_time, memory_breakdown, table
 
-_COLLECTIVE_IN_TEXT = re.compile(
-    r"(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\[([^\]]*)\]\((\d+)B\)")
 _REASONS = {
     "partial sum": "partial sums (a split contraction is reduced)",
     "reshard": "resharding (producer and consumer disagree)",
@@ -65,21 +62,11 @@ def readable_strategy(text: str, axis_names: Sequence[str]) -> str:
     return text
 
 
-def strategy_comm(text: str, timer: Timer, cost_s: float | None = None) -> tuple[float, list[str]]:
-    """Communication a strategy description names (`all-reduce[x*y](8192B)`): seconds and readable items.
-
-    The planner costs gradient reductions as combined (XLA merges them, so their latency is paid once);
-    when the full times exceed the strategy's cost, the combined (bandwidth-only) times are the ones it used.
-    """
-    found = [(kind, tuple(a for a in re.split(r"[*,\s]+", axes) if a), float(nbytes))
-             for kind, axes, nbytes in _COLLECTIVE_IN_TEXT.findall(text)]
-    full = [timer(k, b, names) for k, names, b in found]
-    combined = cost_s is not None and sum(full) > cost_s * 1.0001
-    times = [timer(k, b, names, combined=True) for k, names, b in found] if combined else full
-    items = [f"{k} over {'*'.join(names)} of {fmt_bytes(b)} ({fmt_time(t)}"
-             + (", combined with other reductions: latency not counted)" if combined else ")")
-             for (k, names, b), t in zip(found, times)]
-    return sum(times), items
+def decision_comm(collectives, ops: int = 1) -> list[str]:
+    """A decision's own collectives as readable lines (from the plan's decision record, as costed)."""
+    return [f"{kind} over {'*'.join(axes) or '-'} of {fmt_bytes(nbytes)} ({fmt_time(seconds)}"
+            + (f" per op, x{ops} ops)" if ops > 1 else ")")
+            for kind, axes, nbytes, seconds in collectives]
 
 
 def collectives_by_kind(collectives: Sequence[PredictedCollective], timer: Timer) -> dict[str, list[float]]:
@@ -139,9 +126,26 @@ def _sites(collectives: Sequence[PredictedCollective], timer: Timer) -> list[tup
     return sorted(((w, int(n), b, t) for w, (n, b, t) in acc.items()), key=lambda r: -r[3])
 
 
-def _decision_rows(decisions: Sequence[Decision], names: Sequence[str]) -> list[tuple]:
-    return [(shorten(d.label), d.ops, readable_strategy(d.chosen, names), fmt_time(d.cost_s),
-             readable_strategy(d.runner_up, names), "+" + fmt_time(d.runner_up_delta_s)) for d in decisions]
+def _decision_rows(decisions: Sequence[Decision], names: Sequence[str], top: int | None = None) -> list[tuple]:
+    """One row per distinct (label, choice, cost, runner-up) in order: identical decisions (the same
+    op in several places) are one row whose `ops` adds theirs; at most `top` rows."""
+    rows: dict[tuple, int] = {}
+    for d in decisions:
+        key = (shorten(d.label), readable_strategy(d.chosen, names), fmt_time(d.cost_s),
+               readable_strategy(d.runner_up, names), "+" + fmt_time(d.runner_up_delta_s))
+        if key not in rows and top is not None and len(rows) >= top:
+            continue
+        rows[key] = rows.get(key, 0) + d.ops
+    return [(k[0], n) + k[1:] for k, n in rows.items()]
+
+
+def _decision_count(plan: Plan, shown: int) -> str:
+    """How many decisions the plan made and how many of them `explain` lists (those with a choice)."""
+    total = plan.solver.get("variables_shared")
+    if not isinstance(total, int) or total <= shown:
+        return f"{shown} decisions"
+    return (f"{shown} of the plan's {total} decisions after layer sharing; the other {total - shown} "
+            "had a single option")
 
 
 def _relative(base: float, delta: float) -> str:
@@ -151,26 +155,46 @@ def _relative(base: float, delta: float) -> str:
     return f", {ratio:.0%} more" if ratio < 10 else f", {1 + ratio:.0f}x the chosen cost"
 
 
-def _explain_decision(d: Decision, view: PlanView, timer: Timer) -> str:
+def _explain_decision(d: Decision, view: PlanView) -> str:
     names = view.axis_names
-    comm, items = strategy_comm(d.chosen, timer, d.cost_s)
-    if d.compute_s or d.communication_s or d.resharding_s:  # exact split recorded by the planner
-        comm = d.communication_s
-    _, alt_items = strategy_comm(d.runner_up, timer, d.cost_s + d.runner_up_delta_s)
     lines = [f"  {d.label}" + (f"   ({d.ops} ops share this decision)" if d.ops > 1 else "")]
     lines.append(f"    chosen     {readable_strategy(d.chosen, names)}")
-    if d.compute_s or d.communication_s or d.resharding_s:
-        lines.append(f"               cost {fmt_time(d.cost_s)} = compute {fmt_time(d.compute_s)} + own communication "
-                     f"{fmt_time(d.communication_s)} + resharding on its edges {fmt_time(d.resharding_s)}")
-    else:  # a plan saved before the split was recorded
-        lines.append(f"               cost {fmt_time(d.cost_s)} = own communication {fmt_time(comm)} + compute and "
-                     f"resharding on its edges {fmt_time(max(0.0, d.cost_s - comm))}")
-    lines += [f"               {item}" for item in items]
+    lines.append(f"               cost {fmt_time(d.cost_s)} = compute {fmt_time(d.compute_s)} + own communication "
+                 f"{fmt_time(d.communication_s)} + resharding on its edges {fmt_time(d.resharding_s)}")
+    lines += [f"               {item}" for item in decision_comm(d.collectives, d.ops)]
     lines.append(f"    runner-up  {readable_strategy(d.runner_up, names)}")
     lines.append(f"               cost {fmt_time(d.cost_s + d.runner_up_delta_s)} (+{fmt_time(d.runner_up_delta_s)}"
                  + _relative(d.cost_s, d.runner_up_delta_s) + ")")
-    lines += [f"               {item}" for item in alt_items]
+    lines += [f"               {item}" for item in decision_comm(d.runner_up_collectives, d.ops)]
     return "\n".join(lines)
+
+
+def user_constraint_lines(plan) -> list[str]:
+    """The step's own sharding constraints: which the plan kept (pins always are), which it overrode."""
+    cs = plan.user_constraints
+    if not cs:
+        return []
+    kept = sum(bool(c["kept"]) for c in cs)
+    mode = cs[0]["mode"]
+    head = (f"Your sharding constraints ({kept} of {len(cs)} kept; "
+            + ("pinned: the planner plans around them)" if mode == "pin"
+               else "hints: the planner may override them; user_constraints='pin' keeps them all)"))
+    rows = [(shorten(c["where"], 56), c["user_spec"], c["planned_spec"], "kept" if c["kept"] else "overridden")
+            for c in cs]
+    return ["", head, table(("op", "yours", "planned", ""), rows, "llll")]
+
+
+def explain_plan(plan: Plan, op: str | None = None, top: int = 15) -> str:
+    """`planner explain` for a `Plan` in hand (`planner.present.explain.explain_plan(step.plan(*args))`).
+
+    The presentation layer sits above the core, so `Plan` itself has no `explain` method."""
+    return explain(PlanView.from_dict(plan.to_dict()), op=op, top=top)
+
+
+LEGEND = ("  notation: P(x, None) = a PartitionSpec (dim 0 split over mesh axis x, dim 1 whole); "
+          "d1->x = the op's dimension labelled d1 split over x (labels: d<i> dim i, b batch, m/n rows/columns, "
+          "k contracted, v looked-up vocabulary); all-reduce[y](N B) = a collective the op itself performs; "
+          "replicated = nothing split")
 
 
 def explain(view: PlanView, op: str | None = None, top: int = 15) -> str:
@@ -192,14 +216,16 @@ def explain(view: PlanView, op: str | None = None, top: int = 15) -> str:
             out.append(table(("op", "collectives", "sent/device", "time"),
                              [(shorten(w), n, fmt_bytes(b), fmt_time(t)) for w, n, b, t in sites[:top]], "lrrr"))
         ds = sorted(plan.decisions, key=lambda d: -d.cost_s)
-        out += ["", f"Decisions, costliest first ({len(ds)} decisions; cost = own cost + resharding on its edges):"]
+        out += ["", f"Decisions, costliest first ({_decision_count(plan, len(ds))}; "
+                    "cost = own cost + resharding on its edges; identical decisions are one row):", LEGEND]
         out.append(table(("decision", "ops", "chosen", "cost", "runner-up", "extra"),
-                         _decision_rows(ds[:top], view.axis_names), "lrlrlr"))
+                         _decision_rows(ds, view.axis_names, top), "lrlrlr"))
         close = sorted((d for d in plan.decisions if d.runner_up_delta_s > 0), key=lambda d: d.runner_up_delta_s)
         if close:
             out += ["", "Closest calls (the runner-up was almost as good):"]
             out.append(table(("decision", "ops", "chosen", "cost", "runner-up", "extra"),
-                             _decision_rows(close[: min(top, 8)], view.axis_names), "lrlrlr"))
+                             _decision_rows(close, view.axis_names, min(top, 8)), "lrlrlr"))
+        out += user_constraint_lines(plan)
         out += ["", "Details of one op: planner explain PLAN.json --op NAME"]
         return "\n".join(out)
     needle = op.lower()
@@ -210,7 +236,7 @@ def explain(view: PlanView, op: str | None = None, top: int = 15) -> str:
         return "\n".join(out + [f"no decision or collective matches {op!r}; decisions are labelled by primitive and "
                                 f"module path (primitives here: {', '.join(labels[:12])}), inputs as 'input PATH'"])
     out += ["", f"Decisions matching {op!r} ({len(ds)}):"]
-    out += [_explain_decision(d, view, timer) for d in ds[: top * 4]]
+    out += [_explain_decision(d, view) for d in ds[: top * 4]]
     if len(ds) > top * 4:
         out.append(f"  ... {len(ds) - top * 4} more (raise --top)")
     if cs:

@@ -173,10 +173,11 @@ def pipeline_figure(view: PlanView):
         fig.legend(loc="outside lower center", ncol=2, fontsize=9, frameon=False)
         ax.set_title(f"one step, no pipeline: {fmt_time(p.step_time_s)}", fontsize=11)
         return fig
-    options = view.plan.options
-    k = int(options.get("num_microbatches") or _stage_number(stages[0], ("num_microbatches", "microbatches"))
-            or 2 * len(stages))
-    kind = options.get("schedule", "1f1b")
+    options, chosen = view.plan.options, view.plan.pipeline or {}
+    # the microbatch count the plan chose (options hold only a user's fixed count, None for "choose")
+    k = int(chosen.get("num_microbatches") or options.get("num_microbatches")
+            or _stage_number(stages[0], ("num_microbatches", "microbatches")) or 2 * len(stages))
+    kind = chosen.get("schedule") or options.get("schedule", "1f1b")
     times = [_stage_number(s, ("forward_time_s", "time_s", "step_time_s", "compute_time_s")) for s in stages]
     if any(t is None for t in times):
         times = [p.step_time_s / (3 * (k + len(stages) - 1))] * len(stages)

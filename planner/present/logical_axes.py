@@ -35,11 +35,15 @@ the rules do not reproduce are listed as exceptions (paste them as explicit over
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 import re
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
+
+from planner.errors import InvalidArgumentError
+from planner.pins import rules_to_pins
 
 Shape = tuple[int, ...]
 Axes = tuple[str, ...]  # mesh axis names splitting one dimension, major to minor; () = not split
@@ -322,3 +326,40 @@ def _optimizer_summary(leaves: Sequence[Leaf]) -> str:
     how = (" additionally split over " + ", ".join(sorted(extra)) + " (ZeRO-style optimizer-state sharding)"
            if extra else " sharded differently")
     return f"{frac:.0%} of optimizer-state bytes{how}"
+
+
+def read_rules(text: str, source: str = "rules") -> list:
+    """Rules as the planner prints them, read back: the t5x list (`logical_axis_rules = [...]`),
+    the MaxText YAML line (`logical_axis_rules: [['batch', ['x']], ...]`) or a bare list.
+
+    Raises:
+      InvalidArgumentError: text holding no such list.
+    """
+    lines = [ln.split("#", 1)[0] for ln in text.splitlines()]
+    body = "\n".join(ln for ln in lines if ln.strip())
+    start = body.find("[")
+    try:
+        rules = ast.literal_eval(body[start:].strip()) if start >= 0 else None
+    except (ValueError, SyntaxError):
+        rules = None
+    if not isinstance(rules, (list, tuple)):
+        raise InvalidArgumentError(f"{source}: no list of (logical name, mesh axes) pairs found; write it as the plan "
+                                   "prints it, e.g. [('batch', 'x'), ('embed', None)]")
+    return list(rules)
+
+
+def rules_file_pins(path: str, graph, mesh) -> dict:
+    """Pins from a rules file applied to the logical names this module infers for `graph`'s
+    arguments (so the rules a plan prints can be fed back in)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise InvalidArgumentError(f"--rules {path!r}: cannot read ({e.strerror})") from None
+    rules = read_rules(text, f"--rules {path!r}")
+    shapes = [tuple(graph.tensors[t].shape) for t in graph.inputs]
+    dtypes = [str(graph.tensors[t].dtype) for t in graph.inputs]
+    leaves = classify(graph.input_paths, shapes, dtypes, [((),) * len(s) for s in shapes])
+    named = {leaf.path: leaf.names for leaf in leaves
+             if leaf.role in ("param", "opt_state", "data") and any(n is not None for n in leaf.names)}
+    return rules_to_pins(rules, named, mesh)

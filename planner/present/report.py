@@ -17,18 +17,14 @@ from planner.errors import InvalidArgumentError
 from planner.layer_index import split_indexed
 from planner.present.logical_axes import Axes, AxisRules, Leaf, classify, infer_rules, path_tokens
 from planner.plan import Plan
+from planner.units import format_bytes
 
 
 
 # ----- numbers ---------------------------------------------------------------------------------
 def fmt_bytes(n: float | None) -> str:
-    """Decimal units, as memory budgets are written (`--memory-budget 80GB`)."""
-    if n is None:
-        return "-"
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
+    """Decimal units, as memory budgets are written (`--memory-budget 80GB`); the same as `Plan.summary`."""
+    return format_bytes(n)
 
 
 def fmt_count(n: float) -> str:
@@ -339,7 +335,9 @@ def format_header(view: PlanView) -> str:
         f"  mesh                  {view.mesh_text()}" + ("   (* axis crosses hosts)" if "*" in view.mesh_text() else ""),
         f"  pipeline stages       {len(stages) if stages else 1}",
         f"  predicted step time   {fmt_time(p.step_time_s)}  (compute {fmt_time(p.compute_time_s)}, "
-        f"communication {fmt_time(p.communication_time_s)})",
+        f"communication {fmt_time(p.communication_time_s)}"
+        + (f" exposed + {fmt_time(p.hidden_communication_time_s)} hidden behind compute"
+           if p.hidden_communication_time_s > 0 else "") + ")",
         f"  memory per device     {fmt_bytes(p.memory_bytes_per_device)}"
         + (f" of {fmt_bytes(budget)} budget ({p.memory_bytes_per_device / budget:.0%})" if budget else ""),
         f"  bytes moved / device  {fmt_bytes(p.bytes_moved_per_device)} in {len(p.collectives)} collectives",

@@ -190,9 +190,13 @@ def _ranges(ids: Sequence[int]) -> str:
         ",".join(map(str, ids))
 
 
-def batch_size(args: tuple[Any, ...], batch_argnum: int = -1) -> int:
-    """The leading dimension shared by every leaf of the batch argument."""
-    leaves = jax.tree_util.tree_leaves(args[batch_argnum])
+def _argnums(batch_argnum: int | tuple[int, ...]) -> tuple[int, ...]:
+    return (batch_argnum,) if isinstance(batch_argnum, int) else tuple(batch_argnum)
+
+
+def batch_size(args: tuple[Any, ...], batch_argnum: int | tuple[int, ...] = -1) -> int:
+    """The leading dimension shared by every leaf of the batch argument(s)."""
+    leaves = jax.tree_util.tree_leaves([args[a] for a in _argnums(batch_argnum)])
     sizes = {int(np.shape(x)[0]) for x in leaves if np.ndim(x) >= 1}
     if len(sizes) != 1:
         raise InvalidArgumentError(
@@ -201,24 +205,27 @@ def batch_size(args: tuple[Any, ...], batch_argnum: int = -1) -> int:
     return sizes.pop()
 
 
-def microbatch_args(args: tuple[Any, ...], microbatch: int, batch_argnum: int = -1) -> tuple[Any, ...]:
-    """`args` as ShapeDtypeStructs with the batch argument's leaves cut to `microbatch` rows."""
+def microbatch_args(args: tuple[Any, ...], microbatch: int,
+                    batch_argnum: int | tuple[int, ...] = -1) -> tuple[Any, ...]:
+    """`args` as ShapeDtypeStructs with the batch argument(s)' leaves cut to `microbatch` rows."""
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
     out = list(abstract)
-    out[batch_argnum] = jax.tree.map(lambda x: jax.ShapeDtypeStruct((microbatch,) + tuple(x.shape[1:]), x.dtype),
-                                     abstract[batch_argnum])
+    for a in _argnums(batch_argnum):
+        out[a] = jax.tree.map(lambda x: jax.ShapeDtypeStruct((microbatch,) + tuple(x.shape[1:]), x.dtype),
+                              abstract[a])
     return tuple(out)
 
 
-def microbatch_counts(batch: int, requested: int | None, limit: int) -> tuple[int, ...]:
-    """Microbatch counts to try: the requested one, else the `limit` largest powers of two >= 2 dividing the batch."""
+def microbatch_counts(batch: int, requested: int | None, limit: int | None = None) -> tuple[int, ...]:
+    """Microbatch counts to try: the requested one, else every count >= 2 dividing the batch, largest
+    first (the `limit` largest when a limit is given)."""
     if requested is not None:
         if batch % requested:
             raise InvalidArgumentError(
                 f"num_microbatches={requested} does not divide the batch size {batch}; choose a divisor of {batch}")
         return (requested,)
-    counts = [b for b in (2**k for k in range(1, batch.bit_length())) if batch % b == 0]
-    return tuple(sorted(counts, reverse=True)[:limit])
+    counts = [b for b in range(batch, 1, -1) if batch % b == 0]
+    return tuple(counts if limit is None else counts[:limit])
 
 
 @dataclasses.dataclass(slots=True)
@@ -252,8 +259,9 @@ def _stage_specs(graph: Graph, layers: Layers, table: LayerCostTable, first: int
 
 
 def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster,
-                  options: PlanOptions | None = None, *, batch_argnum: int = -1, max_mesh_ndim: int = 2,
-                  microbatch_limit: int = 2, rel_gap: float = 0.0, num_layers: int | None = None,
+                  options: PlanOptions | None = None, *, batch_argnum: int | tuple[int, ...] = -1,
+                  max_mesh_ndim: int = 2,
+                  microbatch_limit: int | None = None, rel_gap: float = 0.0, num_layers: int | None = None,
                   full_graph: Graph | None = None) -> PipelinePlan:
     """Plans pipeline stages for `fn(*args)` on `cluster`.
 
@@ -263,11 +271,11 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
       cluster: hosts x devices and their links.
       options: `pipeline` (True: at least two stages; "auto": the single-stage plan on the whole
         cluster without microbatching competes too, and is reported), `num_microbatches`
-        (None: try the `microbatch_limit` largest powers of two dividing the batch), `schedule`,
+        (None: try every count dividing the batch, or the `microbatch_limit` largest), `schedule`,
         `memory_budget` (default: the device memory), `solver_time_limit` for each layer's ILP.
-      batch_argnum: position of the batch argument.
+      batch_argnum: position(s) of the batch argument(s).
       max_mesh_ndim: 1 plans submeshes as 1-D meshes only (faster), 2 adds 2-D ones.
-      microbatch_limit: how many microbatch counts to try when none is given.
+      microbatch_limit: how many microbatch counts to try when none is given (None: all).
       rel_gap: relative spacing of the DP's t_max candidates (0: exact).
       num_layers: layer count for balanced clustering when the model has no repeated modules.
       full_graph: `trace(fn, *args)` when the caller already has it (saves a trace).

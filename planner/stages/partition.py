@@ -1,7 +1,8 @@
 """Which pipeline stage runs each op, owns each parameter, and needs each value another made.
 
-Ops follow their layer's stage; a parameter belongs to the first stage that reads it (the
-stage of its layer when none does); values cross stages only forwards in program order.
+Ops follow their layer's stage (a `cond` or `while_loop` region runs whole on one stage); a
+parameter belongs to the first stage that reads it (the stage of its layer when none does);
+values cross stages only forwards in program order.
 """
 from __future__ import annotations
 
@@ -55,6 +56,13 @@ def partition(graph: Graph, layouts: Sequence[StageLayout], n_params: int) -> Pa
             f"layers {missing} of loss_fn belong to no stage; the stages name {sorted(stage_of_layer)} "
             f"(loss_fn's layers are {list(layers.names)})")
     op_stage = [stage_of_layer[layers.names[l]] for l in layers.op_layer]
+    for regions in graph.regions.values():
+        for r in regions:
+            if r.kind != "scan" and r.end > r.start:
+                # A branch or a loop of unknown trip count runs whole on one stage: the last its ops
+                # were clustered into (earlier stages made its operands; later ones read its results).
+                last = max(op_stage[r.start:r.end])
+                op_stage[r.start:r.end] = [last] * (r.end - r.start)
     producer: dict[int, int] = {}
     param_owner: dict[int, int] = {}
     for k, t in enumerate(graph.inputs[:n_params]):

@@ -5,28 +5,37 @@
 result is the ordinary intra-op plan on that stage's mesh (with the pipeline facts attached);
 otherwise the Plan records the stages (layers, submesh, logical mesh, devices, shardings) and the
 pipeline (schedule, microbatches, bubble), and calling the planned function runs the pipeline
-runtime. Running needs the marker the runtime needs: build the step with
-`pipelinable(loss_fn, optimizer)` (or give the function `loss_fn` and `optimizer` attributes).
+runtime. A step built with `pipelinable(loss_fn, optimizer)` gives the runtime its loss and
+optimizer; any other step has them read from its trace (`planner.stages.derived`), or gets the
+one-line reason why not. Each stage record keeps the stage's intra-op plan of one microbatch's
+forward + backward (`stages[i]["plan"]`), which the runtime emits, and the top-level prediction
+lists the pipeline's collectives (`pipeline_collectives`). `run_plan(fn, Plan.from_json(...))`
+runs a saved plan.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from planner.cost_model import Cluster, get_hardware
+import jax
+
+from planner.cost_model import Cluster, get_hardware, ring_bytes
 from planner.emit import jit_planned
-from planner.errors import InvalidArgumentError
-from planner.graph import Graph
+from planner.errors import InvalidArgumentError, PlannerError
+from planner.graph import Graph, trace
 from planner.mesh import MeshSpec
 from planner.options import PlanOptions
-from planner.plan import Plan, Prediction
+from planner.plan import Plan, PredictedCollective, Prediction
 from planner.planning import make_plan
 from planner.sharding import replicated
+from planner.stages.derived import DerivedStep
 from planner.stages.inter_op import PipelinePlan, plan_pipeline
-from planner.stages.runtime import PipelinedStep
+from planner.stages.runtime import PipelinedStep, StageLowered, plain_record
+from planner.stages.submesh import effective_hardware
 
 
 def cluster_for(mesh: MeshSpec | None, num_devices: int, options: PlanOptions) -> Cluster:
@@ -43,26 +52,35 @@ def cluster_for(mesh: MeshSpec | None, num_devices: int, options: PlanOptions) -
     return Cluster(1, size, hw)
 
 
-def to_plan(pp: PipelinePlan, graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan:
+def to_plan(pp: PipelinePlan, graph: Graph, cluster: Cluster, options: PlanOptions,
+            stage_plans: Sequence[Plan] = (), transfers: Sequence[tuple[int, int, float, bool]] = ()) -> Plan:
     """A multi-stage pipeline as a `planner.Plan`.
 
     The top-level mesh is the cluster (hosts x devices) and the top-level shardings are replicated
     placeholders: each stage's real shardings live in `stages[i]["shardings"]` on that stage's
-    own mesh. The prediction is the pipeline's (step time, peak memory of the fullest stage).
+    own mesh (parameters and batch), and its intra-op plan of one microbatch's forward + backward
+    in `stages[i]["plan"]` (a plan dict: the shardings of every intermediate, which the runtime
+    emits, and that stage's predicted collectives; `PipelineRunner.lower` gives each stage's
+    programs). The prediction is the pipeline's (step time, peak memory of the fullest stage) with
+    its collectives (`pipeline_collectives`).
     """
     if cluster.hosts > 1:
         mesh = MeshSpec((cluster.hosts, cluster.devices_per_host), ("host", "device"))
     else:
         mesh = MeshSpec((cluster.devices_per_host,), ("device",))
     rank = [len(graph.tensors[t].shape) if isinstance(t, int) else len(t.tensor.shape) for t in graph.outputs]
+    collectives = pipeline_collectives(stage_plans, transfers, pp.num_microbatches)
     prediction = Prediction(
         step_time_s=pp.step_time_s,
         compute_time_s=pp.step_time_s,
         communication_time_s=0.0,
         memory_bytes_per_device=int(pp.memory_bytes_per_device),
-        bytes_moved_per_device=0.0,
-        collectives=(),
+        bytes_moved_per_device=float(sum(ring_bytes(c.kind, c.nbytes, c.group_size) for c in collectives)),
+        collectives=collectives,
     )
+    records = pp.stage_dicts()
+    if stage_plans:
+        records = tuple(MappingProxyType({**dict(st), "plan": _record(sp)}) for st, sp in zip(records, stage_plans))
     solver = {"status": "pipeline", "solve_time_s": pp.planning.get("planning_time_s", 0.0),
               "decisions": pp.planning.get("ilp_solves"), "variables_shared": pp.planning.get("distinct_layers"),
               **dict(pp.planning)}
@@ -77,43 +95,151 @@ def to_plan(pp: PipelinePlan, graph: Graph, cluster: Cluster, options: PlanOptio
         decisions=(),
         solver=solver,
         options=options.to_json(),
-        stages=pp.stage_dicts(),
+        stages=records,
         pipeline=MappingProxyType(pp.to_dict()),
         in_tree=graph.in_tree,
         out_tree=graph.out_tree,
     )
 
 
-class PipelineRunner:
-    """Runs a multi-stage plan: `runner(state, batch)` with the zoo's state convention."""
+def pipeline_collectives(stage_plans: Sequence[Plan], transfers: Sequence[tuple[int, int, float, bool]],
+                         num_microbatches: int) -> tuple[PredictedCollective, ...]:
+    """The collectives of one pipelined step: each stage's (its intra-op plan of one microbatch's
+    forward + backward, which includes the data-parallel gradient reduction of every microbatch)
+    repeated per microbatch, so one entry carries `num_microbatches` x the bytes; and per value
+    crossing stages, a collective-permute from the sending to the receiving submesh per microbatch
+    (a float value's cotangent returns as many bytes). Axes name the stage ("stage0/data")."""
+    B = num_microbatches
+    out: list[PredictedCollective] = []
+    for s, sp in enumerate(stage_plans):
+        for c in sp.prediction.collectives:
+            out.append(dataclasses.replace(c, axes=tuple(f"stage{s}/{a}" for a in c.axes), nbytes=c.nbytes * B,
+                                           where=f"stage {s} x{B} microbatches: {c.where}"))
+    for src, dst, nbytes, has_ct in transfers:
+        out.append(PredictedCollective("collective-permute", (f"stage{src}->stage{dst}",), int(nbytes * B), 2,
+                                       f"stage {src} -> stage {dst} x{B} microbatches", "activation"))
+        if has_ct:
+            out.append(PredictedCollective("collective-permute", (f"stage{dst}->stage{src}",), int(nbytes * B), 2,
+                                           f"stage {dst} -> stage {src} x{B} microbatches", "gradient"))
+    return tuple(out)
 
-    def __init__(self, fn: Callable[..., Any], pp: PipelinePlan, devices: Sequence[Any]):
-        self.fn, self.pp, self.devices = fn, pp, list(devices)
+
+def _record(plan: Plan) -> dict:
+    """A stage's intra-op plan as its stage record keeps it (without the decision table)."""
+    d = dataclasses.replace(plan, decisions=()).to_dict()
+    d.pop("stages", None)
+    return d
+
+
+def stage_plans_for(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, pp: PipelinePlan,
+                    cluster: Cluster, options: PlanOptions) -> tuple[tuple[Plan, ...], tuple]:
+    """Each stage's intra-op plan of its forward + backward per microbatch, and the values crossing
+    stages (`PipelinedStep.stage_plan_records`), for the step `fn(*args)`; ((), ()) when the step's
+    loss and update cannot be found (running it then says why)."""
+    if has_marker(fn):
+        loss_fn, update = fn.loss_fn, fn.optimizer
+        params, batch = args[0]["params"], args[1]
+        rekey = dict
+    else:
+        derived = derive(fn, graph)
+        if isinstance(derived, InvalidArgumentError):
+            return (), ()
+        loss_fn, update, rekey = derived.loss_fn, derived.update, derived.rekey
+        params, _, batch = derived.split_args(args)
+    positions = list(range(max(d for st in pp.stages for d in st.devices) + 1))
+    step = PipelinedStep.from_plan(loss_fn, update, pp, positions)
+    layouts = [dataclasses.replace(lay, specs=rekey(lay.specs)) for lay in step.layouts]
+    step = PipelinedStep(loss_fn, update, layouts, step.num_microbatches, step.schedule)
+    hw = effective_hardware(cluster)
+    opts = [dataclasses.replace(options, hardware=hw, inter_host_axes=st.host_axes) for st in pp.stages]
+    return step.stage_plan_records(params, batch, opts)
+
+
+def has_marker(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` carries the loss function and optimizer (`pipelinable`)."""
+    return getattr(fn, "loss_fn", None) is not None and getattr(fn, "optimizer", None) is not None
+
+
+def derive(fn: Callable[..., Any], graph: Graph) -> DerivedStep | InvalidArgumentError:
+    """The loss and update read from an unmarked step's trace, or the one-line reason they cannot be."""
+    try:
+        return DerivedStep.of(fn, graph)
+    except InvalidArgumentError as e:
+        return e
+
+
+class PipelineRunner:
+    """Runs a multi-stage plan (`plan` a `PipelinePlan` or a `planner.Plan` with stages).
+
+    A step built with `pipelinable` runs as `runner(state, batch)` with its state convention; any
+    other train step runs with its own signature through the loss and update read from its trace
+    (`planner.stages.derived`), or raises the one-line reason it cannot.
+    """
+
+    def __init__(self, fn: Callable[..., Any], pp: Any, devices: Sequence[Any], graph: Graph | None = None,
+                 stage_plans: Sequence[Plan | None] = ()):
+        self.fn, self.pp, self.devices, self.stage_plans = fn, pp, list(devices), tuple(stage_plans)
+        self.derived = None if has_marker(fn) or graph is None else derive(fn, graph)
         self._step: PipelinedStep | None = None
 
     def _runtime(self) -> PipelinedStep:
         if self._step is None:
-            loss_fn, optimizer = getattr(self.fn, "loss_fn", None), getattr(self.fn, "optimizer", None)
-            if loss_fn is None or optimizer is None:
+            if isinstance(self.derived, InvalidArgumentError):
+                raise self.derived
+            stage_devices = [d for st in self.pp.stages for d in (st.devices if hasattr(st, "devices")
+                                                                    else st["devices"])]
+            if len(self.devices) < max(stage_devices) + 1:
                 raise InvalidArgumentError(
-                    f"the plan has {self.pp.num_stages} pipeline stages; running it needs the train step's loss "
-                    "function and optimizer: build the step with planner.stages.pipelinable(loss_fn, optimizer) "
-                    "(or set its .loss_fn and .optimizer attributes)")
-            if len(self.devices) < max(d for st in self.pp.stages for d in st.devices) + 1:
-                raise InvalidArgumentError(
-                    f"the pipeline spans {sum(len(st.devices) for st in self.pp.stages)} devices but only "
+                    f"the pipeline spans {len(stage_devices)} devices but only "
                     f"{len(self.devices)} are available; it can be planned but not run here")
-            self._step = PipelinedStep.from_plan(loss_fn, optimizer, self.pp, self.devices)
+            if self.derived is None:
+                step = PipelinedStep.from_plan(self.fn.loss_fn, self.fn.optimizer, self.pp, self.devices)
+                layouts, loss_fn, update = step.layouts, self.fn.loss_fn, self.fn.optimizer
+            else:
+                step = PipelinedStep.from_plan(self.derived.loss_fn, self.derived.update, self.pp, self.devices)
+                layouts = [dataclasses.replace(lay, specs=self.derived.rekey(lay.specs)) for lay in step.layouts]
+                loss_fn, update = self.derived.loss_fn, self.derived.update
+            self._step = PipelinedStep(loss_fn, update, layouts, step.num_microbatches, step.schedule,
+                                       self.stage_plans or step.stage_plans)
         return self._step
 
     def __call__(self, *args: Any):
-        if len(args) != 2:
-            raise InvalidArgumentError(f"a pipelined step takes (state, batch); got {len(args)} arguments")
-        return self._runtime()(*args)
+        if self.derived is None and not has_marker(self.fn):
+            self.derived = derive(self.fn, trace(self.fn, *args))
+        step = self._runtime()
+        if self.derived is None:
+            if len(args) != 2:
+                raise InvalidArgumentError(f"a pipelined step takes (state, batch); got {len(args)} arguments")
+            return step(*args)
+        params, carried, batch = self.derived.split_args(args)
+        new_params, new_carried, loss = step.step(params, carried, batch)
+        return self.derived.join_outputs(args, new_params, new_carried, loss)
 
-    def lower(self, *args: Any):
-        raise InvalidArgumentError("a pipelined plan has one program per stage and no single lowering; "
-                                   "see plan.stages")
+    def lower(self, *args: Any) -> tuple[StageLowered, ...]:
+        """Every stage's lowered programs (`planner.stages.runtime.StageLowered`: forward, backward
+        and update per stage, in pipeline order) for these arguments (arrays or ShapeDtypeStructs)."""
+        if self.derived is None and not has_marker(self.fn):
+            self.derived = derive(self.fn, trace(self.fn, *args))
+        step = self._runtime()
+        if self.derived is None:
+            if len(args) != 2:
+                raise InvalidArgumentError(f"a pipelined step takes (state, batch); got {len(args)} arguments")
+            return step.lower(args[0]["params"], args[0]["opt_state"], args[1])
+        params, carried, batch = self.derived.split_args(args)
+        return step.lower(params, carried, batch)
+
+
+def run_plan(fn: Callable[..., Any], plan: Plan, devices: Sequence[Any] | None = None) -> PipelineRunner:
+    """The callable that runs a saved multi-stage plan (`Plan.from_json(...)`) of `fn` on `devices`
+    (default `jax.devices()`; the plan's device positions index them)."""
+    if not plan.stages or "devices" not in plan.stages[0]:
+        raise InvalidArgumentError("this plan has no pipeline stages; run a one-stage plan with plan_parallel")
+    return PipelineRunner(fn, plan, jax.devices() if devices is None else devices)
+
+
+def stage_plans_of(plan: Plan) -> tuple[Plan | None, ...]:
+    """The intra-op plans a multi-stage `Plan`'s stage records keep (None where one has none)."""
+    return tuple(Plan.from_json(json.dumps(plain_record(st["plan"]))) if st.get("plan") else None for st in plan.stages)
 
 
 def plan_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, cluster: Cluster, options: PlanOptions,
@@ -126,7 +252,7 @@ def plan_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, clu
     """
     pp = plan_pipeline(fn, args, cluster, options, full_graph=graph, **kwargs)
     if pp.num_stages > 1:
-        return to_plan(pp, graph, cluster, options), pp
+        return to_plan(pp, graph, cluster, options, *stage_plans_for(fn, args, graph, pp, cluster, options)), pp
     st = pp.stages[0]
     jax_mesh = st.mesh.to_jax_mesh([devices[i] for i in st.devices]) if max(st.devices) < len(devices) else None
     plan = make_plan(graph, st.mesh, dataclasses.replace(options, inter_host_axes=st.host_axes), jax_mesh)
@@ -142,9 +268,20 @@ def plan_with_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph
       program; for several, `to_plan(...)` and a `PipelineRunner`.
     """
     cluster = cluster_for(mesh, len(devices), options)
-    plan, pp = plan_stages(fn, args, graph, cluster, options, devices, **kwargs)
+    derived = None if has_marker(fn) else derive(fn, graph)
+    if isinstance(derived, DerivedStep) and "batch_argnum" not in kwargs:
+        kwargs["batch_argnum"] = derived.batch_argnums()
+    try:
+        plan, pp = plan_stages(fn, args, graph, cluster, options, devices, **kwargs)
+    except PlannerError:
+        raise
+    except (ValueError, TypeError) as e:
+        # Microbatched tracing fails when the batch is not the last argument; say what the step lacks.
+        if isinstance(derived, InvalidArgumentError):
+            raise derived from e
+        raise
     if pp.num_stages > 1:
-        return plan, PipelineRunner(fn, pp, devices)
+        return plan, PipelineRunner(fn, pp, devices, graph, stage_plans_of(plan))
     st = pp.stages[0]
     if max(st.devices) < len(devices):
         return plan, jit_planned(graph, plan)

@@ -1,18 +1,24 @@
 """The compiled programs of one pipeline stage: forward, backward, gradient zeros and update.
 
-Each is a `jax.jit` of the stage's ops re-interpreted from the traced `loss_fn` (the ops of its
-layers, bound in program order), on the stage's submesh with its planned shardings.
+The stage's ops of the traced `loss_fn` (its layers, bound in program order) and their `jax.vjp`
+are traced into one program per microbatch (`StageGraph`); the stage's intra-op plan is made for
+that program, and the forward and backward are its two halves evaluated with the plan's sharding
+constraints on every planned intermediate (as single-stage emission does), on the stage's submesh.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from planner.graph import Graph, Literal
+from planner.emit import constraint_hooks
+from planner.errors import InvalidArgumentError
+from planner.graph import Graph, Literal, trace
 from planner.stages.layout import StageLayout
 
 
@@ -36,17 +42,84 @@ class StagePrograms:
     bwd: Any
     zeros: Any
     apply: Any
+    plan: Any = None               # the stage's intra-op `Plan` of `stage_graph.graph`
+    stage_graph: Any = None
 
 
 def is_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating)
 
 
-def build_programs(optimizer: Any, graph: Graph, s: int, lay: StageLayout, jmesh, ops, own, bl, n_params,
-              acts_in, aux_in, outs, aux_out, p_shard, b_shard) -> StagePrograms:
-    param_ids = tuple(graph.inputs[k] for k in own)
-    batch_ids = tuple(graph.inputs[n_params + k] for k in bl)
+def op_ranges(ops: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Maximal runs [start, end) of consecutive op indices: each runs as `Graph.evaluate` would,
+    so a control-flow region inside one runs as its loop or branch (partition keeps `cond` and
+    `while` regions whole; a `scan` split across stages runs unrolled, which computes the same)."""
+    out: list[tuple[int, int]] = []
+    for i in ops:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StageGraph:
+    """One stage's forward and backward of one microbatch as one traced program, the program its
+    intra-op plan is made for and its jitted pieces run.
+
+    `graph` maps `{"p": params, "a": float activations in, "aux": other values in, "b": batch
+    leaves, "ct": cotangents of the float outputs}` to `{"ct": float outputs, "aux_out": other
+    outputs, "p": parameter gradients, "a": activation cotangents}` (gradients and outputs carry
+    the path of the input they mirror, so the plan ties their shardings to it). Ops [0, split) are
+    the forward (they never read a cotangent), [split, n) the backward; `residuals` are the values
+    the backward reads from the forward.
+    """
+
+    graph: Graph
+    split: int | None              # None: the backward starts before the forward's outputs are made
+    residuals: tuple[int, ...]
+    inputs: Mapping[str, tuple[int, ...]]    # group -> input tensor ids
+    outputs: Mapping[str, tuple[Any, ...]]   # group -> output tensor ids (or literals)
+
+    def input_positions(self, group: str) -> tuple[int, ...]:
+        pos = {t: i for i, t in enumerate(self.graph.inputs)}
+        return tuple(pos[t] for t in self.inputs[group])
+
+
+@contextlib.contextmanager
+def _named_ops():
+    """`(before_op, after_op)` hooks that bind each op under its traced module path
+    (`jax.named_scope`), so the stage's program keeps the layer names its plan shares decisions
+    by. The scope opened before an op closes right after it; region results (no scope of their
+    own) pass through; scopes still open on an error are closed."""
+    opened: list[tuple[int, Any]] = []
+
+    def before(op, operands):
+        if op.name_stack:
+            scope = jax.named_scope(op.name_stack)
+            scope.__enter__()
+            opened.append((op.index, scope))
+        return operands
+
+    def after(op, outs):
+        if opened and opened[-1][0] == op.index:
+            opened.pop()[1].__exit__(None, None, None)
+        return outs
+
+    try:
+        yield before, after
+    finally:
+        while opened:
+            opened.pop()[1].__exit__(None, None, None)
+
+
+def stage_graph(graph: Graph, ops: tuple[int, ...], param_ids: tuple[int, ...], acts_in: tuple[int, ...],
+                aux_in: tuple[int, ...], batch_ids: tuple[int, ...], outs: tuple[int, ...],
+                aux_out: tuple[int, ...]) -> StageGraph:
+    """Traces the stage's forward + backward (`jax.vjp` of its ops of `graph`) into a `StageGraph`."""
     consts = dict(graph.consts)
+    ranges = op_ranges(ops)
 
     def run(p, a, aux, b):
         env: dict[int, Any] = dict(consts)
@@ -54,38 +127,116 @@ def build_programs(optimizer: Any, graph: Graph, s: int, lay: StageLayout, jmesh
         env.update(zip(acts_in, a))
         env.update(zip(aux_in, aux))
         env.update(zip(batch_ids, b))
-
-        def read(x):
-            return x.value if isinstance(x, Literal) else env[x]
-
-        for i in ops:
-            op = graph.ops[i]
-            res = op.primitive.bind(*(read(x) for x in op.inputs), **op.params)
-            env.update(zip(op.outputs, res if op.primitive.multiple_results else [res]))
+        with _named_ops() as (before, after):
+            for start, end in ranges:
+                graph.run_range(start, end, env, before, after)
         return [env[t] for t in outs], [env[t] for t in aux_out]
 
+    def train(args):
+        o, pull, x = jax.vjp(lambda p_, a_: run(p_, a_, args["aux"], args["b"]), args["p"], args["a"], has_aux=True)
+        gp, ga = pull(args["ct"])
+        return ({"ct": o, "aux_out": x, "p": gp, "a": ga},)  # paths as the inputs': "[0]['p'][0]"
+
+    def sds(ts):
+        return [jax.ShapeDtypeStruct(graph.tensors[t].shape, graph.tensors[t].dtype) for t in ts]
+
+    groups = {"p": param_ids, "a": acts_in, "aux": aux_in, "b": batch_ids, "ct": outs}
+    g = trace(train, {k: sds(v) for k, v in groups.items()})
+    in_pos = jax.tree_util.tree_unflatten(g.in_tree, list(range(len(g.inputs))))[0]
+    out_pos = jax.tree_util.tree_unflatten(g.out_tree, list(range(len(g.outputs))))[0]
+    inputs = {k: tuple(g.inputs[i] for i in in_pos[k]) for k in groups}
+    outputs = {k: tuple(g.outputs[i] for i in out_pos[k]) for k in ("ct", "aux_out", "p", "a")}
+    cts = set(inputs["ct"])
+    dep = set(cts)
+    first_bwd = len(g.ops)
+    for op in g.ops:
+        if any(t in dep for t in op.tensor_inputs):
+            dep.update(op.outputs)
+            first_bwd = min(first_bwd, op.index)
+    producers = g.producers()
+    made = [producers[t][0] for t in outputs["ct"] + outputs["aux_out"] if isinstance(t, int) and t in producers]
+    split = max(made, default=-1) + 1
+    changed = True
+    while changed:  # a control-flow region runs whole on one side
+        changed = False
+        for regions in g.regions.values():
+            for r in regions:
+                if r.start < split < r.end:
+                    split, changed = r.end, True
+    if split > first_bwd:  # no forward program can be cut from it; only a remat stage can run it
+        return StageGraph(g, None, (), inputs, outputs)
+    late = range(split, len(g.ops))
+    produced_late = {t for i in late for t in g.ops[i].outputs}
+    reads = [t for i in late for t in g.ops[i].tensor_inputs]
+    for regions in g.regions.values():
+        reads += [t for r in regions if r.start >= split for t in r.operands if isinstance(t, int)]
+    reads += [t for k in ("p", "a") for t in outputs[k] if isinstance(t, int)]
+    residuals = tuple(dict.fromkeys(t for t in reads if t not in produced_late and t not in cts and t not in g.consts))
+    return StageGraph(g, split, residuals, inputs, outputs)
+
+
+def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: StageLayout, jmesh, ops, own, bl,
+                   acts_in, aux_in, outs, aux_out, p_shard, b_shard, zero_shapes) -> StagePrograms:
+    """The stage's jitted forward, backward, gradient zeros and update: the pieces of `sg.graph`
+    evaluated with `plan`'s sharding constraints (`planner.emit.constraint_hooks`) on `jmesh`."""
+    g = sg.graph
+    if sg.split is None and not lay.remat:
+        raise InvalidArgumentError(
+            f"stage {s}: its traced backward starts before its forward's outputs are made, so no forward "
+            "program can be cut from it; run this stage with remat=True")
+    consts = dict(g.consts)
+    before_op, after_op = constraint_hooks(plan, jmesh)
+    n = len(g.ops)
+
+    def read(env, x):
+        return x.value if isinstance(x, Literal) else env[x]
+
+    def seeded(p, a, aux, b):
+        env: dict[int, Any] = dict(consts)
+        for k, vals in (("p", p), ("a", a), ("aux", aux), ("b", b)):
+            env.update(zip(sg.inputs[k], vals))
+        return env
+
+    def grads(env, acc):
+        gp = [read(env, t) for t in sg.outputs["p"]]
+        ga = [read(env, t) for t in sg.outputs["a"]]
+        return [x + y for x, y in zip(acc, gp)], ga
+
+    def add_cts(env, cts):
+        env.update(zip(sg.inputs["ct"], [sum(c) for c in cts]))
+
+    def fwd(p, a, aux, b):
+        env = seeded(p, a, aux, b)
+        if sg.split is None:  # (remat only) forward and backward interleave: run both, on zero cotangents
+            env.update((t, jnp.zeros(g.tensors[t].shape, g.tensors[t].dtype)) for t in sg.inputs["ct"])
+        g.run_range(0, n if sg.split is None else sg.split, env, before_op, after_op)
+        o = [read(env, t) for t in sg.outputs["ct"]]
+        x = [read(env, t) for t in sg.outputs["aux_out"]]
+        if lay.remat:
+            return o, x
+        return o, x, [env.get(t) for t in sg.residuals]
+
     if lay.remat:
-        def fwd(p, a, aux, b):
-            return run(p, a, aux, b)
-
         def bwd(p, a, aux, b, cts, acc):
-            _, pull, _ = jax.vjp(lambda p_, a_: run(p_, a_, aux, b), p, a, has_aux=True)
-            gp, ga = pull([sum(c) for c in cts])
-            return [x + y for x, y in zip(acc, gp)], ga
+            env = seeded(p, a, aux, b)
+            add_cts(env, cts)
+            g.run_range(0, n, env, before_op, after_op)
+            return grads(env, acc)
     else:
-        def fwd(p, a, aux, b):
-            o, pull, x = jax.vjp(lambda p_, a_: run(p_, a_, aux, b), p, a, has_aux=True)
-            return o, x, pull
-
-        def bwd(pull, cts, acc):
-            gp, ga = pull([sum(c) for c in cts])
-            return [x + y for x, y in zip(acc, gp)], ga
+        def bwd(res, cts, acc):
+            env: dict[int, Any] = dict(consts)
+            env.update((t, v) for t, v in zip(sg.residuals, res) if v is not None)
+            add_cts(env, cts)
+            g.run_range(sg.split, n, env, before_op, after_op)
+            return grads(env, acc)
 
     def zeros():
-        return [jnp.zeros(graph.tensors[t].shape, graph.tensors[t].dtype) for t in param_ids]
+        return [jnp.zeros(shape, dtype) for shape, dtype in zero_shapes]
 
-    def apply(p, o, g):
-        updates, o2 = optimizer.update(g, o, p)
+    def apply(p, o, gr):
+        if hasattr(optimizer, "apply"):  # a step's own update ops (planner.stages.derived.GraphUpdate)
+            return optimizer.apply(p, o, gr)
+        updates, o2 = optimizer.update(gr, o, p)
         return optax.apply_updates(p, updates), o2
 
     nacc = 5 if lay.remat else 2
@@ -96,4 +247,5 @@ def build_programs(optimizer: Any, graph: Graph, s: int, lay: StageLayout, jmesh
         bwd=jax.jit(bwd, out_shardings=(list(p_shard), None), donate_argnums=(nacc,)),
         zeros=jax.jit(zeros, out_shardings=list(p_shard)),
         apply=jax.jit(apply),
+        plan=plan, stage_graph=sg,
     )

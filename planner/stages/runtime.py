@@ -15,10 +15,14 @@ How it runs:
     (`cluster_layers`: the model's repeated modules by name, else balanced clustering matched to
     the stages' layers by position); each stage owns the ops of its layers, the parameters it
     reads first, and the batch leaves it reads.
-  * Stage s gets three `jax.jit` programs on its submesh (a `jax.sharding.Mesh` over its devices,
-    inputs placed with its planned shardings): forward (returns its outputs and the residuals of
-    `jax.vjp`, or nothing extra under remat), backward (cotangents in, gradient accumulator and
-    input cotangents out), and the optimizer update of its own parameters.
+  * Stage s's ops and their `jax.vjp` are traced into one program per microbatch
+    (`programs.StageGraph`) and planned by the intra-op ILP on the stage's mesh, with its
+    parameter, batch and boundary shardings pinned (or the plan a saved pipeline plan recorded
+    for it is used). Stage s gets three `jax.jit` programs on its submesh (a `jax.sharding.Mesh`
+    over its devices): forward (its outputs and the residuals the backward reads, or nothing extra
+    under remat) and backward (cotangents in, gradient accumulator and input cotangents out), the
+    two halves of that program with `with_sharding_constraint` on every planned intermediate, and
+    the optimizer update of its own parameters.
   * Activations and cotangents move between submeshes with `jax.device_put` to the receiving
     stage's sharding. Tasks are dispatched in the schedule's order from one thread; JAX's
     asynchronous dispatch runs the submeshes concurrently.
@@ -31,6 +35,8 @@ that mirror them and a copy of the shared ones (e.g. the step count).
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -39,17 +45,47 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from planner.errors import InvalidArgumentError
+from planner.errors import InvalidArgumentError, MeshError
 from planner.graph import trace
+from planner.ilp.strategies import shard_bytes
 from planner.mesh import MeshSpec
+from planner.options import PlanOptions
+from planner.plan import Plan, Prediction
+from planner.planning import make_plan
 from planner.sharding import named_sharding, replicated
 from planner.stages.layout import StageLayout, data_axes, data_spec, even_layouts, find_spec, layer_names
 from planner.stages.opt_state import opt_layouts, opt_shardings
 from planner.stages.partition import partition
-from planner.stages.programs import build_programs, is_float
+from planner.stages.programs import build_programs, is_float, stage_graph
 from planner.stages.schedule import dispatch_order, stage_tasks
 
-__all__ = ["PipelinedStep", "StageLayout", "even_layouts", "layer_names"]
+__all__ = ["PipelinedStep", "StageLayout", "StageLowered", "even_layouts", "layer_names"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLowered:
+    """One stage's lowered programs (`PipelinedStep.lower`, `.lower()` of a pipelined plan).
+
+    Attributes:
+      index: the stage's position in the pipeline.
+      devices: its devices; mesh: the `jax.sharding.Mesh` its programs run on.
+      forward: one microbatch's forward (outputs and the residuals the backward needs).
+      backward: one microbatch's backward (gradient accumulation and input cotangents).
+      update: the optimizer update of the stage's parameters.
+      plan: the stage's intra-op `Plan` of one microbatch's forward + backward (its prediction
+        lists the collectives the forward and backward together should compile to).
+    """
+
+    index: int
+    devices: tuple[Any, ...]
+    mesh: Any
+    forward: Any
+    backward: Any
+    update: Any
+    plan: Any = None
+
+    def programs(self) -> dict[str, Any]:
+        return {"forward": self.forward, "backward": self.backward, "update": self.update}
 
 
 class PipelinedStep:
@@ -64,7 +100,7 @@ class PipelinedStep:
     """
 
     def __init__(self, loss_fn: Callable[..., Any], optimizer: Any, stages: Sequence[StageLayout],
-                 num_microbatches: int, schedule: str = "1f1b"):
+                 num_microbatches: int, schedule: str = "1f1b", stage_plans: Sequence[Any] = ()):
         if not stages:
             raise InvalidArgumentError("a pipeline needs at least one stage")
         if not (isinstance(num_microbatches, int) and num_microbatches >= 1):
@@ -74,13 +110,15 @@ class PipelinedStep:
         self.layouts = tuple(stages)
         self.num_microbatches = num_microbatches
         self.schedule = schedule
+        self.stage_plans = tuple(stage_plans)
         self.tasks = stage_tasks(schedule, len(self.layouts), num_microbatches)
         self.order = dispatch_order(self.tasks)
         self._built: dict[tuple, tuple] = {}
 
     def with_schedule(self, schedule: str) -> PipelinedStep:
         """The same stages and compiled programs under another schedule."""
-        other = PipelinedStep(self.loss_fn, self.optimizer, self.layouts, self.num_microbatches, schedule)
+        other = PipelinedStep(self.loss_fn, self.optimizer, self.layouts, self.num_microbatches, schedule,
+                              self.stage_plans)
         other._built = self._built
         return other
 
@@ -109,10 +147,15 @@ class PipelinedStep:
                          for p, spec in st.get("shardings", {}).items()}
                 stages.append(StageLayout(tuple(st["layers"]), tuple(devices[i] for i in st["devices"]), mesh,
                                           specs, bool(st.get("remat", False))))
+            plans = [Plan.from_json(json.dumps(plain_record(st["plan"]))) if st.get("plan") else None
+                     for st in plan.stages]
+            return cls(loss_fn, optimizer, stages, B, schedule, plans)
         return cls(loss_fn, optimizer, stages, B, schedule)
 
     # ----- building ------------------------------------------------------------------------
-    def _build(self, params: Any, batch: Any):
+    def _layout(self, params: Any, batch: Any):
+        """What each stage runs, devices aside: per stage its op, parameter, batch and boundary
+        tensors, the specs of its inputs, and its `StageGraph` (forward + backward per microbatch)."""
         B = self.num_microbatches
         leaves = jax.tree_util.tree_leaves(batch)
         size = int(np.shape(leaves[0])[0]) if leaves else 0
@@ -133,9 +176,10 @@ class PipelinedStep:
         batch_ids = set(graph.inputs[n_params:])
         param_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         batch_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(batch)[0]]
+        flat_params = jax.tree_util.tree_leaves(params)
+        flat_mb = jax.tree_util.tree_leaves(abstract_mb)
         stages = []
         for s, lay in enumerate(self.layouts):
-            jmesh = lay.mesh.to_jax_mesh(list(lay.devices))
             ops = tuple(op.index for op in graph.ops if op_stage[op.index] == s)
             own = tuple(k for k in range(n_params) if param_owner[k] == s)
             reads = {t for i in ops for t in graph.ops[i].tensor_inputs}
@@ -147,26 +191,96 @@ class PipelinedStep:
                 outgoing = [loss] + [t for t in outgoing if t != loss]
             fl = lambda ts: tuple(t for t in ts if is_float(graph.tensors[t].dtype))  # noqa: E731
             nf = lambda ts: tuple(t for t in ts if not is_float(graph.tensors[t].dtype))  # noqa: E731
-            split_axes = data_axes(lay, batch_paths, abstract_mb)
-            p_shard = []
+            axes = data_axes(lay, batch_paths, abstract_mb)
+            p_spec = []
             for k in own:
-                shape = tuple(np.shape(jax.tree_util.tree_leaves(params)[k]))
-                spec = find_spec(lay.specs, param_paths[k], shape, lay.mesh) or replicated(len(shape))
-                p_shard.append(named_sharding(spec, lay.mesh, jmesh))
-            b_shard = []
+                shape = tuple(np.shape(flat_params[k]))
+                p_spec.append(find_spec(lay.specs, param_paths[k], shape, lay.mesh) or replicated(len(shape)))
+            b_spec = []
             for k in bl:
-                shape = tuple(jax.tree_util.tree_leaves(abstract_mb)[k].shape)
-                spec = find_spec(lay.specs, batch_paths[k], shape, lay.mesh) or data_spec(shape, split_axes, lay.mesh)
-                b_shard.append(named_sharding(spec, lay.mesh, jmesh))
-            st = build_programs(self.optimizer, graph, s, lay, jmesh, ops, own, bl, n_params, fl(incoming), nf(incoming),
-                                fl(outgoing), nf(outgoing), tuple(p_shard), tuple(b_shard))
-            stages.append(st)
-        act_spec = {}
+                shape = tuple(flat_mb[k].shape)
+                b_spec.append(find_spec(lay.specs, batch_paths[k], shape, lay.mesh) or data_spec(shape, axes, lay.mesh))
+            act = {t: data_spec(graph.tensors[t].shape, axes, lay.mesh) for t in incoming + outgoing}
+            acts_in, aux_in, outs, aux_out = fl(incoming), nf(incoming), fl(outgoing), nf(outgoing)
+            sg = stage_graph(graph, ops, tuple(graph.inputs[k] for k in own),
+                             acts_in, aux_in, tuple(graph.inputs[n_params + k] for k in bl), outs, aux_out)
+            stages.append(dict(index=s, layout=lay, ops=ops, own=own, bl=bl, acts_in=acts_in, aux_in=aux_in,
+                               outs=outs, aux_out=aux_out, p_spec=tuple(p_spec), b_spec=tuple(b_spec), act=act,
+                               sg=sg))
+        return graph, stages, needed_by, param_owner, mb
+
+    def _stage_plan(self, st: dict, options: Any = None):
+        """The stage's intra-op `Plan` of its `StageGraph`: the one given (`stage_plans`, as a saved
+        plan records it) when it was made for this program, else planned now with the stage's
+        parameter, batch and boundary shardings pinned."""
+        sg, lay, s = st["sg"], st["layout"], st["index"]
+        given = self.stage_plans[s] if s < len(self.stage_plans) else None
+        if given is not None:
+            if given.solver.get("ops") != len(sg.graph.ops) or len(given.input_specs) != len(sg.graph.inputs) \
+                    or given.mesh != lay.mesh:
+                raise InvalidArgumentError(
+                    f"stage {s}'s saved intra-op plan is for a program of {given.solver.get('ops')} ops on "
+                    f"{given.mesh}, this step's stage has {len(sg.graph.ops)} ops on {lay.mesh}; re-plan")
+            return given
+        pins = {}
+        for group, specs in (("p", st["p_spec"]), ("b", st["b_spec"]),
+                             ("a", [st["act"][t] for t in st["acts_in"]]),
+                             ("aux", [st["act"][t] for t in st["aux_in"]]),
+                             ("ct", [st["act"][t] for t in st["outs"]])):
+            pins.update(zip(sg.input_positions(group), specs))
+        if isinstance(options, Sequence):
+            options = options[s]
+        opts = dataclasses.replace(options or PlanOptions(), memory_budget=None, pipeline=False, tie_outputs=True)
+        try:
+            return make_plan(sg.graph, lay.mesh, opts, pins=pins)
+        except MeshError:
+            # No input of the stage can be split on its mesh (scalars, say): it runs replicated.
+            g = sg.graph
+            rank = [len(g.tensors[t].shape) if isinstance(t, int) else len(t.tensor.shape) for t in g.outputs]
+            return Plan(mesh=lay.mesh, input_paths=g.input_paths,
+                        input_specs=tuple(replicated(len(g.tensors[t].shape)) for t in g.inputs),
+                        output_paths=g.output_paths, output_specs=tuple(replicated(r) for r in rank), op_specs=(),
+                        prediction=Prediction(0.0, 0.0, 0.0, 0, 0.0, ()), decisions=(),
+                        solver={"status": "replicated", "ops": len(g.ops)}, options=opts.to_json(),
+                        in_tree=g.in_tree, out_tree=g.out_tree)
+
+    def stage_plan_records(self, params: Any, batch: Any, options: Any = None) -> tuple[tuple[Plan, ...], tuple]:
+        """Every stage's intra-op plan (`_stage_plan`; `options` one `PlanOptions` or one per stage)
+        and the values crossing stages, without devices (layout devices may be placeholders).
+
+        Returns:
+          (plans, transfers): transfers are `(from stage, to stage, bytes per receiving device,
+          float)` per value and microbatch (a float value's cotangent travels back as many bytes).
+        """
+        graph, stages, needed_by, _, _ = self._layout(params, batch)
+        plans = tuple(self._stage_plan(st, options) for st in stages)
+        transfers = []
         for st in stages:
-            axes = data_axes(st.layout, batch_paths, abstract_mb)
-            for t in st.acts_in + st.aux_in + st.outs + st.aux_out:
-                act_spec[(st.index, t)] = named_sharding(
-                    data_spec(graph.tensors[t].shape, axes, st.layout.mesh), st.layout.mesh, st.mesh)
+            for t in st["outs"] + st["aux_out"]:
+                for u in sorted(needed_by.get(t, ())):
+                    if u > st["index"]:
+                        lay = stages[u]["layout"]
+                        nbytes = shard_bytes(graph.tensors[t], stages[u]["act"][t], lay.mesh)
+                        transfers.append((st["index"], u, float(nbytes), is_float(graph.tensors[t].dtype)))
+        return plans, tuple(transfers)
+
+    def _build(self, params: Any, batch: Any):
+        graph, layout, needed_by, param_owner, mb = self._layout(params, batch)
+        stages = []
+        for st in layout:
+            lay = st["layout"]
+            jmesh = lay.mesh.to_jax_mesh(list(lay.devices))
+            shard = lambda spec: named_sharding(spec, lay.mesh, jmesh)  # noqa: E731
+            zero_shapes = [(graph.tensors[graph.inputs[k]].shape, graph.tensors[graph.inputs[k]].dtype)
+                           for k in st["own"]]
+            stages.append(build_programs(
+                self.optimizer, st["sg"], self._stage_plan(st), st["index"], lay, jmesh, st["ops"], st["own"],
+                st["bl"], st["acts_in"], st["aux_in"], st["outs"], st["aux_out"],
+                tuple(shard(x) for x in st["p_spec"]), tuple(shard(x) for x in st["b_spec"]), zero_shapes))
+        act_spec = {}
+        for st, info in zip(stages, layout):
+            for t, spec in info["act"].items():
+                act_spec[(st.index, t)] = named_sharding(spec, st.layout.mesh, st.mesh)
         return graph, tuple(stages), act_spec, needed_by, param_owner, mb
 
     # ----- running --------------------------------------------------------------------------
@@ -175,13 +289,56 @@ class PipelinedStep:
         params, opt_state, loss = self.step(state["params"], state["opt_state"], batch)
         return {"params": params, "opt_state": opt_state}, {"loss": loss}
 
-    def step(self, params: Any, opt_state: Any, batch: Any):
-        """(params, opt_state, batch) -> (new params, new opt_state, mean loss)."""
+    def _built_for(self, params: Any, batch: Any):
         sig = (jax.tree_util.tree_structure((params, batch)),
                tuple((np.shape(x), str(x.dtype)) for x in jax.tree_util.tree_leaves((params, batch))))
         if sig not in self._built:
             self._built[sig] = self._build(params, batch)
-        graph, stages, act_spec, needed_by, param_owner, mb = self._built[sig]
+        return self._built[sig]
+
+    def lower(self, params: Any, opt_state: Any, batch: Any) -> tuple[StageLowered, ...]:
+        """Every stage's programs lowered for these arguments (arrays or ShapeDtypeStructs), in
+        pipeline order: a `StageLowered` per stage with its forward, backward and update
+        `jax.stages.Lowered` (the backward for one cotangent per stage output)."""
+        graph, stages, act_spec, needed_by, param_owner, mb = self._built_for(params, batch)
+        flat_params, treedef = jax.tree_util.tree_flatten(params)
+        flat_batch = jax.tree_util.tree_leaves(batch)
+        opt_trees, full_opt = opt_layouts(self.optimizer, len(self.layouts), params, opt_state, param_owner)
+
+        def sds(shape, dtype, sharding):
+            return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+        out = []
+        for s, st in enumerate(stages):
+            p = [sds(np.shape(flat_params[k]), flat_params[k].dtype, sh)
+                 for k, sh in zip(st.params, st.param_shardings)]
+            b = [sds((mb,) + tuple(np.shape(flat_batch[k])[1:]), flat_batch[k].dtype, sh)
+                 for k, sh in zip(st.batch, st.batch_shardings)]
+            a = [sds(graph.tensors[t].shape, graph.tensors[t].dtype, act_spec[(s, t)]) for t in st.acts_in]
+            aux = [sds(graph.tensors[t].shape, graph.tensors[t].dtype, act_spec[(s, t)]) for t in st.aux_in]
+            cts = [[sds(graph.tensors[t].shape, graph.tensors[t].dtype, act_spec[(s, t)])] for t in st.outs]
+            fwd = st.fwd.lower(p, a, aux, b)
+            if st.layout.remat:
+                bwd = st.bwd.lower(p, a, aux, b, cts, p)
+            else:
+                compiled = fwd.compile()
+                shapes = jax.eval_shape(st.fwd, p, a, aux, b)[2]
+                pull = jax.tree.map(lambda x, sh: sds(x.shape, x.dtype, sh), shapes, compiled.output_shardings[2])
+                bwd = st.bwd.lower(pull, cts, p)
+            ptree, odef, okeys = opt_trees[s]
+            pos = {k: j for j, k in enumerate(st.params)}
+            masked = jax.tree_util.tree_unflatten(ptree, [p[pos[k]] if k in pos else None
+                                                          for k in range(ptree.num_leaves)])
+            shard_of = opt_shardings(okeys, st, flat_params, treedef)
+            o = jax.tree_util.tree_unflatten(odef, [sds(np.shape(full_opt[k]), full_opt[k].dtype,
+                                                        shard_of(k, full_opt[k])) for k in okeys])
+            out.append(StageLowered(s, st.layout.devices, st.mesh, fwd, bwd, st.apply.lower(masked, o, masked),
+                                    st.plan))
+        return tuple(out)
+
+    def step(self, params: Any, opt_state: Any, batch: Any):
+        """(params, opt_state, batch) -> (new params, new opt_state, mean loss)."""
+        graph, stages, act_spec, needed_by, param_owner, mb = self._built_for(params, batch)
         B = self.num_microbatches
         flat_params, treedef = jax.tree_util.tree_flatten(params)
         flat_batch = jax.tree_util.tree_leaves(batch)
@@ -268,3 +425,11 @@ class PipelinedStep:
                 return st.index
         raise AssertionError(f"tensor {t} has no producing stage")
 
+
+def plain_record(value: Any) -> Any:
+    """A plan record's read-only mappings and tuples as JSON dicts and lists."""
+    if isinstance(value, Mapping):
+        return {k: plain_record(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_record(v) for v in value]
+    return value

@@ -1,0 +1,132 @@
+"""Planning time vs depth and vs devices, split into trace / ILP build / solve (and stage DP for
+pipelines), planned abstractly (nothing allocated, no devices needed).
+
+Sweeps (defaults; --quick runs the first two points of each):
+  depth:    gpt2-small widths and llama-7b widths at 12, 24, 48, 96 layers on an 8x8 mesh description
+  devices:  gpt2-small (12 layers) on 2x4, 8x8, 16x16 and 32x32 mesh descriptions (8 .. 1024 devices)
+  pipeline: gpt3-39b (Alpa's shape) on an 8x8:v100 cluster, pipeline auto (trace / layer costs / DP)
+
+Writes experiments/results/planning.json, planning.md (the table) and planning.png (time vs layers,
+time vs devices). The wall times are of this machine, whatever else it was running: compare rows of
+one run, not runs of different days.
+
+Run: .venv/bin/python experiments/bench_planning.py [--quick] [--time-limit 60]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import planner
+from planner.mesh import MeshSpec
+from planner.options import PlanOptions
+from planner.planning import make_plan
+from zoo import get_model
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+def single_stage(model: str, layers: int, mesh: tuple[int, int], time_limit: float) -> dict:
+    b = get_model(model, layers=layers)
+    t0 = time.perf_counter()
+    graph = planner.trace(b.train_step, b.abstract_state(), b.abstract_batch())
+    trace_s = time.perf_counter() - t0
+    plan = make_plan(graph, MeshSpec(mesh, ("data", "model")), PlanOptions(solver_time_limit=time_limit))
+    total = plan.solver["planning_time_s"]
+    solve = plan.solver["solve_time_s"]
+    return {
+        "sweep": "", "model": model, "layers": layers, "devices": mesh[0] * mesh[1], "mesh": f"{mesh[0]}x{mesh[1]}",
+        "trace_s": round(trace_s, 2), "build_s": round(total - solve, 2), "solve_s": round(solve, 2),
+        "stage_dp_s": 0.0, "total_s": round(trace_s + total, 2), "ops": len(graph.ops),
+        "decisions": plan.solver.get("decisions"), "distinct": plan.solver.get("variables_shared"),
+        "status": plan.solver.get("status"), "predicted_step_s": plan.prediction.step_time_s,
+    }
+
+
+def pipeline(model: str, cluster: str, time_limit: float) -> dict:
+    b = get_model(model)
+    t0 = time.perf_counter()
+    plan = planner.plan(b.train_step, b.abstract_state(), b.abstract_batch(), hardware=cluster,
+                        pipeline="auto", solver_time_limit=time_limit)
+    total = time.perf_counter() - t0
+    info = dict((plan.pipeline or {}).get("planning") or {})
+    hosts, per_host = (int(x) for x in cluster.split(":")[0].split("x"))
+    return {
+        "sweep": "pipeline", "model": model, "layers": b.config.layers, "devices": hosts * per_host, "mesh": cluster,
+        "trace_s": info.get("trace_s"), "build_s": info.get("layer_costs_s"), "solve_s": None,
+        "stage_dp_s": info.get("dp_s"), "total_s": round(total, 2), "ops": None,
+        "decisions": info.get("ilp_solves"), "distinct": info.get("distinct_layers"),
+        "status": f"{len(plan.stages) or 1} stage(s)", "predicted_step_s": plan.prediction.step_time_s,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    cols = ("sweep", "model", "layers", "mesh", "trace_s", "build_s", "solve_s", "stage_dp_s", "total_s",
+            "decisions", "distinct", "status")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join("" if r[c] is None else str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for model in sorted({r["model"] for r in rows if r["sweep"] == "depth"}):
+        pts = [r for r in rows if r["sweep"] == "depth" and r["model"] == model]
+        a.plot([r["layers"] for r in pts], [r["total_s"] for r in pts], "o-", label=f"{model} total")
+        a.plot([r["layers"] for r in pts], [r["trace_s"] for r in pts], "x--", label=f"{model} trace")
+    a.set_xlabel("layers (8x8 mesh)")
+    a.set_ylabel("planning time, s")
+    a.legend(fontsize=8)
+    pts = [r for r in rows if r["sweep"] == "devices"]
+    for key, style in (("total_s", "o-"), ("trace_s", "x--"), ("build_s", "s--"), ("solve_s", "d--")):
+        b.plot([r["devices"] for r in pts], [r[key] for r in pts], style, label=key)
+    b.set_xscale("log", base=2)
+    b.set_xlabel("devices (gpt2-small, 12 layers)")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two points per sweep, no pipeline row")
+    parser.add_argument("--time-limit", type=float, default=60.0, help="CP-SAT limit per plan, seconds")
+    args = parser.parse_args()
+    depths = (12, 24) if args.quick else (12, 24, 48, 96)
+    meshes = ((2, 4), (8, 8)) if args.quick else ((2, 4), (8, 8), (16, 16), (32, 32))
+    rows = []
+
+    def run(sweep: str, fn, *a) -> None:
+        print(f"[bench_planning] {sweep}: {a[:3]} ...", file=sys.stderr, flush=True)
+        row = fn(*a)
+        row["sweep"] = sweep
+        rows.append(row)
+        print(f"[bench_planning]   total {row['total_s']} s (trace {row['trace_s']}, build {row['build_s']}, "
+              f"solve {row['solve_s']}, dp {row['stage_dp_s']}) {row['status']}", file=sys.stderr, flush=True)
+
+    for model in ("gpt2-small", "llama-7b"):
+        for layers in depths:
+            run("depth", single_stage, model, layers, (8, 8), args.time_limit)
+    for mesh in meshes:
+        run("devices", single_stage, "gpt2-small", 12, mesh, args.time_limit)
+    if not args.quick:
+        run("pipeline", pipeline, "gpt3-39b", "8x8:v100", args.time_limit)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "planning.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (RESULTS / "planning.md").write_text("Planning time (seconds, this machine; abstract planning)\n\n"
+                                         + table(rows) + "\n")
+    plot(rows, RESULTS / "planning.png")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Every named baseline (planner/baselines.py) run on CPU devices against the unsharded step.
+
+For each (model, mesh, baseline): the baseline's pins are evaluated (`planner.evaluate`'s code path:
+every argument pinned, intermediates planned), lowered, compiled, run once, and the first step is
+compared with the unsharded jit step by tests/helpers.py's derived tolerances
+(`assert_bundle_step_close`). Too slow for the test suite (~20 s per row on 2 cores); results go to
+experiments/results/baselines_numerics.json.
+
+Run: python experiments/check_baselines.py [--models gpt-tiny,llama-tiny] [--meshes 2x4]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+import traceback
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+
+import planner  # noqa: E402
+from planner.baselines import NAMES, baseline_pins  # noqa: E402
+from tests.helpers import assert_bundle_step_close, concrete  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="gpt-tiny,llama-tiny")
+    ap.add_argument("--meshes", default="2x4")
+    ap.add_argument("--baselines", default=",".join(NAMES))
+    ap.add_argument("--out", default=str(RESULTS / "baselines_numerics.json"))
+    args = ap.parse_args(argv)
+    rows = []
+    for model in args.models.split(","):
+        b, state, batch = concrete(model)
+        ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
+        for mesh in args.meshes.split(","):
+            for name in args.baselines.split(","):
+                t = time.perf_counter()
+                row = {"model": model, "mesh": mesh, "baseline": name}
+                try:
+                    step = planner.plan_parallel(b.train_step, mesh=mesh, pins=baseline_pins(name), unpinned="replicate")
+                    new_state, metrics = step(state, batch)
+                    assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
+                    row["result"] = "equal to unsharded"
+                    row["predicted_step_time_s"] = step.plan(state, batch).prediction.step_time_s
+                except Exception as e:  # reported per row, the run goes on
+                    row["result"] = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    traceback.print_exc()
+                row["seconds"] = round(time.perf_counter() - t, 1)
+                rows.append(row)
+                print(f"{model:<12}{mesh:<6}{name:<16}{row['result']}  ({row['seconds']} s)", flush=True)
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps({"rows": rows, "jax": jax.__version__,
+                                                  "date": time.strftime("%Y-%m-%d")}, indent=1))
+    return 0 if all(r["result"] == "equal to unsharded" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

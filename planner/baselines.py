@@ -1,0 +1,175 @@
+"""Named hand configurations, written as pins (`planner.pins`) the way a JAX user writes them.
+
+Mesh roles: every active mesh axis is a *data* axis for `dp`, `zero1`, `zero2` and `fsdp` (the
+batch is split over all devices); `megatron-tp` and `megatron-tp-sp` use every active axis as one
+tensor-parallel group; `dp-tp` splits the batch over all axes but the last and uses the last for
+tensor parallelism (on 1x8 that is pure tensor parallelism, on 8x1 pure data parallelism).
+
+Leaves are told apart by path: under a `params` key a parameter; a leaf whose path ends with a
+parameter's key and has its shape (Adam's `mu`/`nu` under `opt_state`) its optimizer state;
+other leaves of a state argument (step counters) stay replicated; the leaves of the other
+arguments are the batch (dim 0 is the batch dimension, dim 1 the sequence of a token batch).
+
+| baseline        | parameters                          | optimizer state            | batch              |
+|-----------------|-------------------------------------|----------------------------|--------------------|
+| dp              | replicated                          | replicated                 | dim 0 over all     |
+| zero1           | replicated                          | largest divisible dim, all | dim 0 over all     |
+| zero2           | as zero1 (see below)                | as zero1                   | dim 0 over all     |
+| fsdp (ZeRO-3)   | largest divisible dim over all      | like its parameter         | dim 0 over all     |
+| megatron-tp     | Megatron table below, all axes      | like its parameter         | replicated         |
+| megatron-tp-sp  | as megatron-tp                      | like its parameter         | dim 1 over all     |
+| dp-tp           | Megatron table on the last axis     | like its parameter         | dim 0 over the rest|
+
+Megatron-LM's layout (Shoeybi et al. 2019, sec. 3), by parameter key glob -> the dim split
+(counted from the end, so scanned layer stacks with a leading layer dim take the same rules):
+attention q/k/v kernels `[embed, heads, kv]` and biases `[heads, kv]` split heads (column
+parallel); the attention output kernel `[heads, kv, embed]` splits heads (row parallel); MLP input
+kernels (`fc_in`, `gate`, `up`; `[embed, mlp]`) and their biases split mlp (column), MLP output
+kernels (`fc_out`, `down`; `[mlp, embed]`) split mlp (row); the token embedding `[vocab, embed]`
+and the LM head `[embed, vocab]` split the vocabulary. Everything else (norms, position table,
+row-parallel biases) is replicated.
+
+Where pins on arguments cannot say it, a baseline is approximated, and `APPROXIMATIONS` says how:
+gradients and activations are not arguments, so zero2 (gradients reduce-scattered) has zero1's
+argument layout and the planner chooses how gradients are reduced in both; megatron-tp-sp's
+sequence-parallel norms/dropout are activations, so only its token batch arrives split along the
+sequence and the planner chooses the norms' layout. A weight whose split dim the tensor-parallel
+group does not divide (grouped-query k/v heads fewer than the group) stays replicated, as
+Megatron replicates k/v heads then.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Callable, Sequence
+
+from jax.sharding import PartitionSpec
+
+from planner.errors import InvalidArgumentError
+from planner.mesh import MeshSpec
+from planner.pins import exact_pattern, path_tokens
+
+Shape = tuple[int, ...]
+
+# (parameter key glob, dim split counted from the end)
+MEGATRON: tuple[tuple[str, int], ...] = (
+    ("*query/kernel", -2), ("*key/kernel", -2), ("*value/kernel", -2),
+    ("*query/bias", -2), ("*key/bias", -2), ("*value/bias", -2),
+    ("*attn/out/kernel", -3),
+    ("*fc_in/kernel", -1), ("*fc_in/bias", -1), ("*gate/kernel", -1), ("*up/kernel", -1),
+    ("*fc_out/kernel", -2), ("*down/kernel", -2),
+    ("*wte/embedding", -2), ("*embed/embedding", -2), ("*lm_head/kernel", -1),
+)
+
+NAMES = ("dp", "zero1", "zero2", "fsdp", "megatron-tp", "megatron-tp-sp", "dp-tp")
+
+APPROXIMATIONS = {
+    "zero2": "gradients are not arguments: same argument layout as zero1; the planner chooses how gradients "
+             "are reduced",
+    "megatron-tp-sp": "sequence-parallel norms/dropout are activations: only the token batch arrives split along "
+                      "the sequence; the planner chooses the norms' layout",
+}
+
+
+def _axes(mesh: MeshSpec) -> tuple[str, ...]:
+    return tuple(mesh.axis_names[a] for a, s in enumerate(mesh.shape) if s > 1)
+
+
+def _split(shape: Shape, dim: int, axes: Sequence[str], mesh: MeshSpec) -> PartitionSpec:
+    """`axes` on `dim` (negative: from the end) if they divide it, else replicated."""
+    n = math.prod(mesh.shape[mesh.axis_names.index(a)] for a in axes)
+    if not axes or not shape or not -len(shape) <= dim < len(shape) or shape[dim] % n:
+        return PartitionSpec()
+    spec: list = [None] * len(shape)
+    spec[dim % len(shape)] = tuple(axes) if len(axes) > 1 else axes[0]
+    return PartitionSpec(*spec)
+
+
+def _largest(shape: Shape, axes: Sequence[str], mesh: MeshSpec) -> PartitionSpec:
+    """ZeRO's split: the largest dim the axes divide (ties: the first), else replicated."""
+    for d in sorted(range(len(shape)), key=lambda i: (-shape[i], i)):
+        spec = _split(shape, d, axes, mesh)
+        if tuple(spec):
+            return spec
+    return PartitionSpec()
+
+
+def _megatron(key: str, shape: Shape, axes: Sequence[str], mesh: MeshSpec) -> PartitionSpec:
+    for pattern, dim in MEGATRON:
+        if fnmatch.fnmatchcase(key, pattern):
+            return _split(shape, dim, axes, mesh)
+    return PartitionSpec()
+
+
+def _roles(paths: Sequence[str], shapes: Sequence[Shape]) -> list[tuple[str, str]]:
+    """(role, parameter key) per leaf: role "param", "opt_state", "state" or "batch"."""
+    tokens = [path_tokens(p) for p in paths]
+    params = {}
+    for tok, shape in zip(tokens, shapes):
+        if "params" in tok:
+            params[tok[tok.index("params") + 1:]] = tuple(shape)
+    state_args = {tok[0] for tok in tokens if tok and ("params" in tok or "opt_state" in tok)}
+    out = []
+    for tok, shape in zip(tokens, shapes):
+        if "params" in tok:
+            out.append(("param", "/".join(tok[tok.index("params") + 1:])))
+            continue
+        mirror = next((tok[i:] for i in range(len(tok)) if params.get(tok[i:]) == tuple(shape)), None)
+        if mirror is not None and shape:
+            out.append(("opt_state", "/".join(mirror)))
+        elif tok and tok[0] in state_args:
+            out.append(("state", ""))
+        else:
+            out.append(("batch", ""))
+    return out
+
+
+def baseline_specs(name: str, paths: Sequence[str], shapes: Sequence[Shape], mesh: MeshSpec) -> list[PartitionSpec]:
+    """The baseline's PartitionSpec of every argument leaf (see the module docstring).
+
+    Raises:
+      InvalidArgumentError: an unknown baseline name.
+    """
+    if name not in NAMES:
+        raise InvalidArgumentError(f"unknown baseline {name!r}; known: {', '.join(NAMES)}")
+    every = _axes(mesh)
+    data, model = (every[:-1], every[-1:]) if name == "dp-tp" else (every, every)
+    out = []
+    for (role, key), shape in zip(_roles(paths, shapes), shapes):
+        shape = tuple(shape)
+        if role == "batch":
+            if name in ("megatron-tp",):
+                out.append(PartitionSpec())
+            elif name == "megatron-tp-sp":
+                out.append(_split(shape, 1, model, mesh) if len(shape) >= 2 else PartitionSpec())
+            else:
+                out.append(_split(shape, 0, data, mesh))
+        elif role == "state":
+            out.append(PartitionSpec())
+        elif name == "dp":
+            out.append(PartitionSpec())
+        elif name in ("zero1", "zero2"):
+            out.append(_largest(shape, every, mesh) if role == "opt_state" else PartitionSpec())
+        elif name == "fsdp":
+            out.append(_largest(shape, every, mesh))
+        else:
+            out.append(_megatron(key, shape, model, mesh))
+    return out
+
+
+def baseline_pins(name: str) -> Callable[[Sequence[str], Sequence[Shape], MeshSpec], dict[str, PartitionSpec]]:
+    """Pins of the named baseline, as a function of the arguments' leaves and the mesh: one exact
+    path pattern per leaf (for `plan_parallel(pins=...)` / `evaluate`).
+
+    Raises:
+      InvalidArgumentError: an unknown baseline name.
+    """
+    if name not in NAMES:
+        raise InvalidArgumentError(f"unknown baseline {name!r}; known: {', '.join(NAMES)}")
+
+    def pins(paths: Sequence[str], shapes: Sequence[Shape], mesh: MeshSpec) -> dict[str, PartitionSpec]:
+        specs = baseline_specs(name, paths, shapes, mesh)
+        return {exact_pattern(p): s for p, s in zip(paths, specs)}
+
+    pins.__name__ = f"baseline_{name}"
+    return pins

@@ -1,0 +1,69 @@
+"""The planner's few uses of JAX beyond its documented public API, in one place.
+
+Each function says what it relies on. Everything else in the planner uses public JAX only.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+
+# Primitives of the user's own sharding annotations (`with_sharding_constraint`, `jax.sharding.reshard`).
+# The planner decides their results' sharding (pinned to the user's spec by default) and emission
+# applies it, so re-evaluating them is the identity.
+USER_CONSTRAINTS = frozenset({"sharding_constraint", "reshard"})
+# The primitive of the pins the planner itself adds where a nested `jax.jit` states in/out
+# shardings: planned and evaluated exactly as a user's `with_sharding_constraint` (never bound).
+JIT_BOUNDARY = jcore.Primitive("sharding_constraint")
+# Op parameters that may name a sharding of the traced mesh (explicit-axis tracing).
+_SHARDING_PARAMS = ("out_sharding", "sharding")
+
+
+def user_sharding(op_params: Mapping[str, Any]):
+    """The `NamedSharding` a user's constraint op asks for (the `sharding` parameter of
+    `sharding_constraint`, `dst_sharding` of `reshard`: eqn parameters, not public API)."""
+    return op_params.get("sharding", op_params.get("dst_sharding"))
+
+
+def _auto_mesh(mesh):
+    """`mesh` with every axis Auto (same devices, names and sizes)."""
+    types = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    if isinstance(mesh, jax.sharding.Mesh):
+        return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=types)
+    return jax.sharding.AbstractMesh(tuple(mesh.axis_sizes), tuple(mesh.axis_names), axis_types=types)
+
+
+def _plain_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Params with shardings of explicit-axis meshes dropped: the program is re-evaluated on an Auto
+    view of the mesh, where the plan's constraints place every result instead."""
+    out = dict(params)
+    for key in _SHARDING_PARAMS:
+        s = out.get(key)
+        mesh = getattr(s, "mesh", None)
+        if mesh is not None and any(t != jax.sharding.AxisType.Auto for t in getattr(mesh, "axis_types", ())):
+            out[key] = None
+    return out
+
+
+def bind(primitive: jcore.Primitive, params: Mapping[str, Any], operands: Sequence[Any]) -> Any:
+    """Applies one traced primitive to `operands` (what `jax.core.eval_jaxpr` does per equation).
+
+    - the user's sharding constraints: identity (see `USER_CONSTRAINTS`);
+    - `shard_map`: rebuilt with the public `jax.shard_map` from its eqn parameters (`jaxpr`, `mesh`,
+      `in_specs`, `out_specs`, `check_vma`, `newly_manual_axes`); its mesh is taken Auto, as the
+      rest of the program is evaluated on an Auto view of the same devices;
+    - others: `Primitive.bind` with explicit-axis shardings dropped from their parameters.
+    """
+    name = primitive.name
+    if name in USER_CONSTRAINTS:
+        return operands[0]
+    if name == "shard_map":
+        body = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(params["jaxpr"], ()))
+        fn = jax.shard_map(lambda *xs: tuple(body(*xs)), mesh=_auto_mesh(params["mesh"]),
+                           in_specs=tuple(params["in_specs"]), out_specs=tuple(params["out_specs"]),
+                           check_vma=params.get("check_vma", True),
+                           axis_names=set(params.get("newly_manual_axes", ())))
+        return list(fn(*operands))
+    return primitive.bind(*operands, **_plain_params(params))

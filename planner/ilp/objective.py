@@ -1,0 +1,112 @@
+"""The step time of a choice of strategies: the one number the ILP minimises and the plan reports.
+
+    step = sum over nodes of their strategy's cost (compute + own collectives)
+         + the latency of each group of combined collectives, once
+         + the resharding time of every edge (`strategies.edge_time`)
+         - the combinable collectives' time hidden behind later compute (`Problem.overlap`)
+
+Overlap (XLA's latency-hiding scheduler, `Plan.xla_flags`): the gradient reductions (collectives
+of ops whose results feed no matmul) run on a communication stream of their own, first in first
+out, each issued when the node that makes it has computed (program order of the nodes' root ops);
+compute runs on without waiting for them. The stream finishes
+    F = max over such nodes k of (compute up to k + async time of k and every later node),
+so the exposed part is max(0, max_k(async from k on - compute after k)) and the rest is hidden.
+The ILP holds the same max as an integer variable above each of those differences (a chain of
+prefix sums: O(nodes) constraints). Approximations, stated: only compute hides communication
+(blocking collectives and resharding keep the compute stream busy but share the links, so they
+hide nothing); each combined group's one latency stays exposed; parameter all-gathers of ZeRO-3
+plans are not prefetched in this model (they are priced exposed, where their consumer needs them).
+
+Collectives of ops whose results feed no matmul (the gradient reductions and the optimizer update
+of a train step) are priced bandwidth-only in the node costs: XLA's combiner passes merge the
+independent ones of one kind over one group of devices into a single collective, whose latency is
+paid once (`CostModel.collective_latency`). The CP-SAT model holds one boolean per such
+(kind, axes) group, set when any chosen strategy joins it, so the solver's objective and
+`step_time` agree term for term (tests/test_cost_truth.py checks it against the solver's own value).
+
+Input nodes carry a tie-break (`problem.TIE_BREAK_S_PER_BYTE` per argument byte kept on a device)
+in their cost; it is part of the objective and is reported as compute (0.1 us per MiB).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from planner.ilp.problem import Problem
+from planner.ilp.strategies import edge_time
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepTime:
+    """The parts of a choice's step time (seconds, per device).
+
+    Attributes:
+      compute_s: local compute of every op (and the input nodes' tie-break).
+      collectives_s: the ops' own collectives (partial sums, pre-gathers of followers), combined
+        groups at bandwidth only.
+      combined_latency_s: one latency per group of combined collectives.
+      resharding_s: collectives on edges (an operand read in another layout than produced).
+      hidden_s: the part of the combinable collectives that runs beside later compute.
+    """
+
+    compute_s: float
+    collectives_s: float
+    combined_latency_s: float
+    resharding_s: float
+    hidden_s: float = 0.0
+
+    @property
+    def communication_s(self) -> float:
+        """All communication, hidden or not."""
+        return self.collectives_s + self.combined_latency_s + self.resharding_s
+
+    @property
+    def exposed_s(self) -> float:
+        """Communication on the step's critical path."""
+        return self.communication_s - self.hidden_s
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.exposed_s
+
+
+def overlap_order(problem: Problem) -> list:
+    """The nodes that compute or communicate, in program order of their root op (inputs excluded)."""
+    return sorted((n for n in problem.nodes if n.ops), key=lambda n: n.ops[0])
+
+
+def hidden_time(problem: Problem, choice: Sequence[int]) -> float:
+    """Seconds of combinable collectives hidden behind later compute (see the module docstring)."""
+    if not problem.overlap:
+        return 0.0
+    exposed = async_total = compute_after = 0.0
+    for node in reversed(overlap_order(problem)):
+        i = choice[node.index]
+        if node.async_s[i] > 0:
+            async_total += node.async_s[i]
+            exposed = max(exposed, async_total - compute_after)
+        compute_after += node.costs[i] - node.comm_s[i]
+    return async_total - exposed
+
+
+def combined_groups(problem: Problem, choice: Sequence[int]) -> frozenset[tuple[str, tuple[int, ...]]]:
+    """The (kind, axes) groups of combined collectives the choice pays a latency for."""
+    out: set = set()
+    for node in problem.nodes:
+        out |= node.combined[choice[node.index]]
+    return frozenset(out)
+
+
+def step_time(problem: Problem, choice: Sequence[int]) -> StepTime:
+    """The step time of `choice`, split into its parts; `.total_s` is the ILP's objective."""
+    compute = collectives = 0.0
+    for node in problem.nodes:
+        i = choice[node.index]
+        collectives += node.comm_s[i]
+        compute += node.costs[i] - node.comm_s[i]
+    latency = sum(problem.cost.collective_latency(kind, axes) for kind, axes in combined_groups(problem, choice))
+    reshard = 0.0
+    for e in problem.edges:
+        reshard += edge_time(problem.graph.tensors[e.tensor], e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]],
+                             problem.cost)
+    return StepTime(compute, collectives, latency, reshard, hidden_time(problem, choice))

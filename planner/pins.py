@@ -1,0 +1,297 @@
+"""Pins: shardings a user fixes for some arguments; the planner plans everything else around them.
+
+A pin is `pattern -> PartitionSpec` (or the spec as plan tables print it, `"P((x,y), None)"`).
+
+Patterns are globs (`fnmatch`: `*` matches any run of characters, `/` included; `?` one
+character; `[...]` a set) over an argument leaf's path written as the plan tables write it:
+pytree keys joined by `/`. A leaf answers to three names, and a pattern matches the leaf when it
+matches one of them whole or one of their `/`-separated suffixes:
+
+- with the argument index: `0/params/wte/embedding`, `0/opt_state/0/mu/wte/embedding`, `1/inputs`;
+- without it: `params/wte/embedding`, `opt_state/0/mu/wte/embedding`, `inputs`;
+- without any numeric key (the tables' display form): `opt_state/mu/wte/embedding`.
+
+So `wte/embedding` pins the parameter and the optimizer moments that mirror it,
+`params/wte/embedding` the parameter alone, `blocks_*/mlp/fc_in/kernel` that kernel in every layer,
+`blocks_0/mlp/fc_in/kernel` in the first layer only, and `1/*` every leaf of the second argument.
+The first pattern (in the mapping's order) that matches a leaf decides its spec. A PartitionSpec
+shorter than the leaf's rank is padded with `None`, as JAX pads it.
+
+Errors are one line and name the path, the spec and the shape: a pattern that matches no leaf, a
+spec naming an axis the mesh lacks or using one twice, a spec longer than the rank, a split that
+does not divide its dimension.
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jax.sharding import NamedSharding, PartitionSpec
+
+from planner.errors import InvalidArgumentError
+from planner.mesh import MeshSpec
+from planner.sharding import Spec
+
+Shape = tuple[int, ...]
+Pins = Mapping[str, Any]
+
+_TOKEN = re.compile(r"\['([^']*)'\]|\[(\d+)\]|\.(\w+)")
+_SPEC_TEXT = re.compile(r"^\s*(?:P|PartitionSpec)\s*\((.*)\)\s*$", re.DOTALL)
+
+
+def path_tokens(path: str) -> tuple[str, ...]:
+    """`"[0]['params']['wte']['embedding']"` -> `("0", "params", "wte", "embedding")`; an nnx
+    Variable's trailing `.value` is dropped."""
+    tokens = tuple(next(g for g in m.groups() if g is not None) for m in _TOKEN.finditer(path))
+    return tokens[:-1] if path.endswith(".value") and tokens else tokens
+
+
+def leaf_names(path: str) -> tuple[str, ...]:
+    """The names a pin pattern is matched against (see the module docstring)."""
+    tokens = path_tokens(path)
+    names = ["/".join(tokens), "/".join(tokens[1:]), "/".join(t for t in tokens[1:] if not t.isdigit())]
+    return tuple(dict.fromkeys(n for n in names if n))
+
+
+def display_path(path: str) -> str:
+    """The leaf's path without its argument index, as error messages and tables show it."""
+    names = leaf_names(path)
+    return names[1] if len(names) > 1 else names[0] if names else path
+
+
+def matches(pattern: str, path: str) -> bool:
+    """Whether glob `pattern` matches one of the leaf's names whole or at a `/` boundary."""
+    pattern = pattern.strip().strip("/")
+    return any(fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(n, "*/" + pattern) for n in leaf_names(path))
+
+
+def exact_pattern(path: str) -> str:
+    """A pattern matching exactly this leaf (its indexed name, glob characters escaped)."""
+    return re.sub(r"([*?\[])", r"[\1]", leaf_names(path)[0])
+
+
+def parse_spec_text(text: str) -> PartitionSpec:
+    """`"P((x,y), None)"` (as plan tables print specs; quotes optional) -> `PartitionSpec(('x','y'), None)`.
+
+    Raises:
+      InvalidArgumentError: text that is not of that form.
+    """
+    m = _SPEC_TEXT.match(text)
+    if not m:
+        raise InvalidArgumentError(f"spec {text!r} is not of the form P(x, None, (x,y))")
+    body = m.group(1).strip()
+    items, depth, cur = [], 0, ""
+    for ch in body:
+        depth += (ch == "(") - (ch == ")")
+        if depth < 0 or depth > 1:
+            raise InvalidArgumentError(f"spec {text!r} is not of the form P(x, None, (x,y))")
+        if ch == "," and depth == 0:
+            items.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if depth:
+        raise InvalidArgumentError(f"spec {text!r} is not of the form P(x, None, (x,y))")
+    if cur.strip() or items:
+        items.append(cur)
+    if len(items) > 1 and not items[-1].strip():  # a trailing comma, as in P('x',)
+        items.pop()
+    parts: list[Any] = []
+    for item in (i.strip() for i in items):
+        if item.startswith("(") and item.endswith(")"):
+            names = tuple(n.strip().strip("'\"") for n in item[1:-1].split(",") if n.strip())
+            parts.append(names if names else None)
+        elif item == "None":
+            parts.append(None)
+        elif re.fullmatch(r"['\"]?\w+['\"]?", item):
+            parts.append(item.strip("'\""))
+        else:
+            raise InvalidArgumentError(f"spec {text!r} is not of the form P(x, None, (x,y))")
+    return PartitionSpec(*parts)
+
+
+def as_partition_spec(value: Any, mesh: MeshSpec, where: str) -> PartitionSpec:
+    """A pin's value as a PartitionSpec: a PartitionSpec, a NamedSharding on the same axes, or text."""
+    if isinstance(value, PartitionSpec):
+        return value
+    if isinstance(value, NamedSharding):
+        if tuple(value.mesh.axis_names) != tuple(mesh.axis_names):
+            raise InvalidArgumentError(f"{where}: sharding on mesh axes {tuple(value.mesh.axis_names)} but the plan's "
+                                       f"mesh has axes {mesh.axis_names}")
+        return value.spec
+    if isinstance(value, str):
+        return parse_spec_text(value)
+    if value is None:
+        return PartitionSpec()
+    raise InvalidArgumentError(f"{where}: {value!r} is not a PartitionSpec, NamedSharding or 'P(...)' text")
+
+
+def _spec_text(pspec: PartitionSpec) -> str:
+    parts = []
+    for p in pspec:
+        if p is None:
+            parts.append("None")
+        elif isinstance(p, (tuple, list)):
+            parts.append("(" + ",".join(str(a) for a in p) + ")" if len(p) != 1 else str(p[0]))
+        else:
+            parts.append(str(p))
+    return "P(" + ", ".join(parts) + ")"
+
+
+def to_spec(pspec: PartitionSpec, shape: Shape, mesh: MeshSpec, path: str, pattern: str | None = None) -> Spec:
+    """The planner's Spec of `pspec` for a leaf of `shape` on `mesh` (size-1 axes dropped: they
+    split nothing).
+
+    Raises:
+      InvalidArgumentError: one line naming the path, the spec and the shape.
+    """
+    who = f"pin {pattern!r} on {display_path(path)}" if pattern is not None else display_path(path)
+    where = f"{who} (shape {tuple(shape)}): spec {_spec_text(pspec)}"
+    entries = tuple(pspec)
+    if len(entries) > len(shape):
+        raise InvalidArgumentError(f"{where} has {len(entries)} entries but the leaf has rank {len(shape)}")
+    entries = entries + (None,) * (len(shape) - len(entries))
+    out: list[tuple[int, ...]] = []
+    seen: set[str] = set()
+    for d, entry in enumerate(entries):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = []
+        for n in names:
+            if n not in mesh.axis_names:
+                raise InvalidArgumentError(f"{where} names mesh axis {n!r}, but the mesh has axes {mesh.axis_names}")
+            if n in seen:
+                raise InvalidArgumentError(f"{where} uses mesh axis {n!r} twice")
+            seen.add(n)
+            axes.append(mesh.axis_names.index(n))
+        if shape[d] % mesh.axis_size(axes):
+            raise InvalidArgumentError(f"{where} splits dim {d} of size {shape[d]} over {mesh.axis_size(axes)} devices, "
+                                       f"which does not divide it")
+        active = tuple(a for a in axes if mesh.shape[a] > 1)
+        if list(active) != sorted(active):
+            raise InvalidArgumentError(f"{where} orders mesh axes on dim {d} against the mesh's order "
+                                       f"{mesh.axis_names}; list them major to minor")
+        out.append(active)
+    return tuple(out)
+
+
+def resolve(pins: Pins | None, paths: Sequence[str], shapes: Sequence[Shape], mesh: MeshSpec,
+            complete: bool = False) -> dict[int, Spec]:
+    """Argument position -> pinned Spec for every leaf some pattern matches (first match wins).
+
+    Args:
+      pins: pattern -> spec, in priority order.
+      paths: the arguments' leaf paths (`Graph.input_paths`).
+      shapes: their shapes.
+      mesh: the logical mesh.
+      complete: pin the leaves no pattern matches replicated (a configuration given in full, as
+        `evaluate` takes it).
+
+    Raises:
+      InvalidArgumentError: a pattern matching nothing, or a spec the leaf or the mesh cannot take.
+    """
+    if pins is None:
+        pins = {}
+    if not isinstance(pins, Mapping):
+        raise InvalidArgumentError(f"pins must map path patterns to PartitionSpecs, got {type(pins).__name__}")
+    items = [(str(p), as_partition_spec(v, mesh, f"pin {p!r}")) for p, v in pins.items()]
+    out: dict[int, Spec] = {}
+    used = set()
+    for i, (path, shape) in enumerate(zip(paths, shapes)):
+        for k, (pattern, pspec) in enumerate(items):
+            if matches(pattern, path):
+                used.add(k)
+                out[i] = to_spec(pspec, tuple(shape), mesh, path, pattern)
+                break
+        else:
+            if complete:
+                out[i] = ((),) * len(shape)
+    for k, (pattern, _) in enumerate(items):
+        if k not in used and not any(matches(pattern, p) for p in paths):
+            examples = ", ".join(display_path(p) for p in paths[:3])
+            raise InvalidArgumentError(f"pin {pattern!r} matches no argument path (paths look like {examples})")
+    return out
+
+
+# ----- logical-axis rules in (MaxText / t5x form) -----------------------------------------------
+Rules = Sequence[tuple[str, Any]]
+LogicalNames = tuple[Any, ...]
+
+
+def parse_rules(rules: Any, mesh: MeshSpec) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """`[('batch', 'data'), ('embed', ('x', 'y')), ('mlp', None)]` (t5x) or MaxText's
+    `[['batch', ['data']], ...]` -> ((logical name, mesh axes), ...) in priority order.
+
+    Raises:
+      InvalidArgumentError: a malformed rule or a mesh axis the mesh lacks.
+    """
+    if isinstance(rules, Mapping):
+        rules = list(rules.items())
+    if not isinstance(rules, (list, tuple)):
+        raise InvalidArgumentError(f"rules must be a list of (logical name, mesh axes) pairs, got {type(rules).__name__}")
+    out = []
+    for rule in rules:
+        if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise InvalidArgumentError(f"rule {rule!r} is not a (logical name, mesh axes) pair")
+        name, axes = rule
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        for a in axes:
+            if a not in mesh.axis_names:
+                raise InvalidArgumentError(f"rule {rule!r} names mesh axis {a!r}, but the mesh has axes {mesh.axis_names}")
+        out.append((name, axes))
+    return tuple(out)
+
+
+def logical_to_spec(names: LogicalNames, rules: Sequence[tuple[str, tuple[str, ...]]]) -> PartitionSpec:
+    """flax's `logical_to_mesh_axes`: per dimension the first rule of its logical name whose mesh
+    axes no earlier dimension took; a name without such a rule (or None) leaves the dim unsplit."""
+    used: set[str] = set()
+    parts: list[Any] = []
+    for n in names:
+        chosen: Any = None
+        if n is not None:
+            for name, axes in rules:
+                if name == n and not used & set(axes):
+                    chosen = axes
+                    break
+        if chosen:
+            used.update(chosen)
+            parts.append(chosen[0] if len(chosen) == 1 else tuple(chosen))
+        else:
+            parts.append(None)
+    return PartitionSpec(*parts)
+
+
+def logical_names(tree: Any) -> dict[str, LogicalNames]:
+    """Logical names per leaf path of flax metadata: linen `nn.LogicallyPartitioned` boxes (their
+    `.names`) or a tree of logical PartitionSpecs as `nn.get_partition_spec` /
+    `nnx.get_partition_spec` return. Paths are `jax.tree_util.keystr` of the tree (a box's
+    `.value` suffix is what pin matching drops anyway)."""
+    import jax
+
+    def is_named(x):
+        return isinstance(x, PartitionSpec) or (hasattr(x, "names") and hasattr(x, "unbox"))
+
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_named)[0]:
+        if isinstance(leaf, PartitionSpec):
+            out[jax.tree_util.keystr(path)] = tuple(leaf)
+        elif is_named(leaf):
+            out[jax.tree_util.keystr(path)] = tuple(leaf.names)
+    return out
+
+
+def rules_to_pins(rules: Any, named: Mapping[str, LogicalNames], mesh: MeshSpec) -> dict[str, PartitionSpec]:
+    """Pins (one exact pattern per annotated leaf) from logical-axis rules and per-leaf logical names.
+
+    Raises:
+      InvalidArgumentError: a rule whose logical name no leaf uses (one line, naming the names in use).
+    """
+    parsed = parse_rules(rules, mesh)
+    in_use = {n for names in named.values() for n in names if n is not None}
+    for name, _ in parsed:
+        if name not in in_use:
+            raise InvalidArgumentError(f"rule for logical axis {name!r}: the model uses no such axis "
+                                       f"(its axes: {', '.join(sorted(in_use)) or 'none annotated'})")
+    return {exact_pattern(path): logical_to_spec(names, parsed) for path, names in named.items()}

@@ -1,0 +1,73 @@
+"""Pipeline stages run their intra-op plans: each stage's compiled collectives are the planned ones,
+the plan JSON keeps every stage's plan, and the pipeline's prediction lists its collectives."""
+from __future__ import annotations
+
+import jax
+import pytest
+
+import planner
+from planner.cost_model import ring_bytes
+from planner.graph import trace
+from planner.mesh import MeshSpec
+from planner.options import PlanOptions
+from planner.stages import run_plan
+from planner.stages.planned import cluster_for, plan_stages, stage_plans_of
+from tests.conftest import skip_if_fewer_devices
+from tests.helpers import assert_first_step_close
+from xla_hooks.fidelity import check_stage_fidelity
+from xla_hooks.inspect import collectives
+from zoo import get_model, make_optimizer
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    skip_if_fewer_devices(8)
+    b = get_model("gpt-tiny")
+    opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
+    state = b.init_state(jax.random.key(0))
+    batch = b.make_batch(jax.random.key(1))
+    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
+    return b, opt, state, batch, ref_state, ref_metrics
+
+
+def test_pipeline_stages_compile_to_their_planned_collectives(gpt):
+    """gpt-tiny in 2 stages on 1x4 submeshes of 8 devices. The plan records each stage's intra-op
+    plan (one microbatch's forward + backward); the plan loaded from JSON runs those plans (every
+    planned intermediate pinned, as single-stage emission does), equals the unpipelined step, and
+    each stage compiles to the collectives its plan predicts (`check_stage_fidelity`; 1-D meshes,
+    where single-stage gpt-tiny plans pass `check_fidelity` too). The pipeline's prediction is every
+    stage's collectives per microbatch plus the stage-to-stage transfers."""
+    b, opt, state, batch, ref_state, ref_metrics = gpt
+    options = PlanOptions(hardware="cpu", inter_host_axes=(0,), pipeline=True, num_microbatches=2)
+    cluster = cluster_for(MeshSpec((2, 4), ("host", "device")), 8, options)
+    graph = trace(b.train_step, state, batch)
+    plan, _ = plan_stages(b.train_step, (state, batch), graph, cluster, options, jax.devices(), max_mesh_ndim=1)
+    assert len(plan.stages) == 2 and all(st.get("plan") for st in plan.stages)
+    B = plan.pipeline["num_microbatches"]
+    loaded = planner.Plan.from_json(plan.to_json())
+    runner = run_plan(b.train_step, loaded)
+    new_state, metrics = runner(state, batch)
+    assert_first_step_close(b.loss_fn, opt, state, batch, new_state, metrics, ref_state, ref_metrics,
+                            train_step=b.train_step)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (state, batch))
+    lowered = runner.lower(*abstract)
+    stage_plans = [st.plan for st in lowered]
+    # The loaded plan's stages run the intra-op plans the planner recorded (not re-planned ones).
+    assert [sp.op_specs for sp in stage_plans] == [sp.op_specs for sp in stage_plans_of(plan)]
+    assert all(sp.op_specs for sp in stage_plans)
+    pred = plan.prediction
+    stage_bytes = sum(sp.prediction.bytes_moved_per_device for sp in stage_plans) * B
+    permutes = [c for c in pred.collectives if c.kind == "collective-permute"]
+    assert permutes and all(c.nbytes > 0 for c in permutes)
+    assert {c.reason for c in permutes} == {"activation", "gradient"}
+    transfer_bytes = sum(ring_bytes(c.kind, c.nbytes, c.group_size) for c in permutes)
+    assert pred.bytes_moved_per_device > 0
+    assert pred.bytes_moved_per_device == pytest.approx(stage_bytes + transfer_bytes)
+    assert len(pred.collectives) == sum(len(sp.prediction.collectives) for sp in stage_plans) + len(permutes)
+    reports = check_stage_fidelity(lowered)
+    for st, rep in zip(lowered, reports):
+        assert rep.ok, rep.table()
+        # Same kinds (the rows already compare a reduce-scatter as the all-reduce CPU XLA makes of it).
+        assert {r.kind for r in rep.rows if r.predicted_count} == {r.kind for r in rep.rows if r.measured_count}, \
+            rep.table()
+        assert not collectives(st.update.compile())  # the update is local to each shard
