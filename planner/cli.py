@@ -8,6 +8,7 @@
     planner diff a.json b.json                                 # where two plans differ and what it costs
     planner plan --model gpt-tiny --mesh 2x4 --pin 'wte/embedding=P((x,y), None)'   # yours, the rest planned
     planner compare --model gpt-tiny --mesh 2x4                # the plan beside dp, fsdp, megatron-tp, ...
+    planner compare --model gpt-tiny --mesh 2x4 --html c.html  # ... and the plan's report with that comparison
     planner profile ...                                        # offline profiling (planner.cost_model.profiling)
 
 Planning is abstract: arguments are `jax.ShapeDtypeStruct`s and the target mesh is a description
@@ -46,7 +47,7 @@ from planner.baselines import NAMES as BASELINES, baseline_pins
 from planner.evaluation import labelled
 from planner.pins import parse_spec_text, resolve as resolve_pins
 from planner.planning import make_plan
-from planner.present.compare import format_comparison
+from planner.present.compare import comparison_record, format_record
 from planner.present.diff import diff
 from planner.present.logical_axes import rules_file_pins
 from planner.present.explain import explain
@@ -158,8 +159,9 @@ def build_parser(profile_arguments=None) -> argparse.ArgumentParser:
     d.add_argument("--top", type=_positive_int, default=20, metavar="K", help="rows per section (default 20)")
     c = sub.add_parser("compare", help="the planner's plan beside named baselines (and your pins/rules)",
                        description="Plan a model on one mesh and evaluate hand configurations under the same cost "
-                                   "model: step time, exposed communication, memory, bytes moved, and the decisions "
-                                   "that make the difference.")
+                                   "model: step time, exposed communication, memory, bytes moved, and the places "
+                                   "that make the difference; --html / --json write the plan's report with the "
+                                   "comparison beside it.")
     _add_plan_arguments(c)
     c.add_argument("--baselines", default=None, metavar="A,B,...",
                    help="baselines to compare (default: all of planner.baselines.NAMES)")
@@ -283,10 +285,14 @@ def _no_plan(results, budget: float | None) -> Exception:
     if not over:
         return CLIError("no mesh shape could be planned: " + "; ".join(f"{r.mesh}: {r.error}" for r in results))
     need = min((r.min_memory_bytes or math.inf) for r in over)
+    floor = min((getattr(r.error, "lower_bound_bytes", None) or math.inf) for r in over)
     return InfeasiblePlanError(
         f"no mesh shape fits the memory budget of {fmt_bytes(budget) if budget else 'no limit'} per device"
-        + (f" (the smallest reachable peak is {fmt_bytes(need)})" if need < math.inf else "")
-        + "; raise --memory-budget, plan for more devices, or enable --pipeline")
+        + (f" (the smallest reachable peak is {fmt_bytes(need)}" if need < math.inf else "")
+        + (f"; no plan goes below {fmt_bytes(floor)}" if floor < math.inf else "")
+        + (")" if need < math.inf else "")
+        + "; tried: sharding; not available in single-stage plans yet: rematerialisation, host offload, "
+          "gradient accumulation; raise --memory-budget, plan for more devices, or enable --pipeline (recompute)")
 
 
 # ----- commands --------------------------------------------------------------------------------
@@ -481,6 +487,7 @@ def cmd_compare(args, out) -> int:
         raise CLIError("name what to compare: --model NAME or --fn MODULE:FACTORY, exactly one")
     if args.mesh is None or not _MESH.match(args.mesh):
         raise CLIError("compare needs one mesh: --mesh 2x4")
+    _check_output_paths(args)
     names = [n.strip() for n in args.baselines.split(",")] if args.baselines else list(BASELINES)
     for n in names:
         if n not in BASELINES:
@@ -493,9 +500,11 @@ def cmd_compare(args, out) -> int:
     label, step, example = (load_model(args.model, args.batch, args.seq, args.dtype,
                                        get_hardware(args.hardware).default_dtype)
                             if args.model else load_factory(args.fn, args.batch, args.seq, args.dtype))
+    t0 = time.perf_counter()
     graph = trace(step, *example)
     rows = []
     plan = make_plan(graph, mesh, options)
+    planned_s = time.perf_counter() - t0
     for n in names:
         args.baseline, saved = n, (args.pin, args.rules)
         args.pin, args.rules = [], None
@@ -512,7 +521,15 @@ def cmd_compare(args, out) -> int:
     others = [(n, p) for n, p in rows if not isinstance(p, str)]
     skipped = [(n, p) for n, p in rows if isinstance(p, str)]
     print(f"{label} on mesh {mesh}: the planner's plan beside hand configurations", file=out)
-    print(format_comparison(plan, others, skipped, budget), file=out)
+    record = comparison_record(plan, others, skipped, budget)
+    print(format_record(record), file=out)
+    if args.json or args.html:  # the plan's report, with the comparison beside it
+        inter = options.inter_host_axes
+        flops = matmul_flops(graph)
+        ranked = mesh_ranking([MeshResult(mesh, plan, None, inter, planned_s)], flops, hardware)
+        view = plan_view(ranked, graph, label, num_devices, cluster, hardware, budget, flops, planned_s)
+        view = dataclasses.replace(view, data={**view.data, "context": {**view.context, "comparison": record}})
+        _write_outputs(args, view, out)
     return 0
 
 

@@ -17,9 +17,10 @@ class InvalidArgumentError(PlannerError, TypeError):
 class InfeasiblePlanError(PlannerError, ValueError):
     """No plan satisfies the constraints (for example the per-device memory budget)."""
 
-    def __init__(self, message: str, min_memory_bytes: int | None = None):
+    def __init__(self, message: str, min_memory_bytes: int | None = None, lower_bound_bytes: int | None = None):
         super().__init__(message)
         self.min_memory_bytes = min_memory_bytes
+        self.lower_bound_bytes = lower_bound_bytes  # no plan the planner can choose needs less
 
 
 class ProfileError(PlannerError, ValueError):

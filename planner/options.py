@@ -20,7 +20,10 @@ class PlanOptions:
       memory_budget: per-device bytes the plan must fit (liveness peak), or None for no limit.
       hardware: hardware preset name, cluster ("4x8:h100") or `cost_model.Hardware` record for the
         analytic cost model.
-      solver_time_limit: seconds the ILP solver may spend; on time-out the best plan found is used.
+      solver_time_limit: the ILP solver's limit, in CP-SAT deterministic units (about one second of
+        one idle core each, `planner.ilp.solver`), so the same inputs give the same plan on a loaded
+        machine; a wall-clock cap (4x as long + 10 s) stops it on an overloaded one. When the limit is hit the
+        best plan found is used; `plan.solver` records "optimal" (proven) and "gap" (to the best bound).
       solver_workers: CP-SAT worker threads (1 keeps plans bit-for-bit deterministic).
       tie_outputs: outputs whose pytree path and type equal an input's (the new train state) get
         that input's sharding, so the next step needs no resharding.

@@ -263,20 +263,36 @@ def logical_to_spec(names: LogicalNames, rules: Sequence[tuple[str, tuple[str, .
     return PartitionSpec(*parts)
 
 
+def _nnx_sharding_names(x: Any) -> LogicalNames | None:
+    """The logical names of an nnx Variable (`nnx.with_partitioning` puts them in its metadata as
+    `out_sharding`; older flax names it `sharding_names` or `sharding`); () for a Variable without them (what
+    `nnx.get_partition_spec` gives it: P()); None for anything that is not an nnx Variable."""
+    get = getattr(x, "get_metadata", None)
+    if get is None or not hasattr(x, "get_value"):
+        return None
+    meta = get()
+    names = next((meta[k] for k in ("out_sharding", "sharding_names", "sharding") if meta.get(k) is not None), ())
+    return tuple(names) if isinstance(names, (tuple, list, PartitionSpec)) else None
+
+
 def logical_names(tree: Any) -> dict[str, LogicalNames]:
     """Logical names per leaf path of flax metadata: linen `nn.LogicallyPartitioned` boxes (their
-    `.names`) or a tree of logical PartitionSpecs as `nn.get_partition_spec` /
-    `nnx.get_partition_spec` return. Paths are `jax.tree_util.keystr` of the tree (a box's
-    `.value` suffix is what pin matching drops anyway)."""
+    `.names`), nnx Variables annotated by `nnx.with_partitioning` (an `nnx.State` as `nnx.split`
+    returns it), or a tree of logical PartitionSpecs as `nn.get_partition_spec` /
+    `nnx.get_partition_spec` return. Paths are `jax.tree_util.keystr` of the tree (a box's or a
+    Variable's `.value` suffix is what pin matching drops anyway)."""
     import jax
 
     def is_named(x):
-        return isinstance(x, PartitionSpec) or (hasattr(x, "names") and hasattr(x, "unbox"))
+        return (isinstance(x, PartitionSpec) or (hasattr(x, "names") and hasattr(x, "unbox"))
+                or _nnx_sharding_names(x) is not None)
 
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_named)[0]:
         if isinstance(leaf, PartitionSpec):
             out[jax.tree_util.keystr(path)] = tuple(leaf)
+        elif _nnx_sharding_names(leaf) is not None:
+            out[jax.tree_util.keystr(path)] = _nnx_sharding_names(leaf)
         elif is_named(leaf):
             out[jax.tree_util.keystr(path)] = tuple(leaf.names)
     return out

@@ -82,6 +82,19 @@ class Decision:
     runner_up_collectives: tuple[tuple[str, tuple[str, ...], int, float], ...] = ()
 
 
+def solver_quality(solver: Mapping) -> str:
+    """How good the solver's answer is, in words: "; proven optimal", "; gap 3.2% to the best
+    bound (deterministic limit reached)", or "" for a record without these fields."""
+    if solver.get("optimal"):
+        return "; proven optimal"
+    if "gap" not in solver:
+        return ""
+    gap = solver.get("gap")
+    limit = solver.get("limit")
+    text = "; not proven optimal, gap " + ("unknown" if gap is None else f"{gap:.2%}") + " to the best bound"
+    return text + (f" ({limit} limit reached)" if limit else "")
+
+
 def _decision_from_json(x: dict) -> Decision:
     def comms(items) -> tuple:
         return tuple((str(k), tuple(str(a) for a in axes), int(b), float(t)) for k, axes, b, t in items)
@@ -208,7 +221,8 @@ class Plan:
             f"  memory per device     {format_bytes(p.memory_bytes_per_device):>13}",
             f"  bytes moved / device  {format_bytes(p.bytes_moved_per_device):>13} in {len(p.collectives)} collectives",
             f"  solver                {self.solver.get('status')} in {self.solver.get('solve_time_s', 0):.2f} s "
-            f"({self.solver.get('decisions')} decisions, {self.solver.get('variables_shared')} after layer sharing)",
+            f"({self.solver.get('decisions')} decisions, {self.solver.get('variables_shared')} after layer sharing)"
+            + solver_quality(self.solver),
         ]
         if self.fallback_primitives:
             lines.append(f"  replicated (no rule)  {', '.join(self.fallback_primitives)}")

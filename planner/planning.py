@@ -12,7 +12,7 @@ import jax
 from planner.cost_model import Cluster, CostModel, get_hardware, hardware_with_links, ring_bytes, xla_flags
 from planner.errors import InvalidArgumentError, MeshError
 from planner.graph import Graph
-from planner.ilp.objective import step_time
+from planner.ilp.objective import step_parts, step_time
 from planner.ilp.problem import Problem, build_problem
 from planner.ilp.solver import Solution, solve
 from planner.ilp.strategies import edge_time, reshard_cost
@@ -247,9 +247,14 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
         "variables_shared": len(set(problem.rep)),
         "edges": len(problem.edges),
         "objective_s": sol.objective_s,
+        "optimal": sol.optimal,
+        "gap": None if sol.gap is None else round(sol.gap, 6),
+        "deterministic_time": round(sol.deterministic_time, 3),
+        "limit": sol.limit,
     }
     if pins:
         solver_info["pinned_inputs"] = len(pins)
+    solver_info["step_parts"] = step_parts(problem, sol.choice)
     return Plan(
         mesh=mesh,
         input_paths=graph.input_paths,

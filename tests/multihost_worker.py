@@ -37,23 +37,22 @@ def main() -> int:
     batch = jax.tree_util.tree_map(np.asarray, b.make_batch(jax.random.key(1)))
     new_state, metrics = step(state, batch)
 
-    # Reference: the unsharded step on this process's first device, compared with the tolerances
-    # derived from the summation order (tests/helpers.py), on the planned result gathered from
-    # both processes.
-    from jax.experimental import multihost_utils
-
-    from tests.helpers import assert_bundle_step_close
-
-    local = jax.local_devices()[0]
-    ref_state, ref_metrics = jax.jit(b.train_step)(jax.device_put(state, local), jax.device_put(batch, local))
-    got_state, got_metrics = multihost_utils.process_allgather((new_state, metrics), tiled=True)
-    try:
-        assert_bundle_step_close(b, state, batch, got_state, got_metrics, ref_state, ref_metrics)
-        failure = None
-    except AssertionError as e:
-        failure = str(e)[-2000:]
-    with open(os.path.join(out_dir, f"result_{pid}.json"), "w") as f:
-        json.dump({"failure": failure, "loss": float(np.asarray(ref_metrics["loss"]))}, f)
+    # This process's shards of the result, written for the test to assemble and compare with the
+    # unsharded step (no further cross-process collectives here: the fewer the coordination
+    # service has in flight at shutdown, the better).
+    arrays, index = {}, []
+    for i, leaf in enumerate(jax.tree_util.tree_leaves((new_state, metrics))):
+        for j, shard in enumerate(leaf.addressable_shards):
+            key = f"l{i}_s{j}"
+            arrays[key] = np.asarray(shard.data)
+            index.append([key, i, [[sl.start, sl.stop] for sl in shard.index], list(leaf.shape)])
+    np.savez(os.path.join(out_dir, f"shards_{pid}.npz"), **arrays)
+    with open(os.path.join(out_dir, f"shards_{pid}.json"), "w") as f:
+        json.dump(index, f)
+    # Everything the test reads is written. The marker lets the test tell a failure of this run
+    # from an abort inside XLA's coordination-service teardown that can follow it (seen once in
+    # CI: "Check failed: queue.Pop() == nullptr" in grpc Server::~Server during shutdown).
+    open(os.path.join(out_dir, f"done_{pid}"), "w").close()
     jax.distributed.shutdown()
     return 0
 

@@ -2,6 +2,9 @@
 --pin / --rules / --baseline / compare (planner/evaluation.py, planner/present/compare.py)."""
 from __future__ import annotations
 
+import base64
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -11,16 +14,21 @@ from jax.sharding import PartitionSpec as P
 
 import planner
 from planner import cli
-from planner.present.compare import format_comparison
+from planner.present.compare import differences, format_comparison
 from planner.present.logical_axes import read_rules
 from zoo import get_model
 
 
-def test_compare_api_and_table():
+@pytest.fixture(scope="module")
+def mlp_comparison():
     b = get_model("mlp-tiny")
     args = (b.abstract_state(), b.abstract_batch())
-    c = planner.compare(b.train_step, *args, mesh="2x4", baselines=("dp", "fsdp"),
-                        pins={"dense_0/kernel": P("x", None)})
+    return b, args, planner.compare(b.train_step, *args, mesh="2x4", baselines=("dp", "fsdp"),
+                                    pins={"dense_0/kernel": P("x", None)})
+
+
+def test_compare_api_and_table(mlp_comparison):
+    b, args, c = mlp_comparison
     assert [n for n, _ in c.others] == ["dp", "fsdp", "yours"]
     for _, p in c.others:  # the plan is the ILP's optimum; each configuration is one of its points
         assert p.prediction.step_time_s >= c.plan.prediction.step_time_s * (1 - 1e-9)
@@ -29,6 +37,27 @@ def test_compare_api_and_table():
     assert [line.split()[0] for line in text.splitlines()[3:6]] == ["planner", "dp", "fsdp"]
     with pytest.raises(planner.InvalidArgumentError, match="unknown baseline 'tp'"):
         planner.compare(b.train_step, *args, mesh="2x4", baselines=("tp",))
+
+
+def test_differences_account_for_the_step_time_gap(mlp_comparison):
+    _, _, c = mlp_comparison
+    parts = c.plan.solver["step_parts"]  # the plan's step time, split by where it is paid
+    total = (sum(sum(item[2:]) for item in parts["items"]) + sum(t for *_, t in parts["combined_latency"])
+             - parts["hidden_s"])
+    assert total == pytest.approx(c.plan.prediction.step_time_s, rel=1e-9)
+    for name, p in c.others:
+        gap = p.prediction.step_time_s - c.plan.prediction.step_time_s
+        assert gap > 0, name
+        every = differences(c.plan, p, None)  # arguments, ops, latency groups, overlap: the whole gap
+        assert sum(d.extra_s for d in every) == pytest.approx(gap, rel=1e-6), name
+        top = differences(c.plan, p, 3)
+        assert len(top) <= 3 and all(d.extra_s > 0 for d in top)
+        assert sum(d.extra_s for d in top) >= 0.5 * gap, (name, top)
+    fsdp = dict(c.others)["fsdp"]
+    changed = [d for d in differences(c.plan, fsdp, 3) if d.plan_layout != d.other_layout]
+    assert changed  # the places that cost fsdp more are where its layouts differ from the plan's
+    text = format_comparison(c.plan, c.others, c.skipped)
+    assert "where fsdp pays more than the plan" in text and "instead of" in text
 
 
 class _Annotated(nn.Module):
@@ -81,9 +110,25 @@ def test_cli_pin_rules_baseline_and_compare(tmp_path, capsys):
                      "--rules", str(rules)]) == 0
     out = capsys.readouterr().out
     assert "P(None, y)" in out
-    assert cli.main(["compare", "--model", "mlp-tiny", "--mesh", "2x4", "-q", "--baselines", "dp,zero1"]) == 0
+    page, saved, again = tmp_path / "cmp.html", tmp_path / "cmp.json", tmp_path / "again.html"
+    assert cli.main(["compare", "--model", "mlp-tiny", "--mesh", "2x4", "-q", "--baselines", "dp,zero1",
+                     "--html", str(page), "--json", str(saved)]) == 0
     out = capsys.readouterr().out
     assert "planner" in out and "zero1" in out and "vs plan" in out
+    # The HTML report carries the same comparison beside the plan, self-contained (as test_html checks).
+    assert cli.main(["plan", "--from", str(saved), "--html", str(again), "-q"]) == 0
+    capsys.readouterr()
+    for text in (page.read_text(), again.read_text()):
+        assert text.startswith("<!DOCTYPE html>") and not re.search(r'(src|href)="(https?:)?//', text)
+        for data in re.findall(r'src="data:image/png;base64,([^"]+)"', text):
+            assert base64.b64decode(data)[:8] == b"\x89PNG\r\n\x1a\n"
+        table_html = re.search(r'<table class="comparison">(.*?)</table>', text, re.S).group(1)
+        cells = [re.findall(r"<t[dh]>(.*?)</t[dh]>", row) for row in re.findall(r"<tr>(.*?)</tr>", table_html)]
+        assert cells[0] == ["configuration", "step time", "vs plan", "step vs plan", "exposed comm", "memory",
+                            "memory vs plan", "bytes moved", "bytes vs plan", "fits"]
+        assert [r[0] for r in cells[1:]] == ["planner", "dp", "zero1"]
+        assert [r[3][0] for r in cells[2:]] == ["+", "+"]  # each baseline is slower than the plan
+        assert "where zero1 pays more than the plan" in text and "Per-layer shardings" in text
     for argv, message in (
         (["compare", "--model", "mlp-tiny", "--mesh", "2x4", "--baselines", "dp,ddp"], "unknown baseline 'ddp'"),
         (["plan", "--model", "mlp-tiny", "--mesh", "2x4", "--baseline", "ddp"], "unknown baseline 'ddp'"),

@@ -7,8 +7,14 @@ import pathlib
 import socket
 import subprocess
 import sys
+import warnings
 
+import jax
+import numpy as np
 import pytest
+
+from tests.helpers import assert_bundle_step_close
+from zoo import get_model
 
 WORKER = pathlib.Path(__file__).with_name("multihost_worker.py")
 
@@ -34,10 +40,33 @@ def test_two_processes_plan_identically_and_match_one_process(tmp_path):
                 q.kill()
             pytest.fail("multi-host workers timed out")
         outputs.append(out)
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-3000:]
+    for i, (p, out) in enumerate(zip(procs, outputs)):
+        if p.returncode != 0:
+            # A worker that wrote everything and then died in `jax.distributed.shutdown` hit the
+            # teardown abort of XLA's coordination service, not a planner failure: its results are
+            # checked below all the same. Anything else fails the test.
+            assert (tmp_path / f"done_{i}").exists() and "Shutdown" in out, out[-3000:]
+            warnings.warn(f"multi-host worker {i} aborted in jax.distributed.shutdown after finishing "
+                          f"(exit {p.returncode}); its results are complete and checked")
     plans = [json.loads((tmp_path / f"plan_{i}.json").read_text()) for i in range(2)]
     assert plans[0] == plans[1]
-    for i in range(2):
-        result = json.loads((tmp_path / f"result_{i}.json").read_text())
-        assert result["failure"] is None, result["failure"]
+    # Assemble the planned result from both processes' shards and compare it with the unsharded
+    # step here, at the tolerances derived from the summation order (tests/helpers.py).
+    b = get_model("gpt-tiny")
+    state = jax.tree_util.tree_map(np.asarray, b.init_state(jax.random.key(0)))
+    batch = jax.tree_util.tree_map(np.asarray, b.make_batch(jax.random.key(1)))
+    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
+    leaves, tree = jax.tree_util.tree_flatten((ref_state, ref_metrics))
+    got = [np.full(np.shape(x), np.nan, dtype=np.asarray(x).dtype) if np.issubdtype(np.asarray(x).dtype, np.floating)
+           else np.zeros(np.shape(x), np.asarray(x).dtype) for x in leaves]
+    covered = [np.zeros(np.shape(x), bool) for x in leaves]
+    for pid in range(2):
+        data = np.load(tmp_path / f"shards_{pid}.npz")
+        for key, i, slices, shape in json.loads((tmp_path / f"shards_{pid}.json").read_text()):
+            assert list(np.shape(leaves[i])) == shape
+            where = tuple(slice(lo, hi) for lo, hi in slices)
+            got[i][where] = data[key]
+            covered[i][where] = True
+    assert all(c.all() for c in covered), "the two processes' shards do not cover every result"
+    new_state, metrics = jax.tree_util.tree_unflatten(tree, got)
+    assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)

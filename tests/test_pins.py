@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -105,3 +106,40 @@ def test_pin_on_one_layer_is_neither_lost_nor_spread_across_shared_layers():
     both = resolve({"params/blocks_*/mlp/fc_in/kernel": P(None, "y")}, graph.input_paths, shapes, mesh)
     assert sorted(graph.input_paths[i] for i in both) == [
         f"[0]['params']['blocks_{i}']['mlp']['fc_in']['kernel']" for i in (0, 1)]
+
+
+def test_rules_pin_an_nnx_models_sharding_annotations(devices8):
+    from flax import nnx
+
+    from tests.helpers import assert_sgd_step_close
+
+    class Annotated(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.lecun_normal()
+            self.up = nnx.Linear(32, 64, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs)
+            self.down = nnx.Linear(64, 32, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")), rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(jax.nn.relu(self.up(x)))
+
+    with nnx.use_eager_sharding(False):  # annotations only; the planner places the arrays
+        graphdef, params = nnx.split(Annotated(nnx.Rngs(0)))
+    x = jax.random.normal(jax.random.key(1), (16, 32))
+
+    def loss_fn(params, x):
+        return jnp.mean(nnx.merge(graphdef, params)(x) ** 2)
+
+    def step(params, x):
+        loss, g = jax.value_and_grad(loss_fn)(params, x)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, g), loss
+
+    rules = [("embed", None), ("mlp", "y")]
+    planned = planner.plan_parallel(step, mesh="2x4", rules=rules)  # names read off the nnx.State itself
+    plan = planned.plan(params, x)
+    spec = {p.removesuffix(".value"): s for p, s in zip(plan.input_paths, plan.input_specs)}
+    assert spec["[0]['up']['kernel']"] == ((), (1,)) and spec["[0]['down']['kernel']"] == ((1,), ())
+    assert spec["[0]['up']['bias']"] == ((),)  # not annotated: P(), as nnx.get_partition_spec says
+    same = planner.plan(step, params, x, mesh="2x4", rules=rules, logical=(nnx.get_partition_spec(params), None))
+    assert same.input_specs == plan.input_specs
+    new_params, loss = planned(params, x)
+    assert_sgd_step_close(loss_fn, 0.1, params, x, new_params)

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 from planner.ilp.problem import Problem
 from planner.ilp.strategies import edge_time
+from planner.sharding import format_spec
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -110,3 +111,45 @@ def step_time(problem: Problem, choice: Sequence[int]) -> StepTime:
         reshard += edge_time(problem.graph.tensors[e.tensor], e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]],
                              problem.cost)
     return StepTime(compute, collectives, latency, reshard, hidden_time(problem, choice))
+
+
+def step_parts(problem: Problem, choice: Sequence[int]) -> dict:
+    """`step_time` of `choice` split by where it is paid, for explaining differences between plans.
+
+    Returns a JSON-ready dict:
+      items: [label, layout, compute_s, collectives_s, resharding_s] per node label (an argument's
+        "input PATH" or an op's name and module path; nodes sharing a label are summed, their
+        layouts joined). An edge's resharding is paid at the argument it leaves when its producer
+        is an argument (the argument's layout makes it), otherwise at the op that reads it.
+      combined_latency: [kind, mesh axis names, seconds] per group of combined collectives.
+      hidden_s: the communication hidden behind compute (subtracted once).
+    The items' parts plus the latencies minus `hidden_s` sum to `step_time(...).total_s`.
+    """
+    mesh = problem.cost.mesh
+    parts: dict[str, list] = {}
+
+    def item(node) -> list:
+        if node.label not in parts:
+            parts[node.label] = [node.label, [], 0.0, 0.0, 0.0]
+        rec = parts[node.label]
+        i = choice[node.index]
+        layout = node.descriptions[i] or "; ".join(dict.fromkeys(format_spec(v[i], mesh) for v in node.owned.values()))
+        if layout and layout not in rec[1]:
+            rec[1].append(layout)
+        return rec
+
+    for node in problem.nodes:
+        i = choice[node.index]
+        rec = item(node)
+        rec[2] += node.costs[i] - node.comm_s[i]
+        rec[3] += node.comm_s[i]
+    for e in problem.edges:
+        seconds = edge_time(problem.graph.tensors[e.tensor], e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]],
+                            problem.cost)
+        if seconds:
+            src = problem.nodes[e.src]
+            item(src if not src.ops else problem.nodes[e.dst])[4] += seconds
+    latency = [[kind, [mesh.axis_names[a] for a in axes], problem.cost.collective_latency(kind, axes)]
+               for kind, axes in sorted(combined_groups(problem, choice))]
+    return {"items": [[r[0], "; ".join(r[1]), r[2], r[3], r[4]] for r in parts.values()],
+            "combined_latency": latency, "hidden_s": hidden_time(problem, choice)}

@@ -7,6 +7,15 @@ edge needs O(strategies x parts) auxiliary booleans instead of the O(strategies^
 table; the sum over parts is the same number the pairwise table would hold (`strategies.edge_time`).
 The memory budget is enforced lazily: solve, measure the plan's liveness peak, add a constraint at
 each violated program point, solve again.
+
+Limits are in CP-SAT's deterministic time (`max_deterministic_time`), so the same problem gives the
+same plan on an idle or a loaded machine even when the limit stops the search (with one worker;
+several workers race and are not deterministic). `time_limit` is in deterministic units: measured
+here, one unit is about one second of one core (gpt-tiny 2x4: 4.75 units in 5.7 s, llama-tiny
+2x4: 5.8 units in 8.5 s), so `PlanOptions.solver_time_limit` keeps its meaning in seconds on an
+idle core. A wall-clock cap (`WALL_CAP_FACTOR` times the limit plus `WALL_CAP_FLOOR_S` seconds)
+stops a solve on a machine so loaded that the deterministic limit would take far longer; a plan
+stopped by it says so (`Solution.limit`).
 """
 from __future__ import annotations
 
@@ -19,15 +28,19 @@ from collections.abc import Sequence
 import numpy as np
 from ortools.sat.python import cp_model
 
-from planner.errors import InfeasiblePlanError
+from planner.errors import InfeasiblePlanError, PlannerError
 from planner.ilp.objective import overlap_order, step_time
 from planner.ilp.problem import Problem
 from planner.ilp.strategies import edge_parts, edge_time, part_key, part_time, shard_bytes
+from planner.units import format_bytes
 
 log = logging.getLogger("planner")
 
 _NS = 1e11  # objective unit: 10 picoseconds
-_MEM_UNIT = 1024  # memory constraint unit: KiB
+_MEM_UNIT = 1  # memory constraint unit: bytes (KiB rounding made a plan at the minimum look infeasible)
+WALL_CAP_FACTOR = 4.0  # wall-clock safety cap: this multiple of the deterministic limit ...
+WALL_CAP_FLOOR_S = 10.0  # ... plus this many seconds (short limits are not left to scheduling noise)
+MIN_MEMORY_LIMIT = 10.0  # deterministic units the minimum-memory search may spend at most
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,6 +55,12 @@ class Solution:
       solve_time_s: wall time spent in the solver, all rounds together.
       peak_memory_bytes: per-device liveness peak of the plan.
       rounds: solver rounds (memory constraints are added lazily).
+      optimal: CP-SAT proved the plan optimal (under the memory constraints it was given).
+      gap: relative gap (objective - best bound) / objective of the last solve; 0 when proven
+        optimal, None when the solver gave no bound.
+      deterministic_time: CP-SAT deterministic time spent, all rounds together.
+      limit: which limit stopped the search: None, "deterministic" or "wall-clock" (the plan then
+        depends on the machine's load).
     """
 
     choice: tuple[int, ...]
@@ -50,6 +69,10 @@ class Solution:
     solve_time_s: float
     peak_memory_bytes: int
     rounds: int
+    optimal: bool = False
+    gap: float | None = None
+    deterministic_time: float = 0.0
+    limit: str | None = None
 
 
 def memory_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
@@ -57,7 +80,9 @@ def memory_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
 
     Point k+1 is "while op k runs": its operands and results are live, and each operand is also
     counted in the layout the op reads it in (a resharded copy is a real transient buffer; when no
-    resharding happens this double-counts one op's operands, a deliberate safety margin).
+    resharding happens this double-counts one op's operands, a deliberate safety margin; in the
+    combinable tail it counts every operand of the update at the last point, which XLA's measured
+    peaks need: counting only resharded ones there under-predicted gpt-tiny's by 8%).
     """
     n = len(problem.graph.ops)
     delta = np.zeros(n + 3, dtype=np.int64)
@@ -70,10 +95,11 @@ def memory_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
         delta[last + 2] -= b
     profile = np.cumsum(delta)[: n + 2]
     for e in problem.edges:
+        at = _transient_point(problem, e)
         if e.op < 0 and e.src_specs[choice[e.src]] == e.dst_specs[choice[e.dst]]:
             continue  # a pinned output already in its layout: no copy
         b = shard_bytes(problem.graph.tensors[e.tensor], e.dst_specs[choice[e.dst]], mesh)
-        profile[_transient_point(problem, e)] += b
+        profile[at] += b
     return profile
 
 
@@ -134,6 +160,7 @@ class _Model:
         for tin, tout in problem.ties:
             self._tie(tin, tout)
         self.objective = sum(self.terms) + self.constant
+        self.copies: dict = {}  # (edge key, consumer spec) -> "operand copied" boolean (`_copy_var`)
 
     def _combined_latency(self) -> None:
         """One latency per (kind, axes) group of combined collectives that any chosen strategy
@@ -285,16 +312,42 @@ class _Model:
             t = p.graph.tensors[tid]
             for i, spec in enumerate(node.owned[tid]):
                 coef[(p.rep[node.index], i)] += shard_bytes(t, spec, p.cost.mesh)
+        copies: dict = defaultdict(int)
         for e in p.edges:  # operands as the op reads them (a resharded copy is a transient buffer)
             if _transient_point(p, e) == point:
                 t = p.graph.tensors[e.tensor]
                 for j, spec in enumerate(e.dst_specs):
-                    coef[(p.rep[e.dst], j)] += shard_bytes(t, spec, p.cost.mesh)
-        return sum(-(-c // _MEM_UNIT) * self.x[n][i] for (n, i), c in coef.items())
+                    b = shard_bytes(t, spec, p.cost.mesh)
+                    if e.op < 0:  # a pinned output: only when resharded (`memory_profile`)
+                        copies[self._copy_var(e, j)] += b
+                    else:
+                        coef[(p.rep[e.dst], j)] += b
+        return (sum(-(-c // _MEM_UNIT) * self.x[n][i] for (n, i), c in coef.items())
+                + sum(-(-c // _MEM_UNIT) * z for z, c in copies.items() if not isinstance(z, int) or z))
 
-    def solve(self, time_limit: float, workers: int, hint: Sequence[int] | None):
+    def _copy_var(self, e, j: int):
+        """A boolean that is 1 when the consumer of edge `e` reads it in its spec `j` and the
+        producer's spec differs (z >= x_dst[j] - sum of the producer's indicators of that spec;
+        minimised by the memory bound, so it is exactly the copy indicator where it matters)."""
+        p = self.problem
+        key = (p.rep[e.src], p.rep[e.dst], e.src_specs, e.dst_specs, j)
+        if key not in self.copies:
+            same = sum(self.x[e.src][i] for i, s in enumerate(e.src_specs) if s == e.dst_specs[j])
+            need = self.x[e.dst][j] - same
+            if isinstance(need, int):
+                self.copies[key] = max(0, need)
+            else:
+                z = self.m.NewBoolVar("")
+                self.m.Add(z >= need)
+                self.copies[key] = z
+        return self.copies[key]
+
+    def solve(self, det_limit: float, wall_limit: float, workers: int, hint: Sequence[int] | None):
+        """One CP-SAT run limited to `det_limit` deterministic units (and `wall_limit` seconds);
+        returns (choice or None, status) and leaves the run's figures in `self.last`."""
         solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = max(0.1, time_limit)
+        solver.parameters.max_deterministic_time = max(0.01, det_limit)
+        solver.parameters.max_time_in_seconds = max(0.1, wall_limit)
         solver.parameters.num_workers = workers
         solver.parameters.random_seed = 0
         # Presolve costs more than it saves on these models (measured: 11.8 s -> 5.5 s for gpt-tiny
@@ -308,14 +361,46 @@ class _Model:
                 for j, v in enumerate(self.x[node]):
                     if not isinstance(v, int):
                         self.m.AddHint(v, int(i == j))
+        t0 = time.perf_counter()
         status = solver.Solve(self.m)
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+        self.last = _Run(status == cp_model.OPTIMAL, solver.ObjectiveValue() if found else None,
+                         solver.BestObjectiveBound(), solver.response_proto.deterministic_time,
+                         time.perf_counter() - t0)
+        if not found:
             return None, status
         choice = []
         for vs in self.x:
             choice.append(next(i for i, v in enumerate(vs) if isinstance(v, int) and v == 1 or
                                not isinstance(v, int) and solver.BooleanValue(v)))
         return tuple(choice), status
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Run:
+    """Figures of one CP-SAT run: proven optimal, objective and best bound (model units), time."""
+
+    optimal: bool
+    objective: float | None
+    bound: float
+    deterministic_time: float
+    wall_s: float
+
+    def gap(self) -> float | None:
+        if self.optimal:
+            return 0.0
+        if self.objective is None or not np.isfinite(self.bound):
+            return None
+        return max(0.0, (self.objective - self.bound) / max(abs(self.objective), 1.0))
+
+
+def _status_words(status) -> str:
+    """A CP-SAT status as the user reads it (never the raw status name)."""
+    if status == cp_model.INFEASIBLE:
+        return "no plan satisfies the constraints"
+    if status == cp_model.MODEL_INVALID:
+        return "the planner built an invalid solver model (a planner bug: please report it with the program)"
+    return "the solver found no plan within its limit"
 
 
 def greedy(problem: Problem) -> tuple[int, ...]:
@@ -376,34 +461,50 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
           workers: int = 1, max_rounds: int = 30) -> Solution:
     """Solves the ILP; with a budget, adds memory constraints until the plan's peak fits.
 
+    `time_limit` is in CP-SAT deterministic units for all rounds together (about one second of one
+    idle core each, see the module's docstring); a wall-clock cap of `WALL_CAP_FACTOR` times as many
+    seconds plus `WALL_CAP_FLOOR_S` stops the search on an overloaded machine.
+
     Raises:
-      InfeasiblePlanError: when no plan fits `memory_budget`; the message and `min_memory_bytes`
-        give the smallest per-device peak the planner could reach.
+      InfeasiblePlanError: when no plan fits `memory_budget`; the message, `min_memory_bytes` and
+        `lower_bound_bytes` give the smallest per-device peak found and a proven lower bound.
     """
     start = time.perf_counter()
+    wall_cap = WALL_CAP_FACTOR * time_limit + WALL_CAP_FLOOR_S
+    if memory_budget is not None:
+        bound = memory_lower_bound(problem)
+        if bound.max() > memory_budget:  # provably infeasible: no CP-SAT search for a plan
+            raise _infeasible(problem, memory_budget, time_limit, workers, bound)
     model = _Model(problem)
     model.m.Minimize(model.objective)
     points: set[int] = set()
     fallback = greedy(problem)
     hint = fallback if _ties_hold(problem, fallback) else None
     status_name = "optimal"
+    det_used = 0.0
+    limit = None
+    run = None
     for rounds in range(1, max_rounds + 1):
-        left = time_limit - (time.perf_counter() - start)
-        choice, status = model.solve(left, workers, hint)
+        det_left = time_limit - det_used
+        wall_left = wall_cap - (time.perf_counter() - start)
+        choice, status = model.solve(det_left, wall_left, workers, hint)
+        run = model.last
+        det_used += run.deterministic_time
+        if not run.optimal and status != cp_model.INFEASIBLE:
+            limit = "deterministic" if det_used >= time_limit * 0.999 else "wall-clock"
         if choice is None:
             if status == cp_model.INFEASIBLE and memory_budget is not None:
                 raise _infeasible(problem, memory_budget, time_limit, workers)
             fits = memory_budget is None or memory_profile(problem, fallback).max() <= memory_budget
             if status == cp_model.UNKNOWN and _ties_hold(problem, fallback) and fits:
-                log.warning("solver found no plan within %.0fs: using the greedy plan (raise solver_time_limit "
-                            "for a better one)", time_limit)
+                log.warning("solver found no plan within its limit (%.3g deterministic units): using the greedy "
+                            "plan (raise solver_time_limit for a better one)", time_limit)
                 choice, status_name = fallback, "heuristic"
                 profile = memory_profile(problem, choice)
                 break
-            raise InfeasiblePlanError(
-                f"the solver found no plan within {time_limit:.0f}s (status {cp_model.CpSolver().StatusName(status)}); "
-                "raise solver_time_limit"
-            )
+            error = InfeasiblePlanError if status == cp_model.INFEASIBLE else PlannerError
+            raise error(f"{_status_words(status)} (solver limit {time_limit:.3g} deterministic units); "
+                        "raise solver_time_limit")
         if status != cp_model.OPTIMAL:
             status_name = "feasible"
         profile = memory_profile(problem, choice)
@@ -420,44 +521,152 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
         hint = choice
         log.info("memory round %d: peak %.3g B over budget %.3g B, %d constraints", rounds, profile.max(),
                  memory_budget, len(points))
-        if time.perf_counter() - start > time_limit:
-            status_name = "feasible"
+        if det_used >= time_limit * 0.999 or time.perf_counter() - start >= wall_cap:
             raise InfeasiblePlanError(
-                f"no plan fitting {memory_budget:.4g} bytes per device was found within the solver time limit "
-                f"({time_limit:.0f}s); the best plan so far needs {profile.max():.4g} bytes; raise solver_time_limit",
-                int(profile.max()),
+                f"no plan fitting {memory_budget:.4g} bytes per device was found within the solver limit "
+                f"({time_limit:.3g} deterministic units); the best plan so far needs {profile.max():.4g} bytes; "
+                "raise solver_time_limit",
+                int(profile.max()), int(memory_lower_bound(problem).max()),
             )
     elapsed = time.perf_counter() - start
-    if status_name == "feasible":
-        log.warning("solver time limit (%.0fs) reached: returning the best plan found, not proven optimal", time_limit)
-    return Solution(tuple(choice), plan_cost(problem, choice), status_name, elapsed, int(profile.max()), rounds)
+    gap = run.gap() if run is not None else None
+    if status_name == "heuristic" and run is not None and np.isfinite(run.bound):
+        obj = plan_cost(problem, choice) * _NS
+        gap = max(0.0, (obj - run.bound) / max(obj, 1.0))
+    if status_name == "optimal":
+        limit = None
+    elif limit is not None:
+        log.warning("solver %s limit reached: returning the best plan found, not proven optimal (gap %s to the "
+                    "best bound)", limit, "unknown" if gap is None else f"{gap:.2%}")
+    return Solution(tuple(choice), plan_cost(problem, choice), status_name, elapsed, int(profile.max()), rounds,
+                    status_name == "optimal", gap, det_used, limit)
 
 
-def _infeasible(problem: Problem, budget: float, time_limit: float, workers: int) -> InfeasiblePlanError:
-    """Finds the smallest liveness peak reachable (minimising peak memory) for the error message."""
+def memory_lower_bound(problem: Problem) -> np.ndarray:
+    """Per program point, bytes per device that every plan the planner can choose keeps live there.
+
+    Each tensor counts at its smallest layout among its owner's strategies (an argument: split over
+    every mesh axis that divides one of its dims, as far as the strategies allow), each operand copy
+    that `memory_profile` counts at its consumer's smallest layout (none for a pinned output whose
+    producer and consumer share a layout: no copy is then needed). `memory_profile(problem, choice)` is at least this, point by point, for every
+    `choice`, so `max()` is a sound lower bound on the planner's peak under sharding alone.
+    """
+    n = len(problem.graph.ops)
+    delta = np.zeros(n + 3, dtype=np.int64)
+    mesh = problem.cost.mesh
+    for tid, (first, last) in enumerate(problem.live):
+        node = problem.owner.get(tid)
+        if node is None:
+            continue
+        t = problem.graph.tensors[tid]
+        b = min(shard_bytes(t, spec, mesh) for spec in set(problem.nodes[node].owned[tid]))
+        delta[first + 1] += b
+        delta[last + 2] -= b
+    profile = np.cumsum(delta)[: n + 2]
+    for e in problem.edges:
+        at = _transient_point(problem, e)
+        if e.op < 0 and set(e.src_specs) & set(e.dst_specs):
+            continue  # a pinned output: a copy only when resharded, and some layout needs none
+        t = problem.graph.tensors[e.tensor]
+        profile[at] += min(shard_bytes(t, spec, mesh) for spec in set(e.dst_specs))
+    return profile
+
+
+def _min_bytes_choice(problem: Problem) -> tuple[int, ...]:
+    """Per distinct decision, the strategy whose owned tensors take the fewest bytes (ties broken
+    by the lower cost); tied outputs follow their inputs where they can."""
+    mesh = problem.cost.mesh
+    choice = [0] * len(problem.nodes)
+    tied_out: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for tin, tout in problem.ties:
+        tied_out[problem.owner[tout]].append((tin, tout))
+    done: set[int] = set()
+    for node in problem.nodes:
+        r = problem.rep[node.index]
+        if r in done:
+            choice[node.index] = choice[r]
+            continue
+        size = [sum(shard_bytes(problem.graph.tensors[t], specs[i], mesh) for t, specs in node.owned.items())
+                for i in range(node.size)]
+        keep = [i for i in range(node.size)
+                if not any(problem.owner[tin] in done and node.owned[tout][i] != problem.spec(tin, choice)
+                           for tin, tout in tied_out[node.index])] or list(range(node.size))
+        choice[node.index] = min(keep, key=lambda i: (size[i], node.costs[i]))
+        done.add(node.index)
+    return tuple(choice)
+
+
+def _infeasible(problem: Problem, budget: float, time_limit: float, workers: int,
+                bound: np.ndarray | None = None) -> InfeasiblePlanError:
+    """The error for a budget no plan fits: the proven lower bound, the smallest peak found (the
+    fewest-bytes plan, then a minimum-peak CP-SAT search of at most `MIN_MEMORY_LIMIT`
+    deterministic units), and the levers tried and not available."""
+    if bound is None:
+        bound = memory_lower_bound(problem)
+    lower = int(bound.max())
+    mesh = problem.cost.mesh
+    args = sum(min(shard_bytes(problem.graph.tensors[t], s, mesh) for s in set(problem.nodes[problem.owner[t]].owned[t]))
+               for t in problem.graph.inputs if t in problem.owner)
+    best = None
+    seed = _min_bytes_choice(problem)
+    if _ties_hold(problem, seed):
+        best = int(memory_profile(problem, seed).max())
+    if best is None or best > lower:
+        found = _min_peak_search(problem, min(time_limit, MIN_MEMORY_LIMIT), workers,
+                                 seed if best is not None else None)
+        if found is not None:
+            best = found if best is None else min(best, found)
+    where = int(np.argmax(bound))
+    at = (f"op {where - 1} ({problem.graph.ops[where - 1].primitive})" if 0 < where <= len(problem.graph.ops)
+          else "the end of the step")
+    found_text = (f"the smallest per-device peak the planner could reach is {_gb(best)}"
+                  + (" (the minimum)" if best == lower else "")
+                  if best is not None else "the minimum-memory search found no plan within its limit")
+    return InfeasiblePlanError(
+        f"no plan fits the memory budget of {_gb(budget)} per device on mesh {mesh}: {found_text}; no plan can "
+        f"go below {_gb(lower)} (lower bound: {_gb(args)} of arguments split over every mesh axis that divides "
+        f"them, plus what must be live together at {at}). Tried: sharding every tensor. Not "
+        "available in single-stage plans yet: rematerialisation, host offload, gradient accumulation; pipeline "
+        "stages with recomputation: pipeline='auto' (--pipeline auto). Raise memory_budget or use more devices",
+        best, lower,
+    )
+
+
+def _gb(nbytes: float) -> str:
+    return format_bytes(nbytes)
+
+
+def _min_peak_search(problem: Problem, det_limit: float, workers: int, hint: Sequence[int] | None) -> int | None:
+    """The smallest liveness peak CP-SAT finds within `det_limit` deterministic units: minimise a
+    peak variable bounding the memory at each program point added so far; add the new plan's
+    highest point; stop when the solve is optimal and its highest point is already bounded (the
+    model's minimum) or the limit is spent. Returns the smallest peak measured, or None."""
     model = _Model(problem)
     total = sum(t.nbytes for t in problem.graph.tensors) // _MEM_UNIT + 1
     peak = model.m.NewIntVar(0, total, "peak")
     model.m.Minimize(peak)
     points: set[int] = set()
+    if hint is not None:  # start from the hint's highest points, not an unconstrained model
+        for p in _violations(memory_profile(problem, hint), -1, points):
+            model.m.Add(model.memory_expr(p) <= peak)
+            points.add(p)
     best = None
-    choice = None
+    det_used = 0.0
+    choice = hint
     for _ in range(20):
-        choice, status = model.solve(time_limit, workers, choice)
+        if det_used >= det_limit * 0.999:
+            break
+        left = det_limit - det_used
+        choice, status = model.solve(left, WALL_CAP_FACTOR * left + WALL_CAP_FLOOR_S, workers, choice)
+        det_used += model.last.deterministic_time
         if choice is None:
-            log.warning("minimum-memory search stopped: solver status %s", cp_model.CpSolver().StatusName(status))
+            log.info("minimum-memory search stopped: %s", _status_words(status))
             break
         profile = memory_profile(problem, choice)
         best = int(profile.max()) if best is None else min(best, int(profile.max()))
-        new = [int(np.argmax(profile))]
-        if new[0] in points:
-            break
-        for p in new:
-            model.m.Add(model.memory_expr(p) <= peak)
-            points.add(p)
-    reach = f"{best:.4g}" if best is not None else "unknown"
-    return InfeasiblePlanError(
-        f"no plan fits the memory budget of {budget:.4g} bytes per device; the smallest per-device peak the "
-        f"planner could reach is {reach} bytes; raise memory_budget or use more devices",
-        best,
-    )
+        top = int(np.argmax(profile))
+        if top in points:
+            break  # optimal: the model's minimum; otherwise the limit left no better plan
+        model.m.Add(model.memory_expr(top) <= peak)
+        points.add(top)
+    return best

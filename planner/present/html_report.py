@@ -15,6 +15,7 @@ from typing import Any
 
 from planner.cost_model import ring_bytes
 from planner.layer_index import split_indexed
+from planner.present.compare import HEADERS, record_cells
 from planner.present.explain import cost_breakdown
 from planner.present.report import (
     PlanView,
@@ -298,11 +299,36 @@ h1 { font-size: 24px; margin-bottom: 4px; } h2 { font-size: 18px; margin-top: 28
 .card .v { font-size: 20px; font-weight: 600; } .card .k { font-size: 12px; color: #555; }
 pre { background: #f7f7f7; padding: 10px; overflow-x: auto; font-size: 12px; line-height: 1.35; }
 img { max-width: 100%; border: 1px solid #eee; }
+table.comparison { border-collapse: collapse; font-size: 13px; margin: 8px 0; }
+table.comparison caption { text-align: left; color: #555; padding-bottom: 4px; }
+table.comparison th, table.comparison td { border: 1px solid #ddd; padding: 4px 8px; text-align: right; }
+table.comparison td:first-child, table.comparison th:first-child { text-align: left; }
 """
 
 
 def _card(value: str, key: str) -> str:
     return f'<div class="card"><div class="v">{html.escape(value)}</div><div class="k">{html.escape(key)}</div></div>'
+
+
+def _signed(value: float, fmt) -> str:
+    return ("+" if value > 0 else "-" if value < 0 else "") + fmt(abs(value))
+
+
+def comparison_html(record: Mapping[str, Any]) -> str:
+    """`planner compare`'s table (`present.compare.comparison_record`) as an HTML table with the
+    differences from the plan beside each figure, then the places that make the difference."""
+    head = (*HEADERS[:3], "step vs plan", *HEADERS[3:5], "memory vs plan", HEADERS[5], "bytes vs plan", HEADERS[6])
+    rows = []
+    for cells, r in zip(record_cells(record), record["rows"]):
+        dt, dm, db = r["step_time_vs_plan_s"], r["memory_vs_plan_bytes"], r["bytes_moved_vs_plan"]
+        row = (*cells[:3], _signed(dt, fmt_time), *cells[3:5], _signed(dm, fmt_bytes), cells[5],
+               _signed(db, fmt_bytes), cells[6])
+        rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>")
+    caption = (f"mesh {record['mesh']} ({', '.join(record['axis_names'])}); one cost model for every row "
+               "(predicted, per device)")
+    return (f'<table class="comparison"><caption>{html.escape(caption)}</caption><tr>'
+            + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>" + "".join(rows) + "</table>"
+            + f"<pre>{html.escape(chr(10).join(record['notes']))}</pre>")
 
 
 def render_html(view: PlanView) -> str:
@@ -333,6 +359,9 @@ def render_html(view: PlanView) -> str:
         fig = draw(view)
         parts.append(f"<h2>{heading}</h2>")
         parts.append(f'<img alt="{html.escape(heading)}" src="data:image/png;base64,{_png(fig)}">')
+    comparison = ctx.get("comparison")
+    if comparison:
+        parts += ["<h2>Beside hand configurations</h2>", comparison_html(comparison)]
     ranking = ctx.get("ranking") or []
     if len(ranking) > 1:
         parts += ["<h2>Mesh shapes, best first</h2>", f"<pre>{html.escape(format_ranking(ranking, budget))}</pre>"]

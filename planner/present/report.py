@@ -16,7 +16,7 @@ from planner.cost_model import peak_flops
 from planner.errors import InvalidArgumentError
 from planner.layer_index import split_indexed
 from planner.present.logical_axes import Axes, AxisRules, Leaf, classify, infer_rules, path_tokens
-from planner.plan import Plan
+from planner.plan import Plan, solver_quality as _solver_quality
 from planner.units import format_bytes
 
 
@@ -347,7 +347,8 @@ def format_header(view: PlanView) -> str:
                      f"({sum(ctx['model_flops'].values()):.3g} model FLOPs per step)")
     if solver:
         lines.append(f"  solver                {solver.get('status')} in {solver.get('solve_time_s', 0):.2f} s "
-                     f"({solver.get('decisions')} decisions, {solver.get('variables_shared')} after layer sharing)")
+                     f"({solver.get('decisions')} decisions, {solver.get('variables_shared')} after layer sharing)"
+                     + _solver_quality(solver))
     if view.plan.fallback_primitives:
         lines.append(f"  replicated (no rule)  {', '.join(view.plan.fallback_primitives)}")
     return "\n".join(lines)
