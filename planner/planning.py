@@ -20,6 +20,7 @@ from planner.mesh import MeshSpec
 from planner.options import PlanOptions
 from planner.plan import Decision, Plan, PredictedCollective, Prediction
 from planner.sharding import Spec, active_axes, replicated
+from planner.units import format_bytes
 
 log = logging.getLogger("planner")
 
@@ -200,8 +201,8 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     log.info("built ILP: %d ops -> %d decisions (%d after layer sharing), %d edges in %.2fs", len(graph.ops),
              len(problem.nodes), len(set(problem.rep)), len(problem.edges), t1 - t0)
     sol = solve(problem, options.memory_budget, options.solver_time_limit, options.solver_workers)
-    log.info("solved: %s in %.2fs, predicted %.4g s/step, peak %.4g B/device", sol.status, sol.solve_time_s,
-             sol.objective_s, sol.peak_memory_bytes)
+    log.info("solved: %s in %.2fs, predicted %.4g s/step, peak %s/device", sol.status, sol.solve_time_s,
+             sol.objective_s, format_bytes(sol.peak_memory_bytes))
     producers = graph.producers()
     op_specs = []
     for tid, node in sorted(problem.owner.items()):

@@ -20,6 +20,7 @@ from planner.mesh import MeshSpec, default_axis_names
 from planner.options import PlanOptions
 from planner.plan import Plan
 from planner.planning import make_plan
+from planner.units import format_bytes
 
 log = logging.getLogger("planner")
 
@@ -96,8 +97,8 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
             log.info("mesh %s: %s", spec, "no plan fits the budget" if isinstance(e, InfeasiblePlanError) else e)
             continue
         done.append(MeshResult(spec, plan, None, inter, time.perf_counter() - t0))
-        log.info("mesh %s: %.4g s/step, %.4g MiB/device, planned in %.1fs", spec, plan.prediction.step_time_s,
-                 plan.prediction.memory_bytes_per_device / 2**20, time.perf_counter() - t0)
+        log.info("mesh %s: %.4g s/step, %s/device, planned in %.1fs", spec, plan.prediction.step_time_s,
+                 format_bytes(plan.prediction.memory_bytes_per_device), time.perf_counter() - t0)
     done.sort(key=lambda r: r.plan.prediction.step_time_s)
     failed.sort(key=lambda r: (not r.over_budget, r.min_memory_bytes or 0))
     return tuple(done + failed)

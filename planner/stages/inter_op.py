@@ -25,6 +25,7 @@ import numpy as np
 
 from planner.cost_model import Cluster
 from planner.errors import InfeasiblePlanError, InvalidArgumentError
+from planner.units import format_bytes
 from planner.graph import Graph, trace
 from planner.mesh import MeshSpec
 from planner.options import PlanOptions
@@ -177,7 +178,7 @@ class PipelinePlan:
             lines.append(
                 f"  stage {k}: {names:<28} submesh {st.submesh[0]}x{st.submesh[1]} mesh {st.mesh} "
                 f"{st.state_layout + ('+remat' if st.remat else ''):<19} {st.time_s * 1e3:9.3f} ms/microbatch, "
-                f"{st.memory_bytes / 2**30:7.2f} GiB/device, devices {_ranges(st.devices)}")
+                f"{format_bytes(st.memory_bytes):>9}/device, devices {_ranges(st.devices)}")
         return "\n".join(lines)
 
 
