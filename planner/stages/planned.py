@@ -203,13 +203,19 @@ class PipelineRunner:
                                        self.stage_plans or step.stage_plans)
         return self._step
 
-    def __call__(self, *args: Any):
+    def _prepared(self, args: tuple[Any, ...]) -> PipelinedStep:
+        """The runtime for these arguments: an unmarked step's structure is read from its trace once;
+        a marked step must be called as (state, batch)."""
         if self.derived is None and not has_marker(self.fn):
             self.derived = derive(self.fn, trace(self.fn, *args))
         step = self._runtime()
+        if self.derived is None and len(args) != 2:
+            raise InvalidArgumentError(f"a pipelined step takes (state, batch); got {len(args)} arguments")
+        return step
+
+    def __call__(self, *args: Any):
+        step = self._prepared(args)
         if self.derived is None:
-            if len(args) != 2:
-                raise InvalidArgumentError(f"a pipelined step takes (state, batch); got {len(args)} arguments")
             return step(*args)
         params, carried, batch = self.derived.split_args(args)
         new_params, new_carried, loss = step.step(params, carried, batch)
@@ -218,12 +224,8 @@ class PipelineRunner:
     def lower(self, *args: Any) -> tuple[StageLowered, ...]:
         """Every stage's lowered programs (`planner.stages.runtime.StageLowered`: forward, backward
         and update per stage, in pipeline order) for these arguments (arrays or ShapeDtypeStructs)."""
-        if self.derived is None and not has_marker(self.fn):
-            self.derived = derive(self.fn, trace(self.fn, *args))
-        step = self._runtime()
+        step = self._prepared(args)
         if self.derived is None:
-            if len(args) != 2:
-                raise InvalidArgumentError(f"a pipelined step takes (state, batch); got {len(args)} arguments")
             return step.lower(args[0]["params"], args[0]["opt_state"], args[1])
         params, carried, batch = self.derived.split_args(args)
         return step.lower(params, carried, batch)
