@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from planner.cost_model.model import matmul_curve
 from planner.cost_model import COLLECTIVES, CostModel, ProfileDB
 from planner.cost_model import profiling
 from planner.mesh import MeshSpec
@@ -77,6 +78,7 @@ def test_in_process_run_writes_a_usable_database(tmp_path, single_process):
         (k, a) for k in ("all-reduce", "all-gather") for a in ((0,), (1,), (0, 1))}
     assert all(len(e.nbytes) == 2 and all(len(r) == 2 for r in e.seconds) for e in db.collectives)
     assert dict(db.matmul_flops).keys() == {"float32", "bfloat16"} and db.memory_bandwidth > 0
+    assert dict(matmul_curve(db)).keys() == {"float32", "16bit"}  # the swept GEMMs: a measured curve
     cm = CostModel.from_profile(MeshSpec((2, 4), ("x", "y")), out)
     assert cm.algorithm("all-reduce", 2048, (1,)) == "measured"
     assert cm.collective_time("all-reduce", 2048, (1,)) > 0

@@ -47,6 +47,13 @@ class Hardware:
         compute, float32 master parameters and optimizer state); `planner plan --dtype` defaults to it.
       platform: "gpu", "tpu" or "cpu": which XLA flags a plan assumes (`xla_flags`); XLA:CPU runs
         collectives synchronously, so nothing overlaps there.
+      matmul_efficiency: the fraction of the peak that large matmuls reach (the best measured
+        rate over many GEMM shapes divided by the datasheet peak); contractions run at
+        `peak x matmul_efficiency` unless a measured curve says better (`matmul_rate`). 1.0 where
+        no measurement is published: the peak is then an optimistic bound.
+      matmul_curve: measured matmul rates, `((dtype class, ((flops per kernel, FLOP/s), ...)), ...)`
+        with dtype class "16bit" or "float32" and points sorted by FLOPs; filled from a profile
+        database (`planner profile` sweeps square GEMMs), empty for presets.
     """
 
     name: str
@@ -63,6 +70,8 @@ class Hardware:
     kernel_launch_s: float = 0.0
     default_dtype: str = "bfloat16"
     platform: str = "gpu"
+    matmul_efficiency: float = 1.0
+    matmul_curve: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
 
     def __post_init__(self):
         for name in _NUMERIC:
@@ -77,6 +86,14 @@ class Hardware:
         if self.default_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"hardware {self.name}: default_dtype={self.default_dtype!r} must be float32, bfloat16 "
                              "or float16")
+        e = self.matmul_efficiency
+        if isinstance(e, bool) or not (isinstance(e, (int, float)) and 0 < e <= 1):
+            raise ValueError(f"hardware {self.name}: matmul_efficiency={e!r} must be in (0, 1]")
+        for cls, points in self.matmul_curve:
+            if cls not in ("16bit", "float32") or not points or any(
+                    not (f > 0 and r > 0) for f, r in points) or list(points) != sorted(points):
+                raise ValueError(f"hardware {self.name}: matmul_curve[{cls!r}] must be FLOPs-sorted positive "
+                                 "(flops, FLOP/s) points of class '16bit' or 'float32'")
         if not (isinstance(self.devices_per_host, int) and self.devices_per_host >= 1):
             raise ValueError(f"hardware {self.name}: devices_per_host={self.devices_per_host!r} must be an int >= 1")
 
@@ -94,18 +111,30 @@ _GIB = 2.0**30
 # microseconds setting the pace of small kernels. Hopper and Ampere launch at the same order.
 _CUDA_KERNEL_LAUNCH_S = 3.8e-6
 
+# Achieved matmul efficiency (`Hardware.matmul_efficiency`): S. Bekman, "Machine Learning Engineering
+# Open Book", compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table"
+# (github.com/stas00/ml-engineering; BF16 `torch.matmul`, best of a brute-force shape search,
+# CUDA 12.1-12.5): A100 SXM 267.9 of 312 TFLOP/s (85.9%), H100 SXM 792.1 of 989 (80.1%), GH200 SXM
+# 821.0 of 989 (83.0%). The 16-bit figure is used for both rates. No such measurement is published
+# for V100 or the TPUs: their presets keep 1.0 (the peak, an optimistic bound) until profiled.
+_MAMF_A100 = 267.9 / 312
+_MAMF_H100 = 792.1 / 989
+_MAMF_GH200 = 821.0 / 989
+
 # NVIDIA H100 SXM5 80GB datasheet: FP32 67 TFLOP/s, BF16 989 TFLOP/s dense (1979 with sparsity),
 # 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s bidirectional (450 GB/s per direction).
 # DGX H100: 8 GPUs per node, 8x ConnectX-7 400 Gb/s NDR, i.e. 50 GB/s per GPU.
 H100_SXM = Hardware("h100-sxm", flops_f32=67e12, flops_bf16=989e12, memory_bytes=80 * _GB,
                     memory_bandwidth=3.35e12, intra_bandwidth=450 * _GB, intra_latency=2e-6,
-                    inter_bandwidth=50 * _GB, inter_latency=10e-6, devices_per_host=8, device_kind=r"h100", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S)
+                    inter_bandwidth=50 * _GB, inter_latency=10e-6, devices_per_host=8, device_kind=r"h100", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
+                    matmul_efficiency=_MAMF_H100)
 
 # NVIDIA H200 SXM datasheet: same Hopper compute as H100 SXM (FP32 67, BF16 989 TFLOP/s dense),
 # 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional; DGX H200: 8x ConnectX-7 400 Gb/s.
 H200 = Hardware("h200", flops_f32=67e12, flops_bf16=989e12, memory_bytes=141 * _GB, memory_bandwidth=4.8e12,
                 intra_bandwidth=450 * _GB, intra_latency=2e-6, inter_bandwidth=50 * _GB, inter_latency=10e-6,
-                devices_per_host=8, device_kind=r"h200", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S)
+                devices_per_host=8, device_kind=r"h200", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
+                matmul_efficiency=_MAMF_GH200)  # GH200: the same H200-class Hopper die and HBM3e
 
 # NVIDIA A100 datasheet (SXM4 40GB): FP32 19.5 TFLOP/s, BF16 312 TFLOP/s dense, 40 GB HBM2 at
 # 1,555 GB/s, NVLink 3 600 GB/s bidirectional (300 per direction). DGX A100: 8x 200 Gb/s HDR
@@ -113,13 +142,15 @@ H200 = Hardware("h200", flops_f32=67e12, flops_bf16=989e12, memory_bytes=141 * _
 A100_40GB = Hardware("a100-40gb", flops_f32=19.5e12, flops_bf16=312e12, memory_bytes=40 * _GB,
                      memory_bandwidth=1.555e12, intra_bandwidth=300 * _GB, intra_latency=2e-6,
                      inter_bandwidth=25 * _GB, inter_latency=10e-6, devices_per_host=8,
-                     device_kind=r"a100.*40\s*gb", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S)
+                     device_kind=r"a100.*40\s*gb", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
+                     matmul_efficiency=_MAMF_A100)
 
 # NVIDIA A100 datasheet (SXM4 80GB): as the 40 GB part but 80 GB HBM2e at 2,039 GB/s.
 A100_80GB = Hardware("a100-80gb", flops_f32=19.5e12, flops_bf16=312e12, memory_bytes=80 * _GB,
                      memory_bandwidth=2.039e12, intra_bandwidth=300 * _GB, intra_latency=2e-6,
                      inter_bandwidth=25 * _GB, inter_latency=10e-6, devices_per_host=8,
-                     device_kind=r"a100.*80\s*gb", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S)
+                     device_kind=r"a100.*80\s*gb", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
+                     matmul_efficiency=_MAMF_A100)
 
 # NVIDIA V100 datasheet (SXM2 16GB): FP32 15.7 TFLOP/s; no bfloat16, so the 16-bit figure is the
 # FP16 tensor-core peak of 125 TFLOP/s; 16 GB HBM2 at 900 GB/s; NVLink 2 300 GB/s bidirectional
@@ -238,11 +269,33 @@ def peak_flops(hardware: Hardware | Mapping[str, float], dtypes: Iterable[Any]) 
       hardware: a `Hardware`, or a mapping with its "flops_f32" and "flops_bf16" figures.
       dtypes: numpy dtypes or dtype names ("bfloat16", "float32").
     """
-    sizes = [n for n in map(_itemsize, dtypes) if n is not None]
-    low = bool(sizes) and max(sizes) <= 2
+    low = rate_class(dtypes) == "16bit"
     if isinstance(hardware, Mapping):
         return float(hardware["flops_bf16"] if low else hardware["flops_f32"])
     return hardware.flops_bf16 if low else hardware.flops_f32
+
+
+def rate_class(dtypes: Iterable[Any]) -> str:
+    """"16bit" when every value is 16 bits or narrower, else "float32" (the rule of `peak_flops`)."""
+    sizes = [n for n in map(_itemsize, dtypes) if n is not None]
+    return "16bit" if sizes and max(sizes) <= 2 else "float32"
+
+
+def matmul_rate(hardware: Hardware, dtypes: Iterable[Any], flops: float) -> float:
+    """FLOP/s of one contraction (dot, convolution) of `flops` FLOPs on operands of `dtypes`.
+
+    With a measured curve for the dtype class (`Hardware.matmul_curve`, from `planner profile`):
+    the rate interpolated linearly in log(FLOPs) between the measured points, held at the end
+    points outside them (a measured small matmul's rate already includes its launch time).
+    Otherwise `peak_flops x matmul_efficiency`.
+    """
+    dtypes = tuple(dtypes)
+    curve = dict(hardware.matmul_curve).get(rate_class(dtypes))
+    if not curve:
+        return peak_flops(hardware, dtypes) * hardware.matmul_efficiency
+    xs = np.log([f for f, _ in curve])
+    ys = [r for _, r in curve]
+    return float(np.interp(np.log(max(flops, 1.0)), xs, ys))
 
 
 def hardware_for_device_kind(kind: str) -> Hardware | None:

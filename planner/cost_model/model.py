@@ -16,7 +16,9 @@ from planner.cost_model.hardware import (
     Hardware,
     get_hardware,
     hardware_for_device_kind,
+    matmul_rate,
     peak_flops,
+    rate_class,
 )
 from planner.cost_model.profile_db import MeasuredCollectives, ProfileDB, bind, check_device_kind, load_profile
 from planner.errors import MeshError
@@ -41,8 +43,15 @@ def profiled_hardware(profile: Any, hardware: str | Hardware | None = None) -> H
         base = dataclasses.replace(DEFAULT_HARDWARE, name=db.device_kind.strip().lower() or "profiled",
                                    device_kind="")
     flops = dict(db.matmul_flops)
+    curve = matmul_curve(db)
+    if not curve:
+        log.info("profile %s has no GEMM curve (no matmul samples): contractions run at the %s preset's "
+                 "rate", db.name, base.name)
     return dataclasses.replace(
         base,
+        matmul_curve=curve or base.matmul_curve,
+        # measured peaks are achieved rates already
+        matmul_efficiency=1.0 if flops else base.matmul_efficiency,
         flops_f32=flops.get("float32", base.flops_f32),
         flops_bf16=flops.get("bfloat16", base.flops_bf16),
         memory_bandwidth=db.memory_bandwidth or base.memory_bandwidth,
@@ -50,6 +59,23 @@ def profiled_hardware(profile: Any, hardware: str | Hardware | None = None) -> H
         kernel_launch_s=base.kernel_launch_s if db.kernel_launch_s is None else db.kernel_launch_s,
         platform=db.platform if db.platform in ("gpu", "tpu", "cpu") else base.platform,
     )
+
+
+def matmul_curve(db: ProfileDB) -> tuple[tuple[str, tuple[tuple[float, float], ...]], ...]:
+    """The measured matmul rates of a profile (`Hardware.matmul_curve`): FLOPs of each swept square
+    GEMM (2 n^3) and its FLOP/s, per dtype class; the best rate where two samples share a size."""
+    points: dict[str, dict[float, float]] = {}
+    for s in db.compute_samples:
+        if s.get("kind") != "matmul":
+            continue
+        try:
+            n, rate, dtype = float(s["n"]), float(s["flops_per_s"]), str(s["dtype"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if n > 0 and rate > 0 and np.isfinite(rate):
+            by_flops = points.setdefault(rate_class((dtype,)), {})
+            by_flops[2 * n**3] = max(rate, by_flops.get(2 * n**3, 0.0))
+    return tuple((cls, tuple(sorted(p.items()))) for cls, p in sorted(points.items()))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -204,11 +230,15 @@ class CostModel:
         `dtypes` are the values whose precision sets the FLOP rate (`hardware.peak_flops`): a dot's or
         convolution's operands, another op's results; one dtype or several; None means float32.
         `kernels`: the kernels the op surely runs as (1 for a dot or convolution, which XLA never
-        fuses with each other; 0 for ops that may fuse into a neighbour's kernel).
+        fuses with each other; 0 for ops that may fuse into a neighbour's kernel). A contraction
+        (kernels > 0) runs at the achieved matmul rate (`hardware.matmul_rate`: a profiled curve,
+        or the peak times the preset's cited `matmul_efficiency`); other ops' FLOPs at the peak.
         """
         if dtypes is None:
             dtypes = ()
         elif isinstance(dtypes, (np.dtype, str, type)):
             dtypes = (dtypes,)
-        return max(flops / peak_flops(self.hardware, dtypes), bytes_accessed / self.hardware.memory_bandwidth,
+        rate = (matmul_rate(self.hardware, dtypes, flops / kernels) if kernels > 0
+                else peak_flops(self.hardware, dtypes))
+        return max(flops / rate, bytes_accessed / self.hardware.memory_bandwidth,
                    kernels * self.hardware.kernel_launch_s)

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from planner.cost_model.cluster import group_offsets
 from planner.cost_model.collectives import COLLECTIVES
 from planner.cost_model.fit import Curve, geometric_sizes
+from planner.cost_model.model import matmul_curve
 from planner.cost_model.profile_db import CollectiveSamples, ProfileDB, axis_groups, utc_now
 from planner.errors import InvalidArgumentError, PlannerError, ProfileError
 from planner.mesh import MeshSpec, default_axis_names, parse_mesh
@@ -299,6 +300,9 @@ def summary(db: ProfileDB) -> str:
                      f"{e.fit.rel_rmse:>8.0%}")
     for dtype, flops in db.matmul_flops:
         lines.append(f"  matmul {dtype:<10} {flops / 1e9:10.2f} GFLOP/s per device")
+    for cls, points in matmul_curve(db):
+        lines.append(f"  GEMM curve {cls:<8} " + ", ".join(f"{round((f / 2) ** (1 / 3))}^3: {r / 1e9:.1f}"
+                                                           for f, r in points) + " GFLOP/s")
     if db.memory_bandwidth:
         lines.append(f"  memory bandwidth  {db.memory_bandwidth / 1e9:10.2f} GB/s per device")
     if db.kernel_launch_s is not None:
