@@ -11,18 +11,21 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
+from planner.accumulate import jit_accumulated, plan_accumulation
 from planner.compat import USER_CONSTRAINTS, user_sharding
 from planner.emit import jit_planned
-from planner.errors import InvalidArgumentError
+from planner.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.graph import Graph, trace
-from planner.mesh import context_mesh, parse_mesh
+from planner.mesh import MeshSpec, context_mesh, default_axis_names, parse_mesh
 from planner.options import PlanOptions
-from planner.pins import logical_names, resolve as resolve_pins, rules_to_pins
+from planner.pins import (check_stage_pins, intermediate_patterns, logical_names, pin_intermediates,
+                          resolve as resolve_pins, rules_to_pins, stage_pins)
 from planner.plan import Plan
 from planner.planning import check_options, make_plan
 from planner.sharding import to_partition_spec
 from planner.search import best_plan, candidate_meshes, search_meshes
 from planner.stages.planned import plan_with_stages
+from planner.units import format_bytes
 
 __all__ = ["PlannedFunction", "candidate_meshes", "plan", "plan_parallel"]
 
@@ -78,10 +81,16 @@ class PlannedFunction:
             return hit
         with self._user_context():
             graph = trace(self.fn, *args, user_constraints=self.options.user_constraints)
-        pinned = self._pinned(graph, args)
+        if isinstance(self.pins, Mapping) and self._mesh_spec is not None and not self.options.pipeline:
+            graph = pin_intermediates(graph, self.pins, self._mesh_spec)  # pins on checkpoint_name values
         if self.options.pipeline:
-            plan, runner = plan_with_stages(self.fn, args, graph, self._mesh_spec, self.devices, self.options)
+            plan, runner = plan_with_stages(self.fn, args, graph, self._mesh_spec, self.devices, self.options,
+                                            **self._stage_pins(graph))
             self._cache[key] = (graph, plan, runner)
+            return self._cache[key]
+        pinned = self._pinned(graph, args)
+        if self.options.accumulate not in (None, 1):
+            self._cache[key] = self._accumulated(graph, args)
             return self._cache[key]
         if self._mesh_spec is not None:
             plan = make_plan(graph, self._mesh_spec, self.options, self._jax_mesh, pins=pinned)
@@ -98,10 +107,11 @@ class PlannedFunction:
             return None
         if self._mesh_spec is None:
             raise InvalidArgumentError("pins need a mesh (their specs name its axes): pass mesh=")
-        if self.options.pipeline:
-            raise InvalidArgumentError("pins are not supported with pipeline stages yet: pass pipeline=False")
         shapes = [graph.tensors[t].shape for t in graph.inputs]
         pins = self.pins(graph.input_paths, shapes, self._mesh_spec) if callable(self.pins) else self.pins
+        if pins:  # patterns naming intermediates were applied to the graph (`pin_intermediates`)
+            inner = intermediate_patterns(pins, graph)
+            pins = {k: v for k, v in pins.items() if str(k) not in inner}
         if self.rules is not None:
             named = logical_names(args if self.logical is None else self.logical)
             if not named:
@@ -110,6 +120,18 @@ class PlannedFunction:
             pins = {**(pins or {}), **rules_to_pins(self.rules, named, self._mesh_spec)}
         return resolve_pins(pins, graph.input_paths, shapes, self._mesh_spec,
                             complete=self.unpinned == "replicate")
+
+    def _stage_pins(self, graph: Graph) -> dict[str, Any]:
+        """Pins with pipeline stages (`planner.pins.stage_pins`): each pin applies on the stage that
+        holds the pinned leaf, naming that stage mesh's axes (x, y)."""
+        if self.rules is not None:
+            raise InvalidArgumentError("logical-axis rules are not supported with pipeline stages yet: pass pins= "
+                                       "or pipeline=False")
+        if self.pins is None:
+            return {}
+        if not callable(self.pins):
+            check_stage_pins(self.pins, graph.input_paths)
+        return {"pins": stage_pins(self.pins)}
 
     def _user_context(self):
         """The user's mesh as the context mesh (tracing), or nothing when no JAX mesh was given."""
@@ -132,6 +154,29 @@ class PlannedFunction:
             raise InvalidArgumentError(f"keyword-only arguments {sorted(bound.kwargs)} of {self.__name__} are not "
                                        "supported; make them positional or close over them")
         return tuple(bound.args)
+
+    def _accumulated(self, graph: Graph, args: tuple[Any, ...]) -> tuple[Graph, Plan, Any]:
+        """Gradient accumulation (`planner.accumulate`): the microbatch step planned as any step
+        (on the mesh, or by the mesh search), k chosen or given; the entry holds the microbatch trace."""
+        def plan_micro(g: Graph, budget: float | None) -> Plan:
+            options = dataclasses.replace(self.options, memory_budget=budget, accumulate=None)
+            if self._mesh_spec is not None:
+                return make_plan(g, self._mesh_spec, options, self._jax_mesh, pins=self._pinned(g, args))
+            results = search_meshes(g, candidate_meshes(len(self.devices)), options, devices=self.devices)
+            over = [r.min_memory_bytes for r in results if r.over_budget and r.min_memory_bytes is not None]
+            if results[0].plan is None and over:
+                raise InfeasiblePlanError(f"no mesh shape fits {format_bytes(budget)} per device", min(over))
+            return best_plan(results)
+
+        bounds = self._mesh_spec or MeshSpec((len(self.devices),), default_axis_names(1))
+        acc = plan_accumulation(self.fn, graph, self.options.accumulate, self.options.memory_budget, plan_micro,
+                                bounds)
+        plan = dataclasses.replace(_record_user_constraints(acc.graph, acc.plan),
+                                   options={**acc.plan.options, "accumulate": self.options.accumulate})
+        acc = dataclasses.replace(acc, plan=plan)
+        jitted = jit_accumulated(acc, self.donate_argnums) if acc.k > 1 else jit_planned(acc.graph, plan,
+                                                                                           self.donate_argnums)
+        return acc.graph, plan, jitted
 
     def _choose_mesh(self, graph: Graph) -> Plan:
         return best_plan(search_meshes(graph, candidate_meshes(len(self.devices)), self.options,
@@ -222,7 +267,11 @@ def plan_parallel(fn: Callable[..., Any] | None = None, *, mesh: Any = None,
         train state: the new state then takes the old one's memory.
       pins: {path pattern: PartitionSpec} fixing the sharding of the argument leaves the glob
         patterns match (`planner.pins`: paths as the plan tables print them, `params/wte/embedding`;
-        first match wins); the planner plans everything else around them. Needs `mesh`.
+        first match wins); the planner plans everything else around them. Needs `mesh`. A pattern
+        matching no argument may name a `jax.ad_checkpoint.checkpoint_name` value by its module
+        path and name (`blocks_0/attn/attn_out`, or just `attn_out`): that intermediate is pinned.
+        With `pipeline=`, each pin applies on the stage holding the leaf and names the stage
+        meshes' axes `x` (across hosts when the stage spans hosts) and `y`.
       rules: logical-axis rules in the MaxText / t5x form the planner prints
         (`[('batch', 'x'), ('embed', 'y'), ...]`), applied to flax logical partitioning metadata:
         `nn.LogicallyPartitioned` leaves of the arguments, or `logical`; they pin the annotated
@@ -232,7 +281,9 @@ def plan_parallel(fn: Callable[..., Any] | None = None, *, mesh: Any = None,
       **options: `PlanOptions` fields (memory_budget, hardware, solver_time_limit, ...);
         `user_constraints="pin"` (default: the step's own `with_sharding_constraint` / `reshard`
         and nested jit in/out shardings fix those values' sharding) or `"hint"` (the planner may
-        choose another); `Plan.user_constraints` records which were kept.
+        choose another); `Plan.user_constraints` records which were kept. `accumulate=k` or
+        `"auto"`: gradient accumulation over k microbatches inside the step (`planner.accumulate`;
+        `plan.solver["accumulation"]` records k); the planned graph is then the microbatch trace.
 
     Returns:
       A `PlannedFunction` (or a decorator making one).

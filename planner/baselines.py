@@ -29,6 +29,13 @@ kernels (`fc_out`, `down`; `[mlp, embed]`) split mlp (row); the token embedding 
 and the LM head `[embed, vocab]` split the vocabulary. Everything else (norms, position table,
 row-parallel biases) is replicated.
 
+Pipeline baselines, `NAME+ppN` (`parse_baseline`; `planner.evaluate(..., baseline="megatron-tp+pp2")`):
+the baseline inside each of N hand-chosen even pipeline stages, as Megatron-LM lays out TP x PP x
+DP (`planner.stages.inter_op.fixed_pipeline`). A stage spanning several hosts is the mesh (hosts,
+devices per host); there megatron-tp and megatron-tp-sp put tensor parallelism on the axis inside
+a host and split the batch over the host axis (`host_axes`; with no such split left they keep
+one tensor-parallel group over every axis, as above).
+
 Where pins on arguments cannot say it, a baseline is approximated, and `APPROXIMATIONS` says how:
 gradients and activations are not arguments, so zero2 (gradients reduce-scattered) has zero1's
 argument layout and the planner chooses how gradients are reduced in both; megatron-tp-sp's
@@ -41,6 +48,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from collections.abc import Callable, Sequence
 
 from jax.sharding import PartitionSpec
@@ -85,6 +93,16 @@ def _split(shape: Shape, dim: int, axes: Sequence[str], mesh: MeshSpec) -> Parti
     return PartitionSpec(*spec)
 
 
+def _merge(shape: Shape, specs) -> PartitionSpec:
+    """The union of single-dim splits of one leaf (each from `_split`)."""
+    merged: list = [None] * len(shape)
+    for spec in specs:
+        for d, entry in enumerate(spec):
+            if entry is not None:
+                merged[d] = entry
+    return PartitionSpec(*merged) if any(e is not None for e in merged) else PartitionSpec()
+
+
 def _largest(shape: Shape, axes: Sequence[str], mesh: MeshSpec) -> PartitionSpec:
     """ZeRO's split: the largest dim the axes divide (ties: the first), else replicated."""
     for d in sorted(range(len(shape)), key=lambda i: (-shape[i], i)):
@@ -124,8 +142,53 @@ def _roles(paths: Sequence[str], shapes: Sequence[Shape]) -> list[tuple[str, str
     return out
 
 
-def baseline_specs(name: str, paths: Sequence[str], shapes: Sequence[Shape], mesh: MeshSpec) -> list[PartitionSpec]:
+def parse_baseline(text: str) -> tuple[str, int | None]:
+    """`"megatron-tp+pp4"` -> `("megatron-tp", 4)`; a plain name -> `(name, None)`.
+
+    Raises:
+      InvalidArgumentError: an unknown name or a stage count that is not an integer >= 2.
+    """
+    name, plus, pp = str(text).strip().partition("+")
+    if name not in NAMES:
+        raise InvalidArgumentError(f"unknown baseline {name!r}; known: {', '.join(NAMES)}, each optionally +ppN "
+                                   "(N even pipeline stages, e.g. megatron-tp+pp4)")
+    if not plus:
+        return name, None
+    m = re.fullmatch(r"pp(\d+)", pp.strip())
+    if not m or int(m.group(1)) < 2:
+        raise InvalidArgumentError(f"baseline {text!r}: write the pipeline part as +ppN with N >= 2 stages, "
+                                   f"e.g. {name}+pp2")
+    return name, int(m.group(1))
+
+
+def _roles_axes(name: str, mesh: MeshSpec, host_axes: Sequence[int]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(data axes, tensor-parallel axes) of the baseline on `mesh` (see the module docstring)."""
+    every = _axes(mesh)
+    if name == "dp-tp":
+        return every[:-1], every[-1:]
+    hosts = tuple(mesh.axis_names[a] for a in host_axes if mesh.shape[a] > 1)
+    inside = tuple(a for a in every if a not in hosts)
+    if name in ("megatron-tp", "megatron-tp-sp") and hosts and inside:
+        return hosts, inside  # Megatron-LM: tensor parallel inside a host, data parallel across hosts
+    return every, every
+
+
+def batch_ways(name: str, mesh: MeshSpec, host_axes: Sequence[int] = ()) -> int:
+    """How many ways the baseline splits the batch dimension (dim 0) of the token batch."""
+    name = parse_baseline(name)[0]
+    data, _ = _roles_axes(name, mesh, host_axes)
+    if name in ("megatron-tp", "megatron-tp-sp") and data == _axes(mesh):
+        return 1
+    return math.prod(mesh.shape[mesh.axis_names.index(a)] for a in data)
+
+
+def baseline_specs(name: str, paths: Sequence[str], shapes: Sequence[Shape], mesh: MeshSpec,
+                   host_axes: Sequence[int] = ()) -> list[PartitionSpec]:
     """The baseline's PartitionSpec of every argument leaf (see the module docstring).
+
+    `host_axes` (mesh axis indices crossing hosts) matter to megatron-tp(-sp) only: given, and with
+    axes inside a host left, tensor parallelism takes the axes inside a host and the batch is split
+    over the host axes, as Megatron-LM lays out TP x DP (a pipeline stage over several hosts).
 
     Raises:
       InvalidArgumentError: an unknown baseline name.
@@ -133,12 +196,18 @@ def baseline_specs(name: str, paths: Sequence[str], shapes: Sequence[Shape], mes
     if name not in NAMES:
         raise InvalidArgumentError(f"unknown baseline {name!r}; known: {', '.join(NAMES)}")
     every = _axes(mesh)
-    data, model = (every[:-1], every[-1:]) if name == "dp-tp" else (every, every)
+    data, model = _roles_axes(name, mesh, host_axes)
+    megatron_dp = name in ("megatron-tp", "megatron-tp-sp") and data != every
     out = []
     for (role, key), shape in zip(_roles(paths, shapes), shapes):
         shape = tuple(shape)
         if role == "batch":
-            if name in ("megatron-tp",):
+            if megatron_dp:
+                dims = {0: _split(shape, 0, data, mesh)}
+                if name == "megatron-tp-sp" and len(shape) >= 2:
+                    dims[1] = _split(shape, 1, model, mesh)
+                out.append(_merge(shape, dims.values()))
+            elif name in ("megatron-tp",):
                 out.append(PartitionSpec())
             elif name == "megatron-tp-sp":
                 out.append(_split(shape, 1, model, mesh) if len(shape) >= 2 else PartitionSpec())
@@ -157,7 +226,8 @@ def baseline_specs(name: str, paths: Sequence[str], shapes: Sequence[Shape], mes
     return out
 
 
-def baseline_pins(name: str) -> Callable[[Sequence[str], Sequence[Shape], MeshSpec], dict[str, PartitionSpec]]:
+def baseline_pins(name: str, host_axes: Sequence[int] = ()) -> Callable[[Sequence[str], Sequence[Shape], MeshSpec],
+                                                                        dict[str, PartitionSpec]]:
     """Pins of the named baseline, as a function of the arguments' leaves and the mesh: one exact
     path pattern per leaf (for `plan_parallel(pins=...)` / `evaluate`).
 
@@ -168,7 +238,7 @@ def baseline_pins(name: str) -> Callable[[Sequence[str], Sequence[Shape], MeshSp
         raise InvalidArgumentError(f"unknown baseline {name!r}; known: {', '.join(NAMES)}")
 
     def pins(paths: Sequence[str], shapes: Sequence[Shape], mesh: MeshSpec) -> dict[str, PartitionSpec]:
-        specs = baseline_specs(name, paths, shapes, mesh)
+        specs = baseline_specs(name, paths, shapes, mesh, host_axes)
         return {exact_pattern(p): s for p, s in zip(paths, specs)}
 
     pins.__name__ = f"baseline_{name}"

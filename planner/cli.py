@@ -43,8 +43,9 @@ from planner.errors import InfeasiblePlanError, PlannerError
 from planner.graph import matmul_flops, trace
 from planner.mesh import MeshSpec, default_axis_names
 from planner.options import PlanOptions
-from planner.baselines import NAMES as BASELINES, baseline_pins
-from planner.evaluation import labelled
+from planner.accumulate import plan_accumulation
+from planner.baselines import NAMES as BASELINES, baseline_pins, parse_baseline
+from planner.evaluation import labelled, pipeline_baseline
 from planner.pins import parse_spec_text, resolve as resolve_pins
 from planner.planning import make_plan
 from planner.present.compare import comparison_record, format_record
@@ -120,6 +121,9 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     opts.add_argument("--pipeline", choices=("auto", "on", "off"), default=None,
                       help="split the program into pipeline stages (default: the planner's PlanOptions default)")
     opts.add_argument("--microbatches", type=_positive_int, metavar="K", help="microbatches per step when pipelining")
+    opts.add_argument("--accumulate", type=_accumulate, default=None, metavar="auto|K",
+                      help="gradient accumulation without pipelining: K microbatches per step (a loop inside the "
+                           "step, one update), or 'auto' for the fastest K that fits the memory budget")
     opts.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                       help="ILP solver time limit per mesh shape (default: the planner's)")
     opts.add_argument("--top", type=_positive_int, default=10, metavar="K", help="rows of the ranked mesh table (default 10)")
@@ -131,7 +135,9 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     hand.add_argument("--rules", metavar="FILE", help="logical-axis rules as the plan prints them (t5x list or "
                       "MaxText YAML line), applied to the logical names the planner infers for the model's leaves")
     hand.add_argument("--baseline", metavar="NAME", help="evaluate a named hand configuration instead of planning: "
-                      "dp, zero1, zero2, fsdp, megatron-tp, megatron-tp-sp, dp-tp (planner.baselines)")
+                      "dp, zero1, zero2, fsdp, megatron-tp, megatron-tp-sp, dp-tp (planner.baselines); NAME+ppN puts "
+                      "it in N even pipeline stages (e.g. megatron-tp+pp2 with --cluster 4x8: tensor parallel "
+                      "inside a host, data parallel across; --microbatches B)")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write the best plan as JSON")
     out.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
@@ -164,7 +170,8 @@ def build_parser(profile_arguments=None) -> argparse.ArgumentParser:
                                    "comparison beside it.")
     _add_plan_arguments(c)
     c.add_argument("--baselines", default=None, metavar="A,B,...",
-                   help="baselines to compare (default: all of planner.baselines.NAMES)")
+                   help="baselines to compare (default: all of planner.baselines.NAMES); NAME+ppN adds N even "
+                        "pipeline stages, e.g. dp,megatron-tp,megatron-tp+pp2")
     pr = sub.add_parser("profile", help="measure collectives and write the cost-model database",
                         description="Offline profiling job (planner.cost_model.profiling).")
     if profile_arguments is not None:
@@ -275,12 +282,16 @@ def _options(args, budget: float | None, cluster: Cluster | None = None) -> Plan
         base["hardware"] = f"{cluster.hosts}x{cluster.devices_per_host}:{get_hardware(args.hardware).name}"
     if args.pipeline is not None:
         base["pipeline"] = {"auto": "auto", "on": True, "off": False}[args.pipeline]
+    if getattr(args, "accumulate", None) is not None:
+        if _hand_configured(args):
+            raise CLIError("--accumulate is not supported with --pin / --rules / --baseline yet; drop one")
+        base["accumulate"] = args.accumulate
     if args.time_limit is not None:
         base["solver_time_limit"] = args.time_limit
     return PlanOptions.from_kwargs(base)
 
 
-def _no_plan(results, budget: float | None) -> Exception:
+def _no_plan(results, budget: float | None, accumulated: bool = False) -> Exception:
     over = [r for r in results if r.over_budget]
     if not over:
         return CLIError("no mesh shape could be planned: " + "; ".join(f"{r.mesh}: {r.error}" for r in results))
@@ -291,8 +302,10 @@ def _no_plan(results, budget: float | None) -> Exception:
         + (f" (the smallest reachable peak is {fmt_bytes(need)}" if need < math.inf else "")
         + (f"; no plan goes below {fmt_bytes(floor)}" if floor < math.inf else "")
         + (")" if need < math.inf else "")
-        + "; tried: sharding; not available in single-stage plans yet: rematerialisation, host offload, "
-          "gradient accumulation; raise --memory-budget, plan for more devices, or enable --pipeline (recompute)")
+        + "; tried: sharding" + (", gradient accumulation" if accumulated else "")
+        + "; not available in single-stage plans yet: rematerialisation, host offload"
+        + ("" if accumulated else "; try --accumulate auto (gradient accumulation)")
+        + "; raise --memory-budget, plan for more devices, or enable --pipeline (recompute)")
 
 
 # ----- commands --------------------------------------------------------------------------------
@@ -344,13 +357,16 @@ def cmd_plan(args, out) -> int:
                        f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}; fix the step") from None
     log.info("traced %d ops, %d inputs in %.1fs", len(graph.ops), len(graph.inputs), time.perf_counter() - t0)
     flops = matmul_flops(graph)
-    if pipelined:
-        hosts, per_host = (cluster.hosts, cluster.devices_per_host) if cluster else (1, num_devices)
-        try:
-            linked = hardware_with_links(args.hardware, args.inter_host, args.intra_host, per_host)
-            target = make_cluster(hosts, per_host, linked)
-        except (ValueError, PlannerError) as e:
-            raise CLIError(f"cannot build the {hosts}x{per_host} cluster: {e}") from None
+    pp_name, pp_stages = _pp_baseline(args)
+    if pp_stages:
+        target = _pipeline_target(args, cluster, num_devices)
+        log.info("evaluating baseline %s on %s ...", args.baseline, target)
+        t1 = time.perf_counter()
+        plan, pp = pipeline_baseline(step, example, graph, pp_name, pp_stages, target, options)
+        ranked = pipeline_ranking(plan, pp, target, flops, hardware, time.perf_counter() - t1)
+    elif pipelined:
+        target = _pipeline_target(args, cluster, num_devices)
+        hosts, per_host = target.hosts, target.devices_per_host
         log.info("planning pipeline stages on %d host(s) x %d device(s) ...", hosts, per_host)
         t1 = time.perf_counter()
         plan, pp = plan_stages(step, example, graph, target, options)
@@ -359,6 +375,9 @@ def cmd_plan(args, out) -> int:
                  plan.prediction.step_time_s, time.perf_counter() - t1)
     elif _hand_configured(args):
         ranked = mesh_ranking(_configured_results(args, graph, meshes, options, cluster), flops, hardware)
+    elif options.accumulate not in (None, 1):
+        results, graph = _accumulated_results(step, graph, meshes, options, cluster, budget)
+        ranked = mesh_ranking(results, flops, hardware)
     else:
         results = search_meshes(graph, meshes, options, cluster.devices_per_host if cluster else None)
         if results[0].plan is None:
@@ -369,12 +388,87 @@ def cmd_plan(args, out) -> int:
     print(format_plan(view, args.top), file=out)
     if _hand_configured(args):
         solver = view.plan.solver
-        print(f"\nYour configuration: {solver.get('configuration')}, {solver.get('pinned_inputs', 0)} argument leaves "
-              "pinned" + (", the rest planned" if not args.baseline else "")
+        pinned = (f"{len(view.plan.stages)} even pipeline stages, {solver.get('configuration', '').split('+')[0][9:]} "
+                  "pins in each" if pp_stages else
+                  f"{solver.get('pinned_inputs', 0)} argument leaves pinned" + (", the rest planned" if not args.baseline
+                                                                               else ""))
+        print(f"\nYour configuration: {solver.get('configuration')}, {pinned}"
               + (f"; approximated: {solver['approximation']}" if solver.get("approximation") else ""), file=out)
+    record = view.plan.solver.get("accumulation")
+    if record and record.get("microbatches", 1) > 1:
+        print(f"\nGradient accumulation: {record['microbatches']} microbatches of {record['microbatch_rows']} rows "
+              "per step (the shapes above are one microbatch's)", file=out)
     _print_xla_flags(view.plan, out)
     _write_outputs(args, view, out)
     return 0
+
+
+def _pipeline_target(args, cluster: Cluster | None, num_devices: int) -> Cluster:
+    """The cluster pipelines are planned for: --cluster (or --devices as one host) with the links
+    --inter-host / --intra-host give."""
+    hosts, per_host = (cluster.hosts, cluster.devices_per_host) if cluster else (1, num_devices)
+    try:
+        linked = hardware_with_links(args.hardware, args.inter_host, args.intra_host, per_host)
+        return make_cluster(hosts, per_host, linked)
+    except (ValueError, PlannerError) as e:
+        raise CLIError(f"cannot build the {hosts}x{per_host} cluster: {e}") from None
+
+
+def _pp_baseline(args) -> tuple[str | None, int | None]:
+    """(baseline name, pipeline stages) of --baseline NAME+ppN; (name or None, None) otherwise."""
+    if not getattr(args, "baseline", None):
+        return None, None
+    try:
+        name, stages = parse_baseline(args.baseline)
+    except PlannerError as e:
+        raise CLIError(str(e)) from None
+    if stages and (args.pin or args.rules):
+        raise CLIError(f"--baseline {args.baseline} is a whole configuration with pipeline stages; drop --pin / --rules")
+    if stages and getattr(args, "pipeline", None) == "off":
+        raise CLIError(f"--baseline {args.baseline} has pipeline stages but --pipeline off was given; drop one")
+    return name, stages
+
+
+def _accumulate(text: str):
+    if text == "auto":
+        return text
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 'auto' or a positive number of microbatches")
+    return k
+
+
+def _accumulated_results(step, graph, meshes, options, cluster, budget):
+    """--accumulate: the microbatch step planned on every mesh (`search_meshes`), k chosen by
+    `planner.accumulate`; the best plan as the one ranked row, with the microbatch trace."""
+    per_host = cluster.devices_per_host if cluster else None
+    seen: list = []
+
+    def plan_micro(g, inner):
+        results = search_meshes(g, meshes, dataclasses.replace(options, memory_budget=inner, accumulate=None),
+                                per_host)
+        seen.append(results)
+        if results[0].plan is None:
+            over = [r for r in results if r.over_budget]
+            if not over:
+                raise CLIError("no mesh shape could be planned: " + "; ".join(f"{r.mesh}: {r.error}" for r in results))
+            need = [r.min_memory_bytes for r in over if r.min_memory_bytes is not None]
+            floor = [r.error.lower_bound_bytes for r in over if r.error.lower_bound_bytes is not None]
+            raise InfeasiblePlanError(str(_no_plan(results, inner, accumulated=True)), min(need, default=None),
+                                      min(floor, default=None))
+        return results[0].plan
+
+    bounds = MeshSpec((meshes[0].size,), default_axis_names(1))
+    t0 = time.perf_counter()
+    acc = plan_accumulation(step, graph, options.accumulate, budget, plan_micro, bounds)
+    plan = dataclasses.replace(acc.plan, options={**acc.plan.options, "accumulate": options.accumulate})
+    record = plan.solver["accumulation"]
+    log.info("gradient accumulation: %d microbatch(es) of %d rows", record["microbatches"], record["microbatch_rows"])
+    inter = next((r.inter_host_axes for rs in seen for r in rs if r.plan is not None and r.mesh == plan.mesh), ())
+    return (MeshResult(plan.mesh, plan, None, inter, time.perf_counter() - t0),), acc.graph
 
 
 def _hand_configured(args) -> bool:
@@ -490,8 +584,10 @@ def cmd_compare(args, out) -> int:
     _check_output_paths(args)
     names = [n.strip() for n in args.baselines.split(",")] if args.baselines else list(BASELINES)
     for n in names:
-        if n not in BASELINES:
-            raise CLIError(f"unknown baseline {n!r}; known: {', '.join(BASELINES)}")
+        try:
+            parse_baseline(n)
+        except PlannerError as e:
+            raise CLIError(str(e)) from None
     num_devices, cluster = _target(args)
     mesh = candidate_specs(args, num_devices)[0]
     hardware = hardware_record(get_hardware(args.hardware))
@@ -506,6 +602,14 @@ def cmd_compare(args, out) -> int:
     plan = make_plan(graph, mesh, options)
     planned_s = time.perf_counter() - t0
     for n in names:
+        base, stages = parse_baseline(n)
+        if stages:  # hand-chosen pipeline stages on the target (--cluster, or the mesh's devices as one host)
+            try:
+                rows.append((n, pipeline_baseline(step, example, graph, base, stages,
+                                                  _pipeline_target(args, cluster, num_devices), options)[0]))
+            except PlannerError as e:
+                rows.append((n, _one_line(e)))
+            continue
         args.baseline, saved = n, (args.pin, args.rules)
         args.pin, args.rules = [], None
         try:

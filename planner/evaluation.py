@@ -17,10 +17,17 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from planner.api import PlannedFunction
-from planner.baselines import APPROXIMATIONS, NAMES, baseline_pins
+from planner.baselines import APPROXIMATIONS, NAMES, baseline_pins, batch_ways, parse_baseline
+from planner.cost_model import Cluster
 from planner.errors import InfeasiblePlanError, InvalidArgumentError, PlannerError
-from planner.pins import exact_pattern
+from planner.graph import Graph, trace
+from planner.mesh import parse_mesh
+from planner.options import PlanOptions
+from planner.pins import exact_pattern, resolve as resolve_pins
 from planner.plan import Plan
+from planner.planning import check_options
+from planner.stages.planned import pipeline_cluster, plan_fixed_stages
+from planner.stages.submesh import LogicalMesh
 
 
 def _is_spec_leaf(x: Any) -> bool:
@@ -66,9 +73,10 @@ def _configuration(shardings, pins, baseline, rules, args) -> tuple[Any, str]:
     return baseline_pins(baseline), f"baseline {baseline}"
 
 
-def evaluate(fn: Callable[..., Any], *args: Any, mesh: Any, shardings: Any = None,
+def evaluate(fn: Callable[..., Any], *args: Any, mesh: Any = None, shardings: Any = None,
              pins: Mapping[str, Any] | None = None, baseline: str | None = None, rules: Any = None,
-             logical: Any = None, **options: Any) -> Plan:
+             logical: Any = None, pipeline_stages: int | None = None, cluster: Cluster | str | None = None,
+             remat: bool | None = None, **options: Any) -> Plan:
     """The predicted cost, memory and collectives of exactly one configuration, as a Plan.
 
     Args:
@@ -77,18 +85,63 @@ def evaluate(fn: Callable[..., Any], *args: Any, mesh: Any, shardings: Any = Non
       mesh: a `jax.sharding.Mesh`, a shape like `(2, 4)` or `"2x4"`.
       shardings: `in_shardings` as `jax.jit` takes them (PartitionSpecs / NamedShardings).
       pins: {path glob: spec} (`planner.pins`); leaves no pattern matches are replicated.
-      baseline: a name of `planner.baselines.NAMES`.
+      baseline: a name of `planner.baselines.NAMES`, optionally with `+ppN`: the baseline inside
+        each of N hand-chosen even pipeline stages (below).
       rules, logical: logical-axis rules and (optionally) the logical names they apply to, as
         `plan_parallel` takes them.
+      pipeline_stages: N even pipeline stages for `baseline` (same as `baseline="NAME+ppN"`).
+      cluster: for pipeline baselines, the cluster: a `planner.stages.make_cluster(...)` or
+        `"HOSTSxDEVICES[:PRESET]"` (default: `mesh` as one host, or `hardware="HxD:preset"`;
+        `inter_host=` / `intra_host=` options set its links).
+      remat: pipeline baselines only: True (every stage recomputes its forward in the backward,
+        as Megatron-LM's activation recomputation), False, or None (the faster that fits memory).
       **options: `PlanOptions` fields; a memory budget is not enforced (the plan reports the
-        configuration's memory).
+        configuration's memory). Pipeline baselines read `num_microbatches` (None: every count
+        dividing the batch whose microbatch the stage's data-parallel axes divide, the fastest
+        kept) and `schedule` ("1f1b").
+
+    A pipeline baseline is laid out as Megatron-LM lays out TP x PP x DP: the repeated layers split
+    evenly over N stages (the embedding with the first, the head and loss with the last; an uneven
+    split is an error), each stage on an equal submesh (whole hosts when there are at least N
+    hosts, else an equal part of each host), planned as the logical mesh the planner's pipeline
+    search uses for that submesh (hosts x devices across hosts); every stage's arguments pinned by
+    the baseline on that mesh, where megatron-tp(-sp) puts tensor parallelism on the axis inside a
+    host and data parallelism on the host axis when the stage spans hosts. It is costed by the
+    planner's pipeline path (`planner.stages.inter_op.fixed_pipeline`: per-layer ILP cost tables
+    with the pins, boundary transfers, bubble, gradient sync, update) and returned as the planner
+    returns its pipeline plans (`plan.stages`, `plan.pipeline`; run it with
+    `planner.stages.run_plan(fn, plan)`). For example Megatron-LM's 39.1B GPT row (TP 8, PP 2,
+    DP 32 on 64 hosts of 8 A100-80GB):
+
+        b = zoo.get_model("gpt3-39b", batch=1536, seq=2048, dtype="bfloat16")
+        plan = evaluate(b.train_step, b.abstract_state(), b.abstract_batch(),
+                        baseline="megatron-tp+pp2", cluster="64x8:a100-80gb",
+                        num_microbatches=48, remat=True)
 
     Returns:
       A Plan; `plan.solver["configuration"]` names what was evaluated.
 
     Raises:
-      InvalidArgumentError: not exactly one configuration, an unknown baseline, a bad pin.
+      InvalidArgumentError: not exactly one configuration, an unknown baseline, a bad pin, layers or
+        devices that do not split into the pipeline stages.
     """
+    if baseline is not None:
+        name, stages = parse_baseline(baseline)
+        if pipeline_stages is not None:
+            if stages is not None and stages != pipeline_stages:
+                raise InvalidArgumentError(f"baseline {baseline!r} and pipeline_stages={pipeline_stages} disagree")
+            stages = pipeline_stages
+        if stages is not None:
+            if shardings is not None or pins is not None or rules is not None:
+                raise InvalidArgumentError("evaluate takes exactly one of shardings=, pins=, rules=, baseline=")
+            return evaluate_pipeline(fn, args, name, stages, mesh=mesh, cluster=cluster, remat=remat, **options)
+        baseline = name
+    elif pipeline_stages is not None:
+        raise InvalidArgumentError("pipeline_stages= goes with baseline= (e.g. baseline='megatron-tp', "
+                                   "pipeline_stages=4)")
+    if cluster is not None or remat is not None:
+        raise InvalidArgumentError("cluster= and remat= are for pipeline baselines (baseline='NAME+ppN'); "
+                                   "give the mesh with mesh= and its links with inter_host=")
     config, label = _configuration(shardings, pins, baseline, rules, args)
     options = {k: v for k, v in options.items() if k != "memory_budget"}  # reported, not enforced
     plan = PlannedFunction(fn, mesh=mesh, pins=config, unpinned="replicate", rules=rules, logical=logical,
@@ -99,9 +152,66 @@ def evaluate(fn: Callable[..., Any], *args: Any, mesh: Any, shardings: Any = Non
 def labelled(plan: Plan, label: str) -> Plan:
     """`plan` with `solver['configuration']` (and a baseline's approximation note) recorded."""
     solver = {**plan.solver, "configuration": label}
-    if label.startswith("baseline ") and label[9:] in APPROXIMATIONS:
-        solver["approximation"] = APPROXIMATIONS[label[9:]]
+    name, plus, _ = label[9:].partition("+")
+    notes = [APPROXIMATIONS[name]] if label.startswith("baseline ") and name in APPROXIMATIONS else []
+    if label.startswith("baseline ") and plus and name in ("zero1", "zero2"):
+        notes.append(PP_APPROXIMATION)
+    if notes:
+        solver["approximation"] = "; ".join(notes)
     return dataclasses.replace(plan, solver=solver)
+
+
+PP_APPROXIMATION = ("inside pipeline stages the optimizer state is costed split like its parameter (the stage "
+                    "cost tables know parameters, not their optimizer state)")
+
+
+def pipeline_baseline_pins(name: str) -> Callable[[Graph, LogicalMesh], dict[int, Any]]:
+    """The baseline's pins on a stage's logical mesh, as {program input tensor id: Spec}
+    (`inter_op.fixed_pipeline`'s `pins`)."""
+    def pins(graph: Graph, lm: LogicalMesh) -> dict[int, Any]:
+        shapes = [graph.tensors[t].shape for t in graph.inputs]
+        by_pattern = baseline_pins(name, lm.host_axes)(graph.input_paths, shapes, lm.mesh)
+        resolved = resolve_pins(by_pattern, graph.input_paths, shapes, lm.mesh, complete=True)
+        return {graph.inputs[i]: spec for i, spec in resolved.items()}
+    return pins
+
+
+def evaluate_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], name: str, num_stages: int, *,
+                      mesh: Any = None, cluster: Cluster | str | None = None, remat: bool | None = None,
+                      graph: Graph | None = None, **options: Any) -> Plan:
+    """The baseline `name` in `num_stages` hand-chosen even pipeline stages (see `evaluate`)."""
+    if name not in NAMES:
+        raise InvalidArgumentError(f"unknown baseline {name!r}; known: {', '.join(NAMES)}")
+    options = {k: v for k, v in options.items() if k not in ("pipeline",)}
+    opts = check_options(PlanOptions.from_kwargs({**options, "pipeline": True}))
+    if isinstance(cluster, str):
+        if not Cluster.is_cluster(cluster):
+            raise InvalidArgumentError(f"cluster={cluster!r} is not 'HOSTSxDEVICES[:PRESET]', e.g. '64x8:a100-80gb'")
+        opts = dataclasses.replace(opts, hardware=cluster)
+        cluster = None
+    if cluster is None:
+        if mesh is None and not Cluster.is_cluster(opts.hardware):
+            raise InvalidArgumentError("a pipeline baseline needs the devices: pass cluster='HOSTSxDEVICES[:PRESET]' "
+                                       "(or a make_cluster(...)) or mesh=")
+        spec = parse_mesh(mesh, len(jax.devices()))[0] if mesh is not None else None
+        cluster = pipeline_cluster(spec, spec.size if spec is not None else 0, opts)
+    elif not isinstance(cluster, Cluster):
+        raise InvalidArgumentError(f"cluster must be a 'HOSTSxDEVICES[:PRESET]' string or a make_cluster(...), "
+                                   f"got {type(cluster).__name__}")
+    graph = graph if graph is not None else trace(fn, *args)
+    return pipeline_baseline(fn, tuple(args), graph, name, num_stages, cluster, opts, remat)[0]
+
+
+def pipeline_baseline(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, name: str, num_stages: int,
+                      cluster: Cluster, options: PlanOptions, remat: bool | None = None) -> tuple[Plan, Any]:
+    """(Plan, `PipelinePlan`) of the baseline `name` in `num_stages` even stages on `cluster` (the
+    code path of `evaluate(..., baseline="NAME+ppN")` and `planner plan/compare --baseline`)."""
+    if name not in NAMES:
+        raise InvalidArgumentError(f"unknown baseline {name!r}; known: {', '.join(NAMES)}")
+    plan, pp = plan_fixed_stages(fn, tuple(args), graph, cluster, dataclasses.replace(options, pipeline=True),
+                                 num_stages, pins=pipeline_baseline_pins(name),
+                                 batch_ways=lambda lm: batch_ways(name, lm.mesh, lm.host_axes), remat=remat)
+    return labelled(plan, f"baseline {name}+pp{num_stages}"), pp
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -124,15 +234,16 @@ def compare(fn: Callable[..., Any], *args: Any, mesh: Any, baselines: Sequence[s
             pins: Mapping[str, Any] | None = None, shardings: Any = None, rules: Any = None, logical: Any = None,
             **options: Any) -> Comparison:
     """The planner's plan and, evaluated by the same code path, the named baselines (all by
-    default) and optionally the user's own pins / shardings (named "yours").
+    default; `NAME+ppN` names a pipeline baseline, costed on `mesh`'s devices as one host unless
+    `hardware="HxD:preset"` names the cluster) and optionally the user's own pins / shardings
+    (named "yours").
 
     Raises:
       InvalidArgumentError: an unknown baseline name (before anything is planned).
     """
     names = list(NAMES if baselines is None else baselines)
     for n in names:
-        if n not in NAMES:
-            raise InvalidArgumentError(f"unknown baseline {n!r}; known: {', '.join(NAMES)}")
+        parse_baseline(n)
     plan = PlannedFunction(fn, mesh=mesh, **options).plan(*args)
     configs: list[tuple[str, dict]] = [(n, {"baseline": n}) for n in names]
     if pins is not None:

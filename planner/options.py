@@ -27,7 +27,8 @@ class PlanOptions:
       solver_workers: CP-SAT worker threads (1 keeps plans bit-for-bit deterministic).
       tie_outputs: outputs whose pytree path and type equal an input's (the new train state) get
         that input's sharding, so the next step needs no resharding.
-      share_layers: repeated layers (module names `name_0 ... name_N`) share one decision.
+      share_layers: repeated layers share one decision: by module names (`name_0 ... name_N`), else
+        by structure (repeated runs of the same primitives and strategies, `problem.structural_representatives`).
       constrain_intermediates: emit `with_sharding_constraint` on every planned intermediate.
       inter_host_axes: mesh axes whose links cross hosts (slower links in the cost model).
       profile: path of a profile database written by `planner profile` (measured collective
@@ -44,6 +45,9 @@ class PlanOptions:
         on the critical path. Never assumed on XLA:CPU, whose collectives are synchronous.
       user_constraints: "pin": the step's own `with_sharding_constraint` / `jax.sharding.reshard`
         fix their results' sharding; "hint": the planner may choose another.
+      accumulate: gradient accumulation in a single-stage plan (`planner.accumulate`): None or 1
+        (off), an int k (k microbatches per step, a `lax.scan` inside the step, one update), or
+        "auto" (the planner chooses the fastest k that fits `memory_budget`).
     """
 
     memory_budget: float | None = None
@@ -62,6 +66,7 @@ class PlanOptions:
     intra_host: Any = None
     overlap: bool = True
     user_constraints: str = "pin"
+    accumulate: int | str | None = None
 
     def __post_init__(self):
         if not isinstance(self.overlap, bool):
@@ -71,6 +76,12 @@ class PlanOptions:
                 parse_link(getattr(self, name), name)
         if self.user_constraints not in ("pin", "hint"):
             raise InvalidArgumentError(f"user_constraints={self.user_constraints!r} must be 'pin' or 'hint'")
+        if not (self.accumulate is None or self.accumulate == "auto"
+                or (isinstance(self.accumulate, int) and not isinstance(self.accumulate, bool) and self.accumulate >= 1)):
+            raise InvalidArgumentError(f"accumulate={self.accumulate!r} must be None, an int >= 1 or 'auto'")
+        if self.accumulate not in (None, 1) and self.pipeline:
+            raise InvalidArgumentError("accumulate= is for single-stage plans; a pipeline splits the batch into "
+                                       "microbatches itself (num_microbatches=)")
         if self.pipeline not in (True, False, "auto"):
             raise InvalidArgumentError(f"pipeline={self.pipeline!r} must be True, False or 'auto'")
         if self.schedule not in ("1f1b", "gpipe"):

@@ -23,12 +23,14 @@ does not divide its dimension.
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jax.sharding import NamedSharding, PartitionSpec
+import jax.extend.core as jax_core
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from planner.errors import InvalidArgumentError
 from planner.mesh import MeshSpec
@@ -210,8 +212,124 @@ def resolve(pins: Pins | None, paths: Sequence[str], shapes: Sequence[Shape], me
     for k, (pattern, _) in enumerate(items):
         if k not in used and not any(matches(pattern, p) for p in paths):
             examples = ", ".join(display_path(p) for p in paths[:3])
-            raise InvalidArgumentError(f"pin {pattern!r} matches no argument path (paths look like {examples})")
+            raise InvalidArgumentError(f"pin {pattern!r} matches no argument path (paths look like {examples}) "
+                                       "nor checkpoint_name intermediate")
     return out
+
+
+def check_patterns(pins: Pins, paths: Sequence[str]) -> None:
+    """Every pattern of `pins` matches some leaf, else the one-line error `resolve` gives."""
+    if not isinstance(pins, Mapping):
+        raise InvalidArgumentError(f"pins must map path patterns to PartitionSpecs, got {type(pins).__name__}")
+    for pattern in pins:
+        if not any(matches(str(pattern), p) for p in paths):
+            examples = ", ".join(display_path(p) for p in paths[:3])
+            raise InvalidArgumentError(f"pin {str(pattern)!r} matches no argument path (paths look like {examples})")
+
+
+STAGE_AXES = ("x", "y")
+
+
+def check_stage_pins(pins: Pins, paths: Sequence[str]) -> None:
+    """Pins for pipeline stages: every pattern matches a leaf and every spec names only the stage
+    meshes' axes (`STAGE_AXES`), else a one-line error."""
+    check_patterns(pins, paths)
+    stage_mesh = MeshSpec((2, 2), STAGE_AXES)
+    for pattern, value in pins.items():
+        pspec = as_partition_spec(value, stage_mesh, f"pin {pattern!r}") if not isinstance(value, NamedSharding) \
+            else value.spec
+        for entry in pspec:
+            for name in () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry):
+                if name not in STAGE_AXES:
+                    raise InvalidArgumentError(
+                        f"pin {str(pattern)!r} names mesh axis {name!r}; with pipeline stages pins name the stage "
+                        f"meshes' axes {', '.join(STAGE_AXES)} (x across hosts when a stage spans hosts)")
+
+
+def stage_pins(pins: Any) -> Any:
+    """Pins as the pipeline planner applies them: a function `(graph, logical_mesh) -> {program
+    input tensor id: Spec}` for each stage's logical mesh (`planner.stages.submesh.LogicalMesh`:
+    axes `x`, `y`; `x` crosses hosts when the stage spans hosts). `pins` is a mapping or a
+    function `(paths, shapes, mesh) -> mapping` (a baseline's). A pin the mesh cannot take (an axis
+    it lacks, a split that does not divide) maps to its one-line `InvalidArgumentError`: the layers
+    reading that leaf are then not planned on that mesh."""
+    def on(graph: Any, lmesh: Any) -> dict[int, Any]:
+        shapes = [tuple(graph.tensors[t].shape) for t in graph.inputs]
+        mapping = pins(graph.input_paths, shapes, lmesh.mesh) if callable(pins) else pins
+        items = [(str(p), v) for p, v in mapping.items()]
+        out: dict[int, Any] = {}
+        for t, path, shape in zip(graph.inputs, graph.input_paths, shapes):
+            for pattern, value in items:
+                if matches(pattern, path):
+                    try:
+                        out[t] = to_spec(as_partition_spec(value, lmesh.mesh, f"pin {pattern!r}"), shape, lmesh.mesh,
+                                         path, pattern)
+                    except InvalidArgumentError as e:
+                        out[t] = e
+                    break
+        return out
+
+    return on
+
+
+# ----- pins on named intermediates ---------------------------------------------------------------
+# A pinned intermediate becomes the op the planner already honours as a pin: a sharding constraint
+# (`compat.USER_CONSTRAINTS`; evaluated as identity, the plan's own constraint places the value).
+_PINNED_NAME = jax_core.Primitive("sharding_constraint")
+
+
+def intermediate_name(op: Any) -> str | None:
+    """The name a pin pattern matches for a `checkpoint_name` value (`jax.ad_checkpoint.checkpoint_name`):
+    its module path without the `jvp(...)` / `transpose(...)` wrappers, then the name, e.g.
+    `GPT/blocks_0/attn/attn_out`; None for other ops."""
+    if op.name == "name":
+        name = op.params.get("name")
+    elif op.name == "sharding_constraint" and "checkpoint_name" in op.params:
+        name = op.params["checkpoint_name"]
+    else:
+        return None
+    stack = op.name_stack.replace("transpose(", "").replace("jvp(", "").replace(")", "")
+    return "/".join(t for t in (*stack.split("/"), str(name)) if t)
+
+
+def _matches_name(pattern: str, name: str) -> bool:
+    pattern = pattern.strip().strip("/")
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*/" + pattern)
+
+
+def intermediate_patterns(pins: Pins, graph: Any) -> set[str]:
+    """Patterns of `pins` that match no argument path of `graph` but a named intermediate."""
+    names = [n for n in map(intermediate_name, graph.ops) if n is not None]
+    return {str(p) for p in pins
+            if not any(matches(str(p), path) for path in graph.input_paths)
+            and any(_matches_name(str(p), n) for n in names)}
+
+
+def pin_intermediates(graph: Any, pins: Pins, mesh: MeshSpec) -> Any:
+    """`graph` with each named intermediate a pattern of `pins` matches (and no argument path does)
+    pinned: its `checkpoint_name` op becomes a sharding constraint to the pin's spec, which the ILP
+    keeps (the operand resharded into it, its cost charged). First matching pattern wins.
+
+    Raises:
+      InvalidArgumentError: a spec the value or the mesh cannot take (one line naming both).
+    """
+    patterns = [p for p in pins if str(p) in intermediate_patterns(pins, graph)]
+    if not patterns:
+        return graph
+    abstract = AbstractMesh(tuple(mesh.shape), tuple(mesh.axis_names))
+    ops = list(graph.ops)
+    for k, op in enumerate(ops):
+        name = intermediate_name(op)
+        pattern = next((p for p in patterns if name is not None and _matches_name(str(p), name)), None)
+        if pattern is None:
+            continue
+        shape = tuple(graph.tensors[op.outputs[0]].shape)
+        pspec = as_partition_spec(pins[pattern], mesh, f"pin {str(pattern)!r}")
+        to_spec(pspec, shape, mesh, name, str(pattern))  # checked here: one line naming the value
+        ops[k] = dataclasses.replace(op, primitive=_PINNED_NAME, params={
+            "sharding": NamedSharding(abstract, pspec), "checkpoint_name": op.params.get("name",
+                                                                                          op.params.get("checkpoint_name"))})
+    return dataclasses.replace(graph, ops=tuple(ops))
 
 
 # ----- logical-axis rules in (MaxText / t5x form) -----------------------------------------------

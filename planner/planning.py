@@ -15,7 +15,7 @@ from planner.graph import Graph
 from planner.ilp.objective import step_parts, step_time
 from planner.ilp.problem import Problem, build_problem
 from planner.ilp.solver import Solution, solve
-from planner.ilp.strategies import edge_time, reshard_cost
+from planner.ilp.strategies import reshard_cost
 from planner.mesh import MeshSpec
 from planner.options import PlanOptions
 from planner.plan import Decision, Plan, PredictedCollective, Prediction
@@ -73,6 +73,8 @@ def _edge_comms(problem: Problem, choice: Sequence[int]):
     """(edge, its collectives, its time) for every edge that reshards; the time is the ILP's."""
     for e in problem.edges:
         src, dst = e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]]
+        if src == dst:
+            continue
         comms, seconds = reshard_cost(problem.graph.tensors[e.tensor], src, dst, problem.cost)
         if comms:
             yield e, comms, seconds
@@ -133,8 +135,7 @@ def _decisions(problem: Problem, choice: Sequence[int], limit: int = 400) -> tup
             comm += node.comm_s[option]
             compute += node.costs[option] - node.comm_s[option]
             for e in incident[n]:
-                t = problem.graph.tensors[e.tensor]
-                reshard += edge_time(t, e.src_specs[trial[e.src]], e.dst_specs[trial[e.dst]], problem.cost)
+                reshard += problem.edge_time(e.tensor, e.src_specs[trial[e.src]], e.dst_specs[trial[e.dst]])
         return compute, comm, reshard
 
     def local(rep: int, option: int) -> float:

@@ -67,8 +67,10 @@ def test_forced_pipeline_schedule_and_microbatches():
 
 
 def test_microbatch_counts_and_errors():
-    assert microbatch_counts(8, None, 2) == (8, 4)
-    assert microbatch_counts(12, None, 3) == (12, 6, 4)
+    assert microbatch_counts(8, None, 2) == (8, 2)  # a limit spreads the counts in log scale
+    assert microbatch_counts(12, None, 3) == (12, 6, 2)
+    assert microbatch_counts(1024, None, 4) == (1024, 128, 16, 2)
+    assert microbatch_counts(8, None, 5) == (8, 4, 2)
     assert microbatch_counts(12, None) == (12, 6, 4, 3, 2)  # every divisor, not only powers of two
     assert microbatch_counts(1024, None) == tuple(2**k for k in range(10, 0, -1))
     assert microbatch_counts(8, 2, 2) == (2,)

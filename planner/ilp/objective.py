@@ -11,8 +11,9 @@ out, each issued when the node that makes it has computed (program order of the 
 compute runs on without waiting for them. The stream finishes
     F = max over such nodes k of (compute up to k + async time of k and every later node),
 so the exposed part is max(0, max_k(async from k on - compute after k)) and the rest is hidden.
-The ILP holds the same max as an integer variable above each of those differences (a chain of
-prefix sums: O(nodes) constraints). Approximations, stated: only compute hides communication
+The ILP holds the same max through Lindley's recursion in max-plus form (`solver._Model._overlap`):
+a run of identical layers is modelled once and composed in closed form, so the model does not grow
+with depth. Approximations, stated: only compute hides communication
 (blocking collectives and resharding keep the compute stream busy but share the links, so they
 hide nothing); each combined group's one latency stays exposed; parameter all-gathers of ZeRO-3
 plans are not prefetched in this model (they are priced exposed, where their consumer needs them).
@@ -33,7 +34,6 @@ import dataclasses
 from collections.abc import Sequence
 
 from planner.ilp.problem import Problem
-from planner.ilp.strategies import edge_time
 from planner.sharding import format_spec
 
 
@@ -108,8 +108,7 @@ def step_time(problem: Problem, choice: Sequence[int]) -> StepTime:
     latency = sum(problem.cost.collective_latency(kind, axes) for kind, axes in combined_groups(problem, choice))
     reshard = 0.0
     for e in problem.edges:
-        reshard += edge_time(problem.graph.tensors[e.tensor], e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]],
-                             problem.cost)
+        reshard += problem.edge_time(e.tensor, e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]])
     return StepTime(compute, collectives, latency, reshard, hidden_time(problem, choice))
 
 
@@ -144,8 +143,7 @@ def step_parts(problem: Problem, choice: Sequence[int]) -> dict:
         rec[2] += node.costs[i] - node.comm_s[i]
         rec[3] += node.comm_s[i]
     for e in problem.edges:
-        seconds = edge_time(problem.graph.tensors[e.tensor], e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]],
-                            problem.cost)
+        seconds = problem.edge_time(e.tensor, e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]])
         if seconds:
             src = problem.nodes[e.src]
             item(src if not src.ops else problem.nodes[e.dst])[4] += seconds

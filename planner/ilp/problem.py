@@ -14,10 +14,13 @@ import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from planner.cost_model import CostModel
 from planner.graph import Graph, Literal, Tensor
 from planner.ilp.rules import ELEMENTWISE, RULES, signature
-from planner.ilp.strategies import Comm, Strategy, enumerate_strategies, follow, shard_bytes
+from planner.fusion import fusions
+from planner.ilp.strategies import Comm, Strategy, edge_time, enumerate_strategies, follow, shard_bytes
 from planner.layer_index import find_indexed, star_indices
 from planner.sharding import Spec, enumerate_specs
 
@@ -116,6 +119,17 @@ class Problem:
     combinable: frozenset[int] = frozenset()
     overlap: bool = True  # combinable collectives run beside later compute (`ilp.objective`)
     pinned_outputs: Mapping[int, Spec] = dataclasses.field(default_factory=dict)  # output -> layout handed back
+    # (tensor type, producer's spec, consumer's spec) -> `strategies.edge_time`; repeated layers ask alike
+    _edge_times: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def edge_time(self, tensor: int, src: Spec, dst: Spec) -> float:
+        """`strategies.edge_time` of tensor id `tensor` from `src` to `dst`, computed once per distinct question."""
+        t = self.graph.tensors[tensor]
+        key = (t, src, dst)
+        found = self._edge_times.get(key)
+        if found is None:
+            found = self._edge_times[key] = edge_time(t, src, dst, self.cost)
+        return found
 
     def spec(self, tensor: int, choice: Sequence[int]) -> Spec | None:
         """The tensor's sharding under `choice` (None for free tensors, which are left to XLA)."""
@@ -151,6 +165,10 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     `pins` (input tensor id -> spec, `planner.pins`) leave a pinned input's decision that one
     strategy; its followers follow it. Layer sharing compares strategies, so a pinned input shares
     a decision only with inputs pinned alike, and an unpinned layer's input keeps all of its own.
+
+    `share_layers`: repeated layers share one decision, found by their indexed module names
+    (`layer_representatives`) or, when the names show none, by structure
+    (`structural_representatives`).
     """
     pins = pins or {}
     nodes: list[Node] = []
@@ -168,6 +186,10 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
         owner[tid] = len(nodes) - 1
 
     combinable = _combinable_ops(graph)
+    memory_traffic = fusions(graph)
+    # Repeated layers repeat the same (signature, types, spec) questions: each is answered once.
+    followed: dict[tuple, tuple] = {}
+    enumerated: dict[tuple, tuple[list[Strategy], list[str], list[list[float]]]] = {}
     for op in graph.ops:
         sig = signature(op, graph, rules)
         combined = op.index in combinable
@@ -188,17 +210,25 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
             out_specs = []
             others = [k for k in arrays if k != lead]
             needs: dict[int, list[Spec]] = {k: [] for k in others}
-            for i, spec in enumerate(node.owned[src]):
-                strat, pre = follow(sig, lead, spec, ins, outs, cost, combined)
-                pre_s = sum(cost.collective_time(kd, b, a) for kd, a, b in pre)
+            traffic = (memory_traffic[op.index].reads, memory_traffic[op.index].writes)
+            key = (_sig_key(sig), lead, tuple(ins), tuple(outs), combined, tuple(node.owned[src]), traffic)
+            if key not in followed:
+                found = []
+                for spec in node.owned[src]:
+                    strat, pre = follow(sig, lead, spec, ins, outs, cost, combined, traffic)
+                    times = ([cost.collective_time(kd, b, a) for kd, a, b in pre]
+                             + [cost.collective_time(kd, b, a, combined) for kd, a, b in strat.comms])
+                    found.append((strat, pre, sum(times[: len(pre)]), times,
+                                  _groups(strat.comms) if combined else frozenset()))
+                followed[key] = found
+            for i, (strat, pre, pre_s, times, groups) in enumerate(followed[key]):
                 node.costs[i] += strat.cost + pre_s
                 node.comm_s[i] += strat.comm_time + pre_s
                 if combined:
-                    node.combined[i] = node.combined[i] | _groups(strat.comms)
+                    node.combined[i] = node.combined[i] | groups
                     node.async_s[i] += strat.comm_time
                 node.comms[i].extend(pre + strat.comms)
-                node.comm_times[i].extend([cost.collective_time(kd, b, a) for kd, a, b in pre]
-                                          + [cost.collective_time(kd, b, a, combined) for kd, a, b in strat.comms])
+                node.comm_times[i].extend(times)
                 out_specs.append(strat.out_specs[0])
                 for k in others:
                     needs[k].append(strat.in_specs[k] if strat.in_specs[k] is not None else ((),) * len(ins[k].shape))
@@ -211,8 +241,14 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
             node.ops.append(op.index)
             owner[op.outputs[0]] = node.index
             continue
-        strategies: list[Strategy] = enumerate_strategies(sig, ins, outs, cost, full_split_only=op.name in HEAVY,
-                                                          combined=combined)
+        traffic = (memory_traffic[op.index].reads, memory_traffic[op.index].writes)
+        key = (_sig_key(sig), tuple(ins), tuple(outs), op.name in HEAVY, combined, traffic)
+        if key not in enumerated:
+            found = enumerate_strategies(sig, ins, outs, cost, full_split_only=op.name in HEAVY, combined=combined,
+                                         traffic=traffic)
+            enumerated[key] = (found, [s.describe(cost.mesh) for s in found],
+                               [[cost.collective_time(kd, b, a, combined) for kd, a, b in s.comms] for s in found])
+        strategies, descriptions, comm_times = enumerated[key]
         node = Node(
             index=len(nodes),
             label=f"{op.name} {op.name_stack}".strip(),
@@ -223,11 +259,11 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
                       if op.inputs[k] not in free]
             + [(op.inputs[k], [() for _ in strategies], k) for k in scalars if op.inputs[k] not in free],
             ops=[op.index],
-            descriptions=[s.describe(cost.mesh) for s in strategies],
+            descriptions=list(descriptions),
             free_requires=[(op.inputs[k], [s.in_specs[k] for s in strategies]) for k in arrays
                            if op.inputs[k] in free],
             comm_s=[s.comm_time for s in strategies],
-            comm_times=[[cost.collective_time(kd, b, a, combined) for kd, a, b in s.comms] for s in strategies],
+            comm_times=[list(ts) for ts in comm_times],
             combined=[_groups(s.comms) if combined else frozenset() for s in strategies],
             async_s=[s.comm_time if combined else 0.0 for s in strategies],
         )
@@ -265,10 +301,20 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     ties.extend((a, b) for a, b in graph.loop_ties if a in owner and b in owner)
     for name, n in sorted(fallback.items()):
         log.warning("no sharding rule for primitive %r (%d ops): planned replicated", name, n)
-    rep = layer_representatives(nodes, graph) if share_layers else tuple(range(len(nodes)))
+    rep = tuple(range(len(nodes)))
+    if share_layers:
+        rep = layer_representatives(nodes, graph)
+        if len(set(rep)) == len(rep):  # no repeated layers by name: find them by structure
+            rep = structural_representatives(nodes, graph, edges)
     return Problem(graph, cost, tuple(nodes), tuple(edges), owner, tuple(ties), live_ranges(graph),
                    tuple(sorted(fallback)), frozenset(free), rep, frozenset(combinable),
                    pinned_outputs=pinned_outputs)
+
+
+def _sig_key(sig) -> tuple:
+    """What of an op's signature its strategies depend on (`where` only names it in errors)."""
+    return (sig.inputs, sig.outputs, tuple(sorted(sig.sizes.items())), sig.sum_labels, sig.flops, sig.known,
+            sig.pinned)
 
 
 def _groups(comms: Sequence[Comm]) -> frozenset[tuple[str, tuple[int, ...]]]:
@@ -338,11 +384,126 @@ def layer_representatives(nodes: Sequence[Node], graph: Graph, min_repeats: int 
     return tuple(rep)
 
 
+# A repeated block found by structure holds at least this many matmuls. An attention or MLP block
+# holds four or more forward (eight or more with its backward); one dense layer holds one forward and
+# two backward, and a stack of identical dense layers may well want alternating shardings (Megatron's
+# column / row pairs), which sharing single layers would forbid.
+MIN_BLOCK_MATMULS = 3
+
+
+def structural_representatives(nodes: Sequence[Node], graph: Graph, edges: Sequence[Edge]) -> tuple[int, ...]:
+    """Layer sharing by structure, for programs whose repeated layers carry no indexed module names
+    (plain JAX, lists of layer dicts, `jax.checkpoint`-wrapped blocks, any naming).
+
+    1. Each node gets a structural signature: its ops' primitives, its strategies (costs, owned and
+       required tensor types and specs, operand positions); names are not part of it.
+    2. The op nodes in program order are a sequence of signatures; repeated layers are tandem
+       repeats in it (the forward layers, the backward layers in reverse order). Per position the
+       period whose run of copies covers the most nodes is found (all periods at once, vectorised),
+       and runs are taken greedily from the start; a run's block must hold `MIN_BLOCK_MATMULS`
+       matmuls. The k-th node of every copy shares the decision of the k-th node of the first,
+       also in a last copy that matches only in part (the first layer's backward, which computes no
+       gradient for the step's input).
+    3. Sharing then spreads to the nodes next to shared ones (parameters, optimizer state, the
+       optimizer update): nodes with equal signatures whose neighbours play the same parts (same
+       representative, same operand position and tensor) share one decision, until nothing changes.
+       A node with no shared neighbour spreads nothing.
+    """
+    ids: dict[tuple, int] = {}
+    local: list[int] = []
+    for node in nodes:
+        key = (
+            tuple(graph.ops[i].name for i in node.ops), node.size, tuple(node.costs), tuple(node.async_s),
+            tuple((graph.tensors[t], tuple(v)) for t, v in node.owned.items()),
+            tuple((graph.tensors[t], tuple(r), k) for t, r, k in node.requires),
+        )
+        local.append(ids.setdefault(key, len(ids)))
+    rep = list(range(len(nodes)))
+    order = [node.index for node in nodes[len(graph.inputs):]]  # op nodes, in program order
+    seq = np.array([local[i] for i in order], dtype=np.int64)
+    heavy = np.array([sum(graph.ops[o].name in HEAVY for o in nodes[i].ops) for i in order], dtype=np.int64)
+    for start, period, length in tandem_runs(seq, heavy, MIN_BLOCK_MATMULS):
+        for k in range(period, length):
+            rep[order[start + k]] = order[start + k % period]
+    if len(set(rep)) == len(rep):
+        return tuple(rep)
+    tensor_pos = [{t: k for k, t in enumerate(node.owned)} for node in nodes]
+    op_pos = [{o: k for k, o in enumerate(node.ops)} for node in nodes]
+    incident: list[list[tuple]] = [[] for _ in nodes]
+    for e in edges:
+        here = (tensor_pos[e.src][e.tensor], op_pos[e.dst].get(e.op, -1), e.pos)
+        incident[e.dst].append((e.src, ("in",) + here))
+        incident[e.src].append((e.dst, ("out",) + here))
+    for _ in range(len(nodes)):
+        size: dict[int, int] = defaultdict(int)
+        for r in rep:
+            size[r] += 1
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for node in nodes:
+            i = node.index
+            if size[rep[i]] > 1:
+                continue
+            around = []
+            anchored = False
+            for other, where in incident[i]:
+                if size[rep[other]] > 1:
+                    anchored = True
+                    around.append((where, rep[other], -1))
+                else:
+                    around.append((where, -1, local[other]))
+            if anchored:
+                groups[(local[i], tuple(sorted(around)))].append(i)
+        changed = False
+        for members in groups.values():
+            for m in members[1:]:
+                rep[m] = members[0]
+                changed = True
+        if not changed:
+            break
+    return tuple(rep)
+
+
+def tandem_runs(seq: np.ndarray, weight: np.ndarray | None = None, min_weight: int = 0) -> list[tuple[int, int, int]]:
+    """(start, period, length) of runs in `seq`: `seq[start + k] == seq[start + k % period]` for k
+    below `length`, at least two whole blocks of `period` items and the block weighing at least
+    `min_weight`; disjoint, taken greedily from the start; at each position the period covering the
+    most items wins (the shortest among equals)."""
+    seq = np.asarray(seq, dtype=np.int64)
+    n = len(seq)
+    if weight is None:
+        weight = np.zeros(n, dtype=np.int64)
+    cover = np.zeros(n, dtype=np.int64)
+    best = np.zeros(n, dtype=np.int64)
+    cum = np.concatenate([[0], np.cumsum(weight)])
+    for p in range(1, n // 2 + 1):
+        m = n - p
+        same = seq[:m] == seq[p:]
+        # length of the run of equal pairs starting at each position
+        stop = np.where(same, m, np.arange(m))
+        run = np.minimum.accumulate(stop[::-1])[::-1] - np.arange(m)
+        c = np.where((run >= p) & (cum[p:p + m] - cum[:m] >= min_weight), run + p, 0)
+        better = c > cover[:m]
+        cover[:m][better] = c[better]
+        best[:m][better] = p
+    out = []
+    i = 0
+    while i < n:
+        if cover[i]:
+            out.append((i, int(best[i]), int(cover[i])))
+            i += int(cover[i])
+        else:
+            i += 1
+    return out
+
+
 def live_ranges(graph: Graph) -> tuple[tuple[int, int], ...]:
     """(first, last) op index during which each tensor occupies memory.
 
     Arguments and constants live for the whole program (they are not donated); results live from
-    their producer to their last use, or to the end when they are program outputs.
+    their producer to their last use, or to the end when they are program outputs. A result that
+    never leaves its fusion (`planner.fusion`) still counts from its producer to its last use: XLA
+    keeps it in registers, but dropping such values under-predicted XLA:CPU's compiled peak of the
+    conv net with batch norm (wresnet-tiny, 0.68x; experiments/check_memory.py).
     """
     end = len(graph.ops)
     first = [-1] * len(graph.tensors)

@@ -30,7 +30,7 @@ from ortools.sat.python import cp_model
 
 from planner.errors import InfeasiblePlanError, PlannerError
 from planner.ilp.objective import overlap_order, step_time
-from planner.ilp.problem import Problem
+from planner.ilp.problem import Problem, tandem_runs
 from planner.ilp.strategies import edge_parts, edge_time, part_key, part_time, shard_bytes
 from planner.units import format_bytes
 
@@ -80,9 +80,10 @@ def memory_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
 
     Point k+1 is "while op k runs": its operands and results are live, and each operand is also
     counted in the layout the op reads it in (a resharded copy is a real transient buffer; when no
-    resharding happens this double-counts one op's operands, a deliberate safety margin; in the
-    combinable tail it counts every operand of the update at the last point, which XLA's measured
-    peaks need: counting only resharded ones there under-predicted gpt-tiny's by 8%).
+    resharding happens this double-counts one op's operands, a deliberate safety margin). In the
+    combinable tail (the optimizer update) every operand counts at the last point, where XLA's
+    combiners gather them into buffers that live until the end (`_copied_only_if_resharded`);
+    a pinned output counts only when resharded.
     """
     n = len(problem.graph.ops)
     delta = np.zeros(n + 3, dtype=np.int64)
@@ -96,11 +97,21 @@ def memory_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
     profile = np.cumsum(delta)[: n + 2]
     for e in problem.edges:
         at = _transient_point(problem, e)
-        if e.op < 0 and e.src_specs[choice[e.src]] == e.dst_specs[choice[e.dst]]:
-            continue  # a pinned output already in its layout: no copy
+        if _copied_only_if_resharded(problem, e) and e.src_specs[choice[e.src]] == e.dst_specs[choice[e.dst]]:
+            continue  # a pinned output or an update operand already in its layout: no copy
         b = shard_bytes(problem.graph.tensors[e.tensor], e.dst_specs[choice[e.dst]], mesh)
         profile[at] += b
     return profile
+
+
+def _copied_only_if_resharded(problem: Problem, e) -> bool:
+    """Edges whose operand copy exists only when the layouts differ: a pinned output resharded at
+    the end. The operands of the optimizer update (the combinable tail) all count as copies at the
+    last point: counting only resharded ones there predicts 0.95-1.13x of XLA's compiled peak for
+    data-parallel plans of the zoo models (1.9x as it is) but under-predicts sharded plans on
+    XLA:CPU by 8% (gpt-tiny on 1x8 under a budget: XLA:CPU has no reduce-scatter and all-reduces
+    the whole gradient; experiments/check_memory.py, WORKSPACE.md "Known gaps")."""
+    return e.op < 0
 
 
 def _transient_point(problem: Problem, e) -> int:
@@ -141,11 +152,16 @@ class _Model:
                 self.x.append(vs)
         self.terms: list = []
         self.constant = 0
+        self._part_times: dict = {}
+        # With overlap, the combinable collectives' async time leaves the node costs; `_overlap`
+        # adds back its exposed part.
+        self._overlap_on = problem.overlap and any(t > 0 for n in problem.nodes for t in n.async_s)
         own: dict[int, list[float]] = defaultdict(lambda: [0.0])
         for node in problem.nodes:
             acc = own.setdefault(problem.rep[node.index], [0.0] * node.size)
-            for i, c in enumerate(node.costs):
-                acc[i] += c
+            hidden = node.async_s if self._overlap_on and node.ops else [0.0] * node.size
+            for i, (c, a) in enumerate(zip(node.costs, hidden)):
+                acc[i] += c - a
         for r, costs in own.items():
             for i, c in enumerate(costs):
                 self._add_cost(self.x[r][i], c)
@@ -157,8 +173,14 @@ class _Model:
             self._edge(src, dst, t, src_specs, dst_specs, mult)
         self._combined_latency()
         self._overlap()
-        for tin, tout in problem.ties:
-            self._tie(tin, tout)
+        tied: set[tuple] = set()
+        for tin, tout in problem.ties:  # ties of repeated layers are one constraint set
+            a, b = problem.owner[tin], problem.owner[tout]
+            key = (problem.rep[a], problem.rep[b], tuple(problem.nodes[a].owned[tin]),
+                   tuple(problem.nodes[b].owned[tout]), a == b)
+            if key not in tied:
+                tied.add(key)
+                self._tie(tin, tout)
         self.objective = sum(self.terms) + self.constant
         self.copies: dict = {}  # (edge key, consumer spec) -> "operand copied" boolean (`_copy_var`)
 
@@ -183,34 +205,91 @@ class _Model:
             self.terms.append(ticks * g)
 
     def _overlap(self) -> None:
-        """Replaces the combinable collectives' time by its exposed part (`objective.hidden_time`):
-        the backlog of a first-in-first-out communication stream (Lindley's recursion), B_k >= a_k
-        and B_k >= a_k + B_prev - (compute since the previous issue), exposed E >= B_last - (compute
-        after the last issue), E >= 0; the objective takes E instead of the async times."""
+        """Adds the combinable collectives' exposed part (`objective.hidden_time`; their async time
+        itself is taken out of the node costs in `__init__`).
+
+        The exposed part is the backlog of a first-in-first-out communication stream. Walking the
+        nodes in program order with R the backlog left at the current point (R = -inf before the
+        first async issue), a node computing c and issuing a maps R -> max(a, a + R - c) (Lindley's
+        recursion), one without async time R -> R - c; at the end E = max(0, R). Every such map has
+        the form R -> max(alpha, R + beta), and so has any composition of them (max-plus algebra:
+        g(f(R)) = max(alpha_g, alpha_f + beta_g, R + beta_f + beta_g)). A segment of nodes is modelled
+        once: beta is its sum of (a - c), alpha the backlog it leaves from R = -inf (a chain of
+        integer variables, one per issuing node). A run of L identical segments (repeated layers:
+        the same shared decisions with the same costs, in the same order) is
+            R -> max(alpha, alpha + (L - 1) beta, R + L beta)
+        (the maximum over i of alpha + i beta sits at an end), one variable and three constraints
+        whatever L is; runs are found by `problem.tandem_runs` on the nodes' (shared decision,
+        compute, async) sequence, and any cut of the sequence gives the same value. Every
+        constraint bounds a variable from below by an expression increasing in the variables
+        before it, so the minimum holds E at the exact value for the chosen strategies.
+        """
         p = self.problem
-        if not p.overlap or not any(t > 0 for n in p.nodes for t in n.async_s):
+        if not self._overlap_on:
             return
-
-        def expr(node, values):
-            return sum(int(round(v * _NS)) * x for v, x in zip(values, self.x[node.index]) if round(v * _NS))
-
-        order = overlap_order(p)
-        bound = int(sum(max(n.costs) for n in order) * _NS) + 1
-        backlog = None
-        compute_since = 0
-        for node in order:
-            compute_since = compute_since + expr(node, [c - m for c, m in zip(node.costs, node.comm_s)])
-            if not any(t > 0 for t in node.async_s):
+        ids: dict[tuple, int] = {}
+        seq: list[int] = []
+        info: list[tuple] = []  # per key id: (x, compute ticks, async ticks)
+        bound = 1
+        for node in overlap_order(p):
+            compute = tuple(int(round((c - m) * _NS)) for c, m in zip(node.costs, node.comm_s))
+            issued = tuple(int(round(a * _NS)) for a in node.async_s)
+            bound += int(max(node.costs) * _NS) + 1
+            if not any(compute) and not any(issued):
                 continue
-            a = expr(node, node.async_s)
-            b = self.m.NewIntVar(0, bound, "")
-            self.m.Add(b >= a)
-            if backlog is not None:
-                self.m.Add(b >= a + backlog - compute_since)
-            self.terms.append(-a)
-            backlog, compute_since = b, 0
+            key = (p.rep[node.index], compute, issued)
+            if key not in ids:
+                ids[key] = len(info)
+                info.append((self.x[node.index], compute, issued))
+            seq.append(ids[key])
+
+        def lin(x, ticks):
+            return sum(t * v for t, v in zip(ticks, x) if t)
+
+        def chain(state, items):
+            """The backlog after `items` (key ids) from `state` (None: -inf), one variable per issue."""
+            for k in items:
+                x, compute, issued = info[k]
+                if not any(issued):
+                    state = None if state is None else state - lin(x, compute)
+                    continue
+                a = lin(x, issued)
+                b = self.m.NewIntVar(0, bound, "")
+                self.m.Add(b >= a)
+                if state is not None:
+                    self.m.Add(b >= a + state - lin(x, compute))
+                state = b
+            return state
+
+        segments: dict[tuple[int, ...], tuple] = {}
+
+        def run(state, items, repeats):
+            """The backlog after `repeats` copies of `items` from `state`, in closed form."""
+            if items not in segments:
+                beta = sum(lin(info[k][0], info[k][2]) - lin(info[k][0], info[k][1]) for k in items)
+                segments[items] = (chain(None, items), beta)
+            alpha, beta = segments[items]
+            if alpha is None:  # no issue in the segment: a shift
+                return None if state is None else state + repeats * beta
+            r = self.m.NewIntVar(-bound, bound, "")
+            self.m.Add(r >= alpha)
+            self.m.Add(r >= alpha + (repeats - 1) * beta)
+            if state is not None:
+                self.m.Add(r >= state + repeats * beta)
+            return r
+
+        state = None
+        covered = 0
+        for start, period, length in tandem_runs(seq) + [(len(seq), 1, 0)]:
+            state = chain(state, seq[covered:start])  # items in no run
+            repeats = length // period
+            if repeats:
+                state = run(state, tuple(seq[start:start + period]), repeats)
+            state = chain(state, seq[start + repeats * period:start + length])  # a last copy in part
+            covered = start + length
         exposed = self.m.NewIntVar(0, bound, "exposed_async")
-        self.m.Add(exposed >= backlog - compute_since)
+        if state is not None:
+            self.m.Add(exposed >= state)
         self.terms.append(exposed)
 
     def _add_cost(self, var, seconds: float) -> None:
@@ -253,7 +332,7 @@ class _Model:
             for j, r in enumerate(dst_specs):
                 by_key[part_key(part, r)].append(self.x[dst][j])
             keys = list(by_key)
-            ticks = {s: tuple(int(round(part_time(t, s, part, q, cost) * mult * _NS)) for q in keys) for s in by_src}
+            ticks = {s: tuple(int(round(self._part_time(t, s, part, q) * mult * _NS)) for q in keys) for s in by_src}
             if not any(any(row) for row in ticks.values()):
                 continue
             # Specs with equal cost rows (keys with equal cost columns) share one row (column): the
@@ -282,6 +361,14 @@ class _Model:
             for c, col in enumerate(cols):
                 for r in range(len(rows)):
                     self._add_ticks([e[(r, c)]], col[r])
+
+    def _part_time(self, t, src, part, key) -> float:
+        """`strategies.part_time`, computed once per distinct question."""
+        k = (t, src, part, key)
+        found = self._part_times.get(k)
+        if found is None:
+            found = self._part_times[k] = part_time(t, src, part, key, self.problem.cost)
+        return found
 
     def _tie(self, tin: int, tout: int) -> None:
         p = self.problem
@@ -318,7 +405,7 @@ class _Model:
                 t = p.graph.tensors[e.tensor]
                 for j, spec in enumerate(e.dst_specs):
                     b = shard_bytes(t, spec, p.cost.mesh)
-                    if e.op < 0:  # a pinned output: only when resharded (`memory_profile`)
+                    if _copied_only_if_resharded(p, e):  # only when resharded (`memory_profile`)
                         copies[self._copy_var(e, j)] += b
                     else:
                         coef[(p.rep[e.dst], j)] += b
@@ -429,9 +516,7 @@ def greedy(problem: Problem) -> tuple[int, ...]:
             c = node.costs[i]
             for e in incoming[node.index]:
                 if e.src in done:
-                    t = problem.graph.tensors[e.tensor]
-                    src, dst = e.src_specs[choice[e.src]], e.dst_specs[i]
-                    c += edge_time(t, src, dst, problem.cost)
+                    c += problem.edge_time(e.tensor, e.src_specs[choice[e.src]], e.dst_specs[i])
             if best_cost is None or c < best_cost:
                 best, best_cost = i, c
         choice[node.index] = best
@@ -565,8 +650,8 @@ def memory_lower_bound(problem: Problem) -> np.ndarray:
     profile = np.cumsum(delta)[: n + 2]
     for e in problem.edges:
         at = _transient_point(problem, e)
-        if e.op < 0 and set(e.src_specs) & set(e.dst_specs):
-            continue  # a pinned output: a copy only when resharded, and some layout needs none
+        if _copied_only_if_resharded(problem, e) and set(e.src_specs) & set(e.dst_specs):
+            continue  # a copy only when resharded, and some layout needs none
         t = problem.graph.tensors[e.tensor]
         profile[at] += min(shard_bytes(t, spec, mesh) for spec in set(e.dst_specs))
     return profile
@@ -625,9 +710,10 @@ def _infeasible(problem: Problem, budget: float, time_limit: float, workers: int
     return InfeasiblePlanError(
         f"no plan fits the memory budget of {_gb(budget)} per device on mesh {mesh}: {found_text}; no plan can "
         f"go below {_gb(lower)} (lower bound: {_gb(args)} of arguments split over every mesh axis that divides "
-        f"them, plus what must be live together at {at}). Tried: sharding every tensor. Not "
-        "available in single-stage plans yet: rematerialisation, host offload, gradient accumulation; pipeline "
-        "stages with recomputation: pipeline='auto' (--pipeline auto). Raise memory_budget or use more devices",
+        f"them, plus what must be live together at {at}). Tried: sharding every tensor. Other levers: "
+        "gradient accumulation: accumulate='auto' (--accumulate auto); pipeline stages with recomputation: "
+        "pipeline='auto' (--pipeline auto). Not available in single-stage plans yet: rematerialisation, host "
+        "offload. Raise memory_budget or use more devices",
         best, lower,
     )
 

@@ -17,6 +17,9 @@ from planner.sharding import Spec, active_axes, axis_dim, num_shards
 
 # (collective kind, mesh axes, buffer bytes on one device)
 Comm = tuple[str, tuple[int, ...], int]
+# (reads, writes): which operands an op reads from and which results it writes to device memory
+# after fusion (`planner.fusion.Traffic`).
+Traffic = tuple[tuple[bool, ...], tuple[bool, ...]]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,15 +81,19 @@ def is_contraction(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tens
 
 
 def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axes_of: dict[str, tuple[int, ...]],
-           cost: CostModel, combined: bool = False) -> list[Strategy]:
-    """Strategies for one label->axes assignment: all-reduce, or reduce-scatter onto a result dim."""
+           cost: CostModel, combined: bool = False, traffic: Traffic | None = None) -> list[Strategy]:
+    """Strategies for one label->axes assignment: all-reduce, or reduce-scatter onto a result dim.
+
+    `traffic`: (reads, writes) masks of `planner.fusion.fusions`: only the operands the op reads
+    from device memory and the results it writes there are charged memory time (None: all)."""
     mesh = cost.mesh
     in_specs = tuple(None if l is None else _spec_of(l, axes_of) for l in sig.inputs)
     base_out = tuple(_spec_of(l, axes_of) for l in sig.outputs)
     partial = tuple(sorted(a for l in sig.sum_labels for a in axes_of.get(l, ())))
     split = math.prod(mesh.axis_size(v) for v in axes_of.values())
-    moved = sum(shard_bytes(t, s, mesh) for t, s in zip(ins, in_specs) if t is not None and s is not None)
-    moved += sum(shard_bytes(t, s, mesh) for t, s in zip(outs, base_out))
+    reads, writes = traffic if traffic is not None else ((True,) * len(ins), (True,) * len(outs))
+    moved = sum(shard_bytes(t, s, mesh) for t, s, r in zip(ins, in_specs, reads) if r and t is not None and s is not None)
+    moved += sum(shard_bytes(t, s, mesh) for t, s, w in zip(outs, base_out, writes) if w)
     compute = cost.compute_time(sig.flops / split, moved, rate_dtypes(sig, ins, outs),
                                 kernels=int(is_contraction(sig, ins, outs)))
     assignment = tuple(sorted(axes_of.items()))
@@ -110,7 +117,8 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
 
 
 def enumerate_strategies(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], cost: CostModel,
-                         full_split_only: bool = False, combined: bool = False) -> list[Strategy]:
+                         full_split_only: bool = False, combined: bool = False,
+                         traffic: Traffic | None = None) -> list[Strategy]:
     """Every assignment of active mesh axes to shardable labels that divides evenly.
 
     Args:
@@ -120,12 +128,13 @@ def enumerate_strategies(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequenc
       full_split_only: keep only strategies that use every mesh axis when any exist (for heavy ops,
         where leaving an axis idle replicates expensive compute; Alpa makes the same cut).
       combined: the op's reductions can be combined with others (no latency term).
+      traffic: the op's memory reads and writes after fusion (`_build`).
     """
     mesh = cost.mesh
     if sig.pinned is not None:
         fixed = pinned_axes(sig, mesh)
         if all(l in fixed for l in sig.shardable()):
-            return _build(sig, ins, outs, fixed, cost, combined)
+            return _build(sig, ins, outs, fixed, cost, combined, traffic)
     labels = sig.shardable()
     axes = active_axes(mesh)
     found: dict[tuple, Strategy] = {}
@@ -138,7 +147,7 @@ def enumerate_strategies(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequenc
             continue
         if sig.pinned is not None and any(axes_of.get(l, ()) != v for l, v in fixed.items()):
             continue
-        for s in _build(sig, ins, outs, axes_of, cost, combined):
+        for s in _build(sig, ins, outs, axes_of, cost, combined, traffic):
             key = (s.in_specs, s.out_specs)
             if key not in found or s.cost < found[key].cost:
                 found[key] = s
@@ -167,7 +176,7 @@ def pinned_axes(sig: OpSig, mesh: MeshSpec) -> dict[str, tuple[int, ...]]:
 
 
 def follow(sig: OpSig, operand: int, spec: Spec, ins: Sequence[Tensor | None], outs: Sequence[Tensor],
-           cost: CostModel, combined: bool = False) -> tuple[Strategy, tuple[Comm, ...]]:
+           cost: CostModel, combined: bool = False, traffic: Traffic | None = None) -> tuple[Strategy, tuple[Comm, ...]]:
     """The strategy of a one-operand op that keeps its operand's sharding as far as the op allows.
 
     Axes that split an operand dimension the op cannot keep split are gathered first (returned as
@@ -190,7 +199,7 @@ def follow(sig: OpSig, operand: int, spec: Spec, ins: Sequence[Tensor | None], o
             axes_of[lab] = axes
     if sig.pinned is not None:  # the operand is resharded to the pinned layout
         axes_of.update(fixed)
-        strategy = _build(sig, ins, outs, axes_of, cost, combined)[0]
+        strategy = _build(sig, ins, outs, axes_of, cost, combined, traffic)[0]
         t = ins[operand]
         assert t is not None
         return strategy, _transitions(t, spec, strategy.in_specs[operand], cost)[0]
@@ -200,7 +209,7 @@ def follow(sig: OpSig, operand: int, spec: Spec, ins: Sequence[Tensor | None], o
         t = ins[operand]
         assert t is not None
         pre = (("all-gather", tuple(sorted(gathered)), shard_bytes(t, kept, mesh)),)
-    strategy = _build(sig, ins, outs, axes_of, cost, combined)[0]
+    strategy = _build(sig, ins, outs, axes_of, cost, combined, traffic)[0]
     return strategy, pre
 
 

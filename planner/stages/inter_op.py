@@ -59,7 +59,8 @@ class StagePlan:
       state_layout: "plan" (parameters as the intra-op plan shards them) or "sharded-state"
         (parameters, gradients and optimizer state split over all the stage's devices).
       remat: the backward recomputes the stage's forward (only the stage input is kept).
-      time_s: forward + backward latency of one microbatch, with the boundary transfers.
+      time_s: forward + backward latency of one microbatch, with the boundary transfers (without the
+        data-parallel gradient reduction: gradients accumulate per replica over the microbatches).
       apply_s: the optimizer update, once per step.
       memory_bytes: predicted per-device peak with `inflight` microbatches of activations.
       inflight: microbatches whose activations the stage holds at once under the schedule.
@@ -79,6 +80,7 @@ class StagePlan:
     memory_bytes: float
     inflight: int
     specs: Mapping[str, Spec]
+    grad_sync_s: float = 0.0
 
     def to_dict(self) -> dict:
         names = self.mesh.axis_names
@@ -93,6 +95,7 @@ class StagePlan:
             "remat": self.remat,
             "time_per_microbatch_s": self.time_s,
             "apply_time_s": self.apply_s,
+            "grad_sync_time_s": self.grad_sync_s,
             "memory_bytes_per_device": int(self.memory_bytes) if math.isfinite(self.memory_bytes) else None,
             "inflight_microbatches": self.inflight,
             "shardings": {p: [None if not axes else [names[a] for a in axes] for axes in spec]
@@ -108,7 +111,8 @@ class PipelinePlan:
       stages: in pipeline order (one stage: no pipelining).
       num_microbatches: B.
       schedule: "1f1b" or "gpipe".
-      step_time_s: predicted step: pipeline latency plus the slowest stage's update.
+      step_time_s: predicted step: pipeline latency plus the largest per-stage once-per-step term
+        (the stage's data-parallel gradient reduction and its update, `_once_per_step_max`).
       pipeline_time_s: sum(t_i) + (B - 1) * max(t_i).
       bubble_fraction: share of device time idle in the pipeline.
       single_stage_time_s: best single-stage step on the whole cluster that fits memory (inf: none).
@@ -219,14 +223,22 @@ def microbatch_args(args: tuple[Any, ...], microbatch: int,
 
 def microbatch_counts(batch: int, requested: int | None, limit: int | None = None) -> tuple[int, ...]:
     """Microbatch counts to try: the requested one, else every count >= 2 dividing the batch, largest
-    first (the `limit` largest when a limit is given)."""
+    first; with a `limit`, that many of them spread evenly in log scale from the largest count
+    (microbatches of one sample: the smallest bubble) to the smallest (the most data parallelism
+    inside a stage)."""
     if requested is not None:
         if batch % requested:
             raise InvalidArgumentError(
                 f"num_microbatches={requested} does not divide the batch size {batch}; choose a divisor of {batch}")
         return (requested,)
     counts = [b for b in range(batch, 1, -1) if batch % b == 0]
-    return tuple(counts if limit is None else counts[:limit])
+    if limit is None or limit >= len(counts):
+        return tuple(counts)
+    if limit <= 1:
+        return tuple(counts[:limit])
+    logs = np.log([float(b) for b in counts])
+    picked = {int(np.argmin(np.abs(logs - x))) for x in np.linspace(logs[0], logs[-1], limit)}
+    return tuple(counts[i] for i in sorted(picked))
 
 
 @dataclasses.dataclass(slots=True)
@@ -263,7 +275,8 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
                   options: PlanOptions | None = None, *, batch_argnum: int | tuple[int, ...] = -1,
                   max_mesh_ndim: int = 2,
                   microbatch_limit: int | None = None, rel_gap: float = 0.0, num_layers: int | None = None,
-                  full_graph: Graph | None = None) -> PipelinePlan:
+                  full_graph: Graph | None = None,
+                  pins: Callable[[Graph, LogicalMesh], Mapping[int, Any]] | None = None) -> PipelinePlan:
     """Plans pipeline stages for `fn(*args)` on `cluster`.
 
     Args:
@@ -280,6 +293,9 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
       rel_gap: relative spacing of the DP's t_max candidates (0: exact).
       num_layers: layer count for balanced clustering when the model has no repeated modules.
       full_graph: `trace(fn, *args)` when the caller already has it (saves a trace).
+      pins: `(graph, logical mesh) -> {program input tensor id: Spec}` (`planner.pins.stage_pins`):
+        each layer's ILP keeps the pinned inputs it reads as pinned, so a pin applies to the stage
+        that holds the pinned leaf; a mesh that cannot take a pin is not used for those layers.
 
     Raises:
       InfeasiblePlanError: no stage assignment fits the memory budget.
@@ -313,7 +329,8 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
         layers = cluster_layers(graph, num_layers)
         timings["trace_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        table = LayerCostTable(graph, layers, tuple(meshes), cluster, options, cache)
+        table = LayerCostTable(graph, layers, tuple(meshes), cluster, options, cache,
+                               pins=None if pins is None else (lambda m, g=graph: pins(g, m)))
         return graph, layers, table, t0
 
     candidates: list[_Candidate] = []
@@ -327,7 +344,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
         step = math.inf
         if dp is not None:
             evaluations += dp.evaluations
-            step = dp.objective_s + _apply_max(table, st, dp.stages)
+            step = dp.objective_s + _once_per_step_max(table, st, dp.stages)
         log.info("B=%d: %s", B, "no feasible pipeline" if dp is None else
                  f"{len(dp.stages)} stages, predicted {step:.4g} s/step")
         candidates.append(_Candidate(B, graph, layers, table, st, dp, step))
@@ -346,9 +363,9 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
         single = float(st1.times[0, 0, L - 1, 0])
         single_free = float(free.times[0, 0, L - 1, 0])
         if math.isfinite(single):
-            single += _apply_max(table, st1, (StageChoice(0, L - 1, 0, single),))
+            single += _once_per_step_max(table, st1, (StageChoice(0, L - 1, 0, single),))
         if math.isfinite(single_free):
-            single_free += _apply_max(table, free, (StageChoice(0, L - 1, 0, single_free),))
+            single_free += _once_per_step_max(table, free, (StageChoice(0, L - 1, 0, single_free),))
         dp1 = DPResult((StageChoice(0, L - 1, full, float(st1.times[0, 0, L - 1, 0])),), single, single, 0)
         candidates.append(_Candidate(1, graph, layers, table, _remap(st1, full, len(shapes)), dp1, single))
 
@@ -403,13 +420,21 @@ def _option(st, stage: StageChoice, position: int) -> StageOption:
     return st.options[stage.submesh][j]
 
 
-def _apply_max(table: LayerCostTable, st, stages: Sequence[StageChoice]) -> float:
-    """The slowest stage's optimizer update (all stages update in parallel after the last backward)."""
+def _once_per_step(table: LayerCostTable, opt: StageOption, first: int, last: int) -> tuple[float, float]:
+    """(data-parallel gradient reduction, optimizer update) of the stage of layers first..last."""
+    costs = [table.cost(l, opt.mesh_index) for l in range(first, last + 1)]
+    return sum(c.sync_s for c in costs), sum(c.apply_s for c in costs)
+
+
+def _once_per_step_max(table: LayerCostTable, st, stages: Sequence[StageChoice]) -> float:
+    """The largest per-stage once-per-step term: gradients accumulate over the microbatches and each
+    stage reduces them over its data-parallel axes once, after its last backward, then updates.
+    Stages do this in parallel; the reduction is charged exposed (its overlap with the other stages'
+    remaining backwards under 1F1B is not modelled). The step is the pipeline latency plus this."""
     out = 0.0
     S = len(stages)
     for k, stage in enumerate(stages):
-        opt = _option(st, stage, S - k)
-        out = max(out, sum(table.cost(l, opt.mesh_index).apply_s for l in range(stage.first, stage.last + 1)))
+        out = max(out, sum(_once_per_step(table, _option(st, stage, S - k), stage.first, stage.last)))
     return out
 
 
@@ -433,7 +458,8 @@ def _stage_plans(best: _Candidate, shapes, meshes: Sequence[LogicalMesh], cluste
             state_layout=opt.layout,
             remat=opt.remat,
             time_s=stage.time_s,
-            apply_s=sum(best.table.cost(l, opt.mesh_index).apply_s for l in range(stage.first, stage.last + 1)),
+            apply_s=_once_per_step(best.table, opt, stage.first, stage.last)[1],
+            grad_sync_s=_once_per_step(best.table, opt, stage.first, stage.last)[0],
             memory_bytes=stage_memory(best.table, stage.first, stage.last, opt, sizes[stage.submesh],
                                       best.st.boundary, inflight),
             inflight=inflight,
@@ -442,3 +468,156 @@ def _stage_plans(best: _Candidate, shapes, meshes: Sequence[LogicalMesh], cluste
     return tuple(out)
 
 
+def even_stage_ranges(layers: Layers, num_stages: int) -> tuple[tuple[int, int], ...]:
+    """(first, last) layer of each of `num_stages` hand-chosen even stages, as Megatron-LM splits a
+    model: the repeated layers (`blocks_i`) evenly, the embedding layer ("pre") with the first stage
+    and the head and loss ("post") with the last.
+
+    Raises:
+      InvalidArgumentError: the repeated layers do not split evenly into `num_stages` (one line).
+    """
+    names, L = layers.names, layers.num_layers
+    pre = int(layers.method == "modules" and L > 1 and names[0] == "pre")
+    post = int(layers.method == "modules" and L > 1 and names[-1] == "post")
+    n = L - pre - post
+    if num_stages < 1 or n < num_stages or n % num_stages:
+        raise InvalidArgumentError(
+            f"the {n} layers {names[pre]}..{names[L - 1 - post]} do not split evenly into {num_stages} pipeline "
+            f"stages; choose a stage count that divides {n}")
+    per = n // num_stages
+    return tuple((0 if k == 0 else pre + k * per, L - 1 if k == num_stages - 1 else pre + (k + 1) * per - 1)
+                 for k in range(num_stages))
+
+
+def even_submesh(cluster: Cluster, num_stages: int) -> tuple[int, int]:
+    """The submesh of each of `num_stages` equal stages: whole hosts when there are at least as
+    many hosts as stages (stages across hosts), else an equal part of every host.
+
+    Raises:
+      InvalidArgumentError: the devices do not split into `num_stages` equal submeshes (one line).
+    """
+    D, M = cluster.num_devices, cluster.devices_per_host
+    per = D // num_stages if num_stages >= 1 else 0
+    if per and D % num_stages == 0 and per % M == 0:
+        return (per // M, M)
+    if per and D % num_stages == 0 and M % per == 0:
+        return (1, per)
+    raise InvalidArgumentError(
+        f"{cluster} ({D} devices, {M} per host) does not split into {num_stages} equal pipeline stages of whole "
+        f"hosts or equal parts of a host; choose a stage count dividing {cluster.hosts} hosts or {M} devices per host")
+
+
+def fixed_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster, options: PlanOptions,
+                   num_stages: int, *, pins: Callable[[Graph, LogicalMesh], Mapping[int, Spec]] | None = None,
+                   batch_ways: Callable[[LogicalMesh], int] | None = None, remat: bool | None = None,
+                   batch_argnum: int | tuple[int, ...] = -1, max_mesh_ndim: int = 2,
+                   num_layers: int | None = None, full_graph: Graph | None = None) -> PipelinePlan:
+    """A hand-chosen pipeline costed by the planner's own pipeline path (the pp baselines).
+
+    `num_stages` even stages (`even_stage_ranges`), each on an equal submesh (`even_submesh`)
+    viewed as the logical mesh the planner would plan it as (`logical_meshes`: hosts x devices
+    across hosts, the most square 2-D mesh inside one host), with the program inputs `pins(graph,
+    mesh)` fixes pinned in every layer's ILP. Everything else is `plan_pipeline`'s: per-layer cost
+    tables (`LayerCostTable`), stage latencies per microbatch with boundary transfers (`stage_times`,
+    state layout "plan"), pipeline latency with its bubble (`pipeline_latency`) and the largest
+    stage's once-per-step data-parallel gradient sync + update (`_once_per_step_max`).
+
+    Args:
+      options: `num_microbatches` (None: every count dividing the batch for which `batch_ways`
+        divides the microbatch, the fastest kept, as the pipeline search picks it), `schedule`,
+        `memory_budget` (default: the device memory; it decides recomputation when `remat` is
+        None; a configuration that fits nowhere is costed ignoring memory and says so in
+        `planning["fits_memory"]`).
+      pins: program input tensor id -> Spec on the stage's logical mesh.
+      batch_ways: how many ways the configuration splits the batch dim on that mesh.
+      remat: True / False: every stage recomputes (or keeps) its activations; None: the faster
+        that fits.
+
+    Raises:
+      InvalidArgumentError: layers or devices that do not split evenly, a microbatch count that
+        does not divide the batch or that the configuration cannot split.
+    """
+    t_start = time.perf_counter()
+    S = num_stages
+    shape = even_submesh(cluster, S)
+    lm = logical_meshes(shape, cluster, max_mesh_ndim)[0]
+    batch = batch_size(args, batch_argnum)
+    ways = batch_ways(lm) if batch_ways is not None else 1
+    counts = [B for B in microbatch_counts(batch, options.num_microbatches) if (batch // B) % ways == 0]
+    if not counts:
+        given = options.num_microbatches
+        raise InvalidArgumentError(
+            (f"num_microbatches={given} gives microbatches of {batch // given}" if given else
+             f"no microbatch count of the batch {batch} gives microbatches") +
+            f" that this configuration splits {ways} ways on each stage's mesh {lm.mesh}; choose a count B with "
+            f"{batch} / B a multiple of {ways}")
+    budget = options.memory_budget or cluster.hardware.memory_bytes
+    remats = (False, True) if remat is None else (bool(remat),)
+    cache: dict = {}
+    timings = {"trace_s": 0.0, "layer_costs_s": 0.0}
+    candidates: list[_Candidate] = []
+    fits = {}
+    for B in counts:
+        t0 = time.perf_counter()
+        graph = full_graph if B == 1 and full_graph is not None else \
+            trace(fn, *microbatch_args(args, batch // B, batch_argnum))
+        layers = cluster_layers(graph, num_layers)
+        ranges = even_stage_ranges(layers, S)
+        timings["trace_s"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        table = LayerCostTable(graph, layers, (lm,), cluster, options, cache,
+                               pins=None if pins is None else (lambda m, g=graph: pins(g, m)))
+        boundary = boundary_bytes(graph, layers)
+
+        def choices(limit: float, st=None):
+            st = st or stage_times(table, (shape,), ((0,),), B, options.schedule, limit, boundary,
+                                   layouts=("plan",), remats=remats)
+            return st, tuple(StageChoice(first, last, 0, float(
+                st.times[min(S - k, len(st.inflight)) - 1, first, last, 0])) for k, (first, last) in enumerate(ranges))
+
+        st, chosen = choices(budget)
+        fits[B] = all(math.isfinite(c.time_s) for c in chosen)
+        if not fits[B]:
+            st, chosen = choices(math.inf)
+        timings["layer_costs_s"] += time.perf_counter() - t0
+        times = [c.time_s for c in chosen]
+        step = math.inf
+        dp = None
+        if all(math.isfinite(t) for t in times):
+            latency = pipeline_latency(times, B)
+            dp = DPResult(chosen, latency, max(times), 0)
+            step = latency + _once_per_step_max(table, st, chosen)
+        log.info("B=%d: %d even stages, predicted %.4g s/step%s", B, S, step, "" if fits[B] else " (does not fit)")
+        candidates.append(_Candidate(B, graph, layers, table, st, dp, step))
+    feasible = [c for c in candidates if c.dp is not None]
+    if not feasible:
+        raise InfeasiblePlanError(f"no layer of this configuration can be planned on the stage mesh {lm.mesh}")
+    best = min(feasible, key=lambda c: (not fits[c.B], c.step_s, -c.B))
+    stages = _stage_plans(best, (shape,), (lm,), cluster)
+    times = [s.time_s for s in stages]
+    planning = {
+        "planning_time_s": round(time.perf_counter() - t_start, 3),
+        **{k: round(v, 3) for k, v in timings.items()},
+        "ilp_solves": len(cache),
+        "dp_evaluations": 0,
+        "layers": best.layers.num_layers,
+        "distinct_layers": len(set(best.layers.keys)),
+        "layer_method": best.layers.method,
+        "logical_meshes": 1,
+        "stages_chosen": "even (hand-chosen)",
+        "fits_memory": fits[best.B],
+    }
+    return PipelinePlan(
+        stages=stages,
+        num_microbatches=best.B,
+        schedule=options.schedule,
+        step_time_s=best.step_s,
+        pipeline_time_s=pipeline_latency(times, best.B),
+        bubble_fraction=bubble_fraction(times, best.B),
+        single_stage_time_s=None,
+        single_stage_time_unconstrained_s=None,
+        cluster=str(cluster),
+        layer_names=best.layers.names,
+        candidates=tuple((c.B, c.step_s, S) for c in candidates),
+        planning=MappingProxyType(planning),
+    )

@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from planner.cost_model import Cluster, get_hardware, ring_bytes
+from planner.cost_model import Cluster, get_hardware, hardware_with_links, ring_bytes
 from planner.emit import jit_planned
 from planner.errors import InvalidArgumentError, PlannerError
 from planner.graph import Graph, trace
@@ -33,9 +33,9 @@ from planner.plan import Plan, PredictedCollective, Prediction
 from planner.planning import make_plan
 from planner.sharding import replicated
 from planner.stages.derived import DerivedStep
-from planner.stages.inter_op import PipelinePlan, plan_pipeline
+from planner.stages.inter_op import PipelinePlan, fixed_pipeline, plan_pipeline
 from planner.stages.runtime import PipelinedStep, StageLowered, plain_record
-from planner.stages.submesh import effective_hardware
+from planner.stages.submesh import LogicalMesh, effective_hardware, make_cluster
 
 
 def cluster_for(mesh: MeshSpec | None, num_devices: int, options: PlanOptions) -> Cluster:
@@ -50,6 +50,29 @@ def cluster_for(mesh: MeshSpec | None, num_devices: int, options: PlanOptions) -
         hosts = math.prod(mesh.shape[a] for a in options.inter_host_axes)
         return Cluster(hosts, size // hosts, hw)
     return Cluster(1, size, hw)
+
+
+def pipeline_cluster(mesh: MeshSpec | None, num_devices: int, options: PlanOptions) -> Cluster:
+    """`cluster_for`, with the links `options.inter_host` / `options.intra_host` describe (as
+    `planner plan --cluster ... --inter-host ...` builds it)."""
+    base = cluster_for(mesh, num_devices, options)
+    if options.inter_host is None and options.intra_host is None:
+        return base
+    hw = hardware_with_links(base.hardware, options.inter_host, options.intra_host, base.devices_per_host)
+    return make_cluster(base.hosts, base.devices_per_host, hw)
+
+
+def plan_fixed_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, cluster: Cluster,
+                      options: PlanOptions, num_stages: int, **kwargs: Any) -> tuple[Plan, PipelinePlan]:
+    """A hand-chosen even pipeline (`inter_op.fixed_pipeline`; `kwargs` go to it) as a `Plan`, with
+    every stage's intra-op plan and the stage-to-stage transfers, exactly as `plan_stages` makes
+    the planner's own pipeline plans (`run_plan(fn, plan)` runs it)."""
+    derived = None if has_marker(fn) else derive(fn, graph)
+    if isinstance(derived, DerivedStep) and "batch_argnum" not in kwargs:
+        kwargs["batch_argnum"] = derived.batch_argnums()
+    pp = fixed_pipeline(fn, args, cluster, options, num_stages, full_graph=graph, **kwargs)
+    options = dataclasses.replace(options, pipeline=True, num_microbatches=pp.num_microbatches)
+    return to_plan(pp, graph, cluster, options, *stage_plans_for(fn, args, graph, pp, cluster, options)), pp
 
 
 def to_plan(pp: PipelinePlan, graph: Graph, cluster: Cluster, options: PlanOptions,
@@ -257,7 +280,15 @@ def plan_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, clu
         return to_plan(pp, graph, cluster, options, *stage_plans_for(fn, args, graph, pp, cluster, options)), pp
     st = pp.stages[0]
     jax_mesh = st.mesh.to_jax_mesh([devices[i] for i in st.devices]) if max(st.devices) < len(devices) else None
-    plan = make_plan(graph, st.mesh, dataclasses.replace(options, inter_host_axes=st.host_axes), jax_mesh)
+    pinned = None
+    if kwargs.get("pins") is not None:
+        by_tensor = kwargs["pins"](graph, LogicalMesh(st.mesh, (), st.host_axes))
+        for v in by_tensor.values():
+            if isinstance(v, Exception):
+                raise v
+        pinned = {i: by_tensor[t] for i, t in enumerate(graph.inputs) if t in by_tensor}
+    plan = make_plan(graph, st.mesh, dataclasses.replace(options, inter_host_axes=st.host_axes), jax_mesh,
+                     pins=pinned)
     return dataclasses.replace(plan, pipeline=MappingProxyType(pp.to_dict())), pp
 
 

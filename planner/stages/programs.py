@@ -4,6 +4,16 @@ The stage's ops of the traced `loss_fn` (its layers, bound in program order) and
 are traced into one program per microbatch (`StageGraph`); the stage's intra-op plan is made for
 that program, and the forward and backward are its two halves evaluated with the plan's sharding
 constraints on every planned intermediate (as single-stage emission does), on the stage's submesh.
+
+Gradient accumulation per data-parallel replica (`Replica`): when the stage's batch is split over
+mesh axes (its data-parallel axes, `ways` replicas), the forward and backward run as `jax.vmap`
+over the replicas (`spmd_axis_name` = those axes) of the same program traced at `microbatch /
+ways` rows, under the plan with those axes taken out of its specs: each replica's parameter
+gradient stays on its replica (no collective), the accumulator carries the replica axis (float32,
+split over the data axes), and the update sums it once per step (one all-reduce, or a
+reduce-scatter where the parameter is split) before the optimizer, as Megatron-LM does. This is
+the unsharded step's arithmetic for a loss that is a mean of per-example terms (the runtime's
+contract); only the order of the gradient sums changes.
 """
 from __future__ import annotations
 
@@ -44,6 +54,47 @@ class StagePrograms:
     apply: Any
     plan: Any = None               # the stage's intra-op `Plan` of `stage_graph.graph`
     stage_graph: Any = None
+    replica: Any = None            # `Replica` when gradients accumulate per data-parallel replica
+
+
+@dataclasses.dataclass(frozen=True)
+class Replica:
+    """How a stage runs per data-parallel replica (see the module docstring).
+
+    Attributes:
+      axes: names of the mesh axes the replicas are split over (the stage's data axes, in order).
+      ways: number of replicas (the product of those axes' sizes).
+      sg: the stage's `StageGraph` traced at `microbatch / ways` rows (same ops as the full one).
+      ins: per input group ("a", "aux", "b"), per value: "batch" (dim 0 is the batch: split over
+        the replicas) or "same" (every replica reads it whole).
+      outs: per output group ("ct", "aux_out"), per value: "batch" (concatenated back) or "mean"
+        (the loss: the mean of the replicas' means).
+      planned: `sg` has the full program's ops one for one, so the plan's intermediates are
+        constrained in it too (its data axes taken out); False (tracing at fewer rows made other
+        ops, e.g. for dimensions of size 1): only its inputs and outputs are placed, and the
+        partitioner propagates from them.
+    """
+
+    axes: tuple[str, ...]
+    ways: int
+    sg: StageGraph
+    ins: Mapping[str, tuple[str, ...]]
+    outs: Mapping[str, tuple[str, ...]]
+    planned: bool = True
+
+
+def strip_axes(plan: Any, axes: tuple[int, ...]) -> Any:
+    """`plan` with mesh `axes` taken out of every intermediate's spec (the replica program's plan:
+    `jax.vmap(..., spmd_axis_name=...)` puts those axes on the replica dimension)."""
+    drop = set(axes)
+
+    def strip(spec):
+        return tuple(tuple(a for a in dims if a not in drop) for dims in spec)
+
+    return dataclasses.replace(
+        plan, op_specs=tuple((i, k, strip(sp)) for i, k, sp in plan.op_specs),
+        scatter_specs=tuple((i, k, strip(sp)) for i, k, sp in plan.scatter_specs),
+        operand_specs=tuple((i, k, strip(sp)) for i, k, sp in plan.operand_specs))
 
 
 def is_float(dtype) -> bool:
@@ -175,15 +226,12 @@ def stage_graph(graph: Graph, ops: tuple[int, ...], param_ids: tuple[int, ...], 
     return StageGraph(g, split, residuals, inputs, outputs)
 
 
-def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: StageLayout, jmesh, ops, own, bl,
-                   acts_in, aux_in, outs, aux_out, p_shard, b_shard, zero_shapes) -> StagePrograms:
-    """The stage's jitted forward, backward, gradient zeros and update: the pieces of `sg.graph`
-    evaluated with `plan`'s sharding constraints (`planner.emit.constraint_hooks`) on `jmesh`."""
+def _halves(sg: StageGraph, plan: Any, jmesh, remat: bool):
+    """(forward, backward) of one microbatch of `sg`, evaluated under `plan`'s constraints: the
+    forward gives (outputs, aux outputs[, residuals]); the backward (residuals, or the forward's
+    inputs under remat, then the summed output cotangents) gives (parameter gradients, input
+    cotangents)."""
     g = sg.graph
-    if sg.split is None and not lay.remat:
-        raise InvalidArgumentError(
-            f"stage {s}: its traced backward starts before its forward's outputs are made, so no forward "
-            "program can be cut from it; run this stage with remat=True")
     consts = dict(g.consts)
     before_op, after_op = constraint_hooks(plan, jmesh)
     n = len(g.ops)
@@ -197,13 +245,8 @@ def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: Stage
             env.update(zip(sg.inputs[k], vals))
         return env
 
-    def grads(env, acc):
-        gp = [read(env, t) for t in sg.outputs["p"]]
-        ga = [read(env, t) for t in sg.outputs["a"]]
-        return [x + y for x, y in zip(acc, gp)], ga
-
-    def add_cts(env, cts):
-        env.update(zip(sg.inputs["ct"], [sum(c) for c in cts]))
+    def grads(env):
+        return [read(env, t) for t in sg.outputs["p"]], [read(env, t) for t in sg.outputs["a"]]
 
     def fwd(p, a, aux, b):
         env = seeded(p, a, aux, b)
@@ -212,28 +255,112 @@ def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: Stage
         g.run_range(0, n if sg.split is None else sg.split, env, before_op, after_op)
         o = [read(env, t) for t in sg.outputs["ct"]]
         x = [read(env, t) for t in sg.outputs["aux_out"]]
-        if lay.remat:
+        if remat:
             return o, x
         return o, x, [env.get(t) for t in sg.residuals]
 
-    if lay.remat:
-        def bwd(p, a, aux, b, cts, acc):
+    if remat:
+        def bwd(p, a, aux, b, cts):
             env = seeded(p, a, aux, b)
-            add_cts(env, cts)
+            env.update(zip(sg.inputs["ct"], cts))
             g.run_range(0, n, env, before_op, after_op)
-            return grads(env, acc)
+            return grads(env)
     else:
-        def bwd(res, cts, acc):
+        def bwd(res, cts):
             env: dict[int, Any] = dict(consts)
             env.update((t, v) for t, v in zip(sg.residuals, res) if v is not None)
-            add_cts(env, cts)
+            env.update(zip(sg.inputs["ct"], cts))
             g.run_range(sg.split, n, env, before_op, after_op)
-            return grads(env, acc)
+            return grads(env)
+    return fwd, bwd
+
+
+def _replicated_halves(rep: Replica, plan: Any, jmesh, remat: bool):
+    """(forward, backward) over the whole microbatch as `jax.vmap` over the data-parallel replicas of
+    the replica program's halves (`Replica`); the backward's parameter gradients keep the replica
+    axis in front, its input cotangents and the forward's outputs are whole-microbatch values."""
+    names = list(jmesh.axis_names)
+    local = strip_axes(plan, tuple(names.index(a) for a in rep.axes)) if rep.planned else \
+        dataclasses.replace(plan, op_specs=(), scatter_specs=(), operand_specs=())
+    fwd1, bwd1 = _halves(rep.sg, local, jmesh, remat)
+    w = rep.ways
+    spmd = rep.axes if len(rep.axes) > 1 else rep.axes[0]
+
+    def split(xs, kinds):
+        return [x.reshape((w, x.shape[0] // w) + x.shape[1:]) if k == "batch" else x for x, k in zip(xs, kinds)]
+
+    def join(xs, kinds):
+        return [x.reshape((-1,) + x.shape[2:]) if k == "batch" else jnp.mean(x, axis=0) for x, k in zip(xs, kinds)]
+
+    def axes_of(kinds):
+        return [0 if k == "batch" else None for k in kinds]
+
+    ins = (None, axes_of(rep.ins["a"]), axes_of(rep.ins["aux"]), axes_of(rep.ins["b"]))
+
+    def fwd(p, a, aux, b):
+        out = jax.vmap(fwd1, in_axes=ins, spmd_axis_name=spmd)(
+            p, split(a, rep.ins["a"]), split(aux, rep.ins["aux"]), split(b, rep.ins["b"]))
+        o, x = join(out[0], rep.outs["ct"]), join(out[1], rep.outs["aux_out"])
+        return (o, x) if remat else (o, x, out[2])
+
+    def cts_in(cts):  # the loss (kind "mean") is the replicas' mean: each gets 1/ways of its cotangent
+        return [c.reshape((w, c.shape[0] // w) + c.shape[1:]) if k == "batch" else c / w
+                for c, k in zip(cts, rep.outs["ct"])]
+
+    def gather(ga):
+        return [x.reshape((-1,) + x.shape[2:]) if k == "batch" else jnp.sum(x, axis=0)
+                for x, k in zip(ga, rep.ins["a"])]
+
+    ct_axes = axes_of(["batch" if k == "batch" else "same" for k in rep.outs["ct"]])
+    if remat:
+        def bwd(p, a, aux, b, cts):
+            gp, ga = jax.vmap(bwd1, in_axes=ins + (ct_axes,), spmd_axis_name=spmd)(
+                p, split(a, rep.ins["a"]), split(aux, rep.ins["aux"]), split(b, rep.ins["b"]), cts_in(cts))
+            return gp, gather(ga)
+    else:
+        def bwd(res, cts):
+            gp, ga = jax.vmap(bwd1, in_axes=(0, ct_axes), spmd_axis_name=spmd)(res, cts_in(cts))
+            return gp, gather(ga)
+    return fwd, bwd
+
+
+def replica_sharding(sharding: jax.sharding.NamedSharding, axes: tuple[str, ...]) -> jax.sharding.NamedSharding:
+    """`sharding` of a parameter with a leading replica dimension split over `axes`."""
+    spec = tuple(sharding.spec)
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(axes, *spec))
+
+
+def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: StageLayout, jmesh, ops, own, bl,
+                   acts_in, aux_in, outs, aux_out, p_shard, b_shard, zero_shapes,
+                   replica: Replica | None = None) -> StagePrograms:
+    """The stage's jitted forward, backward, gradient zeros and update: the pieces of `sg.graph`
+    evaluated with `plan`'s sharding constraints (`planner.emit.constraint_hooks`) on `jmesh`; with
+    `replica`, per data-parallel replica with the gradient reduction once per step, in the update
+    (see the module docstring)."""
+    if sg.split is None and not lay.remat:
+        raise InvalidArgumentError(
+            f"stage {s}: its traced backward starts before its forward's outputs are made, so no forward "
+            "program can be cut from it; run this stage with remat=True")
+    if replica is None:
+        fwd, bwd1 = _halves(sg, plan, jmesh, lay.remat)
+        acc_shard = list(p_shard)
+        acc_shapes = list(zero_shapes)
+    else:
+        fwd, bwd1 = _replicated_halves(replica, plan, jmesh, lay.remat)
+        acc_shard = [replica_sharding(sh, replica.axes) for sh in p_shard]
+        acc_shapes = [((replica.ways,) + tuple(shape), jnp.float32) for shape, _ in zero_shapes]
+
+    def bwd(*args):
+        *xs, cts, acc = args
+        gp, ga = bwd1(*xs, [sum(c) for c in cts])
+        return [x + y.astype(x.dtype) for x, y in zip(acc, gp)], ga
 
     def zeros():
-        return [jnp.zeros(shape, dtype) for shape, dtype in zero_shapes]
+        return [jnp.zeros(shape, dtype) for shape, dtype in acc_shapes]
 
     def apply(p, o, gr):
+        if replica is not None:  # the data-parallel gradient reduction, once per step
+            gr = jax.tree.map(lambda x, q: jnp.sum(x, axis=0).astype(q.dtype), gr, p)
         if hasattr(optimizer, "apply"):  # a step's own update ops (planner.stages.derived.GraphUpdate)
             return optimizer.apply(p, o, gr)
         updates, o2 = optimizer.update(gr, o, p)
@@ -244,8 +371,8 @@ def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: Stage
         index=s, layout=lay, mesh=jmesh, ops=ops, params=own, batch=bl, acts_in=acts_in, aux_in=aux_in,
         outs=outs, aux_out=aux_out, param_shardings=p_shard, batch_shardings=b_shard,
         fwd=jax.jit(fwd),
-        bwd=jax.jit(bwd, out_shardings=(list(p_shard), None), donate_argnums=(nacc,)),
-        zeros=jax.jit(zeros, out_shardings=list(p_shard)),
+        bwd=jax.jit(bwd, out_shardings=(acc_shard, None), donate_argnums=(nacc,)),
+        zeros=jax.jit(zeros, out_shardings=acc_shard),
         apply=jax.jit(apply),
-        plan=plan, stage_graph=sg,
+        plan=plan, stage_graph=sg, replica=replica,
     )

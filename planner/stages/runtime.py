@@ -28,6 +28,10 @@ How it runs:
     asynchronous dispatch runs the submeshes concurrently.
   * Each microbatch's loss is seeded with cotangent 1/B, so the accumulated gradient is the
     gradient of the mean loss over the whole batch.
+  * A stage whose batch is split over mesh axes accumulates its gradients per data-parallel
+    replica and reduces them once per step, in its update (`programs.Replica`; `replica_grads=False`
+    reduces them in every microbatch's backward instead). A stage falls back to the latter when
+    a value it exchanges is neither batch-major nor the loss, or a parameter is split over a data axis.
 
 The optimizer must update each parameter from its own gradient and state (AdamW, SGD, ...; not
 global-norm clipping): each stage runs it on its own parameters, with the optimizer state leaves
@@ -56,7 +60,7 @@ from planner.sharding import named_sharding, replicated
 from planner.stages.layout import StageLayout, data_axes, data_spec, even_layouts, find_spec, layer_names
 from planner.stages.opt_state import opt_layouts, opt_shardings
 from planner.stages.partition import partition
-from planner.stages.programs import build_programs, is_float, stage_graph
+from planner.stages.programs import Replica, build_programs, is_float, replica_sharding, stage_graph
 from planner.stages.schedule import dispatch_order, stage_tasks
 
 __all__ = ["PipelinedStep", "StageLayout", "StageLowered", "even_layouts", "layer_names"]
@@ -97,10 +101,12 @@ class PipelinedStep:
       stages: the stage layouts, in pipeline order.
       num_microbatches: B; the batch size must be a multiple of it.
       schedule: "1f1b" or "gpipe".
+      replica_grads: accumulate gradients per data-parallel replica, reduced once per step.
     """
 
     def __init__(self, loss_fn: Callable[..., Any], optimizer: Any, stages: Sequence[StageLayout],
-                 num_microbatches: int, schedule: str = "1f1b", stage_plans: Sequence[Any] = ()):
+                 num_microbatches: int, schedule: str = "1f1b", stage_plans: Sequence[Any] = (),
+                 replica_grads: bool = True):
         if not stages:
             raise InvalidArgumentError("a pipeline needs at least one stage")
         if not (isinstance(num_microbatches, int) and num_microbatches >= 1):
@@ -111,6 +117,7 @@ class PipelinedStep:
         self.num_microbatches = num_microbatches
         self.schedule = schedule
         self.stage_plans = tuple(stage_plans)
+        self.replica_grads = bool(replica_grads)
         self.tasks = stage_tasks(schedule, len(self.layouts), num_microbatches)
         self.order = dispatch_order(self.tasks)
         self._built: dict[tuple, tuple] = {}
@@ -118,7 +125,7 @@ class PipelinedStep:
     def with_schedule(self, schedule: str) -> PipelinedStep:
         """The same stages and compiled programs under another schedule."""
         other = PipelinedStep(self.loss_fn, self.optimizer, self.layouts, self.num_microbatches, schedule,
-                              self.stage_plans)
+                              self.stage_plans, self.replica_grads)
         other._built = self._built
         return other
 
@@ -206,8 +213,58 @@ class PipelinedStep:
                              acts_in, aux_in, tuple(graph.inputs[n_params + k] for k in bl), outs, aux_out)
             stages.append(dict(index=s, layout=lay, ops=ops, own=own, bl=bl, acts_in=acts_in, aux_in=aux_in,
                                outs=outs, aux_out=aux_out, p_spec=tuple(p_spec), b_spec=tuple(b_spec), act=act,
-                               sg=sg))
+                               sg=sg, axes=axes, replica=None))
+        if self.replica_grads:
+            self._replicas(graph, stages, abstract_params, batch, mb, loss)
         return graph, stages, needed_by, param_owner, mb
+
+    def _replicas(self, graph, stages: list[dict], abstract_params: Any, batch: Any, mb: int, loss: int) -> None:
+        """Sets each data-parallel stage's `programs.Replica` (its program traced at `mb / ways` rows)
+        where every value it exchanges is batch-major or the loss and no parameter is split over a
+        data axis; the other stages keep reducing gradients per microbatch."""
+        traced: dict[int, Any] = {}
+        for st in stages:
+            lay, axes = st["layout"], tuple(a for a in st["axes"] if st["layout"].mesh.shape[a] > 1)
+            ways = lay.mesh.axis_size(axes) if axes else 1
+            if ways <= 1 or mb % ways or any(set(axes) & {a for dims in sp for a in dims} for sp in st["p_spec"]):
+                continue
+            if ways not in traced:
+                small = jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb // ways,) + tuple(np.shape(x)[1:]), x.dtype),
+                                     batch)
+                g = trace(self.loss_fn, abstract_params, small)
+                same = len(g.ops) == len(graph.ops) and all(
+                    a.name == b.name and a.outputs == b.outputs for a, b in zip(g.ops, graph.ops))
+                traced[ways] = g if same else None
+            g = traced[ways]
+            if g is None:
+                continue
+
+            def kind(t, output=False):
+                full, small = graph.tensors[t].shape, g.tensors[t].shape
+                if full and small and small[0] * ways == full[0] and small[1:] == full[1:]:
+                    return "batch"
+                if full == small and (not output or t == loss):
+                    return "mean" if output else "same"
+                return None
+
+            ins = {"a": [kind(t) for t in st["acts_in"]], "aux": [kind(t) for t in st["aux_in"]],
+                   "b": [kind(g.inputs[len(g.inputs) - len(jax.tree_util.tree_leaves(batch)) + k]) for k in st["bl"]]}
+            outs = {"ct": [kind(t, True) for t in st["outs"]], "aux_out": [kind(t, True) for t in st["aux_out"]]}
+            if any(k is None for ks in list(ins.values()) + list(outs.values()) for k in ks) or \
+                    "mean" in outs["aux_out"]:
+                continue
+            sg = stage_graph(g, st["ops"], tuple(g.inputs[k] for k in st["own"]), st["acts_in"], st["aux_in"],
+                             tuple(g.inputs[len(g.inputs) - len(jax.tree_util.tree_leaves(batch)) + k]
+                                   for k in st["bl"]), st["outs"], st["aux_out"])
+            full = st["sg"]
+            planned = len(sg.graph.ops) == len(full.graph.ops) and sg.split == full.split and all(
+                x.name == y.name for x, y in zip(sg.graph.ops, full.graph.ops))
+            if sg.split is None and not lay.remat:
+                continue
+            names = lay.mesh.axis_names
+            st["replica"] = Replica(tuple(names[a] for a in axes), ways, sg,
+                                    {k: tuple(v) for k, v in ins.items()}, {k: tuple(v) for k, v in outs.items()},
+                                    planned)
 
     def _stage_plan(self, st: dict, options: Any = None):
         """The stage's intra-op `Plan` of its `StageGraph`: the one given (`stage_plans`, as a saved
@@ -276,7 +333,8 @@ class PipelinedStep:
             stages.append(build_programs(
                 self.optimizer, st["sg"], self._stage_plan(st), st["index"], lay, jmesh, st["ops"], st["own"],
                 st["bl"], st["acts_in"], st["aux_in"], st["outs"], st["aux_out"],
-                tuple(shard(x) for x in st["p_spec"]), tuple(shard(x) for x in st["b_spec"]), zero_shapes))
+                tuple(shard(x) for x in st["p_spec"]), tuple(shard(x) for x in st["b_spec"]), zero_shapes,
+                st["replica"]))
         act_spec = {}
         for st, info in zip(stages, layout):
             for t, spec in info["act"].items():
@@ -317,22 +375,28 @@ class PipelinedStep:
             a = [sds(graph.tensors[t].shape, graph.tensors[t].dtype, act_spec[(s, t)]) for t in st.acts_in]
             aux = [sds(graph.tensors[t].shape, graph.tensors[t].dtype, act_spec[(s, t)]) for t in st.aux_in]
             cts = [[sds(graph.tensors[t].shape, graph.tensors[t].dtype, act_spec[(s, t)])] for t in st.outs]
+            acc = p
+            if st.replica is not None:  # gradients per data-parallel replica, float32
+                acc = [sds((st.replica.ways,) + x.shape, jnp.float32, replica_sharding(x.sharding, st.replica.axes))
+                       for x in p]
             fwd = st.fwd.lower(p, a, aux, b)
             if st.layout.remat:
-                bwd = st.bwd.lower(p, a, aux, b, cts, p)
+                bwd = st.bwd.lower(p, a, aux, b, cts, acc)
             else:
                 compiled = fwd.compile()
                 shapes = jax.eval_shape(st.fwd, p, a, aux, b)[2]
                 pull = jax.tree.map(lambda x, sh: sds(x.shape, x.dtype, sh), shapes, compiled.output_shardings[2])
-                bwd = st.bwd.lower(pull, cts, p)
+                bwd = st.bwd.lower(pull, cts, acc)
             ptree, odef, okeys = opt_trees[s]
             pos = {k: j for j, k in enumerate(st.params)}
             masked = jax.tree_util.tree_unflatten(ptree, [p[pos[k]] if k in pos else None
                                                           for k in range(ptree.num_leaves)])
+            masked_acc = jax.tree_util.tree_unflatten(ptree, [acc[pos[k]] if k in pos else None
+                                                              for k in range(ptree.num_leaves)])
             shard_of = opt_shardings(okeys, st, flat_params, treedef)
             o = jax.tree_util.tree_unflatten(odef, [sds(np.shape(full_opt[k]), full_opt[k].dtype,
                                                         shard_of(k, full_opt[k])) for k in okeys])
-            out.append(StageLowered(s, st.layout.devices, st.mesh, fwd, bwd, st.apply.lower(masked, o, masked),
+            out.append(StageLowered(s, st.layout.devices, st.mesh, fwd, bwd, st.apply.lower(masked, o, masked_acc),
                                     st.plan))
         return tuple(out)
 

@@ -10,11 +10,25 @@ logical mesh (embedding, one block, head and loss), whatever the depth: GPT-39B'
 one block's plan.
 
 Per layer and logical mesh the plan gives:
-  time_s      forward + backward time of one microbatch (compute and collectives, ILP prediction),
+  time_s      forward + backward time of one microbatch (compute and collectives, ILP prediction)
+              without the data-parallel gradient reduction,
+  sync_s      that gradient reduction, once per step (see below),
   apply_s     the optimizer update once per step (roofline of the update ops, sharded like the params),
   state_bytes parameters + gradient accumulator + optimizer state per device,
   act_bytes   activations kept from forward to backward, per microbatch in flight, per device,
   work_bytes  transient working memory of the layer's step beyond those.
+
+Gradients are accumulated over the microbatches on each data-parallel replica and reduced once per
+step, before the update (as Megatron-LM and any gradient-accumulating trainer do), so the layer's
+data-parallel gradient reduction is taken out of its per-microbatch time (`grad_sync`): the
+collectives the plan predicts with reason "partial sum" over only the axes that split the
+layer's batch dimension (dim 0 of its non-parameter inputs), i.e. the reductions of batch
+contractions (weight, bias and norm-scale gradients; the loss mean's scalar one too). They are
+priced as the ILP priced them (combined: bandwidth per collective, one latency per (kind, axes)
+group); the per-microbatch time drops by their exposed part (their time beyond the communication
+the plan hides behind compute, which they are first to use), and `sync_s` keeps all of it, exposed:
+the stage pays it once after its last backward (`inter_op._once_per_step_max`), not overlapped
+with other stages' remaining backwards (a simplification, stated).
 
 A stage runs in one of four ways, and the DP takes the fastest that fits the device memory (the
 intra-op ILP plans each layer for time alone; it has no stage-level view of memory):
@@ -31,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -61,6 +75,7 @@ class LayerCost:
       zero_extra_s: extra all-gather time per microbatch of the sharded-state layout.
       zero_state_bytes: state bytes per device of the sharded-state layout.
       zero_specs: per external input, its sharded-state layout (None: not a parameter).
+      sync_s: the data-parallel gradient reduction, once per step (not in `time_s`).
     """
 
     time_s: float
@@ -74,9 +89,11 @@ class LayerCost:
     zero_state_bytes: float = 0.0
     zero_work_bytes: float = 0.0
     zero_specs: tuple[Spec | None, ...] = ()
+    sync_s: float = 0.0
 
 
-INFEASIBLE = LayerCost(math.inf, math.inf, math.inf, math.inf, math.inf, 0.0, (), math.inf, math.inf, math.inf, ())
+INFEASIBLE = LayerCost(math.inf, math.inf, math.inf, math.inf, math.inf, 0.0, (), math.inf, math.inf, math.inf, (),
+                       math.inf)
 LAYOUTS = ("plan", "sharded-state")
 
 
@@ -245,15 +262,20 @@ def _gradients(graph: Graph, layers: Layers) -> dict[int, int]:
 
 
 def _layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmesh: LogicalMesh,
-                hardware: Hardware, options: PlanOptions) -> LayerCost:
+                hardware: Hardware, options: PlanOptions, pinned: Mapping[int, Spec] | None = None) -> LayerCost:
     sub, ext = subgraph(graph, facts.ops, f"{layers.names[layer]}/", facts.param_grads)
     if not sub.ops:
         return LayerCost(0.0, 0.0, 0.0, 0.0, 0.0)
     cost = lmesh.cost_model(hardware)
     opts = dataclasses.replace(options, memory_budget=None, pipeline=False, tie_outputs=True,
                                inter_host_axes=lmesh.host_axes, hardware=hardware)
+    pins = {j: pinned[t] for j, t in enumerate(ext) if pinned and t in pinned} or None
+    refused = [v for v in (pins or {}).values() if isinstance(v, Exception)]
+    if refused:  # a pinned leaf this mesh cannot hold as pinned
+        log.info("layer %s on %s: %s", layers.names[layer], lmesh.mesh, refused[0])
+        return INFEASIBLE
     try:
-        plan = make_plan(sub, lmesh.mesh, opts)
+        plan = make_plan(sub, lmesh.mesh, opts, pins=pins)
     except (MeshError, PlannerError) as e:
         log.info("layer %s on %s: %s", layers.names[layer], lmesh.mesh, e)
         return INFEASIBLE
@@ -293,17 +315,49 @@ def _layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lme
             zero_extra += 2 * cost.collective_time("all-gather", shard_bytes(tensor, spec, mesh), extra_axes)
     zratio = zero_param / facts.param_bytes_total if facts.param_bytes_total else 1.0 / mesh.size
     zero_state = 2 * zero_param + (facts.state_bytes_total - facts.param_bytes_total) * zratio
-    return LayerCost(plan.prediction.step_time_s, apply_s, state, act, work, facts.fwd_fraction,
+    data = batch_axes([spec_of_input.get(t) for t in ext if t not in param_set], mesh)
+    sync, exposed = grad_sync(plan.prediction, data, cost)
+    return LayerCost(plan.prediction.step_time_s - exposed, apply_s, state, act, work, facts.fwd_fraction,
                      tuple(spec_of_input.get(t) for t in ext), zero_extra, zero_state, work + param_shard,
-                     tuple(zero_specs))
+                     tuple(zero_specs), sync)
+
+
+def batch_axes(specs: Sequence[Spec | None], mesh) -> frozenset[str]:
+    """Names of the mesh axes splitting dim 0 (the batch) of any of `specs` (the layer's inputs
+    other than parameters: activations and batch leaves)."""
+    return frozenset(mesh.axis_names[a] for spec in specs if spec for a in spec[0] if mesh.shape[a] > 1)
+
+
+def grad_sync(prediction, data_axes: frozenset[str], cost) -> tuple[float, float]:
+    """(its time, the part of it exposed in `prediction.step_time_s`) of the data-parallel gradient
+    reduction of a plan (see the module docstring): the "partial sum" collectives over data axes only,
+    priced combined as the ILP prices them."""
+    axes_of = {n: i for i, n in enumerate(cost.mesh.axis_names)}
+    groups: set[tuple[str, tuple[int, ...]]] = set()
+    total = 0.0
+    for c in prediction.collectives:
+        if c.reason != "partial sum" or not c.axes or not set(c.axes) <= data_axes:
+            continue
+        axes = tuple(sorted(axes_of[a] for a in c.axes))
+        total += cost.collective_time(c.kind, c.nbytes, axes, True)
+        groups.add((c.kind, axes))
+    total += sum(cost.collective_latency(kind, axes) for kind, axes in groups)
+    hidden = float(getattr(prediction, "hidden_communication_time_s", 0.0) or 0.0)
+    exposed = min(max(0.0, total - hidden), max(0.0, prediction.step_time_s - prediction.compute_time_s))
+    return total, exposed
 
 
 @dataclasses.dataclass(slots=True)
 class LayerCostTable:
     """Costs of every layer on every logical mesh, planned once per distinct layer.
 
-    `cost(layer, mesh_index)` is a LayerCost; `cache` maps (layer key, mesh shape, links) to it and
-    may be shared between tables (e.g. for several microbatch sizes whose layers coincide).
+    `cost(layer, mesh_index)` is a LayerCost; `cache` maps (layer key, mesh shape, links, pinned
+    specs) to it and may be shared between tables (e.g. for several microbatch sizes whose layers
+    coincide). `pins(logical_mesh)`, when given, fixes the sharding of program inputs on that mesh
+    ({tensor id: Spec}, e.g. a baseline's or the user's pins): each layer's ILP is planned with the
+    pinned inputs it reads fixed, so a stage holding a pinned parameter keeps it as pinned; an
+    exception in place of a Spec (a pin that mesh cannot take) makes the layers reading that input
+    infeasible on that mesh.
     """
 
     graph: Graph
@@ -314,18 +368,33 @@ class LayerCostTable:
     cache: dict = dataclasses.field(default_factory=dict)
     facts: tuple[LayerFacts, ...] = ()
     solves: int = 0
+    pins: Callable[[LogicalMesh], Mapping[int, Spec]] | None = None
+    _pinned: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if not self.facts:
             self.facts = layer_facts(self.graph, self.layers)
 
+    def pinned(self, layer: int, mesh_index: int) -> tuple[Mapping[int, Spec], tuple]:
+        """The pinned inputs the layer reads on that mesh ({tensor id: Spec}) and their specs in the
+        layer's input order (part of the cache key: identical layers pinned alike share a plan)."""
+        if self.pins is None:
+            return {}, ()
+        if mesh_index not in self._pinned:
+            self._pinned[mesh_index] = dict(self.pins(self.meshes[mesh_index]))
+        by_tensor = self._pinned[mesh_index]
+        ext = external_inputs(self.graph, self.facts[layer].ops)
+        return by_tensor, tuple(str(v) if isinstance(v, Exception) else by_tensor.get(t)
+                                for t in ext for v in (by_tensor.get(t),))
+
     def cost(self, layer: int, mesh_index: int) -> LayerCost:
         lm = self.meshes[mesh_index]
-        key = (self.layers.keys[layer], lm.mesh.shape, lm.links, self.cluster.hardware.name)
+        pinned, pin_key = self.pinned(layer, mesh_index)
+        key = (self.layers.keys[layer], lm.mesh.shape, lm.links, self.cluster.hardware.name, pin_key)
         hit = self.cache.get(key)
         if hit is None:
             hit = _layer_cost(self.graph, self.layers, self.facts[layer], layer, lm,
-                              effective_hardware(self.cluster), self.options)
+                              effective_hardware(self.cluster), self.options, pinned)
             self.cache[key] = hit
             self.solves += 1
         return hit
@@ -441,12 +510,14 @@ def stage_ranges(table: LayerCostTable, mesh_index: int, option: StageOption, de
 
 def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
                 mesh_indices: Sequence[Sequence[int]], num_microbatches: int, schedule: str,
-                memory_budget: float, boundary: np.ndarray) -> StageTimes:
+                memory_budget: float, boundary: np.ndarray, layouts: Sequence[str] = LAYOUTS,
+                remats: Sequence[bool] = (False, True)) -> StageTimes:
     """The DP's latency table: per (layer range, submesh, in-flight count) the fastest way that fits.
 
     A way fits when `fixed + inflight * per_microbatch <= memory_budget` (see `stage_ranges`), where
     `inflight` is what a stage at that pipeline position holds: under 1F1B min(position from the
-    end, B), under GPipe B.
+    end, B), under GPipe B. `layouts` and `remats` restrict the ways tried (a hand configuration
+    fixes its state layout, and may fix recomputation).
     """
     L = table.layers.num_layers
     B = num_microbatches
@@ -457,8 +528,8 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
     link = boundary_link(table.cluster)
     options: list[tuple[StageOption, ...]] = []
     for m, (n, k) in enumerate(submeshes):
-        opts = tuple(StageOption(mi, layout, remat) for mi in mesh_indices[m] for layout in LAYOUTS
-                     for remat in (False, True))
+        opts = tuple(StageOption(mi, layout, remat) for mi in mesh_indices[m] for layout in layouts
+                     for remat in remats)
         options.append(opts)
         for j, opt in enumerate(opts):
             t, fixed, per_mb = stage_ranges(table, opt.mesh_index, opt, n * k, boundary, link)

@@ -1,0 +1,367 @@
+"""Gradient accumulation in single-stage plans: k microbatches per step, planned and emitted.
+
+A plain train step (`jax.value_and_grad` + an optimizer update, any signature: read by
+`stages.derived.split_step`) runs as
+
+    acc = 0 (float32, each gradient's planned layout)
+    for each of k microbatches (a `lax.scan`):  forward + backward of the microbatch; acc += grads
+    update once with acc / k; loss = mean of the k microbatch losses
+
+inside one jitted program. Microbatch j holds rows j, j + k, j + 2k, ... of every batch array (a
+reshape (B, ...) -> (B/k, k, ...) and a dynamic index on the second dim), so a batch split over
+devices stays split the same way in every microbatch: no communication to form them. The loss
+must be a mean over the batch rows (every zoo step's is): the mean of k microbatch means is the
+full-batch mean.
+
+Planning reuses the single-stage path unchanged: the step is traced at the microbatch size
+(B/k rows) and planned by `make_plan` (the ILP, its memory constraints and its objective). From
+that plan (prediction P, objective parts `plan.solver["step_parts"]`):
+
+    time(k)   = k x (T - T_update) + T_update
+    memory(k) = M + accumulator + batch
+
+* T = P.step_time_s; T_update = the objective items of the optimizer update (op labels all of
+  whose ops are update ops, `stages.clustering.op_phases`, and the optimizer state's argument
+  nodes, into which the update's elementwise ops on that state are folded): they run once.
+  The update's ops folded into a parameter's argument node (p - lr u follows p) stay in that
+  node's item and are charged k times: an overestimate of (k-1) x that elementwise work.
+  Everything else runs once per microbatch: forward/backward compute, their collectives (ZeRO-3
+  parameter gathers k times), resharding, combined latencies, minus the hidden part (k times). The gradient
+  reductions are paid k times as well: the emitted program reduces each microbatch's gradient
+  before adding it (GSPMD loop carries hold no unreduced partial sums), and the cost says so.
+* M = P.memory_bytes_per_device: the microbatch step's peak (arguments, one microbatch's
+  activations, its gradients). accumulator = what a float32 accumulator adds to the gradients the
+  microbatch step already holds, in the layout the plan gives each gradient (0 for float32
+  gradients: the loop carry is the gradients' buffer, XLA adds each microbatch's gradient into it
+  in place; measured on CPU, see tests/test_accumulation.py); batch = k x the microbatch's bytes
+  per device: the rest of the full batch argument ((k-1) x) plus the copy of the microbatch the
+  loop body reads (the dynamic index copies its strided rows).
+
+With `memory_budget`, the microbatch step is planned under the budget less those extra bytes
+(re-planned while the plan's own extra bytes do not fit, at most `_REPLANS` times).
+`plan_accumulation` chooses k: for "auto" the divisors of the batch in ascending order, the
+fastest that fits; it stops after the first fitting k whose next candidate is no faster
+(step time grows with k once memory no longer binds). When nothing fits, it stops as soon as
+two successive counts reach the same smallest peak (what is over the budget is not activations).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from planner.cost_model import ring_bytes
+from planner.emit import constraint_hooks
+from planner.errors import InfeasiblePlanError, InvalidArgumentError, PlannerError
+from planner.graph import Graph, Literal, Tensor, trace
+from planner.ilp.strategies import shard_bytes
+from planner.mesh import MeshSpec
+from planner.plan import Plan, Prediction
+from planner.sharding import named_sharding, replicated
+from planner.stages.derived import StepParts, split_step
+from planner.stages.programs import op_ranges
+from planner.units import format_bytes
+
+__all__ = ["Accumulated", "accumulation_candidates", "combine", "jit_accumulated", "plan_accumulation"]
+
+_REPLANS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulated:
+    """A planned accumulated step: the microbatch trace, its parts, the plan (prediction combined
+    for k microbatches; `plan.solver["accumulation"]` records k and how) and k."""
+
+    graph: Graph
+    parts: StepParts
+    plan: Plan
+    k: int
+
+
+def _rows(graph: Graph, parts: StepParts) -> int:
+    return graph.tensors[graph.inputs[parts.batch[0]]].shape[0]
+
+
+def accumulation_candidates(rows: int) -> list[int]:
+    """The microbatch counts that split `rows` batch rows evenly, ascending (1 = no accumulation)."""
+    return [k for k in range(1, rows + 1) if rows % k == 0]
+
+
+def _micro_args(graph: Graph, parts: StepParts, k: int) -> tuple:
+    abstract = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in (graph.tensors[i] for i in graph.inputs)]
+    for p in parts.batch:
+        x = abstract[p]
+        abstract[p] = jax.ShapeDtypeStruct((x.shape[0] // k,) + tuple(x.shape[1:]), x.dtype)
+    return tuple(jax.tree_util.tree_unflatten(graph.in_tree, abstract))
+
+
+def _label(op) -> str:
+    return f"{op.name} {op.name_stack}".strip()
+
+
+def _update_labels(graph: Graph, parts: StepParts) -> frozenset[str]:
+    """Objective item labels paid once per step: ops all of whose ops (by label) are update ops,
+    and the optimizer state's argument nodes (`parts.extras` only the update reads: the update's
+    elementwise ops on them are folded into those nodes)."""
+    upd = set(parts.update)
+    kinds: dict[str, set[bool]] = defaultdict(set)
+    for op in graph.ops:
+        kinds[_label(op)].add(op.index in upd)
+    read_outside = {t for op in graph.ops if op.index not in upd for t in op.tensor_inputs}
+    state = {f"input {graph.input_paths[k]}" for k in parts.extras if graph.inputs[k] not in read_outside}
+    return frozenset(label for label, s in kinds.items() if s == {True}) | state
+
+
+def _grad_specs(graph: Graph, parts: StepParts, plan: Plan) -> list:
+    """The planned layout of each parameter's gradient (replicated when the plan leaves it free)."""
+    producers = graph.producers()
+    planned = {(op, k): spec for op, k, spec in plan.op_specs}
+    out = []
+    for g in parts.grads:
+        spec = planned.get(producers.get(g, (-1, 0)))
+        out.append(spec if spec is not None else replicated(len(graph.tensors[g].shape)))
+    return out
+
+
+def extra_bytes(graph: Graph, parts: StepParts, plan: Plan, k: int) -> tuple[int, int]:
+    """(accumulator, batch) bytes per device the k-microbatch program holds beyond the microbatch
+    step's peak (module docstring)."""
+    mesh = plan.mesh
+    acc = sum(shard_bytes(Tensor(graph.tensors[g].shape, np.dtype(np.float32)), spec, mesh)
+              - shard_bytes(graph.tensors[g], spec, mesh)
+              for g, spec in zip(parts.grads, _grad_specs(graph, parts, plan)))
+    micro = sum(shard_bytes(graph.tensors[graph.inputs[p]], plan.input_specs[p], mesh) for p in parts.batch)
+    return acc, k * micro if k > 1 else 0
+
+
+def combine(graph: Graph, parts: StepParts, plan: Plan, k: int) -> Plan:
+    """The microbatch plan with its prediction for k microbatches per step (module docstring) and
+    `solver["accumulation"]` recording k, the microbatch's own figures and the parts added."""
+    labels = _update_labels(graph, parts)
+    items = plan.solver["step_parts"]["items"]
+    once_compute = sum(it[2] for it in items if it[0] in labels)
+    once_comm = sum(it[3] + it[4] for it in items if it[0] in labels)
+    p = plan.prediction
+    moved_once = sum(ring_bytes(c.kind, c.nbytes, c.group_size) for c in p.collectives if c.where in labels)
+    acc, batch = extra_bytes(graph, parts, plan, k)
+    pred = Prediction(
+        step_time_s=k * p.step_time_s - (k - 1) * (once_compute + once_comm),
+        compute_time_s=k * p.compute_time_s - (k - 1) * once_compute,
+        communication_time_s=k * p.communication_time_s - (k - 1) * once_comm,
+        memory_bytes_per_device=int(p.memory_bytes_per_device + acc + batch),
+        bytes_moved_per_device=k * p.bytes_moved_per_device - (k - 1) * moved_once,
+        collectives=p.collectives,
+        hidden_communication_time_s=k * p.hidden_communication_time_s,
+    )
+    record = {"microbatches": k, "microbatch_rows": _rows(graph, parts),
+              "microbatch_step_time_s": p.step_time_s, "update_time_s": once_compute + once_comm,
+              "microbatch_memory_bytes": p.memory_bytes_per_device, "accumulator_bytes": acc,
+              "batch_bytes": batch, "collectives": "per microbatch (update collectives once)"}
+    solver = dict(plan.solver)
+    solver["accumulation"] = record
+    return dataclasses.replace(plan, prediction=pred, solver=solver)
+
+
+def _fits(plan: Plan, budget: float | None) -> bool:
+    return budget is None or plan.prediction.memory_bytes_per_device <= budget
+
+
+def _plan_k(fn, graph: Graph, parts: StepParts, k: int, budget: float | None,
+            plan_micro: Callable[[Graph, float | None], Plan], mesh: MeshSpec) -> Accumulated:
+    """Plans k microbatches; raises InfeasiblePlanError (min_memory_bytes for the whole program)."""
+    if k == 1:
+        plan = plan_micro(graph, budget)
+        solver = dict(plan.solver)
+        solver["accumulation"] = {"microbatches": 1, "microbatch_rows": _rows(graph, parts)}
+        return Accumulated(graph, parts, dataclasses.replace(plan, solver=solver), 1)
+    mgraph = trace(fn, *_micro_args(graph, parts, k), user_constraints=graph.user_constraints)
+    mparts = split_step(mgraph)
+    if (mparts.params, mparts.batch) != (parts.params, parts.batch):
+        raise InvalidArgumentError(f"gradient accumulation: the step's structure changes with the batch size "
+                                   f"({_rows(mgraph, mparts)} rows)")
+    inner = budget
+    best: int | None = None
+    for _ in range(_REPLANS):
+        try:
+            mplan = plan_micro(mgraph, inner)
+        except InfeasiblePlanError as e:
+            extra = sum(_smallest_extra(mgraph, mparts, k, mesh))
+            found = None if e.min_memory_bytes is None else e.min_memory_bytes + extra
+            if best is not None:
+                found = best if found is None else min(found, best)
+            raise InfeasiblePlanError(str(e), found,
+                                      None if e.lower_bound_bytes is None else e.lower_bound_bytes + extra) from None
+        plan = combine(mgraph, mparts, mplan, k)
+        if _fits(plan, budget):
+            return Accumulated(mgraph, mparts, plan, k)
+        used = plan.prediction.memory_bytes_per_device
+        best = used if best is None else min(best, used)
+        inner = budget - sum(extra_bytes(mgraph, mparts, mplan, k))
+        if inner <= 0:
+            break
+    raise InfeasiblePlanError(f"no plan with {k} microbatches fits: the smallest found needs {format_bytes(best)}",
+                              best)
+
+
+def _smallest_extra(graph: Graph, parts: StepParts, k: int, mesh: MeshSpec) -> tuple[int, int]:
+    """The accumulator and batch bytes at their smallest layouts (every mesh axis that divides a
+    dim splits it): what the k-microbatch program adds to the microbatch step's minimum, at best."""
+    f32 = np.dtype(np.float32)
+    acc = sum(_min_shard(Tensor(graph.tensors[g].shape, f32), mesh) - _min_shard(graph.tensors[g], mesh)
+              for g in parts.grads)
+    micro = sum(_min_shard(graph.tensors[graph.inputs[p]], mesh) for p in parts.batch)
+    return acc, k * micro if k > 1 else 0
+
+
+def _min_shard(t: Tensor, mesh: MeshSpec) -> int:
+    local = list(t.shape)
+    shards = 1
+    for size in sorted((s for s in mesh.shape if s > 1), reverse=True):
+        for d in sorted(range(len(local)), key=lambda d: -local[d]):
+            if local[d] % size == 0:
+                local[d] //= size
+                shards *= size
+                break
+    return t.nbytes // shards
+
+
+def plan_accumulation(fn: Callable[..., Any], graph: Graph, accumulate: int | str, budget: float | None,
+                      plan_micro: Callable[[Graph, float | None], Plan], mesh: MeshSpec) -> Accumulated:
+    """Plans `fn` (traced as `graph` at the full batch) with `accumulate` microbatches per step
+    (an int k, or "auto": the fastest k that fits `budget`).
+
+    Args:
+      plan_micro: (microbatch graph, memory budget) -> its single-stage plan (`make_plan` on a
+        mesh, or the mesh search); raises InfeasiblePlanError when nothing fits.
+      mesh: the mesh (or, for a mesh search, a 1-D mesh of all devices) on which the extra
+        buffers' smallest layouts are counted in an infeasible answer's minimum.
+
+    Raises:
+      InvalidArgumentError: a step that cannot be split (one line saying why), or k not dividing
+        the batch.
+      InfeasiblePlanError: no k tried fits; the message gives the smallest peak found per k.
+    """
+    try:
+        parts = split_step(graph)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(str(e).replace("cannot pipeline", "cannot accumulate gradients over")
+                                   .replace("to pipeline it", "to accumulate gradients")) from None
+    rows = _rows(graph, parts)
+    if accumulate == "auto":
+        candidates = accumulation_candidates(rows)
+    else:
+        if rows % accumulate:
+            raise InvalidArgumentError(f"accumulate={accumulate} does not divide the batch of {rows} rows; "
+                                       f"choose one of {accumulation_candidates(rows)}")
+        candidates = [accumulate]
+    found: list[Accumulated] = []
+    failed: dict[int, PlannerError] = {}
+    for k in candidates:
+        try:
+            done = _plan_k(fn, graph, parts, k, budget, plan_micro, mesh)
+        except InvalidArgumentError:
+            raise
+        except PlannerError as e:  # over the budget, or the solver found no plan within its limit
+            failed[k] = e
+            if not found and _not_shrinking(failed):
+                break  # what does not fit does not shrink with the microbatch: more microbatches cannot help
+            continue
+        if found and done.plan.prediction.step_time_s >= found[-1].plan.prediction.step_time_s:
+            found.append(done)
+            break
+        found.append(done)
+        if len(found) >= 2:
+            break
+    if found:
+        return min(found, key=lambda a: a.plan.prediction.step_time_s)
+    raise infeasible(failed, budget)
+
+
+def _not_shrinking(failed: Mapping[int, PlannerError]) -> bool:
+    """The last two microbatch counts tried reach the same smallest peak (or the later a larger one)."""
+    ks = list(failed)
+    if len(ks) < 2:
+        return False
+    a, b = (getattr(failed[k], "min_memory_bytes", None) or getattr(failed[k], "lower_bound_bytes", None)
+            for k in ks[-2:])
+    return a is not None and b is not None and b >= a
+
+
+def infeasible(failed: Mapping[int, PlannerError], budget: float | None) -> PlannerError:
+    """One error for every microbatch count tried: the smallest per-device peak found and where
+    (an InfeasiblePlanError; the one error itself when a single count failed for another reason)."""
+    peaks = {k: e.min_memory_bytes for k, e in failed.items() if getattr(e, "min_memory_bytes", None) is not None}
+    floors = [e.lower_bound_bytes for e in failed.values() if getattr(e, "lower_bound_bytes", None) is not None]
+    if len(failed) == 1 and not isinstance(next(iter(failed.values())), InfeasiblePlanError):
+        return next(iter(failed.values()))
+    best_k = min(peaks, key=peaks.get) if peaks else None
+    text = (f"no plan fits the memory budget of {format_bytes(budget) if budget else 'no limit'} per device with "
+            f"gradient accumulation over {len(failed)} microbatch count(s) ({', '.join(map(str, failed))})")
+    if best_k is not None:
+        text += f": the smallest per-device peak found is {format_bytes(peaks[best_k])} with {best_k} microbatch(es)"
+    if floors:
+        text += f"; none can go below {format_bytes(min(floors))}"
+    other = {k: e for k, e in failed.items() if not isinstance(e, InfeasiblePlanError)}
+    if other:
+        text += "; not planned: " + "; ".join(f"{k} microbatch(es): {str(e).splitlines()[0]}" for k, e in other.items())
+    text += ("; tried: sharding every tensor, gradient accumulation. Raise memory_budget, use more devices, "
+             "or add recomputation (pipeline='auto')")
+    return InfeasiblePlanError(text, peaks.get(best_k) if best_k is not None else None,
+                               min(floors) if floors else None)
+
+
+def accumulated_function(acc: Accumulated) -> Callable[..., Any]:
+    """The k-microbatch step as a function of the step's full-batch arguments, every op pinned to
+    the microbatch plan's layouts (`emit.constraint_hooks`). Must run under `jax.jit`."""
+    graph, parts, plan, k = acc.graph, acc.parts, acc.plan, acc.k
+    mesh = plan._mesh()
+    before_op, after_op = constraint_hooks(plan, mesh, graph)
+    upd = set(parts.update)
+    grad_ranges = op_ranges(tuple(i for i in range(len(graph.ops)) if i not in upd))
+    update_ranges = op_ranges(tuple(parts.update))
+    grad_shardings = [named_sharding(s, plan.mesh, mesh) for s in _grad_specs(graph, parts, plan)]
+    batch_shardings = [named_sharding(plan.input_specs[p], plan.mesh, mesh) for p in parts.batch]
+    batch_ids = [graph.inputs[p] for p in parts.batch]
+    loss_dtype = graph.tensors[parts.loss].dtype
+
+    def fn(*args):
+        flat = jax.tree_util.tree_leaves(args)
+        env: dict[int, Any] = dict(graph.consts)
+        env.update(zip(graph.inputs, flat))
+        # (B, ...) -> (B/k, k, ...): a reshape, no copy; microbatch j is column j (rows j, j+k, ...).
+        rows = [jnp.reshape(flat[p], (flat[p].shape[0] // k, k) + tuple(flat[p].shape[1:])) for p in parts.batch]
+
+        def body(carry, j):
+            grads, loss = carry
+            local = dict(env)
+            local.update((t, jax.lax.with_sharding_constraint(jax.lax.dynamic_index_in_dim(x, j, 1, False), s))
+                         for t, x, s in zip(batch_ids, rows, batch_shardings))
+            for start, end in grad_ranges:
+                graph.run_range(start, end, local, before_op, after_op)
+            grads = [jax.lax.with_sharding_constraint(a + local[g].astype(jnp.float32), s)
+                     for a, g, s in zip(grads, parts.grads, grad_shardings)]
+            return (grads, loss + local[parts.loss].astype(jnp.float32)), None
+
+        zeros = [jax.lax.with_sharding_constraint(jnp.zeros(graph.tensors[g].shape, jnp.float32), s)
+                 for g, s in zip(parts.grads, grad_shardings)]
+        (grads, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), jnp.arange(k))
+        env.update((g, (a / k).astype(graph.tensors[g].dtype)) for g, a in zip(parts.grads, grads))
+        for start, end in update_ranges:
+            graph.run_range(start, end, env, before_op, after_op)
+        env[parts.loss] = (loss / k).astype(loss_dtype)
+        outs = [x.value if isinstance(x, Literal) else env[x] for x in graph.outputs]
+        return jax.tree_util.tree_unflatten(graph.out_tree, outs)
+
+    return fn
+
+
+def jit_accumulated(acc: Accumulated, donate_argnums: int | tuple[int, ...] = ()) -> jax.stages.Wrapped:
+    """`jax.jit` of the accumulated step with the plan's in/out shardings (the batch arguments keep
+    the microbatch's layout: the same dims split the same way)."""
+    return jax.jit(accumulated_function(acc), in_shardings=acc.plan.in_shardings,
+                   out_shardings=acc.plan.out_shardings, donate_argnums=donate_argnums)

@@ -1,0 +1,101 @@
+"""Gradient accumulation in single-stage plans (planner.accumulate): k microbatches inside one step.
+
+Numerics: accumulation regroups the same n terms of every batch sum (n = the full step's longest
+sum) into k partial sums added in float32, i.e. one more summation order of the same terms, so the
+derived bound of tests/helpers.py (2 n u sum|x_i|) holds unchanged; dividing by k (a power of two
+here) is exact. Memory: the compiled program's `memory_analysis()` peak must not exceed the
+prediction (the memory tests' criterion: a plan under a budget fits it as XLA measures it), and
+both the prediction and the measured peak must drop against k = 1. The zoo's GPT and Llama at
+k = 2 and 4 (numerics and memory) are checked by experiments/check_accumulation.py (too slow here).
+"""
+from __future__ import annotations
+
+import jax
+import pytest
+
+import planner
+from planner.errors import InfeasiblePlanError, InvalidArgumentError
+from tests.helpers import assert_bundle_step_close, concrete
+from xla_hooks.inspect import memory_stats
+
+
+def _peak(step, state, batch) -> int:
+    return memory_stats(step.lower(state, batch).compile()).peak_bytes
+
+
+def test_microbatches_save_activation_memory_as_predicted_and_match_the_unsharded_step():
+    b, state, batch = concrete("mlp-tall")
+    one = jax.devices()[:1]
+    plain = planner.plan_parallel(b.train_step, mesh="1", devices=one)
+    acc = planner.plan_parallel(b.train_step, mesh="1", devices=one, accumulate=2)
+    plan = acc.plan(state, batch)
+    record = plan.solver["accumulation"]
+    assert record["microbatches"] == 2 and record["microbatch_rows"] == b.config.batch // 2
+    compiled = acc.lower(state, batch).compile()
+    measured, measured_plain = memory_stats(compiled).peak_bytes, _peak(plain, state, batch)
+    # The prediction holds as XLA measures it; predicted and measured both drop against k = 1
+    # (activations of one of two microbatches are live at once).
+    assert measured <= plan.prediction.memory_bytes_per_device
+    assert plan.prediction.memory_bytes_per_device < plain.plan(state, batch).prediction.memory_bytes_per_device
+    assert measured < measured_plain
+    assert "while" in compiled.as_text()  # the microbatch loop is in the program
+    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
+    new_state, metrics = compiled(state, batch)
+    assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
+
+
+def test_sharded_accumulation_matches_the_unsharded_step(devices8):
+    b, state, batch = concrete("mlp-tiny")
+    step = planner.plan_parallel(b.train_step, mesh="2x4", accumulate=2)
+    plan = step.plan(state, batch)
+    assert plan.solver["accumulation"]["microbatches"] == 2
+    # Costed from the microbatch plan: forward/backward twice, the update once.
+    record = plan.solver["accumulation"]
+    assert plan.prediction.step_time_s == pytest.approx(
+        2 * record["microbatch_step_time_s"] - record["update_time_s"])
+    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
+    new_state, metrics = step(state, batch)
+    assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
+
+
+def test_auto_chooses_microbatches_that_fit_the_budget():
+    b, state, batch = concrete("mlp-tall")
+    one = jax.devices()[:1]
+    full = planner.plan(b.train_step, state, batch, mesh="1", devices=one).prediction.memory_bytes_per_device
+    budget = int(0.8 * full)
+    step = planner.plan_parallel(b.train_step, mesh="1", devices=one, accumulate="auto", memory_budget=budget)
+    plan = step.plan(state, batch)
+    k = plan.solver["accumulation"]["microbatches"]
+    assert k > 1 and plan.prediction.memory_bytes_per_device <= budget
+    assert _peak(step, state, batch) <= budget
+    with pytest.raises(InfeasiblePlanError, match=r"gradient accumulation over \d+ microbatch count") as e:
+        planner.plan(b.train_step, state, batch, mesh="1", devices=one, accumulate="auto", memory_budget="100KB")
+    assert e.value.min_memory_bytes is not None and e.value.min_memory_bytes > 100e3
+
+
+def test_accumulation_options_are_checked():
+    b = concrete("mlp-tiny")[0]
+    args = (b.abstract_state(), b.abstract_batch())
+    with pytest.raises(InvalidArgumentError, match="does not divide the batch of 64 rows"):
+        planner.plan(b.train_step, *args, mesh="1", devices=jax.devices()[:1], accumulate=3)
+    for bad in (0, "yes", True):
+        with pytest.raises(InvalidArgumentError, match="accumulate="):
+            planner.plan_parallel(b.train_step, accumulate=bad)
+    with pytest.raises(InvalidArgumentError, match="single-stage"):
+        planner.plan_parallel(b.train_step, accumulate=2, pipeline="auto")
+
+    def no_grad(state, batch):
+        return state, {"loss": batch["x"].sum()}
+
+    with pytest.raises(InvalidArgumentError, match="cannot accumulate gradients over this train step"):
+        planner.plan(no_grad, *args, mesh="1", devices=jax.devices()[:1], accumulate=2)
+
+
+def test_cli_accumulate_flag(capsys):
+    from planner import cli
+
+    code = cli.main(["plan", "--model", "mlp-tiny", "--mesh", "1x8", "--accumulate", "2", "-q"])
+    out = capsys.readouterr().out
+    assert code == 0 and "Gradient accumulation: 2 microbatches of 32 rows per step" in out
+    code = cli.main(["plan", "--model", "mlp-tiny", "--mesh", "1x8", "--accumulate", "0"])
+    assert code == 2 and "'0' is not 'auto' or a positive number of microbatches" in capsys.readouterr().err

@@ -1,0 +1,83 @@
+"""Pipeline stages reduce their data-parallel gradients once per step, not once per microbatch
+(planner/stages/stage_cost.py `grad_sync`, planner/stages/inter_op.py `_once_per_step_max`)."""
+from __future__ import annotations
+
+import jax
+import pytest
+
+from planner.evaluation import evaluate
+from planner.stages.dp import pipeline_latency
+from planner.stages.runtime import PipelinedStep, even_layouts, layer_names
+from tests.conftest import skip_if_fewer_devices
+from tests.helpers import assert_first_step_close
+from xla_hooks.inspect import collectives
+from zoo import get_model, make_optimizer
+
+
+def _stages(plan) -> list[dict]:
+    return [dict(s) for s in plan.stages]
+
+
+@pytest.fixture(scope="module")
+def dp_pp2():
+    """gpt-tiny as dp+pp2 on 4 hosts of one A100 (abstract): each stage two hosts, data
+    parallelism across them, at 2 and 4 microbatches of one batch."""
+    b = get_model("gpt-tiny", batch=8)
+    return {B: evaluate(b.train_step, b.abstract_state(), b.abstract_batch(), baseline="dp+pp2",
+                        cluster="4x1:a100-80gb", num_microbatches=B) for B in (2, 4)}
+
+
+def test_gradient_sync_is_charged_once_per_step(dp_pp2):
+    """Hand check of the step time: pipeline latency over the per-microbatch stage times, plus the
+    largest stage's gradient sync + update, once. The sync term barely changes from 2 to 4
+    microbatches (the gradients do not grow with B; only the plans of the smaller microbatch may
+    differ a little), so step(4) - step(2) is the latency difference and holds no extra gradient
+    syncs."""
+    once = {}
+    for B, plan in dp_pp2.items():
+        stages = _stages(plan)
+        assert len(stages) == 2 and plan.pipeline["num_microbatches"] == B
+        assert all(s["grad_sync_time_s"] > 0 for s in stages)  # the stages are data parallel
+        latency = pipeline_latency([s["time_per_microbatch_s"] for s in stages], B)
+        once[B] = max(s["grad_sync_time_s"] + s["apply_time_s"] for s in stages)
+        assert plan.prediction.step_time_s == pytest.approx(latency + once[B], rel=1e-9)
+    step2, step4 = dp_pp2[2].prediction.step_time_s, dp_pp2[4].prediction.step_time_s
+    lat2 = pipeline_latency([s["time_per_microbatch_s"] for s in _stages(dp_pp2[2])], 2)
+    lat4 = pipeline_latency([s["time_per_microbatch_s"] for s in _stages(dp_pp2[4])], 4)
+    sync = max(s["grad_sync_time_s"] for s in _stages(dp_pp2[4]))
+    assert step4 - step2 == pytest.approx(lat4 - lat2 + once[4] - once[2], rel=1e-9)
+    assert abs(once[4] - once[2]) < 0.1 * sync  # paying it per microbatch would add 2 * sync
+
+
+def _reductions(lowered) -> list:
+    return [c for c in collectives(lowered.compile()) if c.kind in ("all-reduce", "reduce-scatter")]
+
+
+def test_stage_backward_accumulates_gradients_per_replica():
+    """A small gpt-tiny in 2 stages of 4 CPU devices, the batch split 4 ways on each (data parallel
+    inside the stages), 2 microbatches: the step equals the unsharded one, and each stage's
+    compiled per-microbatch backward has no all-reduce (its parameter gradients stay per replica)
+    while its update reduces them once per step; with `replica_grads=False` the backward reduces
+    them (what the check would catch)."""
+    skip_if_fewer_devices(8)
+    b = get_model("gpt-tiny", batch=8, seq=8, d_model=32, vocab=64)
+    opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
+    state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
+    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
+    names = layer_names(b.loss_fn, b.abstract_state()["params"], b.abstract_batch())
+    layouts = even_layouts(names, jax.devices()[:8], 2)
+    step = PipelinedStep(b.loss_fn, opt, layouts, 2, "1f1b")
+    new_state, metrics = step(state, batch)
+    assert_first_step_close(b.loss_fn, opt, state, batch, new_state, metrics, ref_state, ref_metrics,
+                            train_step=b.train_step)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                            (state["params"], state["opt_state"], batch))
+    lowered = step.lower(*abstract)
+    for st in lowered:
+        assert st.mesh.devices.size == 4
+        assert not _reductions(st.backward)
+        upd = _reductions(st.update)
+        assert upd and all(c.group_size == 4 for c in upd)
+    per_microbatch = PipelinedStep(b.loss_fn, opt, layouts, 2, "1f1b", stage_plans=[st.plan for st in lowered],
+                                   replica_grads=False)
+    assert _reductions(per_microbatch.lower(*abstract)[0].backward)

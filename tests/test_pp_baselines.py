@@ -1,0 +1,149 @@
+"""Pipeline baselines (`evaluate(..., baseline="NAME+ppN")`, planner/evaluation.py and
+planner/stages/inter_op.fixed_pipeline) and pins with pipeline stages."""
+from __future__ import annotations
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import planner
+from planner.baselines import baseline_specs, batch_ways, parse_baseline
+from planner.evaluation import evaluate
+from planner.graph import trace
+from planner.options import PlanOptions
+from planner.pins import stage_pins
+from planner.stages import make_cluster, run_plan
+from planner.stages.clustering import cluster_layers
+from planner.stages.inter_op import even_stage_ranges, even_submesh, plan_pipeline
+from planner.stages.submesh import logical_meshes
+from tests.conftest import skip_if_fewer_devices
+from tests.helpers import assert_first_step_close
+from zoo import get_model, make_optimizer
+
+
+def _abstract(b):
+    return b.abstract_state(), b.abstract_batch()
+
+
+def test_megatron_tp_pp2_runs_equal_to_the_unsharded_step():
+    """gpt-tiny, megatron-tp+pp2 on 8 CPU devices: two stages of 4 devices (2x2 stage meshes), the
+    embedding with blocks_0, blocks_1 with the head; tensor parallelism over every axis of a stage
+    (one host); run from its saved JSON by run_plan, equal to the unsharded step."""
+    skip_if_fewer_devices(8)
+    b = get_model("gpt-tiny", batch=4, seq=8, d_model=32, vocab=64)
+    opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
+    state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
+    plan = evaluate(b.train_step, state, batch, mesh="1x8", baseline="megatron-tp+pp2", hardware="cpu",
+                    num_microbatches=2)
+    assert plan.solver["configuration"] == "baseline megatron-tp+pp2"
+    assert plan.pipeline["num_microbatches"] == 2 and plan.pipeline["num_stages"] == 2
+    assert [st["layers"] for st in plan.stages] == [["pre", "blocks_0"], ["blocks_1", "post"]]
+    assert [st["devices"] for st in plan.stages] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    query = "[0]['params']['blocks_1']['attn']['query']['kernel']"
+    assert plan.stages[1]["shardings"][query] == [None, ["x", "y"], None]  # column parallel: heads
+    assert plan.stages[0]["shardings"]["[0]['params']['wte']['embedding']"] == [["x", "y"], None]  # vocab
+    assert plan.stages[0]["shardings"]["[1]['inputs']"] == [None, None]  # megatron-tp: batch replicated
+    assert plan.prediction.bytes_moved_per_device > 0
+    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
+    new_state, metrics = run_plan(b.train_step, planner.Plan.from_json(plan.to_json()))(state, batch)
+    assert_first_step_close(b.loss_fn, opt, state, batch, new_state, metrics, ref_state, ref_metrics,
+                            train_step=b.train_step)
+
+
+def test_megatron_layout_across_hosts_and_even_stages():
+    """As Megatron-LM lays out TP x PP x DP: stages over whole hosts, tensor parallelism on the axis
+    inside a host, data parallelism across hosts (abstract: the 64x8 cluster of the SC21 paper)."""
+    cluster = make_cluster(64, 8, "a100-80gb")
+    shape = even_submesh(cluster, 2)
+    assert shape == (32, 8)
+    lm = logical_meshes(shape, cluster)[0]
+    assert lm.mesh.shape == (32, 8) and lm.host_axes == (0,)
+    b = get_model("gpt-tiny", heads=8, batch=64)
+    flat = jax.tree_util.tree_flatten_with_path(_abstract(b))[0]
+    paths, shapes = [jax.tree_util.keystr(p) for p, _ in flat], [x.shape for _, x in flat]
+    specs = dict(zip(paths, baseline_specs("megatron-tp", paths, shapes, lm.mesh, lm.host_axes)))
+    assert specs["[0]['params']['blocks_0']['attn']['query']['kernel']"] == P(None, "y", None)
+    assert specs["[0]['params']['blocks_0']['mlp']['fc_out']['kernel']"] == P("y", None)
+    assert specs["[1]['inputs']"] == P("x", None)
+    assert batch_ways("megatron-tp", lm.mesh, lm.host_axes) == 32
+    assert batch_ways("megatron-tp", lm.mesh) == 1  # one TP group over every axis: batch replicated
+    assert even_submesh(make_cluster(1, 8), 4) == (1, 2)
+    with pytest.raises(planner.InvalidArgumentError, match="does not split into 3 equal pipeline stages"):
+        even_submesh(make_cluster(2, 8), 3)
+    four = get_model("gpt-tiny", layers=4)
+    layers = cluster_layers(trace(four.train_step, *_abstract(four)))
+    assert even_stage_ranges(layers, 2) == ((0, 2), (3, 5))  # pre + 2 blocks | 2 blocks + post
+    with pytest.raises(planner.InvalidArgumentError, match=r"the 4 layers blocks_0..blocks_3 do not split evenly "
+                                                           r"into 3 pipeline stages"):
+        even_stage_ranges(layers, 3)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"baseline": "dp+pp4"}, r"the 2 layers blocks_0..blocks_1 do not split evenly into 4 pipeline stages"),
+    ({"baseline": "dp+ppx"}, r"write the pipeline part as \+ppN"),
+    ({"baseline": "ddp+pp2"}, r"unknown baseline 'ddp'"),
+    ({"baseline": "dp+pp2", "pipeline_stages": 4}, "disagree"),
+    ({"baseline": "dp+pp2", "num_microbatches": 8}, r"num_microbatches=8 gives microbatches of 1 that this "
+                                                    r"configuration splits 4 ways"),
+    ({"pins": {"x": P()}, "pipeline_stages": 2}, "goes with baseline="),
+])
+def test_pipeline_baseline_errors_are_one_line(kwargs, message):
+    b = get_model("gpt-tiny")
+    with pytest.raises(planner.InvalidArgumentError, match=message) as e:
+        evaluate(b.train_step, *_abstract(b), mesh="1x8", hardware="cpu", **kwargs)
+    assert "\n" not in str(e.value)
+    assert parse_baseline("megatron-tp-sp+pp4") == ("megatron-tp-sp", 4)
+
+
+def test_pins_apply_to_the_stage_holding_the_pinned_parameter():
+    """A pin on blocks_0's MLP kernel fixes it on the stage that runs blocks_0 and nowhere else;
+    an identical layer without the pin is planned on its own."""
+    b = get_model("gpt-tiny")
+    args = _abstract(b)
+    fc_in = "[0]['params']['blocks_{}']['mlp']['fc_in']['kernel']"
+    pp = plan_pipeline(b.train_step, args, make_cluster(1, 4, "cpu"), PlanOptions(pipeline=True, num_microbatches=2),
+                       max_mesh_ndim=1, pins=stage_pins({"params/blocks_0/mlp/fc_in/kernel": P("x", None)}))
+    holding = [st for st in pp.stages if "blocks_0" in st.layers]
+    assert len(holding) == 1 and holding[0].specs[fc_in.format(0)] == ((0,), ())
+    others = [st.specs[fc_in.format(1)] for st in pp.stages if fc_in.format(1) in st.specs]
+    assert others and others[0] != ((0,), ())
+    # Through the public API: pins with pipeline= are checked before anything is planned.
+    for pins, message in (({"nothing/here": P()}, "pin 'nothing/here' matches no argument path"),
+                          ({"blocks_0/mlp/fc_in/kernel": P("data")}, "names mesh axis 'data'; with pipeline stages")):
+        with pytest.raises(planner.InvalidArgumentError, match=message):
+            planner.plan(b.train_step, *args, mesh="1x8", pipeline=True, pins=pins)
+
+
+def test_cli_plan_and_compare_with_pipeline_baselines(capsys):
+    from planner import cli
+    common = ["--model", "mlp-tiny", "--hardware", "cpu", "--microbatches", "2", "-q"]
+    assert cli.main(["compare", "--mesh", "1x8", "--baselines", "dp,dp+pp2", *common]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines() if line.strip().split()[:1] in (["planner"], ["dp"],
+                                                                                          ["dp+pp2"])]
+    assert rows == ["planner", "dp", "dp+pp2"]
+    assert cli.main(["plan", "--devices", "8", "--baseline", "dp+pp2", *common]) == 0
+    assert "Your configuration: baseline dp+pp2, 2 even pipeline stages, dp pins in each" in capsys.readouterr().out
+    for argv, message in ((["compare", "--mesh", "1x8", "--baselines", "dp+ppx"], "write the pipeline part as +ppN"),
+                          (["plan", "--devices", "8", "--baseline", "dp+pp2", "--pin", "x=P()"], "drop --pin")):
+        assert cli.main(argv + common) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, err
+
+
+def test_pipeline_search_pinned_to_a_baseline_predicts_what_the_baseline_predicts():
+    """One code path: the planner's stage DP with every leaf pinned to megatron-tp (on each stage's
+    mesh) picks the even split here, and then predicts exactly the pp baseline's step time."""
+    from planner.evaluation import pipeline_baseline_pins
+    from planner.stages.inter_op import fixed_pipeline
+    b = get_model("gpt-tiny")
+    args, cluster = _abstract(b), make_cluster(1, 4, "cpu")
+    options = PlanOptions(pipeline=True, num_microbatches=2)
+    searched = plan_pipeline(b.train_step, args, cluster, options, max_mesh_ndim=1,
+                             pins=pipeline_baseline_pins("megatron-tp"))
+    fixed = fixed_pipeline(b.train_step, args, cluster, options, 2, max_mesh_ndim=1,
+                           pins=pipeline_baseline_pins("megatron-tp"))
+    assert [(s.layer_range, s.submesh) for s in searched.stages] == [((0, 1), (1, 2)), ((2, 3), (1, 2))]
+    assert [(s.layer_range, s.submesh) for s in fixed.stages] == [((0, 1), (1, 2)), ((2, 3), (1, 2))]
+    assert [s.time_s for s in fixed.stages] == [s.time_s for s in searched.stages]
+    assert fixed.step_time_s == searched.step_time_s
