@@ -54,6 +54,8 @@ class MeshResult:
       error: why planning failed (an `InfeasiblePlanError` when no plan fits the memory budget).
       inter_host_axes: the mesh axes planned over inter-host links.
       plan_time_s: seconds spent planning this mesh.
+      same_as: for a mesh not planned because it is another candidate with its axes permuted
+        (same axis sizes on the same links: the same problem, `mirror_key`), that candidate.
     """
 
     mesh: MeshSpec
@@ -61,6 +63,7 @@ class MeshResult:
     error: PlannerError | None
     inter_host_axes: tuple[int, ...]
     plan_time_s: float
+    same_as: MeshSpec | None = None
 
     @property
     def over_budget(self) -> bool:
@@ -84,9 +87,19 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
       devices_per_host: devices per host of a multi-host target (None: `options.inter_host_axes`).
       devices: real devices to bind each plan's `jax.sharding.Mesh` to (None: abstract meshes).
     """
-    done, failed = [], []
+    done, failed, mirrors = [], [], []
+    seen: dict[tuple, MeshResult] = {}
     for k, spec in enumerate(meshes, 1):
         inter = inter_host_axes(spec.shape, devices_per_host) if devices_per_host else options.inter_host_axes
+        key = mirror_key(spec, inter) if options.profile is None else None
+        twin = seen.get(key) if key is not None else None
+        if twin is not None:
+            log.info("mesh %s: the problem of mesh %s with its axes permuted; not planned again", spec, twin.mesh)
+            if twin.plan is not None:
+                mirrors.append(MeshResult(spec, None, None, inter, 0.0, same_as=twin.mesh))
+            else:
+                failed.append(MeshResult(spec, None, twin.error, inter, 0.0, same_as=twin.mesh))
+            continue
         log.info("planning mesh %s (%d/%d) ...", spec, k, len(meshes))
         t0 = time.perf_counter()
         try:
@@ -94,14 +107,27 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
             plan = make_plan(graph, spec, dataclasses.replace(options, inter_host_axes=inter), jax_mesh)
         except (MeshError, PlannerError) as e:
             failed.append(MeshResult(spec, None, e, inter, time.perf_counter() - t0))
+            if key is not None:
+                seen[key] = failed[-1]
             log.info("mesh %s: %s", spec, "no plan fits the budget" if isinstance(e, InfeasiblePlanError) else e)
             continue
         done.append(MeshResult(spec, plan, None, inter, time.perf_counter() - t0))
+        if key is not None:
+            seen[key] = done[-1]
         log.info("mesh %s: %.4g s/step, %s/device, planned in %.1fs", spec, plan.prediction.step_time_s,
                  format_bytes(plan.prediction.memory_bytes_per_device), time.perf_counter() - t0)
     done.sort(key=lambda r: r.plan.prediction.step_time_s)
     failed.sort(key=lambda r: (not r.over_budget, r.min_memory_bytes or 0))
-    return tuple(done + failed)
+    return tuple(done + mirrors + failed)
+
+
+def mirror_key(spec: MeshSpec, inter: Sequence[int]) -> tuple:
+    """Meshes with equal keys are one planning problem: the same axis sizes on the same links, in
+    another order (2x4 and 4x2 inside one host). The cost model sees an axis only through its size
+    and its link (inter-host or not), and strategies range over every assignment of axes to
+    dims, so a permutation of the axes permutes the plans and leaves every predicted number as it is
+    (a profile measures each axis group separately, so `search_meshes` does not use this then)."""
+    return tuple(sorted((size, axis in inter) for axis, size in enumerate(spec.shape)))
 
 
 def best_plan(results: Sequence[MeshResult]) -> Plan:

@@ -47,6 +47,25 @@ def test_plan_prints_ranking_layers_and_rules(mlp_plan):
     assert "logical_axis_rules: [['batch'" in out  # MaxText form
     # progress on stderr: tracing, ILP, per mesh
     assert "tracing mlp-tiny" in err and "planning mesh 2x4" in err and "solved" in err
+    # 4x2 is 2x4 with its axes swapped (one host, same links): listed, not planned again
+    assert "planning mesh 4x2" not in err and "same: the problem of mesh 2x4" in out
+
+
+def test_permuted_mesh_is_the_same_problem():
+    """What lets the search skip 4x2 after 2x4: both predict the same optimum."""
+    from planner.graph import trace
+    from planner.mesh import MeshSpec
+    from planner.options import PlanOptions
+    from planner.planning import make_plan
+    from planner.search import mirror_key
+    from zoo import get_model
+    assert mirror_key(MeshSpec((2, 4), ("x", "y")), ()) == mirror_key(MeshSpec((4, 2), ("x", "y")), ())
+    assert mirror_key(MeshSpec((2, 4), ("x", "y")), (0,)) != mirror_key(MeshSpec((4, 2), ("x", "y")), (0,))
+    b = get_model("mlp-tiny")
+    g = trace(b.train_step, b.abstract_state(), b.abstract_batch())
+    a, c = (make_plan(g, MeshSpec(shape, ("x", "y")), PlanOptions(solver_time_limit=20)) for shape in ((2, 4), (4, 2)))
+    assert a.solver["status"] == c.solver["status"] == "optimal"
+    assert a.prediction.step_time_s == pytest.approx(c.prediction.step_time_s, rel=1e-9)
 
 
 def test_json_has_the_documented_keys(mlp_plan):

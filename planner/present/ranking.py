@@ -44,6 +44,8 @@ def mesh_ranking(results: Sequence[MeshResult], flops: Mapping[str, float], hard
                "inter_host_axes": list(r.inter_host_axes)}
         if r.plan is not None:
             row.update(_plan_row(r.plan, flops, hardware, r.mesh.size), plan_time_s=round(r.plan_time_s, 2))
+        elif r.same_as is not None and r.error is None:
+            row.update(status="same", note=f"the problem of mesh {r.same_as} with the axes permuted: not planned again")
         elif r.over_budget:
             need = r.min_memory_bytes
             row.update(status="over budget", memory_bytes_per_device=need,
