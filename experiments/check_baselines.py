@@ -6,7 +6,11 @@ compared with the unsharded jit step by tests/helpers.py's derived tolerances
 (`assert_bundle_step_close`). Too slow for the test suite (~20 s per row on 2 cores); results go to
 experiments/results/baselines_numerics.json.
 
-Run: python experiments/check_baselines.py [--models gpt-tiny,llama-tiny] [--meshes 2x4]
+With `--pipeline-stages N` every baseline runs as NAME+ppN instead (N even stages of the mesh's
+devices, `num_microbatches` 2, run from its saved JSON by `planner.stages.run_plan`) and is compared
+with `assert_first_step_close`; results go to baselines_pp_numerics.json.
+
+Run: python experiments/check_baselines.py [--models gpt-tiny,llama-tiny] [--meshes 2x4] [--pipeline-stages 2]
 """
 from __future__ import annotations
 
@@ -26,7 +30,9 @@ import jax  # noqa: E402
 
 import planner  # noqa: E402
 from planner.baselines import NAMES, baseline_pins  # noqa: E402
-from tests.helpers import assert_bundle_step_close, concrete  # noqa: E402
+from planner.stages import run_plan  # noqa: E402
+from tests.helpers import assert_bundle_step_close, assert_first_step_close, concrete  # noqa: E402
+from zoo import make_optimizer  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -36,8 +42,12 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="gpt-tiny,llama-tiny")
     ap.add_argument("--meshes", default="2x4")
     ap.add_argument("--baselines", default=",".join(NAMES))
-    ap.add_argument("--out", default=str(RESULTS / "baselines_numerics.json"))
+    ap.add_argument("--pipeline-stages", type=int, default=None, help="run NAME+ppN pipeline baselines")
+    ap.add_argument("--out", default=None, help="default: results/baselines_numerics.json "
+                    "(baselines_pp_numerics.json with --pipeline-stages)")
     args = ap.parse_args(argv)
+    args.out = args.out or str(RESULTS / ("baselines_pp_numerics.json" if args.pipeline_stages else
+                                          "baselines_numerics.json"))
     rows = []
     for model in args.models.split(","):
         b, state, batch = concrete(model)
@@ -47,11 +57,23 @@ def main(argv=None) -> int:
                 t = time.perf_counter()
                 row = {"model": model, "mesh": mesh, "baseline": name}
                 try:
-                    step = planner.plan_parallel(b.train_step, mesh=mesh, pins=baseline_pins(name), unpinned="replicate")
-                    new_state, metrics = step(state, batch)
-                    assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
+                    if args.pipeline_stages:
+                        row["baseline"] = f"{name}+pp{args.pipeline_stages}"
+                        plan = planner.evaluate(b.train_step, state, batch, mesh=mesh, baseline=row["baseline"],
+                                                hardware="cpu", num_microbatches=2)
+                        new_state, metrics = run_plan(b.train_step, planner.Plan.from_json(plan.to_json()))(
+                            state, batch)
+                        opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
+                        assert_first_step_close(b.loss_fn, opt, state, batch, new_state, metrics, ref_state,
+                                                ref_metrics, train_step=b.train_step)
+                        row["predicted_step_time_s"] = plan.prediction.step_time_s
+                    else:
+                        step = planner.plan_parallel(b.train_step, mesh=mesh, pins=baseline_pins(name),
+                                                     unpinned="replicate")
+                        new_state, metrics = step(state, batch)
+                        assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
+                        row["predicted_step_time_s"] = step.plan(state, batch).prediction.step_time_s
                     row["result"] = "equal to unsharded"
-                    row["predicted_step_time_s"] = step.plan(state, batch).prediction.step_time_s
                 except Exception as e:  # reported per row, the run goes on
                     row["result"] = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     traceback.print_exc()

@@ -104,7 +104,8 @@ def published(row: Row, bundle, microbatch_size: int) -> dict:
     t0 = time.perf_counter()
     try:
         plan = planner.evaluate(bundle.train_step, bundle.abstract_state(), bundle.abstract_batch(),
-                                baseline=f"megatron-tp+pp{row.pp}", tensor_parallel=row.tp,
+                                baseline=f"{'megatron-tp' if row.tp > 1 else 'dp'}+pp{row.pp}",
+                                tensor_parallel=row.tp if row.tp > 1 else None,
                                 cluster=f"{row.gpus // 8}x8:{HARDWARE}", remat=True,
                                 num_microbatches=row.batch // (row.dp * microbatch_size))
     except (PlannerError, TypeError) as e:

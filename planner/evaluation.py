@@ -76,7 +76,7 @@ def _configuration(shardings, pins, baseline, rules, args) -> tuple[Any, str]:
 def evaluate(fn: Callable[..., Any], *args: Any, mesh: Any = None, shardings: Any = None,
              pins: Mapping[str, Any] | None = None, baseline: str | None = None, rules: Any = None,
              logical: Any = None, pipeline_stages: int | None = None, cluster: Cluster | str | None = None,
-             remat: bool | None = None, **options: Any) -> Plan:
+             remat: bool | None = None, tensor_parallel: int | None = None, **options: Any) -> Plan:
     """The predicted cost, memory and collectives of exactly one configuration, as a Plan.
 
     Args:
@@ -95,6 +95,9 @@ def evaluate(fn: Callable[..., Any], *args: Any, mesh: Any = None, shardings: An
         `inter_host=` / `intra_host=` options set its links).
       remat: pipeline baselines only: True (every stage recomputes its forward in the backward,
         as Megatron-LM's activation recomputation), False, or None (the faster that fits memory).
+      tensor_parallel: pipeline baselines only: each stage's submesh as a (devices / T, T) mesh
+        with T devices of one host on the second axis (Megatron-LM's TP degree; the baseline's
+        pins put tensor parallelism there); default: the planner's own view of the submesh.
       **options: `PlanOptions` fields; a memory budget is not enforced (the plan reports the
         configuration's memory). Pipeline baselines read `num_microbatches` (None: every count
         dividing the batch whose microbatch the stage's data-parallel axes divide, the fastest
@@ -134,13 +137,15 @@ def evaluate(fn: Callable[..., Any], *args: Any, mesh: Any = None, shardings: An
         if stages is not None:
             if shardings is not None or pins is not None or rules is not None:
                 raise InvalidArgumentError("evaluate takes exactly one of shardings=, pins=, rules=, baseline=")
-            return evaluate_pipeline(fn, args, name, stages, mesh=mesh, cluster=cluster, remat=remat, **options)
+            return evaluate_pipeline(fn, args, name, stages, mesh=mesh, cluster=cluster, remat=remat,
+                                     tensor_parallel=tensor_parallel, **options)
         baseline = name
     elif pipeline_stages is not None:
         raise InvalidArgumentError("pipeline_stages= goes with baseline= (e.g. baseline='megatron-tp', "
                                    "pipeline_stages=4)")
-    if cluster is not None or remat is not None:
-        raise InvalidArgumentError("cluster= and remat= are for pipeline baselines (baseline='NAME+ppN'); "
+    if cluster is not None or remat is not None or tensor_parallel is not None:
+        raise InvalidArgumentError("cluster=, remat= and tensor_parallel= are for pipeline baselines "
+                                   "(baseline='NAME+ppN'); "
                                    "give the mesh with mesh= and its links with inter_host=")
     config, label = _configuration(shardings, pins, baseline, rules, args)
     options = {k: v for k, v in options.items() if k != "memory_budget"}  # reported, not enforced
@@ -178,7 +183,7 @@ def pipeline_baseline_pins(name: str) -> Callable[[Graph, LogicalMesh], dict[int
 
 def evaluate_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], name: str, num_stages: int, *,
                       mesh: Any = None, cluster: Cluster | str | None = None, remat: bool | None = None,
-                      graph: Graph | None = None, **options: Any) -> Plan:
+                      graph: Graph | None = None, tensor_parallel: int | None = None, **options: Any) -> Plan:
     """The baseline `name` in `num_stages` hand-chosen even pipeline stages (see `evaluate`)."""
     if name not in NAMES:
         raise InvalidArgumentError(f"unknown baseline {name!r}; known: {', '.join(NAMES)}")
@@ -199,19 +204,22 @@ def evaluate_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], name: str, 
         raise InvalidArgumentError(f"cluster must be a 'HOSTSxDEVICES[:PRESET]' string or a make_cluster(...), "
                                    f"got {type(cluster).__name__}")
     graph = graph if graph is not None else trace(fn, *args)
-    return pipeline_baseline(fn, tuple(args), graph, name, num_stages, cluster, opts, remat)[0]
+    return pipeline_baseline(fn, tuple(args), graph, name, num_stages, cluster, opts, remat, tensor_parallel)[0]
 
 
 def pipeline_baseline(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, name: str, num_stages: int,
-                      cluster: Cluster, options: PlanOptions, remat: bool | None = None) -> tuple[Plan, Any]:
+                      cluster: Cluster, options: PlanOptions, remat: bool | None = None,
+                      tensor_parallel: int | None = None) -> tuple[Plan, Any]:
     """(Plan, `PipelinePlan`) of the baseline `name` in `num_stages` even stages on `cluster` (the
     code path of `evaluate(..., baseline="NAME+ppN")` and `planner plan/compare --baseline`)."""
     if name not in NAMES:
         raise InvalidArgumentError(f"unknown baseline {name!r}; known: {', '.join(NAMES)}")
     plan, pp = plan_fixed_stages(fn, tuple(args), graph, cluster, dataclasses.replace(options, pipeline=True),
                                  num_stages, pins=pipeline_baseline_pins(name),
-                                 batch_ways=lambda lm: batch_ways(name, lm.mesh, lm.host_axes), remat=remat)
-    return labelled(plan, f"baseline {name}+pp{num_stages}"), pp
+                                 batch_ways=lambda lm: batch_ways(name, lm.mesh, lm.host_axes), remat=remat,
+                                 tensor_parallel=tensor_parallel)
+    tp = f" (tensor parallel {tensor_parallel})" if tensor_parallel else ""
+    return labelled(plan, f"baseline {name}+pp{num_stages}{tp}"), pp
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -71,7 +71,14 @@ def test_pipeline_stages_compile_to_their_planned_collectives(gpt):
         # Same kinds (the rows already compare a reduce-scatter as the all-reduce CPU XLA makes of it).
         assert {r.kind for r in rep.rows if r.predicted_count} == {r.kind for r in rep.rows if r.measured_count}, \
             rep.table()
-        # Gradients accumulate per data-parallel replica over the microbatches: the backward reduces
-        # none, the update reduces them once per step (tests/test_pipeline_grad_sync.py).
-        assert not [c for c in collectives(st.backward.compile()) if c.kind in ("all-reduce", "reduce-scatter")]
-        assert {c.kind for c in collectives(st.update.compile())} <= {"all-reduce", "reduce-scatter"}
+        # A stage whose batch is split accumulates gradients per data-parallel replica over the
+        # microbatches: its backward reduces none (1-D mesh: every reduction spans the data axis),
+        # its update reduces them once per step (tests/test_pipeline_grad_sync.py). A stage whose
+        # batch is not split has no data-parallel reduction and a local update.
+        reductions = [c for c in collectives(st.backward.compile()) if c.kind in ("all-reduce", "reduce-scatter")]
+        update = collectives(st.update.compile())
+        if st.data_axes:
+            assert not reductions and update and {c.kind for c in update} <= {"all-reduce", "reduce-scatter"}
+        else:
+            assert not update
+    assert any(st.data_axes for st in lowered)

@@ -60,7 +60,7 @@ def test_stage_backward_accumulates_gradients_per_replica():
     while its update reduces them once per step; with `replica_grads=False` the backward reduces
     them (what the check would catch)."""
     skip_if_fewer_devices(8)
-    b = get_model("gpt-tiny", batch=8, seq=8, d_model=32, vocab=64)
+    b = get_model("gpt-tiny", layers=1, batch=8, seq=8, d_model=32, vocab=64)
     opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
     state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
     ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)

@@ -95,6 +95,21 @@ def test_pipeline_baseline_errors_are_one_line(kwargs, message):
     assert parse_baseline("megatron-tp-sp+pp4") == ("megatron-tp-sp", 4)
 
 
+def test_tensor_parallel_degree_lays_stages_out_as_megatron():
+    """tensor_parallel=T views each stage as a (devices / T, T) mesh, T inside a host; a degree that
+    does not divide a host is a one-line error."""
+    b = get_model("gpt-tiny", batch=16)
+    kw = dict(baseline="megatron-tp+pp2", cluster="4x8:a100-80gb", num_microbatches=2, remat=True)
+    plan = evaluate(b.train_step, *_abstract(b), tensor_parallel=2, **kw)
+    assert [dict(st["mesh"]) for st in plan.stages] == [{"x": 8, "y": 2}] * 2  # 2 hosts per stage
+    assert plan.solver["configuration"] == "baseline megatron-tp+pp2 (tensor parallel 2)"
+    with pytest.raises(planner.InvalidArgumentError, match="tensor_parallel=3 must be") as e:
+        evaluate(b.train_step, *_abstract(b), tensor_parallel=3, **kw)
+    assert "\n" not in str(e.value)
+    with pytest.raises(planner.InvalidArgumentError, match="are for pipeline baselines"):
+        evaluate(b.train_step, *_abstract(b), mesh="1x8", baseline="dp", tensor_parallel=2)
+
+
 def test_pins_apply_to_the_stage_holding_the_pinned_parameter():
     """A pin on blocks_0's MLP kernel fixes it on the stage that runs blocks_0 and nowhere else;
     an identical layer without the pin is planned on its own."""

@@ -40,7 +40,7 @@ from planner.stages.stage_cost import (
     stage_memory,
     stage_times,
 )
-from planner.stages.submesh import LogicalMesh, logical_meshes, place_submeshes, submesh_shapes
+from planner.stages.submesh import LogicalMesh, logical_meshes, place_submeshes, submesh_shapes, tensor_parallel_mesh
 
 log = logging.getLogger("planner")
 
@@ -511,7 +511,8 @@ def fixed_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Clust
                    num_stages: int, *, pins: Callable[[Graph, LogicalMesh], Mapping[int, Spec]] | None = None,
                    batch_ways: Callable[[LogicalMesh], int] | None = None, remat: bool | None = None,
                    batch_argnum: int | tuple[int, ...] = -1, max_mesh_ndim: int = 2,
-                   num_layers: int | None = None, full_graph: Graph | None = None) -> PipelinePlan:
+                   num_layers: int | None = None, full_graph: Graph | None = None,
+                   tensor_parallel: int | None = None) -> PipelinePlan:
     """A hand-chosen pipeline costed by the planner's own pipeline path (the pp baselines).
 
     `num_stages` even stages (`even_stage_ranges`), each on an equal submesh (`even_submesh`)
@@ -532,6 +533,9 @@ def fixed_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Clust
       batch_ways: how many ways the configuration splits the batch dim on that mesh.
       remat: True / False: every stage recomputes (or keeps) its activations; None: the faster
         that fits.
+      tensor_parallel: view each stage's submesh as Megatron-LM's (data, tensor) mesh with this
+        many devices of one host on the tensor axis (`submesh.tensor_parallel_mesh`) instead of
+        the planner's logical mesh.
 
     Raises:
       InvalidArgumentError: layers or devices that do not split evenly, a microbatch count that
@@ -540,7 +544,8 @@ def fixed_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Clust
     t_start = time.perf_counter()
     S = num_stages
     shape = even_submesh(cluster, S)
-    lm = logical_meshes(shape, cluster, max_mesh_ndim)[0]
+    lm = (logical_meshes(shape, cluster, max_mesh_ndim)[0] if tensor_parallel is None
+          else tensor_parallel_mesh(shape, cluster, tensor_parallel))
     batch = batch_size(args, batch_argnum)
     ways = batch_ways(lm) if batch_ways is not None else 1
     counts = [B for B in microbatch_counts(batch, options.num_microbatches) if (batch // B) % ways == 0]

@@ -298,7 +298,7 @@ def _replicated_halves(rep: Replica, plan: Any, jmesh, remat: bool):
     ins = (None, axes_of(rep.ins["a"]), axes_of(rep.ins["aux"]), axes_of(rep.ins["b"]))
 
     def fwd(p, a, aux, b):
-        out = jax.vmap(fwd1, in_axes=ins, spmd_axis_name=spmd)(
+        out = jax.vmap(fwd1, in_axes=ins, axis_size=w, spmd_axis_name=spmd)(
             p, split(a, rep.ins["a"]), split(aux, rep.ins["aux"]), split(b, rep.ins["b"]))
         o, x = join(out[0], rep.outs["ct"]), join(out[1], rep.outs["aux_out"])
         return (o, x) if remat else (o, x, out[2])
@@ -314,12 +314,12 @@ def _replicated_halves(rep: Replica, plan: Any, jmesh, remat: bool):
     ct_axes = axes_of(["batch" if k == "batch" else "same" for k in rep.outs["ct"]])
     if remat:
         def bwd(p, a, aux, b, cts):
-            gp, ga = jax.vmap(bwd1, in_axes=ins + (ct_axes,), spmd_axis_name=spmd)(
+            gp, ga = jax.vmap(bwd1, in_axes=ins + (ct_axes,), axis_size=w, spmd_axis_name=spmd)(
                 p, split(a, rep.ins["a"]), split(aux, rep.ins["aux"]), split(b, rep.ins["b"]), cts_in(cts))
             return gp, gather(ga)
     else:
         def bwd(res, cts):
-            gp, ga = jax.vmap(bwd1, in_axes=(0, ct_axes), spmd_axis_name=spmd)(res, cts_in(cts))
+            gp, ga = jax.vmap(bwd1, in_axes=(0, ct_axes), axis_size=w, spmd_axis_name=spmd)(res, cts_in(cts))
             return gp, gather(ga)
     return fwd, bwd
 

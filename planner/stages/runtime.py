@@ -78,6 +78,8 @@ class StageLowered:
       update: the optimizer update of the stage's parameters.
       plan: the stage's intra-op `Plan` of one microbatch's forward + backward (its prediction
         lists the collectives the forward and backward together should compile to).
+      data_axes: mesh axes over which the stage accumulates gradients per replica, reducing them in
+        its update once per step (`programs.Replica`); empty: the backward reduces them.
     """
 
     index: int
@@ -87,6 +89,7 @@ class StageLowered:
     backward: Any
     update: Any
     plan: Any = None
+    data_axes: tuple[str, ...] = ()
 
     def programs(self) -> dict[str, Any]:
         return {"forward": self.forward, "backward": self.backward, "update": self.update}
@@ -397,7 +400,7 @@ class PipelinedStep:
             o = jax.tree_util.tree_unflatten(odef, [sds(np.shape(full_opt[k]), full_opt[k].dtype,
                                                         shard_of(k, full_opt[k])) for k in okeys])
             out.append(StageLowered(s, st.layout.devices, st.mesh, fwd, bwd, st.apply.lower(masked, o, masked_acc),
-                                    st.plan))
+                                    st.plan, st.replica.axes if st.replica is not None else ()))
         return tuple(out)
 
     def step(self, params: Any, opt_state: Any, batch: Any):

@@ -99,6 +99,25 @@ def logical_meshes(submesh: Shape, cluster: Cluster, max_ndim: int = 2) -> tuple
     return (LogicalMesh(MeshSpec((a, size // a), default_axis_names(2)), (intra_link(cluster),) * 2, ()),)
 
 
+def tensor_parallel_mesh(submesh: Shape, cluster: Cluster, ways: int) -> LogicalMesh:
+    """A submesh as Megatron-LM lays out `ways`-way tensor parallelism: a (size / ways, ways) mesh
+    whose second axis lies inside one host (NVLink) and whose first axis (data parallelism) crosses
+    hosts when the submesh does.
+
+    Raises:
+      InvalidArgumentError: `ways` does not divide the devices of one host in the submesh.
+    """
+    n, m = submesh
+    if not (isinstance(ways, int) and ways >= 2 and m % ways == 0):
+        raise InvalidArgumentError(f"tensor_parallel={ways!r} must be an int >= 2 dividing the {m} devices per "
+                                   "host of each stage")
+    first = inter_link(cluster) if n > 1 else intra_link(cluster)
+    if n * m == ways:
+        return LogicalMesh(MeshSpec((ways,), default_axis_names(1)), (intra_link(cluster),), ())
+    return LogicalMesh(MeshSpec((n * m // ways, ways), default_axis_names(2)), (first, intra_link(cluster)),
+                       (0,) if n > 1 else ())
+
+
 def place_submeshes(shapes: Sequence[Shape], cluster: Cluster) -> tuple[tuple[int, ...], ...]:
     """Assigns each stage's submesh concrete device positions (host * M + device), in stage order.
 
