@@ -26,11 +26,12 @@ the device count, so the global batch is overridden to one sequence (image) per 
 
 Planning time columns: `trace_s` (tracing the step, shared by the configurations of one (model,
 cluster) on abstract rows; included in `plan_s` on compiled rows), `build_s` (ILP build and
-predictions: the plan's `planning_time_s` minus `solve_time_s`), `solve_s` (CP-SAT), `plan_s`
-(wall time of that configuration), `other_s` (`plan_s` minus `planning_time_s`: the prediction
-and decision records made after the solver's clock stops, plus on compiled rows the trace). `stage_dp_s` is empty: the suite plans single-stage (intra-op)
-configurations only; the pipeline baselines (`NAME+ppN`) are not in it yet. ILP size: `decisions`
-(nodes after follower merging) and `distinct` (after layer sharing).
+predictions, the part of `make_plan`'s `planning_time_s` outside the solver's `solve_time_s`),
+`solve_s` (the solver's `solve_time_s`), `plan_s` (wall time of that configuration), `other_s`
+(`plan_s` minus `planning_time_s`: the step-time split `step_parts` and decision records made after
+the plan's clock stops, plus on compiled rows the trace). `stage_dp_s` is empty: the suite plans
+single-stage (intra-op) configurations only; the pipeline baselines (`NAME+ppN`) are not in it
+yet. ILP size: `decisions` (nodes after follower merging) and `distinct` (after layer sharing).
 
 Output: experiments/results/suite.csv, suite.md (table + goals summary), suite_memory_<model>.png
 (memory vs predicted time, every configuration marked, one panel per cluster) and
@@ -56,7 +57,6 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 import planner  # noqa: E402
 from planner.baselines import NAMES, baseline_pins  # noqa: E402
@@ -93,8 +93,8 @@ FULL = ([(m, c) for m in COMPILED_MODELS for c in ("1x8", "2x4")]
 FULL = [case for case in FULL if case not in DEFAULT]
 
 FIELDS = ("model", "cluster", "mode", "batch", "config", "step_time_s", "vs_plan", "exposed_comm_s", "memory_bytes",
-          "bytes_moved", "fits", "plan_s", "trace_s", "build_s", "solve_s", "other_s", "stage_dp_s", "decisions", "distinct",
-          "ops", "solver", "compiled_bytes_moved", "compiled_peak_bytes", "ran", "note")
+          "bytes_moved", "fits", "plan_s", "trace_s", "build_s", "solve_s", "other_s", "stage_dp_s", "decisions",
+          "distinct", "ops", "solver", "compiled_bytes_moved", "compiled_peak_bytes", "ran", "note")
 
 
 def _timing(plan, wall: float, trace_s: float | None) -> dict:
@@ -281,7 +281,8 @@ def plots(rows: list[dict]) -> list[str]:
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("traced ops")
-        ax.set_ylabel("planning time per configuration (s; abstract rows exclude the shared trace)")
+        ax.set_ylabel("planning time per configuration (s)")
+        ax.set_title("plan_s per configuration (abstract rows: without the shared trace)", fontsize=9)
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(RESULTS / "suite_planning_time.png", dpi=90)
@@ -323,7 +324,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=None, help="comma-separated filter on the set's models")
     ap.add_argument("--clusters", default=None, help="comma-separated filter: 1x8,2x4,8x8,128x8")
     ap.add_argument("--append", action="store_true",
-                    help="keep the rows of an existing suite.csv (those of the (model, cluster) pairs run now are replaced)")
+                    help="keep an existing suite.csv's rows (those of the (model, cluster) pairs run now are replaced)")
     ap.add_argument("--render", action="store_true", help="only rewrite suite.md and the plots from suite.csv")
     ap.add_argument("--time-limit", type=float, default=30.0, help="solver limit per configuration (det. units)")
     args = ap.parse_args(argv)
@@ -332,7 +333,8 @@ def main(argv=None) -> int:
         cases = [c for c in cases if c[0] in args.models.split(",")]
     if args.clusters:
         cases = [c for c in cases if c[1] in args.clusters.split(",")]
-    header = (f"# Comparison suite (issue 12; {time.strftime('%Y-%m-%d')}; set {args.set}; {PRESET} cost model, "
+    header = (f"# Comparison suite (issue 12; {time.strftime('%Y-%m-%d')}; last run --set {args.set}"
+              f"{' --append (earlier rows kept)' if args.append else ''}; {PRESET} cost model, "
               f"budget {BUDGET / 1e9:.0f} GB/device; bf16 compute, fp32 master weights)\n\n"
               "mode `compiled`: planned, compiled, read back from the HLO and run one step on 8 CPU devices; "
               "mode `abstract`: cost model only, nothing compiled. Columns: see experiments/bench_suite.py.")

@@ -138,7 +138,10 @@ def run_row(row: Row, args) -> dict:
     out = {"row": row.name, "tp": row.tp, "pp": row.pp, "dp": row.dp, "gpus": row.gpus, "batch": row.batch,
            "measured_tflops": row.measured_tflops, "flops_per_iteration": row.flops()}
     out["published"] = published(row, bundle, args.microbatch_size)
-    out["planner"] = planners_own(row, bundle, args.microbatch_limit)
+    if row.gpus <= args.planner_max_gpus:
+        out["planner"] = planners_own(row, bundle, args.microbatch_limit)
+    else:
+        out["planner"] = {"error": f"not run (--planner-max-gpus {args.planner_max_gpus})"}
     for key in ("published", "planner"):
         t = _tflops(row, out[key].get("step_s"))
         out[key]["tflops_per_gpu"] = t
@@ -212,6 +215,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="sequences per data-parallel rank in one microbatch of the published configuration")
     p.add_argument("--microbatch-limit", type=int, default=4,
                    help="microbatch counts the planner's own search tries (spread in log scale)")
+    p.add_argument("--planner-max-gpus", type=int, default=1 << 30,
+                   help="run the planner's own search only on rows with at most this many GPUs (it plans "
+                        "every submesh of the cluster: minutes per row at 64 hosts on 2 cores)")
     p.add_argument("--out", default=str(RESULTS), help="directory for published.{json,md,png}")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)

@@ -143,10 +143,12 @@ def _roles(paths: Sequence[str], shapes: Sequence[Shape]) -> list[tuple[str, str
 
 
 def parse_baseline(text: str) -> tuple[str, int | None]:
-    """`"megatron-tp+pp4"` -> `("megatron-tp", 4)`; a plain name -> `(name, None)`.
+    """`"megatron-tp+pp4"` -> `("megatron-tp", 4)`; a plain name -> `(name, None)`. `+pp1` is one
+    stage run by the pipeline path: microbatches whose gradients accumulate and are reduced once
+    per step, as Megatron-LM runs a configuration without pipeline parallelism.
 
     Raises:
-      InvalidArgumentError: an unknown name or a stage count that is not an integer >= 2.
+      InvalidArgumentError: an unknown name or a stage count that is not an integer >= 1.
     """
     name, plus, pp = str(text).strip().partition("+")
     if name not in NAMES:
@@ -155,8 +157,8 @@ def parse_baseline(text: str) -> tuple[str, int | None]:
     if not plus:
         return name, None
     m = re.fullmatch(r"pp(\d+)", pp.strip())
-    if not m or int(m.group(1)) < 2:
-        raise InvalidArgumentError(f"baseline {text!r}: write the pipeline part as +ppN with N >= 2 stages, "
+    if not m or int(m.group(1)) < 1:
+        raise InvalidArgumentError(f"baseline {text!r}: write the pipeline part as +ppN with N >= 1 stages, "
                                    f"e.g. {name}+pp2")
     return name, int(m.group(1))
 

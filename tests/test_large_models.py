@@ -22,7 +22,8 @@ MESH = MeshSpec((8, 8), ("data", "model"))
 def _plan(name: str, layers: int):
     b = get_model(name, layers=layers)
     graph = planner.trace(b.train_step, b.abstract_state(), b.abstract_batch())
-    return graph, make_plan(graph, MESH, PlanOptions(solver_time_limit=120))
+    # optimality is not what this tests (layer sharing and valid, split specs are): a short limit
+    return graph, make_plan(graph, MESH, PlanOptions(solver_time_limit=5))
 
 
 @pytest.mark.parametrize("name", ["gpt3-39b", "llama-70b"])
