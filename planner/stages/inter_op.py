@@ -375,17 +375,26 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
             f"no pipeline of {cluster} fits the memory budget of {budget:.4g} bytes per device for any of "
             f"{list(counts)} microbatches; raise memory_budget, use more devices or more microbatches")
     best = min(feasible, key=lambda c: (c.step_s, len(c.dp.stages)))
-    stages = _stage_plans(best, shapes, meshes, cluster)
+    return _pipeline_plan(best, _stage_plans(best, shapes, meshes, cluster), options, cluster, t_start, timings,
+                          len(cache), single, single_free,
+                          tuple((c.B, c.step_s, len(c.dp.stages) if c.dp else 0) for c in candidates),
+                          {"dp_evaluations": evaluations, "logical_meshes": len(meshes)})
+
+
+def _pipeline_plan(best: _Candidate, stages: tuple[StagePlan, ...], options: PlanOptions, cluster: Cluster,
+                   t_start: float, timings: dict[str, float], ilp_solves: int, single: float | None,
+                   single_free: float | None, candidates: tuple, extra: dict) -> PipelinePlan:
+    """The `PipelinePlan` of the chosen candidate (`plan_pipeline` and `fixed_pipeline` alike);
+    `extra` adds planning facts of the caller."""
     times = [s.time_s for s in stages]
     planning = {
         "planning_time_s": round(time.perf_counter() - t_start, 3),
         **{k: round(v, 3) for k, v in timings.items()},
-        "ilp_solves": len(cache),
-        "dp_evaluations": evaluations,
+        "ilp_solves": ilp_solves,
         "layers": best.layers.num_layers,
         "distinct_layers": len(set(best.layers.keys)),
         "layer_method": best.layers.method,
-        "logical_meshes": len(meshes),
+        **extra,
     }
     return PipelinePlan(
         stages=stages,
@@ -398,7 +407,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
         single_stage_time_unconstrained_s=single_free,
         cluster=str(cluster),
         layer_names=best.layers.names,
-        candidates=tuple((c.B, c.step_s, len(c.dp.stages) if c.dp else 0) for c in candidates),
+        candidates=candidates,
         planning=MappingProxyType(planning),
     )
 
@@ -598,31 +607,7 @@ def fixed_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Clust
     if not feasible:
         raise InfeasiblePlanError(f"no layer of this configuration can be planned on the stage mesh {lm.mesh}")
     best = min(feasible, key=lambda c: (not fits[c.B], c.step_s, -c.B))
-    stages = _stage_plans(best, (shape,), (lm,), cluster)
-    times = [s.time_s for s in stages]
-    planning = {
-        "planning_time_s": round(time.perf_counter() - t_start, 3),
-        **{k: round(v, 3) for k, v in timings.items()},
-        "ilp_solves": len(cache),
-        "dp_evaluations": 0,
-        "layers": best.layers.num_layers,
-        "distinct_layers": len(set(best.layers.keys)),
-        "layer_method": best.layers.method,
-        "logical_meshes": 1,
-        "stages_chosen": "even (hand-chosen)",
-        "fits_memory": fits[best.B],
-    }
-    return PipelinePlan(
-        stages=stages,
-        num_microbatches=best.B,
-        schedule=options.schedule,
-        step_time_s=best.step_s,
-        pipeline_time_s=pipeline_latency(times, best.B),
-        bubble_fraction=bubble_fraction(times, best.B),
-        single_stage_time_s=None,
-        single_stage_time_unconstrained_s=None,
-        cluster=str(cluster),
-        layer_names=best.layers.names,
-        candidates=tuple((c.B, c.step_s, S) for c in candidates),
-        planning=MappingProxyType(planning),
-    )
+    return _pipeline_plan(best, _stage_plans(best, (shape,), (lm,), cluster), options, cluster, t_start, timings,
+                          len(cache), None, None, tuple((c.B, c.step_s, S) for c in candidates),
+                          {"dp_evaluations": 0, "logical_meshes": 1, "stages_chosen": "even (hand-chosen)",
+                           "fits_memory": fits[best.B]})
