@@ -490,15 +490,11 @@ def _status_words(status) -> str:
     return "the solver found no plan within its limit"
 
 
-def greedy(problem: Problem) -> tuple[int, ...]:
-    """A quick feasible plan: nodes in program order, each taking the strategy that is cheapest
-    given the choices already made upstream (own cost + resharding of its operands), restricted to
-    keep tied outputs equal to their inputs. Used as the solver's starting hint and as the answer
-    of last resort when the solver finds nothing in its time limit."""
+def _in_program_order(problem: Problem, pick) -> tuple[int, ...]:
+    """One strategy per distinct decision, nodes in program order: `pick(node, allowed, choice,
+    done)` chooses for each representative node, where `allowed` are its strategies that keep tied
+    outputs equal to inputs already chosen (possibly none); shared nodes copy their representative."""
     choice = [0] * len(problem.nodes)
-    incoming: dict[int, list] = defaultdict(list)
-    for e in problem.edges:
-        incoming[e.dst].append(e)
     tied_out: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for tin, tout in problem.ties:
         tied_out[problem.owner[tout]].append((tin, tout))
@@ -508,20 +504,35 @@ def greedy(problem: Problem) -> tuple[int, ...]:
         if r in done:
             choice[node.index] = choice[r]
             continue
+        allowed = [i for i in range(node.size)
+                   if not any(problem.owner[tin] in done and node.owned[tout][i] != problem.spec(tin, choice)
+                              for tin, tout in tied_out[node.index])]
+        choice[node.index] = pick(node, allowed, choice, done)
+        done.add(node.index)
+    return tuple(choice)
+
+
+def greedy(problem: Problem) -> tuple[int, ...]:
+    """A quick feasible plan: nodes in program order, each taking the strategy that is cheapest
+    given the choices already made upstream (own cost + resharding of its operands), restricted to
+    keep tied outputs equal to their inputs. Used as the solver's starting hint and as the answer
+    of last resort when the solver finds nothing in its time limit."""
+    incoming: dict[int, list] = defaultdict(list)
+    for e in problem.edges:
+        incoming[e.dst].append(e)
+
+    def cheapest(node, allowed, choice, done) -> int:
         best, best_cost = 0, None
-        for i in range(node.size):
-            if any(problem.owner[tin] in done and node.owned[tout][i] != problem.spec(tin, choice)
-                   for tin, tout in tied_out[node.index]):
-                continue
+        for i in allowed:
             c = node.costs[i]
             for e in incoming[node.index]:
                 if e.src in done:
                     c += problem.edge_time(e.tensor, e.src_specs[choice[e.src]], e.dst_specs[i])
             if best_cost is None or c < best_cost:
                 best, best_cost = i, c
-        choice[node.index] = best
-        done.add(node.index)
-    return tuple(choice)
+        return best
+
+    return _in_program_order(problem, cheapest)
 
 
 def _ties_hold(problem: Problem, choice: Sequence[int]) -> bool:
@@ -661,24 +672,13 @@ def _min_bytes_choice(problem: Problem) -> tuple[int, ...]:
     """Per distinct decision, the strategy whose owned tensors take the fewest bytes (ties broken
     by the lower cost); tied outputs follow their inputs where they can."""
     mesh = problem.cost.mesh
-    choice = [0] * len(problem.nodes)
-    tied_out: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for tin, tout in problem.ties:
-        tied_out[problem.owner[tout]].append((tin, tout))
-    done: set[int] = set()
-    for node in problem.nodes:
-        r = problem.rep[node.index]
-        if r in done:
-            choice[node.index] = choice[r]
-            continue
+
+    def fewest_bytes(node, allowed, choice, done) -> int:
         size = [sum(shard_bytes(problem.graph.tensors[t], specs[i], mesh) for t, specs in node.owned.items())
                 for i in range(node.size)]
-        keep = [i for i in range(node.size)
-                if not any(problem.owner[tin] in done and node.owned[tout][i] != problem.spec(tin, choice)
-                           for tin, tout in tied_out[node.index])] or list(range(node.size))
-        choice[node.index] = min(keep, key=lambda i: (size[i], node.costs[i]))
-        done.add(node.index)
-    return tuple(choice)
+        return min(allowed or range(node.size), key=lambda i: (size[i], node.costs[i]))
+
+    return _in_program_order(problem, fewest_bytes)
 
 
 def _infeasible(problem: Problem, budget: float, time_limit: float, workers: int,
