@@ -71,3 +71,21 @@ def test_repeated_layers_share_decisions():
     one = build_problem(trace(*(lambda m: (m.train_step, m.abstract_state(), m.abstract_batch()))(
         get_model("gpt-tiny", layers=4))), CostModel.default(MeshSpec((2, 4), ("x", "y"))), share_layers=False)
     assert len(set(one.rep)) == len(one.nodes)
+
+
+@pytest.mark.parametrize("name", ["moe-tiny", "llama-tiny"])
+def test_greedy_plan_keeps_tied_outputs_with_shared_layers(name):
+    """The greedy plan (the solver's hint and its answer of last resort) keeps every updated
+    parameter in its input layout even where layer sharing makes one decision serve several
+    layers' updates whose parameters are separate decisions."""
+    from planner.ilp.solver import greedy
+    from zoo import get_model
+
+    b = get_model(name)
+    problem = build_problem(trace(b.train_step, b.abstract_state(), b.abstract_batch()),
+                            CostModel.default(MeshSpec((2, 4), ("x", "y"))), tie_outputs=True, share_layers=True)
+    assert len(set(problem.rep)) < len(problem.nodes)  # layers are shared
+    choice = greedy(problem)
+    assert all(choice[i] == choice[r] for i, r in enumerate(problem.rep))
+    broken = [(a, b) for a, b in problem.ties if problem.spec(a, choice) != problem.spec(b, choice)]
+    assert not broken

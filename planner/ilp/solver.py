@@ -495,18 +495,28 @@ def _in_program_order(problem: Problem, pick) -> tuple[int, ...]:
     done)` chooses for each representative node, where `allowed` are its strategies that keep tied
     outputs equal to inputs already chosen (possibly none); shared nodes copy their representative."""
     choice = [0] * len(problem.nodes)
-    tied_out: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    rep = problem.rep
+    tied_out: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # by the decision of the output
     for tin, tout in problem.ties:
-        tied_out[problem.owner[tout]].append((tin, tout))
+        tied_out[rep[problem.owner[tout]]].append((tin, tout, problem.owner[tout]))
+    reachable: dict[int, list[tuple[int, int, set]]] = defaultdict(list)  # tied inputs: specs their outputs take
+    for tin, tout in problem.ties:
+        owner = problem.owner[tin]
+        reachable[rep[owner]].append((tin, owner, set(problem.nodes[problem.owner[tout]].owned[tout])))
     done: set[int] = set()
     for node in problem.nodes:
-        r = problem.rep[node.index]
+        r = rep[node.index]
         if r in done:
             choice[node.index] = choice[r]
             continue
+        # Every node sharing this decision keeps its tied outputs equal to inputs already chosen,
+        # and gives its tied inputs only specs their outputs can take.
         allowed = [i for i in range(node.size)
-                   if not any(problem.owner[tin] in done and node.owned[tout][i] != problem.spec(tin, choice)
-                              for tin, tout in tied_out[node.index])]
+                   if not any(rep[problem.owner[tin]] in done
+                              and problem.nodes[owner].owned[tout][i]
+                              != problem.nodes[problem.owner[tin]].owned[tin][choice[rep[problem.owner[tin]]]]
+                              for tin, tout, owner in tied_out[r])
+                   and all(problem.nodes[owner].owned[tin][i] in specs for tin, owner, specs in reachable[r])]
         choice[node.index] = pick(node, allowed, choice, done)
         done.add(node.index)
     return tuple(choice)
