@@ -23,7 +23,7 @@ from planner.stages.clustering import (
 from planner.stages.dp import brute_force, bubble_fraction, pipeline_dp, pipeline_latency
 from planner.stages.schedule import dispatch_order, peak_inflight, simulate, stage_tasks
 from planner.stages.stage_cost import boundary_bytes, layer_facts, subgraph
-from planner.stages.submesh import logical_meshes, make_cluster, place_submeshes, submesh_shapes
+from planner.stages.submesh import boundary_link, logical_meshes, make_cluster, place_submeshes, submesh_shapes
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +224,44 @@ def test_schedules(schedule, S, B):
         seen.add((s, kind, i))
     with pytest.raises(InvalidArgumentError):
         stage_tasks("interleaved", S, B)
+
+
+def test_resharding_between_layers_of_one_stage_is_costed():
+    """A value one layer makes in one layout and the next layer reads in another is resharded inside
+    the stage, forward and (its gradient) backward: the stage's time per microbatch grows by twice
+    the resharding time the intra-op ILP prices, and by nothing when the layouts agree."""
+    from planner.ilp.strategies import reshard_cost
+    from planner.options import PlanOptions
+    from planner.stages.stage_cost import LayerCostTable, StageOption, layer_edges, stage_ranges
+
+    def step(ws, x):
+        def loss(ws):
+            h = x
+            for w in ws:
+                h = jnp.tanh(h @ w)
+            return jnp.mean(h ** 2)
+        l, g = jax.value_and_grad(loss)(ws)
+        return [w - 0.1 * gw for w, gw in zip(ws, g)], l
+
+    ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
+    graph = trace(step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
+    layers = cluster_layers(graph, num_layers=2)
+    cluster = make_cluster(1, 8, "a100")
+    meshes = logical_meshes((1, 8), cluster, max_ndim=1)
+    w0, w1 = graph.inputs[:2]
+    column, replicated = ((), (0,)), ((), ())  # layer 0 Megatron column split, layer 1 replicated
+    for pins, resharded in ((lambda m: {w0: column, w1: replicated}, True),
+                            (lambda m: {w0: replicated, w1: replicated}, False)):  # both data parallel
+        table = LayerCostTable(graph, layers, meshes, cluster, PlanOptions(), pins=pins)
+        (edge,) = [e for e in layer_edges(graph, layers, table.facts) if e[:1] == (0,) and e[2] == 1]
+        l, key, c, j, t = edge
+        src, dst = table.cost(0, 0).produced_specs[key], table.cost(1, 0).input_specs[j]
+        assert (src != dst) == resharded
+        expected = 2 * reshard_cost(graph.tensors[t], src, dst, meshes[0].cost_model(cluster.hardware))[1]
+        assert (expected > 0) == resharded
+        inner = table.inner(0)
+        assert inner[0, 1] == pytest.approx(expected) and inner[0, 0] == inner[1, 1] == 0
+        boundary = boundary_bytes(graph, layers)
+        t_range, _, _ = stage_ranges(table, 0, StageOption(0, "plan", False), 8, boundary, boundary_link(cluster))
+        layer_sum = table.cost(0, 0).time_s + table.cost(1, 0).time_s
+        assert t_range[0, 1] == pytest.approx(layer_sum + expected)

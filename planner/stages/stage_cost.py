@@ -30,6 +30,11 @@ the plan hides behind compute, which they are first to use), and `sync_s` keeps 
 the stage pays it once after its last backward (`inter_op._once_per_step_max`), not overlapped
 with other stages' remaining backwards (a simplification, stated).
 
+Each layer's plan also chooses the layouts its inputs are read in and its outputs made in; where
+one layer of a stage makes a value in another layout than a later layer of the same stage reads it
+in, the stage pays the resharding, forward and backward (`LayerCostTable.inner`, priced by the
+ILP's `reshard_cost`).
+
 A stage runs in one of four ways, and the DP takes the fastest that fits the device memory (the
 intra-op ILP plans each layer for time alone; it has no stage-level view of memory):
   state layout "plan"           parameters stored as the plan shards them;
@@ -54,7 +59,7 @@ from planner.cost_model import Cluster, Hardware
 from planner.errors import MeshError, PlannerError
 from planner.graph import Graph, Op
 from planner.ilp.rules import OpSig, signature
-from planner.ilp.strategies import rate_dtypes, shard_bytes
+from planner.ilp.strategies import rate_dtypes, reshard_cost, shard_bytes
 from planner.options import PlanOptions
 from planner.planning import make_plan
 from planner.sharding import Spec, active_axes, replicated
@@ -76,6 +81,9 @@ class LayerCost:
       zero_state_bytes: state bytes per device of the sharded-state layout.
       zero_specs: per external input, its sharded-state layout (None: not a parameter).
       sync_s: the data-parallel gradient reduction, once per step (not in `time_s`).
+      produced_specs: the plan's sharding of each value the layer makes that is used outside it,
+        keyed by (position of the making op among the layer's ops, result index), so that identical
+        layers key alike (`LayerCostTable.inner`: resharding between layers of one stage).
     """
 
     time_s: float
@@ -90,6 +98,7 @@ class LayerCost:
     zero_work_bytes: float = 0.0
     zero_specs: tuple[Spec | None, ...] = ()
     sync_s: float = 0.0
+    produced_specs: Mapping[tuple[int, int], Spec] = dataclasses.field(default_factory=dict)
 
 
 INFEASIBLE = LayerCost(math.inf, math.inf, math.inf, math.inf, math.inf, 0.0, (), math.inf, math.inf, math.inf, (),
@@ -317,9 +326,12 @@ def _layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lme
     zero_state = 2 * zero_param + (facts.state_bytes_total - facts.param_bytes_total) * zratio
     data = batch_axes([spec_of_input.get(t) for t in ext if t not in param_set], mesh)
     sync, exposed = grad_sync(plan.prediction, data, cost)
+    exported = set(sub.outputs)
+    produced = {(op_index, k): spec for op_index, k, spec in plan.op_specs
+                if sub.ops[op_index].outputs[k] in exported}
     return LayerCost(plan.prediction.step_time_s - exposed, apply_s, state, act, work, facts.fwd_fraction,
                      tuple(spec_of_input.get(t) for t in ext), zero_extra, zero_state, work + param_shard,
-                     tuple(zero_specs), sync)
+                     tuple(zero_specs), sync, produced)
 
 
 def batch_axes(specs: Sequence[Spec | None], mesh) -> frozenset[str]:
@@ -370,10 +382,41 @@ class LayerCostTable:
     solves: int = 0
     pins: Callable[[LogicalMesh], Mapping[int, Spec]] | None = None
     _pinned: dict = dataclasses.field(default_factory=dict)
+    _inner: dict = dataclasses.field(default_factory=dict)
+    _edges: tuple | None = None
 
     def __post_init__(self):
         if not self.facts:
             self.facts = layer_facts(self.graph, self.layers)
+
+    def inner(self, mesh_index: int) -> np.ndarray:
+        """`out[k, i]`: seconds per microbatch spent resharding values passed between layers k..i
+        when they run in one stage on that mesh (meaningful for i >= k).
+
+        Each layer's plan chooses the layout it reads its inputs in and the layout it makes its
+        outputs in; where a value made by layer l is read by a later layer c of the same stage in
+        another layout, the stage reshards it in the forward and its gradient (the same bytes, the
+        other way) in the backward: twice `reshard_cost` of the value on the stage's logical mesh
+        (the one pricing of resharding the intra-op ILP uses). Values crossing a stage boundary are
+        the send's business (`stage_ranges`)."""
+        if mesh_index in self._inner:
+            return self._inner[mesh_index]
+        if self._edges is None:
+            self._edges = layer_edges(self.graph, self.layers, self.facts)
+        L = self.layers.num_layers
+        pair = np.zeros((L, L))
+        cost = self.meshes[mesh_index].cost_model(effective_hardware(self.cluster))
+        for l, key, c, j, t in self._edges:
+            made, read = self.cost(l, mesh_index), self.cost(c, mesh_index)
+            src = made.produced_specs.get(key)
+            dst = read.input_specs[j] if j < len(read.input_specs) else None
+            if src is None or dst is None or src == dst:
+                continue
+            pair[l, c] += 2 * reshard_cost(self.graph.tensors[t], src, dst, cost)[1]
+        # out[k, i] = sum over k <= l < c <= i of pair[l, c]
+        out = np.flip(np.cumsum(np.flip(np.cumsum(pair, axis=1), axis=0), axis=0), axis=0)
+        self._inner[mesh_index] = out
+        return out
 
     def pinned(self, layer: int, mesh_index: int) -> tuple[Mapping[int, Spec], tuple]:
         """The pinned inputs the layer reads on that mesh ({tensor id: Spec}) and their specs in the
@@ -398,6 +441,25 @@ class LayerCostTable:
             self.cache[key] = hit
             self.solves += 1
         return hit
+
+
+def layer_edges(graph: Graph, layers: Layers, facts: Sequence[LayerFacts]) -> tuple[tuple, ...]:
+    """Forward values made in one layer and read by the forward of a later one: per value
+    (making layer, (op position in the layer's ops, result index), reading layer, position among the
+    reading layer's `external_inputs`, tensor id)."""
+    made: dict[int, tuple[int, tuple[int, int]]] = {}
+    for l, f in enumerate(facts):
+        for pos, i in enumerate(sorted(f.ops)):
+            if layers.op_phase[i] == FORWARD:
+                for k, t in enumerate(graph.ops[i].outputs):
+                    made[t] = (l, (pos, k))
+    out = []
+    for c, f in enumerate(facts):
+        reads = {t for i in f.ops if layers.op_phase[i] == FORWARD for t in graph.ops[i].tensor_inputs}
+        for j, t in enumerate(external_inputs(graph, f.ops)):
+            if t in made and t in reads and made[t][0] < c:
+                out.append((made[t][0], made[t][1], c, j, t))
+    return tuple(out)
 
 
 def boundary_bytes(graph: Graph, layers: Layers) -> np.ndarray:
@@ -491,18 +553,21 @@ def stage_ranges(table: LayerCostTable, mesh_index: int, option: StageOption, de
     """For every layer range k..i: (latency per microbatch, fixed memory, memory per in-flight microbatch).
 
     The latency includes sending the stage's output activations forward and its input gradients
-    backward (`alpha + bytes * beta / devices` each, over the cluster's boundary link).
+    backward (`alpha + bytes * beta / devices` each, over the cluster's boundary link), and the
+    resharding of values passed between the range's layers (`LayerCostTable.inner`; once more in
+    the recomputed forward under remat).
     """
     col = _columns(table, mesh_index, option.layout)
+    inner = table.inner(mesh_index)
     send = np.array([link.alpha + b * link.beta / devices if b > 0 else 0.0 for b in boundary])
     fwd_send = send.copy()
     fwd_send[-1] = 0.0
     bwd_send = np.concatenate([[0.0], send[:-1]])
-    t = _range_sums(col["time"]) + fwd_send[None, :] + bwd_send[:, None]
+    t = _range_sums(col["time"]) + inner + fwd_send[None, :] + bwd_send[:, None]
     state, act, work = _range_sums(col["state"]), _range_sums(col["act"]), _range_max(col["work"])
     if not option.remat:
         return t, state + work, act
-    t = t + _range_sums(col["recompute"])
+    t = t + _range_sums(col["recompute"]) + inner / 2
     stage_input = np.concatenate([[0.0], boundary[:-1]]) / devices
     per_mb = np.where(np.isfinite(act), np.broadcast_to(stage_input[:, None], act.shape), np.inf)
     return t, state + act + work, per_mb
