@@ -124,6 +124,9 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     opts.add_argument("--accumulate", type=_accumulate, default=None, metavar="auto|K",
                       help="gradient accumulation without pipelining: K microbatches per step (a loop inside the "
                            "step, one update), or 'auto' for the fastest K that fits the memory budget")
+    opts.add_argument("--prefetch", action="store_true",
+                      help="price parameter all-gathers (ZeRO-3/FSDP) as issued ahead of their use, hidden behind "
+                           "earlier compute (a harder ILP: slower planning)")
     opts.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                       help="ILP solver time limit per mesh shape (default: the planner's)")
     opts.add_argument("--top", type=_positive_int, default=10, metavar="K", help="rows of the ranked mesh table (default 10)")
@@ -288,6 +291,8 @@ def _options(args, budget: float | None, cluster: Cluster | None = None) -> Plan
         base["accumulate"] = args.accumulate
     if args.time_limit is not None:
         base["solver_time_limit"] = args.time_limit
+    if getattr(args, "prefetch", False):
+        base["prefetch"] = True
     return PlanOptions.from_kwargs(base)
 
 

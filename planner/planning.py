@@ -69,6 +69,14 @@ def cost_model_for(mesh: MeshSpec, options: PlanOptions) -> CostModel:
     return CostModel.build(mesh, hardware, options.inter_host_axes, options.profile)
 
 
+def _device_platform(jax_mesh) -> str:
+    """The platform of the devices a plan compiles for ("" when planning has none: the memory
+    model then assumes the hardware preset's platform)."""
+    if isinstance(jax_mesh, jax.sharding.Mesh) and jax_mesh.devices.size:
+        return str(jax_mesh.devices.flat[0].platform)
+    return ""
+
+
 def _edge_comms(problem: Problem, choice: Sequence[int]):
     """(edge, its collectives, its time) for every edge that reshards; the time is the ILP's."""
     for e in problem.edges:
@@ -197,7 +205,9 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     pinned = {graph.inputs[i]: spec for i, spec in (pins or {}).items()}
     problem = build_problem(graph, cost, tie_outputs=options.tie_outputs, share_layers=options.share_layers,
                             pins=pinned)
-    problem = dataclasses.replace(problem, overlap=options.overlap and cost.hardware.platform != "cpu")
+    overlap = options.overlap and cost.hardware.platform != "cpu"
+    problem = dataclasses.replace(problem, overlap=overlap, prefetch=overlap and options.prefetch,
+                                  device_platform=_device_platform(jax_mesh))
     t1 = time.perf_counter()
     log.info("built ILP: %d ops -> %d decisions (%d after layer sharing), %d edges in %.2fs", len(graph.ops),
              len(problem.nodes), len(set(problem.rep)), len(problem.edges), t1 - t0)

@@ -37,7 +37,8 @@ def test_pipeline_stages_compile_to_their_planned_collectives(gpt):
     each stage compiles to the collectives its plan predicts (`check_stage_fidelity`; 1-D meshes,
     where single-stage gpt-tiny plans pass `check_fidelity` too; the stage's programs together, since
     its gradient reduction compiles into its update, once per step). The pipeline's prediction is
-    every stage's collectives per microbatch plus the stage-to-stage transfers."""
+    every stage's collectives per microbatch (its gradient reduction once per step) plus the
+    stage-to-stage transfers, and splits the step into compute and exposed communication."""
     b, opt, state, batch, ref_state, ref_metrics = gpt
     options = PlanOptions(hardware="cpu", inter_host_axes=(0,), pipeline=True, num_microbatches=2)
     cluster = cluster_for(MeshSpec((2, 4), ("host", "device")), 8, options)
@@ -57,7 +58,12 @@ def test_pipeline_stages_compile_to_their_planned_collectives(gpt):
     assert [sp.op_specs for sp in stage_plans] == [sp.op_specs for sp in stage_plans_of(plan)]
     assert all(sp.op_specs for sp in stage_plans)
     pred = plan.prediction
-    stage_bytes = sum(sp.prediction.bytes_moved_per_device for sp in stage_plans) * B
+    # Per microbatch, except the data-parallel gradient reduction: once per step on the accumulated
+    # gradients, over the axes the runtime reduces them on.
+    stage_bytes = sum(ring_bytes(c.kind, c.nbytes, c.group_size)
+                      * (1 if c.reason == "partial sum" and c.axes and set(c.axes) <= set(st.data_axes) else B)
+                      for st, sp in zip(lowered, stage_plans) for c in sp.prediction.collectives)
+    assert stage_bytes < sum(sp.prediction.bytes_moved_per_device for sp in stage_plans) * B
     permutes = [c for c in pred.collectives if c.kind == "collective-permute"]
     assert permutes and all(c.nbytes > 0 for c in permutes)
     assert {c.reason for c in permutes} == {"activation", "gradient"}
@@ -65,6 +71,16 @@ def test_pipeline_stages_compile_to_their_planned_collectives(gpt):
     assert pred.bytes_moved_per_device > 0
     assert pred.bytes_moved_per_device == pytest.approx(stage_bytes + transfer_bytes)
     assert len(pred.collectives) == sum(len(sp.prediction.collectives) for sp in stage_plans) + len(permutes)
+    # Compute and exposed communication: the pipeline latency of the stage times less their exposed
+    # communication, plus the largest update, is the compute; the rest of the step is communication.
+    from planner.stages.dp import pipeline_latency
+
+    stages = plan.stages
+    compute = pipeline_latency([st["time_per_microbatch_s"] - st["exposed_communication_per_microbatch_s"]
+                                for st in stages], B) + max(st["apply_time_s"] for st in stages)
+    assert pred.compute_time_s == pytest.approx(compute, rel=1e-9)
+    assert pred.communication_time_s > 0 and all(st["exposed_communication_per_microbatch_s"] > 0 for st in stages)
+    assert pred.compute_time_s + pred.communication_time_s == pytest.approx(pred.step_time_s, rel=1e-12)
     reports = check_stage_fidelity(lowered)
     for st, rep in zip(lowered, reports):
         assert rep.ok, rep.table()
@@ -73,7 +89,8 @@ def test_pipeline_stages_compile_to_their_planned_collectives(gpt):
             rep.table()
         # A stage whose batch is split accumulates gradients per data-parallel replica over the
         # microbatches: its backward reduces none (1-D mesh: every reduction spans the data axis),
-        # its update reduces them once per step (tests/test_pipeline_grad_sync.py). A stage whose
+        # its update reduces them once per step (tests/test_pipeline_grad_sync.py), and the prediction
+        # counts those bytes once. A stage whose
         # batch is not split has no data-parallel reduction and a local update.
         reductions = [c for c in collectives(st.backward.compile()) if c.kind in ("all-reduce", "reduce-scatter")]
         update = collectives(st.update.compile())

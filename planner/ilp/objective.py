@@ -5,7 +5,9 @@
          + the resharding time of every edge (`strategies.edge_time`)
          - the combinable collectives' time hidden behind later compute (`Problem.overlap`)
 
-Overlap (XLA's latency-hiding scheduler, `Plan.xla_flags`): the gradient reductions (collectives
+Overlap (XLA's latency-hiding scheduler, `Plan.xla_flags`), two streams:
+
+1. Gradient reductions (collectives
 of ops whose results feed no matmul) run on a communication stream of their own, first in first
 out, each issued when the node that makes it has computed (program order of the nodes' root ops);
 compute runs on without waiting for them. The stream finishes
@@ -13,10 +15,20 @@ compute runs on without waiting for them. The stream finishes
 so the exposed part is max(0, max_k(async from k on - compute after k)) and the rest is hidden.
 The ILP holds the same max through Lindley's recursion in max-plus form (`solver._Model._overlap`):
 a run of identical layers is modelled once and composed in closed form, so the model does not grow
-with depth. Approximations, stated: only compute hides communication
-(blocking collectives and resharding keep the compute stream busy but share the links, so they
-hide nothing); each combined group's one latency stays exposed; parameter all-gathers of ZeRO-3
-plans are not prefetched in this model (they are priced exposed, where their consumer needs them).
+with depth.
+
+2. Prefetch: resharding a program argument for the op that reads it (ZeRO-3 / FSDP parameter
+all-gathers, splitting the batch) depends on nothing computed, so the scheduler issues it ahead of
+its consumer: in consumer order from the start of the step, first in first out, each needed before
+its consumer computes. Compute stalls max(0, max_k(prefetch up to k - compute before k)); the rest
+is hidden (`prefetch_hidden`). The same recursion run over the nodes in reverse order gives that
+stall, so the ILP models it with the same machinery (`solver._Model._prefetch`).
+
+Approximations, stated: only compute hides communication (blocking collectives and resharding
+between ops keep the compute stream busy but share the links, so they hide nothing); the two streams
+do not slow each other down; each combined group's one latency stays exposed; prefetched buffers
+are not counted earlier in the memory model (they are counted at their consumer), and XLA bounds
+how far ahead it prefetches by memory, which this model does not.
 
 Collectives of ops whose results feed no matmul (the gradient reductions and the optimizer update
 of a train step) are priced bandwidth-only in the node costs: XLA's combiner passes merge the
@@ -76,8 +88,54 @@ def overlap_order(problem: Problem) -> list:
     return sorted((n for n in problem.nodes if n.ops), key=lambda n: n.ops[0])
 
 
+def prefetched(problem: Problem, e, arguments: frozenset[int] | None = None) -> bool:
+    """Whether edge `e` reshards a program argument for the op that reads it (a parameter all-gather
+    of a ZeRO-3 plan, a batch split): its source is ready when the step starts, so XLA's scheduler
+    can issue it ahead of the op (`prefetch_hidden`). `arguments`: `frozenset(graph.inputs)`, when
+    the caller asks for many edges."""
+    args = frozenset(problem.graph.inputs) if arguments is None else arguments
+    return e.op >= 0 and e.tensor in args and bool(problem.nodes[e.dst].ops)
+
+
+def prefetch_hidden(problem: Problem, choice: Sequence[int]) -> float:
+    """Seconds of argument resharding (`prefetched` edges) hidden behind earlier compute.
+
+    Issued from the start of the step in order of their consumers on one link, first in first out,
+    each needed before its consumer computes: compute stalls for
+        max(0, max over consumers k of (prefetch issued up to k - compute before k))
+    and the rest is hidden. Only when the problem asks for it (`Problem.prefetch`, with overlap)."""
+    if not (problem.overlap and getattr(problem, "prefetch", False)):
+        return 0.0
+    amounts: dict[int, float] = {}
+    edges = getattr(problem, "edges", ())
+    args = frozenset(problem.graph.inputs) if edges else frozenset()
+    for e in edges:
+        if prefetched(problem, e, args):
+            s = problem.edge_time(e.tensor, e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]])
+            if s:
+                amounts[e.dst] = amounts.get(e.dst, 0.0) + s
+    if not amounts:
+        return 0.0
+    issued = done = stall = 0.0
+    for node in overlap_order(problem):
+        a = amounts.get(node.index, 0.0)
+        if a:
+            issued += a
+            stall = max(stall, issued - done)
+        i = choice[node.index]
+        done += node.costs[i] - node.comm_s[i]
+    return issued - stall
+
+
 def hidden_time(problem: Problem, choice: Sequence[int]) -> float:
-    """Seconds of combinable collectives hidden behind later compute (see the module docstring)."""
+    """Seconds of communication hidden behind compute (see the module docstring): the combinable
+    collectives behind later compute, and the arguments' resharding behind earlier compute
+    (`prefetch_hidden`)."""
+    return _async_hidden(problem, choice) + prefetch_hidden(problem, choice)
+
+
+def _async_hidden(problem: Problem, choice: Sequence[int]) -> float:
+    """Seconds of combinable collectives hidden behind later compute."""
     if not problem.overlap:
         return 0.0
     exposed = async_total = compute_after = 0.0

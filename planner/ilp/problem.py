@@ -57,6 +57,8 @@ class Node:
         latency is paid once per step (`ilp.objective`), not per collective.
       async_s: per strategy, the seconds of `comm_s` that XLA's latency-hiding scheduler can run
         beside later compute (the combinable collectives: gradient reductions).
+      comm_ops: per strategy, the op index that performs each entry of `comms` (the memory model
+        places a reduction's buffers at its op, `ilp.solver.memory_profile`).
     """
 
     index: int
@@ -72,8 +74,11 @@ class Node:
     combined: list[frozenset[tuple[str, tuple[int, ...]]]] = dataclasses.field(default_factory=list)
     comm_times: list[list[float]] = dataclasses.field(default_factory=list)
     async_s: list[float] = dataclasses.field(default_factory=list)
+    comm_ops: list[list[int]] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
+        if not self.comm_ops:
+            self.comm_ops = [[self.ops[0] if self.ops else -1] * len(c) for c in self.comms]
         if not self.async_s:
             self.async_s = [0.0] * len(self.costs)
         if not self.comm_times:
@@ -118,7 +123,14 @@ class Problem:
     rep: tuple[int, ...]
     combinable: frozenset[int] = frozenset()
     overlap: bool = True  # combinable collectives run beside later compute (`ilp.objective`)
+    prefetch: bool = False  # with overlap, arguments' resharding runs ahead of its consumers
     pinned_outputs: Mapping[int, Spec] = dataclasses.field(default_factory=dict)  # output -> layout handed back
+    # Tensors XLA keeps inside one fusion (`fusion.fusions`: never written to memory); the memory
+    # model leaves those of the optimizer update out (`ilp.solver.memory_profile`).
+    unwritten: frozenset[int] = frozenset()
+    # The XLA backend the plan compiles for ("cpu", "gpu", "tpu"; "" = the hardware preset's
+    # platform): XLA:CPU allocates extra buffers for reductions (`ilp.solver.memory_profile`).
+    device_platform: str = ""
     # (tensor type, producer's spec, consumer's spec) -> `strategies.edge_time`; repeated layers ask alike
     _edge_times: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -228,6 +240,7 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
                     node.combined[i] = node.combined[i] | groups
                     node.async_s[i] += strat.comm_time
                 node.comms[i].extend(pre + strat.comms)
+                node.comm_ops[i].extend([op.index] * (len(pre) + len(strat.comms)))
                 node.comm_times[i].extend(times)
                 out_specs.append(strat.out_specs[0])
                 for k in others:
@@ -308,7 +321,9 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
             rep = structural_representatives(nodes, graph, edges)
     return Problem(graph, cost, tuple(nodes), tuple(edges), owner, tuple(ties), live_ranges(graph),
                    tuple(sorted(fallback)), frozenset(free), rep, frozenset(combinable),
-                   pinned_outputs=pinned_outputs)
+                   pinned_outputs=pinned_outputs,
+                   unwritten=frozenset(t for op in graph.ops for t, w in zip(op.outputs, memory_traffic[op.index].writes)
+                                       if not w))
 
 
 def _sig_key(sig) -> tuple:

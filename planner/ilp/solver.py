@@ -29,7 +29,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from planner.errors import InfeasiblePlanError, PlannerError
-from planner.ilp.objective import overlap_order, step_time
+from planner.ilp.objective import overlap_order, prefetched, step_time
 from planner.ilp.problem import Problem, tandem_runs
 from planner.ilp.strategies import edge_parts, edge_time, part_key, part_time, shard_bytes
 from planner.units import format_bytes
@@ -78,22 +78,36 @@ class Solution:
 def memory_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
     """Per-device bytes live at each program point under `choice`.
 
-    Point k+1 is "while op k runs": its operands and results are live, and each operand is also
-    counted in the layout the op reads it in (a resharded copy is a real transient buffer; when no
-    resharding happens this double-counts one op's operands, a deliberate safety margin). In the
-    combinable tail (the optimizer update) every operand counts at the last point, where XLA's
-    combiners gather them into buffers that live until the end (`_copied_only_if_resharded`);
-    a pinned output counts only when resharded.
+    Point k+1 is "while op k runs". Counted, in this one model that `memory_lower_bound` and the
+    ILP's `_Model.memory_expr` also follow:
+      - every tensor a node decides, in its planned layout, from its producer to its last use
+        (arguments and outputs: `problem.live`), except values of the optimizer update that XLA
+        keeps inside one fusion (`_materialised`);
+      - each operand in the layout its consumer reads it in, at the consumer (a resharded copy is
+        a real transient buffer; when no resharding happens this double-counts one op's operands, a
+        deliberate safety margin), except where `_copied_only_if_resharded`: a pinned output
+        handed back and the operands of the optimizer update count only when resharded, at the
+        last point (`_transient_point`);
+      - on XLA:CPU, the buffers its reductions allocate (`_reduction_buffers`), and one more point
+        after the end (index n+2): XLA's own accounting while the combined gradient reduction runs
+        (`_reserved_point`).
+    Checked against XLA's compiled `memory_analysis()` (experiments/check_memory.py,
+    tests/test_memory.py).
     """
     n = len(problem.graph.ops)
     delta = np.zeros(n + 3, dtype=np.int64)
     mesh = problem.cost.mesh
     for tid, (first, last) in enumerate(problem.live):
-        if tid not in problem.owner:
+        if not _materialised(problem, tid, first):
             continue
         b = shard_bytes(problem.graph.tensors[tid], problem.spec(tid, choice), mesh)
         delta[first + 1] += b
         delta[last + 2] -= b
+    combined_at = _combined_point(problem)
+    for node in problem.nodes:
+        for first, last, b in _reduction_buffers(problem, node, choice[node.index], combined_at):
+            delta[first] += b
+            delta[last + 1] -= b
     profile = np.cumsum(delta)[: n + 2]
     for e in problem.edges:
         at = _transient_point(problem, e)
@@ -101,17 +115,29 @@ def memory_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
             continue  # a pinned output or an update operand already in its layout: no copy
         b = shard_bytes(problem.graph.tensors[e.tensor], e.dst_specs[choice[e.dst]], mesh)
         profile[at] += b
-    return profile
+    reserved = sum(shard_bytes(problem.graph.tensors[tid], problem.spec(tid, choice), mesh)
+                   for tid, (first, last) in enumerate(problem.live) if last == n and _materialised(problem, tid, first))
+    reserved += sum(_unfit_buffers(problem, node, choice[node.index]) for node in problem.nodes)
+    return np.append(profile, reserved if _xla_cpu(problem) else 0)
+
+
+def _materialised(problem: Problem, tid: int, first: int) -> bool:
+    """Whether tensor `tid` (made by op `first`) takes memory of its own: a decided tensor, unless
+    the optimizer update (the combinable tail) makes and uses it inside one fusion. optax computes
+    each step of the update for every leaf before the next step (all m-hat, then all v-hat, ...),
+    so in program order such values of every leaf are live at once, while XLA fuses each leaf's
+    elementwise update into one loop and never writes them (counting them put gpt-tiny's and
+    moe-tiny's data-parallel predictions at 1.12-1.13x of the compiled peak). Elsewhere values kept
+    inside fusions still count: dropping them everywhere gave wresnet-tiny 0.68x."""
+    return tid in problem.owner and not (tid in problem.unwritten and first in problem.combinable)
 
 
 def _copied_only_if_resharded(problem: Problem, e) -> bool:
     """Edges whose operand copy exists only when the layouts differ: a pinned output resharded at
-    the end. The operands of the optimizer update (the combinable tail) all count as copies at the
-    last point: counting only resharded ones there predicts 0.95-1.13x of XLA's compiled peak for
-    data-parallel plans of the zoo models (1.9x as it is) but under-predicts sharded plans on
-    XLA:CPU by 8% (gpt-tiny on 1x8 under a budget: XLA:CPU has no reduce-scatter and all-reduces
-    the whole gradient; experiments/check_memory.py, WORKSPACE.md "Known gaps")."""
-    return e.op < 0
+    the end, and the operands of the optimizer update (the combinable tail): XLA reads an update
+    operand already in its layout in place. (Counting every update operand as a copy predicted
+    1.6-1.9x of XLA's compiled peak on the zoo models.)"""
+    return e.op < 0 or e.op in problem.combinable
 
 
 def _transient_point(problem: Problem, e) -> int:
@@ -121,6 +147,84 @@ def _transient_point(problem: Problem, e) -> int:
     if e.op < 0 or e.op in problem.combinable:  # op -1: a pinned output resharded at the end
         return len(problem.graph.ops) + 1
     return e.op + 1
+
+
+_REDUCTIONS = ("all-reduce", "reduce-scatter")
+
+
+def _unfit_buffers(problem: Problem, node, i: int) -> int:
+    """Bytes of `node`'s XLA:CPU reduction buffers (strategy `i`) that cannot borrow an output's
+    buffer at the combined gradient reduction: the operand and full-size result of each
+    reduce-scatter, each n times the size of the shard the output keeps.
+
+    XLA reports a program's peak as arguments + outputs + temporaries (`memory_analysis()`): an
+    output's buffer is reserved for the whole program, and a temporary may use it before the output
+    is written only if it fits (buffer assignment). Data-parallel gradients have their outputs'
+    shapes and fit; the buffers of a scattered gradient are larger than its outputs' shards
+    (gpt-tiny on 1x8 under a budget: 1.09 MB live at the combined all-reduce, 1.39 MB of outputs
+    and temporaries reported). The extra point of `memory_profile` counts arguments, all outputs
+    and these buffers (`_reserved_point`); it ignores that such a buffer may borrow another, larger
+    output's buffer (an over-estimate)."""
+    if not _xla_cpu(problem):
+        return 0
+    return sum(2 * nbytes for (kind, _, nbytes), o in zip(node.comms[i], node.comm_ops[i])
+               if kind == "reduce-scatter" and o in problem.combinable)
+
+
+def _reserved_point(problem: Problem) -> int:
+    """Index of `memory_profile`'s extra point: XLA:CPU's accounting while the combined gradient
+    reduction runs (all arguments and outputs, plus `_unfit_buffers`; 0 on other platforms)."""
+    return len(problem.graph.ops) + 2
+
+
+def _xla_cpu(problem: Problem) -> bool:
+    """The plan compiles for XLA:CPU: the mesh's devices are CPUs, or (planning without devices)
+    the hardware preset is a CPU."""
+    return (problem.device_platform or problem.cost.hardware.platform) == "cpu"
+
+
+def _combined_point(problem: Problem) -> int:
+    """The program point where XLA's combiner runs the gradient reductions as one collective: after
+    the last combinable op that reduces partial sums under some strategy (a fixed point, so the
+    ILP's constraints stay linear). Approximation: a reduction that depends on another one (a
+    global gradient norm) cannot join that collective; it moves this point later."""
+    last = max((o for node in problem.nodes for comms, ops in zip(node.comms, node.comm_ops)
+                for (kind, _, _), o in zip(comms, ops) if kind in _REDUCTIONS and o in problem.combinable),
+               default=-1)
+    return last + 1
+
+
+def _reduction_buffers(problem: Problem, node, i: int, combined_at: int) -> list[tuple[int, int, int]]:
+    """(first point, last point, bytes) of the buffers XLA:CPU allocates for the partial-sum
+    reductions of `node` under strategy `i` beyond the tensors the model already counts. Read from
+    XLA:CPU's buffer assignment (`--xla_dump_to`, experiments/check_memory.py):
+      - its all-reduce does not run in place: the partial sums (the operand, `nbytes`) and the
+        reduced result are separate buffers, both live while it runs (the result is the node's
+        tensor, counted already);
+      - it has no reduce-scatter: a reduce-scatter compiles to an all-reduce of the whole partial
+        sums and a slice, so the operand and a full-size result (2 x `nbytes`) are live beside the
+        slice (the node's tensor);
+      - the gradient reductions (combinable ops) are merged into one all-reduce that runs once all
+        of them are computed (`_combined_point`), so each one's partial sums live from its op to
+        that point, and the full-size results of reduce-scatters are live there together.
+    Other platforms: none (XLA:GPU/TPU have a reduce-scatter; not measured here)."""
+    if not _xla_cpu(problem):
+        return []
+    out = []
+    for (kind, _, nbytes), o in zip(node.comms[i], node.comm_ops[i]):
+        if kind not in _REDUCTIONS or not nbytes:
+            continue
+        if o in problem.combinable:
+            out.append((o + 1, combined_at, nbytes))
+            if kind == "reduce-scatter":
+                out.append((combined_at, combined_at, nbytes))
+        else:
+            out.append((o + 1, o + 1, 2 * nbytes if kind == "reduce-scatter" else nbytes))
+    return out
+
+
+def _lin(x, ticks):
+    return sum(t * v for t, v in zip(ticks, x) if t)
 
 
 def plan_cost(problem: Problem, choice: Sequence[int]) -> float:
@@ -152,6 +256,8 @@ class _Model:
                 self.x.append(vs)
         self.terms: list = []
         self.constant = 0
+        self._sink: list | None = None  # while set, `_add_ticks` collects terms there (`_prefetch`)
+        self._sink_ticks = 0  # the sum of every coefficient collected there (a bound on their value)
         self._part_times: dict = {}
         # With overlap, the combinable collectives' async time leaves the node costs; `_overlap`
         # adds back its exposed part.
@@ -166,13 +272,28 @@ class _Model:
             for i, c in enumerate(costs):
                 self._add_cost(self.x[r][i], c)
         merged: dict[tuple, int] = defaultdict(int)
+        # With overlap, resharding an argument for its consumer (`objective.prefetched`) leaves the
+        # objective; `_prefetch` adds back the part not hidden behind earlier compute.
+        self._prefetch_expr: dict[tuple, list] = {}
+        self._prefetch_of: dict[int, list[tuple]] = defaultdict(list)
+        arguments = frozenset(problem.graph.inputs)
         for e in problem.edges:
             t = problem.graph.tensors[e.tensor]
-            merged[(problem.rep[e.src], problem.rep[e.dst], t, e.src_specs, e.dst_specs)] += 1
+            key = (problem.rep[e.src], problem.rep[e.dst], t, e.src_specs, e.dst_specs)
+            if problem.overlap and problem.prefetch and prefetched(problem, e, arguments):
+                self._prefetch_of[e.dst].append(key)
+                self._prefetch_expr[key] = []
+                continue
+            merged[key] += 1
         for (src, dst, t, src_specs, dst_specs), mult in merged.items():
             self._edge(src, dst, t, src_specs, dst_specs, mult)
+        for key, terms in self._prefetch_expr.items():  # one edge's resharding, as an expression
+            self._sink = terms
+            self._edge(*key, 1)
+        self._sink = None
         self._combined_latency()
         self._overlap()
+        self._prefetch()
         tied: set[tuple] = set()
         for tin, tout in problem.ties:  # ties of repeated layers are one constraint set
             a, b = problem.owner[tin], problem.owner[tout]
@@ -183,6 +304,7 @@ class _Model:
                 self._tie(tin, tout)
         self.objective = sum(self.terms) + self.constant
         self.copies: dict = {}  # (edge key, consumer spec) -> "operand copied" boolean (`_copy_var`)
+        self.reductions: list | None = None  # (node, strategy, first, last point, bytes): `_reduction_buffers`
 
     def _combined_latency(self) -> None:
         """One latency per (kind, axes) group of combined collectives that any chosen strategy
@@ -229,7 +351,7 @@ class _Model:
             return
         ids: dict[tuple, int] = {}
         seq: list[int] = []
-        info: list[tuple] = []  # per key id: (x, compute ticks, async ticks)
+        info: list[tuple] = []  # per key id: (compute expression, issued expression or None)
         bound = 1
         for node in overlap_order(p):
             compute = tuple(int(round((c - m) * _NS)) for c, m in zip(node.costs, node.comm_s))
@@ -240,24 +362,54 @@ class _Model:
             key = (p.rep[node.index], compute, issued)
             if key not in ids:
                 ids[key] = len(info)
-                info.append((self.x[node.index], compute, issued))
+                x = self.x[node.index]
+                info.append((_lin(x, compute), _lin(x, issued) if any(issued) else None))
             seq.append(ids[key])
+        self.terms.append(self._backlog(seq, info, bound))
 
-        def lin(x, ticks):
-            return sum(t * v for t, v in zip(ticks, x) if t)
+    def _prefetch(self) -> None:
+        """Adds the exposed part of the arguments' resharding (`objective.prefetch_hidden`): issued
+        in order of their consumers from the start of the step on one link, each needed before its
+        consumer computes. The stall max over k of (prefetch up to k - compute before k) is the
+        backlog of the same first-in-first-out recursion as `_overlap` run over the nodes in
+        reverse program order, each node issuing its consumers' prefetch after its compute."""
+        p = self.problem
+        if not self._prefetch_expr:
+            return
+        ids: dict[tuple, int] = {}
+        seq: list[int] = []
+        info: list[tuple] = []
+        bound = 1 + self._sink_ticks * max(1, len(self._prefetch_of))
+        for node in reversed(overlap_order(p)):
+            compute = tuple(int(round((c - m) * _NS)) for c, m in zip(node.costs, node.comm_s))
+            bound += int(max(node.costs) * _NS) + 1
+            keys = tuple(sorted(self._prefetch_of.get(node.index, ()), key=repr))
+            if not any(compute) and not keys:
+                continue
+            key = (p.rep[node.index], compute, keys)
+            if key not in ids:
+                ids[key] = len(info)
+                issued = sum(sum(self._prefetch_expr[k]) for k in keys) if keys else None
+                info.append((_lin(self.x[node.index], compute), issued))
+            seq.append(ids[key])
+        self.terms.append(self._backlog(seq, info, bound))
+
+    def _backlog(self, seq: list[int], info: list[tuple], bound: int):
+        """The exposed backlog (an integer variable, objective units) of a first-in-first-out stream
+        over `seq` (ids into `info`: per item its compute expression and its issued expression, or
+        None when it issues nothing), in max-plus form; see `_overlap`."""
 
         def chain(state, items):
             """The backlog after `items` (key ids) from `state` (None: -inf), one variable per issue."""
             for k in items:
-                x, compute, issued = info[k]
-                if not any(issued):
-                    state = None if state is None else state - lin(x, compute)
+                compute, a = info[k]
+                if a is None:
+                    state = None if state is None else state - compute
                     continue
-                a = lin(x, issued)
                 b = self.m.NewIntVar(0, bound, "")
                 self.m.Add(b >= a)
                 if state is not None:
-                    self.m.Add(b >= a + state - lin(x, compute))
+                    self.m.Add(b >= a + state - compute)
                 state = b
             return state
 
@@ -266,7 +418,7 @@ class _Model:
         def run(state, items, repeats):
             """The backlog after `repeats` copies of `items` from `state`, in closed form."""
             if items not in segments:
-                beta = sum(lin(info[k][0], info[k][2]) - lin(info[k][0], info[k][1]) for k in items)
+                beta = sum((info[k][1] if info[k][1] is not None else 0) - info[k][0] for k in items)
                 segments[items] = (chain(None, items), beta)
             alpha, beta = segments[items]
             if alpha is None:  # no issue in the segment: a shift
@@ -290,17 +442,21 @@ class _Model:
         exposed = self.m.NewIntVar(0, bound, "exposed_async")
         if state is not None:
             self.m.Add(exposed >= state)
-        self.terms.append(exposed)
+        return exposed
 
     def _add_cost(self, var, seconds: float) -> None:
         self._add_ticks((var,), int(round(seconds * _NS)))
 
     def _add_ticks(self, variables, ticks: int) -> None:
-        """Adds `ticks` objective units for each of `variables` (booleans, or constants 0/1)."""
+        """Adds `ticks` objective units for each of `variables` (booleans, or constants 0/1), to
+        the objective or, while `_sink` is set, to that expression's terms."""
         if ticks == 0:
             return
         for v in variables:
-            if isinstance(v, int):
+            if self._sink is not None:
+                self._sink.append(ticks * v)
+                self._sink_ticks += ticks
+            elif isinstance(v, int):
                 self.constant += ticks * v
             else:
                 self.terms.append(ticks * v)
@@ -389,11 +545,25 @@ class _Model:
             self.m.Add(lhs == rhs)
 
     def memory_expr(self, point: int):
-        """Per-device KiB live at op index `point`, as a linear expression of the choice."""
+        """Per-device bytes live at program point `point`, as a linear expression of the choice:
+        `memory_profile`'s count term by term (tests/test_memory.py compares them)."""
         p = self.problem
         coef: dict[tuple[int, int], int] = defaultdict(int)
+        if point == _reserved_point(p):
+            if not _xla_cpu(p):
+                return 0
+            n = len(p.graph.ops)
+            for tid, (first, last) in enumerate(p.live):
+                if last == n and _materialised(p, tid, first):
+                    node = p.nodes[p.owner[tid]]
+                    for i, spec in enumerate(node.owned[tid]):
+                        coef[(p.rep[node.index], i)] += shard_bytes(p.graph.tensors[tid], spec, p.cost.mesh)
+            for node in p.nodes:
+                for i in range(node.size):
+                    coef[(p.rep[node.index], i)] += _unfit_buffers(p, node, i)
+            return sum(-(-c // _MEM_UNIT) * self.x[n][i] for (n, i), c in coef.items() if c)
         for tid, (first, last) in enumerate(p.live):
-            if tid not in p.owner or not (first < point <= last + 1):
+            if not (first < point <= last + 1) or not _materialised(p, tid, first):
                 continue
             node = p.nodes[p.owner[tid]]
             t = p.graph.tensors[tid]
@@ -409,6 +579,13 @@ class _Model:
                         copies[self._copy_var(e, j)] += b
                     else:
                         coef[(p.rep[e.dst], j)] += b
+        if self.reductions is None:
+            combined_at = _combined_point(p)
+            self.reductions = [(p.rep[node.index], i, first, last, b) for node in p.nodes for i in range(node.size)
+                               for first, last, b in _reduction_buffers(p, node, i, combined_at)]
+        for n, i, first, last, b in self.reductions:  # XLA:CPU's reduction buffers
+            if first <= point <= last:
+                coef[(n, i)] += b
         return (sum(-(-c // _MEM_UNIT) * self.x[n][i] for (n, i), c in coef.items())
                 + sum(-(-c // _MEM_UNIT) * z for z, c in copies.items() if not isinstance(z, int) or z))
 
@@ -651,31 +828,53 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
 def memory_lower_bound(problem: Problem) -> np.ndarray:
     """Per program point, bytes per device that every plan the planner can choose keeps live there.
 
-    Each tensor counts at its smallest layout among its owner's strategies (an argument: split over
-    every mesh axis that divides one of its dims, as far as the strategies allow), each operand copy
-    that `memory_profile` counts at its consumer's smallest layout (none for a pinned output whose
-    producer and consumer share a layout: no copy is then needed). `memory_profile(problem, choice)` is at least this, point by point, for every
-    `choice`, so `max()` is a sound lower bound on the planner's peak under sharding alone.
+    The terms of `memory_profile`, each at its least over the choices: each tensor it counts at its
+    smallest layout among its owner's strategies (an argument: split over every mesh axis that
+    divides one of its dims, as far as the strategies allow); each operand copy at its consumer's
+    smallest layout (none where the copy exists only when resharded and some layout pair needs
+    none); each node's XLA:CPU reduction buffers at their least over its strategies, point by point
+    (none where a strategy reduces nothing). Every term of `memory_profile(problem, choice)` is at
+    least its term here, point by point, for every `choice`, so `max()` is a sound lower bound on
+    the planner's peak under sharding alone (tests/test_infeasible.py checks it against plans).
     """
     n = len(problem.graph.ops)
     delta = np.zeros(n + 3, dtype=np.int64)
     mesh = problem.cost.mesh
     for tid, (first, last) in enumerate(problem.live):
-        node = problem.owner.get(tid)
-        if node is None:
+        if not _materialised(problem, tid, first):
             continue
+        node = problem.owner[tid]
         t = problem.graph.tensors[tid]
         b = min(shard_bytes(t, spec, mesh) for spec in set(problem.nodes[node].owned[tid]))
         delta[first + 1] += b
         delta[last + 2] -= b
     profile = np.cumsum(delta)[: n + 2]
+    combined_at = _combined_point(problem)
+    for node in problem.nodes:
+        spans = [_reduction_buffers(problem, node, i, combined_at) for i in range(node.size)]
+        if not all(spans):
+            continue  # some strategy of this node allocates none
+        per = np.zeros((node.size, n + 3), dtype=np.int64)
+        for i, buffers in enumerate(spans):
+            for first, last, b in buffers:
+                per[i, first] += b
+                per[i, last + 1] -= b
+        profile += np.cumsum(per, axis=1).min(axis=0)[: n + 2]
+    reserved = 0
+    if _xla_cpu(problem):
+        for tid, (first, last) in enumerate(problem.live):
+            if last == n and _materialised(problem, tid, first):
+                t = problem.graph.tensors[tid]
+                reserved += min(shard_bytes(t, spec, mesh) for spec in set(problem.nodes[problem.owner[tid]].owned[tid]))
+        reserved += sum(min(_unfit_buffers(problem, node, i) for i in range(node.size)) for node in problem.nodes
+                        if node.size)
     for e in problem.edges:
         at = _transient_point(problem, e)
         if _copied_only_if_resharded(problem, e) and set(e.src_specs) & set(e.dst_specs):
             continue  # a copy only when resharded, and some layout needs none
         t = problem.graph.tensors[e.tensor]
         profile[at] += min(shard_bytes(t, spec, mesh) for spec in set(e.dst_specs))
-    return profile
+    return np.append(profile, reserved)
 
 
 def _min_bytes_choice(problem: Problem) -> tuple[int, ...]:

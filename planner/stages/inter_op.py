@@ -37,10 +37,18 @@ from planner.stages.stage_cost import (
     StageOption,
     boundary_bytes,
     external_inputs,
+    stage_communication,
     stage_memory,
     stage_times,
 )
-from planner.stages.submesh import LogicalMesh, logical_meshes, place_submeshes, submesh_shapes, tensor_parallel_mesh
+from planner.stages.submesh import (
+    LogicalMesh,
+    boundary_link,
+    logical_meshes,
+    place_submeshes,
+    submesh_shapes,
+    tensor_parallel_mesh,
+)
 
 log = logging.getLogger("planner")
 
@@ -62,6 +70,9 @@ class StagePlan:
       time_s: forward + backward latency of one microbatch, with the boundary transfers (without the
         data-parallel gradient reduction: gradients accumulate per replica over the microbatches).
       apply_s: the optimizer update, once per step.
+      comm_s: the exposed communication inside `time_s` (`stage_cost.stage_communication`).
+      hidden_s: communication hidden behind the stage's compute, per microbatch.
+      data_axes: names of the axes of `mesh` that split the batch (the gradient reduction's axes).
       memory_bytes: predicted per-device peak with `inflight` microbatches of activations.
       inflight: microbatches whose activations the stage holds at once under the schedule.
       specs: sharding (on `mesh`) of each program input the stage reads: parameters and batch.
@@ -81,6 +92,9 @@ class StagePlan:
     inflight: int
     specs: Mapping[str, Spec]
     grad_sync_s: float = 0.0
+    comm_s: float = 0.0
+    hidden_s: float = 0.0
+    data_axes: frozenset[str] = frozenset()
 
     def to_dict(self) -> dict:
         names = self.mesh.axis_names
@@ -96,6 +110,9 @@ class StagePlan:
             "time_per_microbatch_s": self.time_s,
             "apply_time_s": self.apply_s,
             "grad_sync_time_s": self.grad_sync_s,
+            "exposed_communication_per_microbatch_s": self.comm_s,
+            "hidden_communication_per_microbatch_s": self.hidden_s,
+            "data_axes": sorted(self.data_axes),
             "memory_bytes_per_device": int(self.memory_bytes) if math.isfinite(self.memory_bytes) else None,
             "inflight_microbatches": self.inflight,
             "shardings": {p: [None if not axes else [names[a] for a in axes] for axes in spec]
@@ -113,6 +130,11 @@ class PipelinePlan:
       schedule: "1f1b" or "gpipe".
       step_time_s: predicted step: pipeline latency plus the largest per-stage once-per-step term
         (the stage's data-parallel gradient reduction and its update, `_once_per_step_max`).
+      compute_time_s: the same step with every stage's communication taken out (stage times less
+        their exposed communication, no gradient reduction); `step_time_s - compute_time_s` is the
+        exposed communication.
+      hidden_communication_s: communication hidden behind compute on the devices of the stage that
+        hides most: B times its hidden time per microbatch.
       pipeline_time_s: sum(t_i) + (B - 1) * max(t_i).
       bubble_fraction: share of device time idle in the pipeline.
       single_stage_time_s: best single-stage step on the whole cluster that fits memory (inf: none).
@@ -135,6 +157,8 @@ class PipelinePlan:
     layer_names: tuple[str, ...]
     candidates: tuple[tuple[int, float, int], ...]
     planning: Mapping[str, Any]
+    compute_time_s: float = 0.0
+    hidden_communication_s: float = 0.0
 
     @property
     def num_stages(self) -> int:
@@ -152,6 +176,9 @@ class PipelinePlan:
             "num_stages": self.num_stages,
             "bubble_fraction": self.bubble_fraction,
             "step_time_s": self.step_time_s,
+            "compute_time_s": self.compute_time_s,
+            "exposed_communication_s": self.step_time_s - self.compute_time_s,
+            "hidden_communication_s": self.hidden_communication_s,
             "pipeline_time_s": self.pipeline_time_s,
             "single_stage_step_time_s": _finite(self.single_stage_time_s),
             "single_stage_step_time_ignoring_memory_s": _finite(self.single_stage_time_unconstrained_s),
@@ -387,6 +414,8 @@ def _pipeline_plan(best: _Candidate, stages: tuple[StagePlan, ...], options: Pla
     """The `PipelinePlan` of the chosen candidate (`plan_pipeline` and `fixed_pipeline` alike);
     `extra` adds planning facts of the caller."""
     times = [s.time_s for s in stages]
+    # The step without communication: stage times less their exposed communication, updates only.
+    compute = pipeline_latency([s.time_s - s.comm_s for s in stages], best.B) + max(s.apply_s for s in stages)
     planning = {
         "planning_time_s": round(time.perf_counter() - t_start, 3),
         **{k: round(v, 3) for k, v in timings.items()},
@@ -409,6 +438,8 @@ def _pipeline_plan(best: _Candidate, stages: tuple[StagePlan, ...], options: Pla
         layer_names=best.layers.names,
         candidates=candidates,
         planning=MappingProxyType(planning),
+        compute_time_s=min(compute, best.step_s),
+        hidden_communication_s=best.B * max(s.hidden_s for s in stages),
     )
 
 
@@ -453,10 +484,15 @@ def _stage_plans(best: _Candidate, shapes, meshes: Sequence[LogicalMesh], cluste
     S = len(stages)
     placed = place_submeshes([shapes[s.submesh] for s in stages], cluster)
     out = []
+    link = boundary_link(cluster)
     for k, stage in enumerate(stages):
         opt = _option(best.st, stage, S - k)
         inflight = best.st.inflight[min(S - k, len(best.st.inflight)) - 1]
         lm = meshes[opt.mesh_index]
+        comm, hidden = stage_communication(best.table, stage.first, stage.last, opt, sizes[stage.submesh],
+                                           best.st.boundary, link)
+        data = frozenset().union(*(best.table.cost(l, opt.mesh_index).data_axes
+                                   for l in range(stage.first, stage.last + 1)))
         out.append(StagePlan(
             layers=best.layers.names[stage.first: stage.last + 1],
             layer_range=(stage.first, stage.last),
@@ -473,6 +509,9 @@ def _stage_plans(best: _Candidate, shapes, meshes: Sequence[LogicalMesh], cluste
                                       best.st.boundary, inflight),
             inflight=inflight,
             specs=MappingProxyType(_stage_specs(best.graph, best.layers, best.table, stage.first, stage.last, opt)),
+            comm_s=comm,
+            hidden_s=hidden,
+            data_axes=data,
         ))
     return tuple(out)
 

@@ -76,7 +76,8 @@ def plan_fixed_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Grap
 
 
 def to_plan(pp: PipelinePlan, graph: Graph, cluster: Cluster, options: PlanOptions,
-            stage_plans: Sequence[Plan] = (), transfers: Sequence[tuple[int, int, float, bool]] = ()) -> Plan:
+            stage_plans: Sequence[Plan] = (), transfers: Sequence[tuple[int, int, float, bool]] = (),
+            once: Sequence[Sequence[str]] = ()) -> Plan:
     """A multi-stage pipeline as a `planner.Plan`.
 
     The top-level mesh is the cluster (hosts x devices) and the top-level shardings are replicated
@@ -92,11 +93,13 @@ def to_plan(pp: PipelinePlan, graph: Graph, cluster: Cluster, options: PlanOptio
     else:
         mesh = MeshSpec((cluster.devices_per_host,), ("device",))
     rank = [len(graph.tensors[t].shape) if isinstance(t, int) else len(t.tensor.shape) for t in graph.outputs]
-    collectives = pipeline_collectives(stage_plans, transfers, pp.num_microbatches)
+    collectives = pipeline_collectives(stage_plans, transfers, pp.num_microbatches, once)
+    compute = pp.compute_time_s if pp.compute_time_s > 0 else pp.step_time_s
     prediction = Prediction(
         step_time_s=pp.step_time_s,
-        compute_time_s=pp.step_time_s,
-        communication_time_s=0.0,
+        compute_time_s=compute,
+        communication_time_s=pp.step_time_s - compute,
+        hidden_communication_time_s=pp.hidden_communication_s,
         memory_bytes_per_device=int(pp.memory_bytes_per_device),
         bytes_moved_per_device=float(sum(ring_bytes(c.kind, c.nbytes, c.group_size) for c in collectives)),
         collectives=collectives,
@@ -126,18 +129,26 @@ def to_plan(pp: PipelinePlan, graph: Graph, cluster: Cluster, options: PlanOptio
 
 
 def pipeline_collectives(stage_plans: Sequence[Plan], transfers: Sequence[tuple[int, int, float, bool]],
-                         num_microbatches: int) -> tuple[PredictedCollective, ...]:
+                         num_microbatches: int,
+                         once: Sequence[Sequence[str]] = ()) -> tuple[PredictedCollective, ...]:
     """The collectives of one pipelined step: each stage's (its intra-op plan of one microbatch's
-    forward + backward, which includes the data-parallel gradient reduction of every microbatch)
-    repeated per microbatch, so one entry carries `num_microbatches` x the bytes; and per value
-    crossing stages, a collective-permute from the sending to the receiving submesh per microbatch
-    (a float value's cotangent returns as many bytes). Axes name the stage ("stage0/data")."""
+    forward + backward) repeated per microbatch, so one entry carries `num_microbatches` x the bytes,
+    except the data-parallel gradient reduction of a stage that runs it once per step on the
+    accumulated gradients (`once[s]`: the axes it reduces over, `PipelinedStep.stage_plan_records`;
+    the plan's "partial sum" collectives over only those axes, as `stage_cost.grad_sync` takes them
+    out); and per value crossing stages, a collective-permute from the
+    sending to the receiving submesh per microbatch (a float value's cotangent returns as many
+    bytes). Axes name the stage ("stage0/data")."""
     B = num_microbatches
     out: list[PredictedCollective] = []
     for s, sp in enumerate(stage_plans):
+        data = set(once[s]) if s < len(once) else set()
         for c in sp.prediction.collectives:
-            out.append(dataclasses.replace(c, axes=tuple(f"stage{s}/{a}" for a in c.axes), nbytes=c.nbytes * B,
-                                           where=f"stage {s} x{B} microbatches: {c.where}"))
+            per_step = c.reason == "partial sum" and bool(c.axes) and set(c.axes) <= data
+            n = 1 if per_step else B
+            out.append(dataclasses.replace(c, axes=tuple(f"stage{s}/{a}" for a in c.axes), nbytes=c.nbytes * n,
+                                           where=f"stage {s} " + ("once per step" if per_step else f"x{B} microbatches")
+                                           + f": {c.where}"))
     for src, dst, nbytes, has_ct in transfers:
         out.append(PredictedCollective("collective-permute", (f"stage{src}->stage{dst}",), int(nbytes * B), 2,
                                        f"stage {src} -> stage {dst} x{B} microbatches", "activation"))
@@ -157,8 +168,9 @@ def _record(plan: Plan) -> dict:
 def stage_plans_for(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, pp: PipelinePlan,
                     cluster: Cluster, options: PlanOptions) -> tuple[tuple[Plan, ...], tuple]:
     """Each stage's intra-op plan of its forward + backward per microbatch, and the values crossing
-    stages (`PipelinedStep.stage_plan_records`), for the step `fn(*args)`; ((), ()) when the step's
-    loss and update cannot be found (running it then says why)."""
+    stages (`PipelinedStep.stage_plan_records`), for the step `fn(*args)`; ((), (), ()) when the step's
+    loss and update cannot be found (running it then says why); a third element names each stage's
+    once-per-step gradient reduction axes."""
     if has_marker(fn):
         loss_fn, update = fn.loss_fn, fn.optimizer
         params, batch = args[0]["params"], args[1]
@@ -166,7 +178,7 @@ def stage_plans_for(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph,
     else:
         derived = derive(fn, graph)
         if isinstance(derived, InvalidArgumentError):
-            return (), ()
+            return (), (), ()
         loss_fn, update, rekey = derived.loss_fn, derived.update, derived.rekey
         params, _, batch = derived.split_args(args)
     positions = list(range(max(d for st in pp.stages for d in st.devices) + 1))

@@ -304,15 +304,20 @@ class PipelinedStep:
                         solver={"status": "replicated", "ops": len(g.ops)}, options=opts.to_json(),
                         in_tree=g.in_tree, out_tree=g.out_tree)
 
-    def stage_plan_records(self, params: Any, batch: Any, options: Any = None) -> tuple[tuple[Plan, ...], tuple]:
+    def stage_plan_records(self, params: Any, batch: Any,
+                           options: Any = None) -> tuple[tuple[Plan, ...], tuple, tuple[tuple[str, ...], ...]]:
         """Every stage's intra-op plan (`_stage_plan`; `options` one `PlanOptions` or one per stage)
         and the values crossing stages, without devices (layout devices may be placeholders).
 
         Returns:
-          (plans, transfers): transfers are `(from stage, to stage, bytes per receiving device,
-          float)` per value and microbatch (a float value's cotangent travels back as many bytes).
+          (plans, transfers, once): transfers are `(from stage, to stage, bytes per receiving device,
+          float)` per value and microbatch (a float value's cotangent travels back as many bytes);
+          `once[s]` names the mesh axes over which stage s reduces its gradients once per step (its
+          data-parallel replicas, `_replicas`; empty where it reduces them per microbatch).
         """
         graph, stages, needed_by, _, _ = self._layout(params, batch)
+        once = tuple(tuple(st["layout"].mesh.axis_names[a] for a in st["axes"] if st["layout"].mesh.shape[a] > 1)
+                     if st["replica"] is not None else () for st in stages)
         plans = tuple(self._stage_plan(st, options) for st in stages)
         transfers = []
         for st in stages:
@@ -322,7 +327,7 @@ class PipelinedStep:
                         lay = stages[u]["layout"]
                         nbytes = shard_bytes(graph.tensors[t], stages[u]["act"][t], lay.mesh)
                         transfers.append((st["index"], u, float(nbytes), is_float(graph.tensors[t].dtype)))
-        return plans, tuple(transfers)
+        return plans, tuple(transfers), once
 
     def _build(self, params: Any, batch: Any):
         graph, layout, needed_by, param_owner, mb = self._layout(params, batch)

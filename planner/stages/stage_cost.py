@@ -81,6 +81,10 @@ class LayerCost:
       zero_state_bytes: state bytes per device of the sharded-state layout.
       zero_specs: per external input, its sharded-state layout (None: not a parameter).
       sync_s: the data-parallel gradient reduction, once per step (not in `time_s`).
+      comm_s: the exposed communication inside `time_s` (the plan's exposed communication without
+        the part of the gradient reduction taken out to `sync_s`).
+      hidden_s: communication the plan hides behind compute, per microbatch.
+      data_axes: names of the mesh axes splitting the layer's batch (`batch_axes`).
       produced_specs: the plan's sharding of each value the layer makes that is used outside it,
         keyed by (position of the making op among the layer's ops, result index), so that identical
         layers key alike (`LayerCostTable.inner`: resharding between layers of one stage).
@@ -99,6 +103,9 @@ class LayerCost:
     zero_specs: tuple[Spec | None, ...] = ()
     sync_s: float = 0.0
     produced_specs: Mapping[tuple[int, int], Spec] = dataclasses.field(default_factory=dict)
+    comm_s: float = 0.0
+    hidden_s: float = 0.0
+    data_axes: frozenset[str] = frozenset()
 
 
 INFEASIBLE = LayerCost(math.inf, math.inf, math.inf, math.inf, math.inf, 0.0, (), math.inf, math.inf, math.inf, (),
@@ -329,9 +336,11 @@ def _layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lme
     exported = set(sub.outputs)
     produced = {(op_index, k): spec for op_index, k, spec in plan.op_specs
                 if sub.ops[op_index].outputs[k] in exported}
-    return LayerCost(plan.prediction.step_time_s - exposed, apply_s, state, act, work, facts.fwd_fraction,
+    pred = plan.prediction
+    return LayerCost(pred.step_time_s - exposed, apply_s, state, act, work, facts.fwd_fraction,
                      tuple(spec_of_input.get(t) for t in ext), zero_extra, zero_state, work + param_shard,
-                     tuple(zero_specs), sync, produced)
+                     tuple(zero_specs), sync, produced, max(0.0, pred.communication_time_s - exposed),
+                     pred.hidden_communication_time_s, data)
 
 
 def batch_axes(specs: Sequence[Spec | None], mesh) -> frozenset[str]:
@@ -559,10 +568,7 @@ def stage_ranges(table: LayerCostTable, mesh_index: int, option: StageOption, de
     """
     col = _columns(table, mesh_index, option.layout)
     inner = table.inner(mesh_index)
-    send = np.array([link.alpha + b * link.beta / devices if b > 0 else 0.0 for b in boundary])
-    fwd_send = send.copy()
-    fwd_send[-1] = 0.0
-    bwd_send = np.concatenate([[0.0], send[:-1]])
+    fwd_send, bwd_send = _sends(boundary, link, devices)
     t = _range_sums(col["time"]) + inner + fwd_send[None, :] + bwd_send[:, None]
     state, act, work = _range_sums(col["state"]), _range_sums(col["act"]), _range_max(col["work"])
     if not option.remat:
@@ -571,6 +577,32 @@ def stage_ranges(table: LayerCostTable, mesh_index: int, option: StageOption, de
     stage_input = np.concatenate([[0.0], boundary[:-1]]) / devices
     per_mb = np.where(np.isfinite(act), np.broadcast_to(stage_input[:, None], act.shape), np.inf)
     return t, state + act + work, per_mb
+
+
+def _sends(boundary: np.ndarray, link, devices: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer: the forward send after it (its stage ends there) and the backward send before it
+    (its stage starts there), `alpha + bytes * beta / devices` over the boundary link."""
+    send = np.array([link.alpha + b * link.beta / devices if b > 0 else 0.0 for b in boundary])
+    fwd_send = send.copy()
+    fwd_send[-1] = 0.0
+    bwd_send = np.concatenate([[0.0], send[:-1]])
+    return fwd_send, bwd_send
+
+
+def stage_communication(table: LayerCostTable, first: int, last: int, option: StageOption, devices: int,
+                        boundary: np.ndarray, link) -> tuple[float, float]:
+    """(exposed, hidden) communication per microbatch inside the stage time `stage_ranges` gives for
+    layers first..last: the layers' exposed communication (and the sharded-state gathers), the
+    resharding between them, the boundary sends; under remat the recomputed forward's share again."""
+    rows = [table.cost(l, option.mesh_index) for l in range(first, last + 1)]
+    sharded = option.layout == "sharded-state"
+    inner = float(table.inner(option.mesh_index)[first, last])
+    fwd_send, bwd_send = _sends(boundary, link, devices)
+    exposed = sum(r.comm_s + (r.zero_extra_s if sharded else 0.0) for r in rows) + inner
+    exposed += float(fwd_send[last] + bwd_send[first])
+    if option.remat:
+        exposed += sum(r.comm_s * r.fwd_fraction + (r.zero_extra_s / 2 if sharded else 0.0) for r in rows) + inner / 2
+    return exposed, sum(r.hidden_s for r in rows)
 
 
 def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
