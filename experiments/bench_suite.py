@@ -2,9 +2,10 @@
 
 Per (model, cluster, configuration), where a configuration is the planner's plan or one baseline of
 planner/baselines.py: predicted step time (and vs the plan), exposed communication, memory per
-device, bytes moved per device, whether it fits the device memory budget, planning time split, ILP
-size, and, on the compiled rows, bytes moved and peak memory read back from the compiled HLO
-(xla_hooks.inspect.report) after the program ran one step on the 8 CPU devices.
+device, bytes moved per device, whether it fits the device memory budget, pipeline stages and
+microbatches, planning time split, ILP size, and, on the compiled rows, bytes moved and peak memory
+read back from the compiled HLO (xla_hooks.inspect.report) after the program ran one step on the 8
+CPU devices.
 
 Two kinds of rows (the "mode" column says which):
   compiled  small models (`*-tiny`) on the 8 local CPU devices (1x8, 2x4): the plan from
@@ -17,9 +18,29 @@ Two kinds of rows (the "mode" column says which):
             replicated). 1x8 / 2x4 are one 8-GPU host; 8x8 / 128x8 are clusters of hosts x devices
             ("8x8:a100-80gb": the host axis inter-host).
 
+On the clusters of several hosts (8x8, 128x8) the abstract rows add pipelines:
+  planner         the pipeline-auto plan, as `planner plan --cluster 8x8:a100-80gb --pipeline auto`
+                  makes it (`planner.stages.plan_stages` with `pipeline="auto"`, the shared trace reused
+                  for the unsplit batch): every microbatch count dividing the batch, Alpa's stage DP over
+                  submeshes and their logical meshes, and the single-stage plan on the whole cluster
+                  competing; when that wins, the plan is `make_plan`'s on the chosen mesh.
+  planner-1stage  the single-stage plan on the (hosts, devices) mesh under the budget (the "planner"
+                  row of one-host clusters). Not a baseline: the summary checks planner <= it.
+  NAME+ppN        the pipeline baselines (`PP_BASELINES`: megatron-tp at 2, 4 and 8 even stages, dp
+                  and fsdp at 2), by `evaluate(..., baseline="NAME+ppN", cluster=...)`'s code path
+                  (`planner.evaluation.pipeline_baseline` -> `stages.inter_op.fixed_pipeline`): even
+                  stages on equal submeshes, the baseline's pins in every stage, the fastest microbatch
+                  count the layout can split and the faster of keep / recompute activations that fits
+                  (fits=no when none fits: costed ignoring memory, the note says so).
+The summary also checks the pipeline search against its own points: for each fitting `NAME+ppN`
+row, the search's best candidate at that row's microbatch count (`pp_candidates`, "B:step_s:stages"
+per count the search tried, B=1 the single stage as the stage DP costs it) must be no slower.
+Pipeline rows' `bytes_moved` count each stage's per-microbatch collectives B times
+(planner/stages/planned.py) and their `exposed_comm_s` is empty (a pipeline's step is not split).
+
 Cost model: the a100-80gb preset (planner/cost_model/hardware.py), budget = its 80 GB per device;
-the planner's plan is planned under that budget, the baselines are costed as they are (fits=no when
-they exceed it). Models in bf16 (`dtype="bfloat16"`: bf16 compute, fp32 master weights and
+the planner's plans are planned under that budget, the baselines are costed as they are (fits=no
+when they exceed it). Models in bf16 (`dtype="bfloat16"`: bf16 compute, fp32 master weights and
 optimizer state). Batch: the zoo's (8) on 1x8 / 2x4; on clusters the zoo's batch is smaller than
 the device count, so the global batch is overridden to one sequence (image) per device: 64 on 8x8,
 1024 on 128x8 (Alpa's GPT benchmark also uses a global batch of 1024).
@@ -29,9 +50,15 @@ cluster) on abstract rows; included in `plan_s` on compiled rows), `build_s` (IL
 predictions, the part of `make_plan`'s `planning_time_s` outside the solver's `solve_time_s`),
 `solve_s` (the solver's `solve_time_s`), `plan_s` (wall time of that configuration), `other_s`
 (`plan_s` minus `planning_time_s`: the step-time split `step_parts` and decision records made after
-the plan's clock stops, plus on compiled rows the trace). `stage_dp_s` is empty: the suite plans
-single-stage (intra-op) configurations only; the pipeline baselines (`NAME+ppN`) are not in it
-yet. ILP size: `decisions` (nodes after follower merging) and `distinct` (after layer sharing).
+the plan's clock stops, plus on compiled rows the trace). ILP size: `decisions` (nodes after
+follower merging) and `distinct` (after layer sharing). On pipeline rows (planner on a cluster of
+several hosts, `NAME+ppN`) the call plans many small ILPs (one per distinct layer x logical mesh x
+microbatch size, then each chosen stage's plan): `trace_s` is the traces of the microbatched steps
+inside the call (part of `plan_s`; the whole step's shared trace is reused), `build_s` / `solve_s`
+the sums of the build and solve times `make_plan` logs for all of them (the note gives their
+count), `stage_dp_s` the stage DP (`plan.pipeline["planning"]["dp_s"]`; 0 for fixed stages), and
+`other_s` the rest (stage time tables, predictions, the stage plans' records); `decisions` /
+`distinct` are those of the plan when it has one stage.
 
 Output: experiments/results/suite.csv, suite.md (table + goals summary), suite_memory_<model>.png
 (memory vs predicted time, every configuration marked, one panel per cluster) and
@@ -45,7 +72,9 @@ Run:  python experiments/bench_suite.py                  (`make bench`: the defa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import logging
 import math
 import os
 import pathlib
@@ -59,14 +88,16 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 import planner  # noqa: E402
-from planner.baselines import NAMES, baseline_pins  # noqa: E402
-from planner.cost_model import get_hardware  # noqa: E402
+from planner.baselines import NAMES, baseline_pins, parse_baseline  # noqa: E402
+from planner.cost_model import Cluster, get_hardware  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
+from planner.evaluation import pipeline_baseline  # noqa: E402
 from planner.graph import trace  # noqa: E402
 from planner.mesh import MeshSpec  # noqa: E402
 from planner.options import PlanOptions  # noqa: E402
 from planner.pins import resolve as resolve_pins  # noqa: E402
 from planner.planning import check_options, make_plan  # noqa: E402
+from planner.stages import plan_stages  # noqa: E402
 from xla_hooks.inspect import report  # noqa: E402
 from zoo import get_model  # noqa: E402
 
@@ -83,19 +114,46 @@ CLUSTERS = {
 COMPILED_MODELS = ("gpt-tiny", "llama-tiny", "moe-tiny", "bert-tiny", "wresnet-tiny")
 LARGE_MODELS = ("gpt2-medium", "gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b", "gpt3-39b", "llama-7b", "llama-70b",
                 "gshard-moe-1.3b", "wresnet-50-2", "bert-large")
-# The default subset (`make bench`): 736 s measured on the 2-core machine under a load of ~3 (2026-11-23;
-# compiled tiny rows 60-180 s each, gpt2-medium 2x4 187 s, gpt3-1.3b 8x8 148 s).
-DEFAULT = [("gpt-tiny", "1x8"), ("gpt-tiny", "2x4"), ("llama-tiny", "1x8"), ("llama-tiny", "2x4"),
-           ("gpt2-medium", "2x4"), ("gpt3-1.3b", "8x8")]
+# Pipeline baselines on the clusters of several hosts: Megatron-LM's TP x PP x DP layout at 2, 4 and 8
+# even stages, and pure data parallelism / ZeRO-3 inside 2 stages (planner/baselines.py, `NAME+ppN`).
+PP_BASELINES = ("megatron-tp+pp2", "dp+pp2", "fsdp+pp2", "megatron-tp+pp4", "megatron-tp+pp8")
+# On those clusters the "planner" row is the pipeline-auto plan (`planner plan --cluster ... --pipeline auto`)
+# and "planner-1stage" the single-stage plan on the whole cluster (what the "planner" row is elsewhere).
+PLANNERS = ("planner", "planner-1stage")
+
+
+def multi_host(cluster: str) -> bool:
+    return Cluster.is_cluster(CLUSTERS[cluster][1]) and CLUSTERS[cluster][0][0] > 1
+
+
+def configs_of(model: str, cluster: str) -> tuple[str, ...]:
+    """Every configuration of one (model, cluster) in the suite."""
+    if multi_host(cluster) and model not in COMPILED_MODELS:
+        return (*PLANNERS, *NAMES, *PP_BASELINES)
+    return ("planner", *NAMES)
+
+
+# The default subset (`make bench`): (model, cluster, configurations; None: all of them). Measured on the
+# 2-core machine under a load of ~3.4 (2026-11-23), gpt3-1.3b 8x8 per configuration: planner (pipeline
+# auto) 401 s, planner-1stage 20 s, single-stage baselines ~18 s each, dp+pp2 74 s, fsdp+pp2 67 s,
+# megatron-tp+pp2 153 s, +pp4 169 s, +pp8 205 s; compiled tiny cases 60-180 s each, gpt2-medium 2x4 187 s.
+# So `make bench` keeps one pipeline baseline (dp+pp2) and leaves llama-tiny 2x4 and gpt2-medium 2x4 to
+# `make bench-full` (they were in it before the pipeline rows). This subset: 893 s wall (14m53s; load
+# average 3.1 at the start falling to 1.0 at the end; CPU 14m47s), gpt3-1.3b 8x8 489 s of it.
+DEFAULT = [("gpt-tiny", "1x8", None), ("gpt-tiny", "2x4", None), ("llama-tiny", "1x8", None),
+           ("gpt3-1.3b", "8x8", (*PLANNERS, *NAMES, "dp+pp2"))]
+DEFAULT = [(m, c, configs_of(m, c) if k is None else k) for m, c, k in DEFAULT]
 FULL = ([(m, c) for m in COMPILED_MODELS for c in ("1x8", "2x4")]
         + [(m, c) for m in LARGE_MODELS for c in CLUSTERS
            if not (m in ("gpt3-39b", "llama-70b") and c in ("1x8", "2x4"))])  # 39B/70B need a cluster
-FULL = [case for case in FULL if case not in DEFAULT]
+_IN_DEFAULT = {(m, c, k) for m, c, ks in DEFAULT for k in ks}
+FULL = [(m, c, ks) for m, c in FULL for ks in [tuple(k for k in configs_of(m, c) if (m, c, k) not in _IN_DEFAULT)]
+        if ks]
 
 FIELDS = ("model", "cluster", "mode", "batch", "config", "step_time_s", "vs_plan", "exposed_comm_s", "memory_bytes",
-          "bytes_moved", "fits", "plan_s", "trace_s", "build_s", "solve_s", "other_s", "stage_dp_s", "decisions",
-          "distinct", "ops", "solver", "compiled_bytes_moved", "compiled_peak_bytes", "ran", "note")
-
+          "bytes_moved", "fits", "stages", "microbatches", "plan_s", "trace_s", "build_s", "solve_s", "stage_dp_s",
+          "other_s", "decisions", "distinct", "ops", "solver", "compiled_bytes_moved", "compiled_peak_bytes", "ran",
+          "pp_candidates", "note")
 
 def _timing(plan, wall: float, trace_s: float | None) -> dict:
     s = plan.solver
@@ -116,7 +174,7 @@ def _prediction(plan) -> dict:
             "note": plan.solver.get("approximation", "")}
 
 
-def run_compiled(model: str, cluster: str, time_limit: float) -> list[dict]:
+def run_compiled(model: str, cluster: str, time_limit: float, configs: tuple[str, ...]) -> list[dict]:
     shape, hardware, batch = CLUSTERS[cluster]
     b = get_model(model, dtype="bfloat16", **({"batch": batch} if batch else {}))
     args = (b.abstract_state(), b.abstract_batch())
@@ -124,7 +182,7 @@ def run_compiled(model: str, cluster: str, time_limit: float) -> list[dict]:
     concrete = (b.init_state(key), b.make_batch(key))
     mesh = MeshSpec(shape, ("x", "y"))
     rows = []
-    for config in ("planner", *NAMES):
+    for config in configs:
         kw = ({"memory_budget": BUDGET} if config == "planner"
               else {"pins": baseline_pins(config), "unpinned": "replicate"})
         row = {"model": model, "cluster": cluster, "mode": "compiled", "batch": b.config.batch, "config": config}
@@ -147,20 +205,103 @@ def run_compiled(model: str, cluster: str, time_limit: float) -> list[dict]:
     return rows
 
 
-def run_abstract(model: str, cluster: str, time_limit: float) -> list[dict]:
+class _ILPTimes(logging.Handler):
+    """Sums the ILP build and solve times `make_plan` logs (planner/planning.py: "built ILP: ... in Xs",
+    "solved: STATUS in Ys") while a pipeline configuration plans its per-layer and per-stage ILPs."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.build_s = self.solve_s = 0.0
+        self.solves = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.msg if isinstance(record.msg, str) else ""
+        if msg.startswith("built ILP:"):
+            self.build_s += float(record.args[-1])
+        elif msg.startswith("solved:"):
+            self.solve_s += float(record.args[1])
+            self.solves += 1
+
+
+@contextlib.contextmanager
+def _ilp_times():
+    logger = logging.getLogger("planner")
+    handler, level = _ILPTimes(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if level in (logging.NOTSET,) or level > logging.INFO else level)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _pipeline_fields(plan, wall: float, ilp: _ILPTimes, fits_memory: bool = True) -> dict:
+    """Prediction and timing columns of a configuration planned by the pipeline path (the pipeline-auto
+    plan, a `NAME+ppN` baseline)."""
+    pipe = dict(plan.pipeline or {})
+    info = dict(pipe.get("planning") or {})
+    pr = plan.prediction
+    multi = bool(plan.stages)
+    trace_s, dp_s = float(info.get("trace_s", 0.0)), float(info.get("dp_s", 0.0))
+    note = (f"{ilp.solves} ILPs solved ({info.get('distinct_layers', '?')} distinct layers x "
+            f"{info.get('logical_meshes', '?')} logical meshes x microbatch sizes, then the chosen stages' plans)")
+    if not fits_memory:
+        note += "; no microbatch count fits the budget: costed ignoring memory"
+    if multi:
+        note += "; exposed communication not split out of a pipeline's step"
+    return {
+        "step_time_s": pr.step_time_s, "exposed_comm_s": "" if multi else f"{pr.communication_time_s:.4g}",
+        "memory_bytes": int(pr.memory_bytes_per_device), "bytes_moved": int(pr.bytes_moved_per_device),
+        "fits": "yes" if pr.memory_bytes_per_device <= BUDGET and fits_memory else "no",
+        "stages": pipe.get("num_stages", len(plan.stages) or 1), "microbatches": pipe.get("num_microbatches", ""),
+        "plan_s": f"{wall:.2f}", "trace_s": f"{trace_s:.2f}", "build_s": f"{ilp.build_s:.2f}",
+        "solve_s": f"{ilp.solve_s:.2f}", "stage_dp_s": f"{dp_s:.2f}",
+        "other_s": f"{wall - trace_s - ilp.build_s - ilp.solve_s - dp_s:.2f}",
+        "decisions": "" if multi else plan.solver.get("decisions", ""),
+        "distinct": "" if multi else plan.solver.get("variables_shared", ""),
+        "solver": "pipeline" if multi else plan.solver.get("status", ""),
+        "pp_candidates": ";".join(f"{c['num_microbatches']}:{c['step_time_s']:.6g}:{c['stages']}"
+                                  for c in pipe.get("candidates", ()) if c.get("step_time_s") is not None),
+        "note": note,
+    }
+
+
+def run_abstract(model: str, cluster: str, time_limit: float, configs: tuple[str, ...]) -> list[dict]:
     shape, hardware, batch = CLUSTERS[cluster]
     b = get_model(model, dtype="bfloat16", **({"batch": batch} if batch else {}))
+    args = (b.abstract_state(), b.abstract_batch())
     t = time.perf_counter()
-    graph = trace(b.train_step, b.abstract_state(), b.abstract_batch())
+    graph = trace(b.train_step, *args)
     trace_s = time.perf_counter() - t
     mesh = MeshSpec(shape, ("x", "y"))
     shapes = [graph.tensors[i].shape for i in graph.inputs]
+    pipelined = multi_host(cluster)
     rows = []
-    for config in ("planner", *NAMES):
-        row = {"model": model, "cluster": cluster, "mode": "abstract", "batch": b.config.batch, "config": config}
+    for config in configs:
+        if rows:
+            print(f"  {rows[-1]['config']}: {rows[-1].get('plan_s') or '-'} s", file=sys.stderr, flush=True)
+        row = {"model": model, "cluster": cluster, "mode": "abstract", "batch": b.config.batch, "config": config,
+               "ops": len(graph.ops)}
         t = time.perf_counter()
         try:
-            if config == "planner":
+            if pipelined and config == "planner":  # as `planner plan --cluster HxD:PRESET --pipeline auto` plans
+                opts = PlanOptions(hardware=hardware, memory_budget=BUDGET, solver_time_limit=time_limit,
+                                   pipeline="auto")
+                with _ilp_times() as ilp:
+                    plan, _ = plan_stages(b.train_step, args, graph, Cluster.parse(hardware), check_options(opts))
+                rows.append(row | _pipeline_fields(plan, time.perf_counter() - t, ilp))
+                continue
+            if "+pp" in config:  # `evaluate(..., baseline="NAME+ppN", cluster=...)`'s code path
+                name, stages = parse_baseline(config)
+                opts = PlanOptions(hardware=hardware, solver_time_limit=time_limit)
+                with _ilp_times() as ilp:
+                    plan, _ = pipeline_baseline(b.train_step, args, graph, name, stages, Cluster.parse(hardware),
+                                                check_options(opts))
+                fits = bool(dict(plan.pipeline["planning"]).get("fits_memory", True))
+                rows.append(row | _pipeline_fields(plan, time.perf_counter() - t, ilp, fits))
+                continue
+            if config in PLANNERS:
                 opts, pins = PlanOptions(hardware=hardware, memory_budget=BUDGET, solver_time_limit=time_limit), None
             else:  # as `planner.evaluate` pins a baseline: every argument, unmatched leaves replicated
                 opts = PlanOptions(hardware=hardware, solver_time_limit=time_limit)
@@ -170,9 +311,11 @@ def run_abstract(model: str, cluster: str, time_limit: float) -> list[dict]:
         except PlannerError as e:
             rows.append({**row, "note": f"not planned: {str(e).splitlines()[0]}"})
             continue
-        rows.append(row | _prediction(plan) | _timing(plan, time.perf_counter() - t, trace_s))
+        rows.append(row | _prediction(plan) | _timing(plan, time.perf_counter() - t, trace_s)
+                    | ({"stages": 1, "microbatches": 1} if pipelined else {}))
+    if rows:
+        print(f"  {rows[-1]['config']}: {rows[-1].get('plan_s') or '-'} s", file=sys.stderr, flush=True)
     return rows
-
 
 def _f(x) -> float | None:
     try:
@@ -190,7 +333,8 @@ def summarize(rows: list[dict]) -> tuple[list[str], list[dict]]:
     for (model, cluster), rs in groups.items():
         plan = next((r for r in rs if r["config"] == "planner"), None)
         pt = _f(plan.get("step_time_s")) if plan else None
-        fitting = [r for r in rs if r["config"] != "planner" and r.get("fits") == "yes"]
+        fitting = [r for r in rs if r["config"] not in PLANNERS and r.get("fits") == "yes"
+                   and _f(r.get("step_time_s")) is not None]
         best = min(fitting, key=lambda r: float(r["step_time_s"]), default=None)
         rec = {"model": model, "cluster": cluster, "mode": rs[0]["mode"], "plan_s": pt,
                "best": best["config"] if best else None, "best_s": _f(best["step_time_s"]) if best else None}
@@ -206,6 +350,21 @@ def summarize(rows: list[dict]) -> tuple[list[str], list[dict]]:
                     if rb <= pb and rm <= pm and (rb < pb or rm < pm):
                         dominated.append(r["config"])
         rec["dominated_by"] = dominated if rs[0]["mode"] == "compiled" else None
+        # The pipeline search against its own points: the single-stage plan, and each fitting NAME+ppN
+        # baseline against the search's best candidate at the baseline's microbatch count.
+        single = next((_f(r.get("step_time_s")) for r in rs if r["config"] == "planner-1stage"), None)
+        rec["single_s"] = single
+        rec["vs_single"] = None if single is None or pt is None else pt <= single * (1 + 1e-9)
+        cands = {}
+        for item in filter(None, (plan.get("pp_candidates") or "").split(";") if plan else ()):
+            b, t, n = item.split(":")
+            cands[int(b)] = (float(t), int(n))
+        rec["pp_checks"] = []
+        for r in fitting:
+            if "+pp" in r["config"] and cands and str(r.get("microbatches", "")).isdigit():
+                c = cands.get(int(r["microbatches"]))
+                rec["pp_checks"].append((r["config"], int(r["microbatches"]), float(r["step_time_s"]),
+                                         None if c is None else c[0]))
         recs.append(rec)
     n = len(recs)
     comp = [r for r in recs if r["dominated_by"] is not None]
@@ -220,6 +379,19 @@ def summarize(rows: list[dict]) -> tuple[list[str], list[dict]]:
         f"{sum(r['plan_s'] is None for r in recs)}.",
         f"- Compiled groups where the plan is not dominated on (compiled bytes moved, compiled peak memory): "
         f"{sum(not r['dominated_by'] for r in comp)} of {len(comp)}.",
+    ]
+    piped = [r for r in recs if r["vs_single"] is not None]
+    checks = [(r, c) for r in recs for c in r["pp_checks"]]
+    bad = [(r, c) for r, c in checks if c[3] is None or c[3] > c[2] * (1 + 1e-9)]
+    lines += [
+        f"- Clusters of several hosts (`planner` = the pipeline-auto plan): planner no slower than its own "
+        f"single-stage plan (`planner-1stage`) in {sum(r['vs_single'] for r in piped)} of {len(piped)} groups"
+        + "".join(f"; {r['model']} {r['cluster']}: {r['plan_s']:.4g} vs {r['single_s']:.4g} s"
+                  for r in piped if not r["vs_single"]) + ".",
+        f"- Pipeline search vs the fitting `NAME+ppN` baselines (its best candidate at the baseline's microbatch "
+        f"count, any stages): no slower in {len(checks) - len(bad)} of {len(checks)}"
+        + "".join(f"; {r['model']} {r['cluster']} {c[0]} (B={c[1]}): {c[2]:.4g} s, search "
+                  + ("no candidate" if c[3] is None else f"{c[3]:.4g} s") for r, c in bad) + ".",
         "", "| model | cluster | mode | plan step s | best fitting baseline | its step s | baseline / plan | "
             "no slower | >= 10% faster | dominated (compiled) by |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in recs:
@@ -232,24 +404,26 @@ def summarize(rows: list[dict]) -> tuple[list[str], list[dict]]:
     return lines, recs
 
 
-def plots(rows: list[dict]) -> list[str]:
+def plots(rows: list[dict], out: pathlib.Path) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     written = []
     models = dict.fromkeys(r["model"] for r in rows)
-    markers = dict(zip(("planner", *NAMES), "*osD^v<>"))
+    order = (*PLANNERS, *NAMES, *PP_BASELINES)
+    markers = dict(zip(order, "*PosD^v<>phHXd8"))
     for model in models:
         rs = [r for r in rows if r["model"] == model and _f(r.get("step_time_s")) is not None]
         clusters = list(dict.fromkeys(r["cluster"] for r in rs))
         if not clusters:
             continue
-        fig, axes = plt.subplots(1, len(clusters), figsize=(4.5 * len(clusters), 4), squeeze=False)
+        fig, axes = plt.subplots(1, len(clusters), figsize=(4.5 * len(clusters) + 1.4, 4), squeeze=False)
         for ax, cluster in zip(axes[0], clusters):
             here = [r for r in rs if r["cluster"] == cluster]
             for i, r in enumerate(here):  # the plan drawn last, hollow: a baseline it equals shows through
                 plan = r["config"] == "planner"
-                ax.scatter(float(r["step_time_s"]) * 1e3, float(r["memory_bytes"]) / 2**30, marker=markers[r["config"]],
+                ax.scatter(float(r["step_time_s"]) * 1e3, float(r["memory_bytes"]) / 2**30,
+                           marker=markers.get(r["config"], "."),
                            s=260 if plan else 50, label=r["config"], zorder=5 if plan else 3,
                            facecolors="none" if plan else f"C{i}", edgecolors="crimson" if plan else "black",
                            linewidths=1.5 if plan else 0.5)
@@ -260,9 +434,13 @@ def plots(rows: list[dict]) -> list[str]:
             ax.set_ylabel("memory / device (GiB)")
             ax.set_xscale("log")
             ax.set_yscale("log")
-        axes[0][0].legend(fontsize=7)
-        fig.tight_layout()
-        path = RESULTS / f"suite_memory_{model}.png"
+        handles = {}  # every configuration drawn in any panel, once, beside the panels
+        for ax in axes[0]:
+            drawn, labels = ax.get_legend_handles_labels()
+            handles.update((label, h) for label, h in zip(labels, drawn) if label not in handles)
+        fig.legend(list(handles.values()), list(handles), fontsize=7, loc="center right", markerscale=0.6)
+        fig.tight_layout(rect=(0, 0, 1 - 1.4 / fig.get_figwidth(), 1))
+        path = out / f"suite_memory_{model}.png"
         fig.savefig(path, dpi=90)
         plt.close(fig)
         written.append(path.name)
@@ -285,13 +463,13 @@ def plots(rows: list[dict]) -> list[str]:
         ax.set_title("plan_s per configuration (abstract rows: without the shared trace)", fontsize=9)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(RESULTS / "suite_planning_time.png", dpi=90)
+        fig.savefig(out / "suite_planning_time.png", dpi=90)
         plt.close(fig)
         written.append("suite_planning_time.png")
     return written
 
 
-def write(rows: list[dict], header: str) -> None:
+def write(rows: list[dict], header: str, out_dir: pathlib.Path) -> None:
     for g in {(r["model"], r["cluster"]) for r in rows}:  # vs_plan within each (model, cluster)
         rs = [r for r in rows if (r["model"], r["cluster"]) == g]
         p = next((_f(r.get("step_time_s")) for r in rs if r["config"] == "planner"), None)
@@ -301,20 +479,20 @@ def write(rows: list[dict], header: str) -> None:
                 r["other_s"] = f"{parts[0] - parts[1] - parts[2]:.2f}"
             t = _f(r.get("step_time_s"))
             r["vs_plan"] = f"{t / p:.3f}" if t is not None and p else ""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     out = [{k: (f"{r[k]:.6g}" if k == "step_time_s" and isinstance(r.get(k), float) else r.get(k, ""))
             for k in FIELDS} for r in rows]
-    with open(RESULTS / "suite.csv", "w", newline="") as f:
+    with open(out_dir / "suite.csv", "w", newline="") as f:
         w = csv.DictWriter(f, FIELDS)
         w.writeheader()
         w.writerows(out)
     summary, _ = summarize(rows)
-    images = plots(rows)
+    images = plots(rows, out_dir)
     lines = [header, "", "## Goals", "", *summary, "", "## Table", "",
              "| " + " | ".join(FIELDS) + " |", "|" + "---|" * len(FIELDS)]
     lines += ["| " + " | ".join(str(r[k]) for k in FIELDS) + " |" for r in out]
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in images]
-    (RESULTS / "suite.md").write_text("\n".join(lines) + "\n")
+    (out_dir / "suite.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
@@ -323,44 +501,58 @@ def main(argv=None) -> int:
                     help="default: `make bench`'s subset; full: the rest; all: both")
     ap.add_argument("--models", default=None, help="comma-separated filter on the set's models")
     ap.add_argument("--clusters", default=None, help="comma-separated filter: 1x8,2x4,8x8,128x8")
+    ap.add_argument("--configs", default=None, help="comma-separated filter on the configurations, e.g. "
+                    "planner,megatron-tp+pp2")
     ap.add_argument("--append", action="store_true",
-                    help="keep an existing suite.csv's rows (those of the (model, cluster) pairs run now are replaced)")
+                    help="keep an existing suite.csv's rows (those of the (model, cluster, configuration) run now are "
+                         "replaced)")
+    ap.add_argument("--out", default=str(RESULTS), help="directory of suite.csv, suite.md and the plots")
     ap.add_argument("--render", action="store_true", help="only rewrite suite.md and the plots from suite.csv")
     ap.add_argument("--time-limit", type=float, default=30.0, help="solver limit per configuration (det. units)")
     args = ap.parse_args(argv)
     cases = {"default": DEFAULT, "full": FULL, "all": DEFAULT + FULL}[args.set]
+    if args.set == "all":  # one case per (model, cluster), configurations in the suite's order
+        merged = {}
+        for m, c, ks in cases:
+            merged[(m, c)] = merged.get((m, c), ()) + ks
+        cases = [(m, c, tuple(k for k in configs_of(m, c) if k in ks)) for (m, c), ks in merged.items()]
     if args.models:
         cases = [c for c in cases if c[0] in args.models.split(",")]
     if args.clusters:
         cases = [c for c in cases if c[1] in args.clusters.split(",")]
+    if args.configs:
+        cases = [(m, c, tuple(k for k in ks if k in args.configs.split(","))) for m, c, ks in cases]
+        cases = [case for case in cases if case[2]]
     header = (f"# Comparison suite (issue 12; {time.strftime('%Y-%m-%d')}; last run --set {args.set}"
               f"{' --append (earlier rows kept)' if args.append else ''}; {PRESET} cost model, "
               f"budget {BUDGET / 1e9:.0f} GB/device; bf16 compute, fp32 master weights)\n\n"
               "mode `compiled`: planned, compiled, read back from the HLO and run one step on 8 CPU devices; "
               "mode `abstract`: cost model only, nothing compiled. Columns: see experiments/bench_suite.py.")
+    run = {(m, c, k) for m, c, ks in cases for k in ks}
     rows: list[dict] = []
-    if (args.append or args.render) and (RESULTS / "suite.csv").exists():
-        with open(RESULTS / "suite.csv", newline="") as f:
-            rows = [r for r in csv.DictReader(f) if (r["model"], r["cluster"]) not in set(cases)]
+    out = pathlib.Path(args.out)
+    if (args.append or args.render) and (out / "suite.csv").exists():
+        with open(out / "suite.csv", newline="") as f:
+            rows = [r for r in csv.DictReader(f) if (r["model"], r["cluster"], r["config"]) not in run]
     start = time.perf_counter()
     if args.render:
-        with open(RESULTS / "suite.csv", newline="") as f:
+        with open(out / "suite.csv", newline="") as f:
             rows = list(csv.DictReader(f))
         cases = []
-        header = (RESULTS / "suite.md").read_text().split("\n## Goals")[0].rstrip()
-    for model, cluster in cases:
+        header = (out / "suite.md").read_text().split("\n## Goals")[0].rstrip()
+    for model, cluster, configs in cases:
         t = time.perf_counter()
         if model in COMPILED_MODELS:
-            rows += run_compiled(model, cluster, args.time_limit)
+            rows += run_compiled(model, cluster, args.time_limit, configs)
         else:
-            rows += run_abstract(model, cluster, args.time_limit)
+            rows += run_abstract(model, cluster, args.time_limit, configs)
         print(f"{model} {cluster}: {time.perf_counter() - t:.1f} s (total {time.perf_counter() - start:.0f} s)",
               file=sys.stderr, flush=True)
-        write(rows, header + f"\n\nWall time so far: {time.perf_counter() - start:.0f} s.")
+        write(rows, header + f"\n\nWall time so far: {time.perf_counter() - start:.0f} s.", out)
     if args.render:
-        write(rows, header)
+        write(rows, header, out)
     summary, _ = summarize(rows)
-    print("\n".join(summary[:6]))
+    print("\n".join(summary[:summary.index("")]))
     return 0
 
 

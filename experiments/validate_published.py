@@ -224,8 +224,8 @@ predicted time of one sequence's forward and backward on one A100 (experiments/v
 elementwise and reduction ops over [seq, seq] tensors, and the rest: layer norms, GELU, residual adds,
 conversions, the loss) at memory bandwidth with traffic counted at fusion boundaries the way XLA
 groups fusions (planner/fusion.py, checked against XLA:CPU's compiled bytes). The error tracks the
-memory-bound share: it is largest for the small models (1.7B: 54% of the predicted time is
-memory-bound, a third of it on the attention scores) and shrinks as the hidden size grows (145.6B:
+memory-bound share: it is largest for the small models (1.7B: 53% of the predicted time is
+memory-bound, 36 points of it on the attention scores) and shrinks as the hidden size grows (145.6B:
 24%). If the matmul time were exact, the measured step would need the memory-bound work to run
 f times its predicted time ("implied non-matmul factor"). Megatron-LM runs that work in hand-fused
 CUDA kernels (fused scale-mask-softmax, fused bias-GELU, fused layer norm, fused Adam), reading and

@@ -26,6 +26,17 @@ def test_uniform_fast_cluster_keeps_a_small_gpt_in_one_stage():
     assert pp.num_microbatches == 1 and pp.bubble_fraction == 0.0
     assert pp.step_time_s == pytest.approx(pp.single_stage_time_s)
     assert all(t > pp.step_time_s for b, t, s in pp.candidates if s > 1)
+    # The single stage competes at the price of what runs it: the whole program's intra-op plan on
+    # that mesh (whose gradient reduction hides behind the backward), not the per-layer tables' sum.
+    from planner.graph import trace
+    from planner.planning import make_plan
+
+    b = get_model("gpt2-small")
+    st = pp.stages[0]
+    whole = make_plan(trace(b.train_step, b.abstract_state(), b.abstract_batch()), st.mesh,
+                      PlanOptions(memory_budget=make_cluster(1, 8, "a100").hardware.memory_bytes,
+                                  inter_host_axes=st.host_axes, hardware=make_cluster(1, 8, "a100").hardware))
+    assert pp.step_time_s == pytest.approx(whole.prediction.step_time_s, rel=1e-9)
 
 
 def test_slow_host_links_pipeline_along_host_boundaries():

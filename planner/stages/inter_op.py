@@ -24,11 +24,12 @@ import jax
 import numpy as np
 
 from planner.cost_model import Cluster
-from planner.errors import InfeasiblePlanError, InvalidArgumentError
+from planner.errors import InfeasiblePlanError, InvalidArgumentError, PlannerError
 from planner.units import format_bytes
 from planner.graph import Graph, trace
 from planner.mesh import MeshSpec
 from planner.options import PlanOptions
+from planner.planning import make_plan
 from planner.sharding import Spec
 from planner.stages.clustering import Layers, cluster_layers
 from planner.stages.dp import DPResult, StageChoice, bubble_fraction, pipeline_dp, pipeline_latency
@@ -44,6 +45,7 @@ from planner.stages.stage_cost import (
 from planner.stages.submesh import (
     LogicalMesh,
     boundary_link,
+    effective_hardware,
     logical_meshes,
     place_submeshes,
     submesh_shapes,
@@ -311,7 +313,8 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
       args: its arguments (arrays or ShapeDtypeStructs); `args[batch_argnum]` is the batch.
       cluster: hosts x devices and their links.
       options: `pipeline` (True: at least two stages; "auto": the single-stage plan on the whole
-        cluster without microbatching competes too, and is reported), `num_microbatches`
+        cluster without microbatching competes too, priced as the whole-program plan that
+        `planned.plan_stages` returns for it, and is reported), `num_microbatches`
         (None: try every count dividing the batch, or the `microbatch_limit` largest), `schedule`,
         `memory_budget` (default: the device memory), `solver_time_limit` for each layer's ILP.
       batch_argnum: position(s) of the batch argument(s).
@@ -391,9 +394,24 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
         single_free = float(free.times[0, 0, L - 1, 0])
         if math.isfinite(single):
             single += _once_per_step_max(table, st1, (StageChoice(0, L - 1, 0, single),))
+            # The single stage runs as the whole program's intra-op plan (`planned.plan_stages`), whose
+            # prediction hides what the per-layer tables charge exposed (the gradient reduction behind
+            # the backward): it competes at that price, on the logical mesh the tables chose.
+            t0 = time.perf_counter()
+            lm = meshes[st1.options[0][int(st1.option[0, 0, L - 1, 0])].mesh_index]
+            try:
+                whole = make_plan(graph, lm.mesh, dataclasses.replace(
+                    options, pipeline=False, memory_budget=budget, inter_host_axes=lm.host_axes,
+                    hardware=effective_hardware(cluster)), pins=_input_pins(pins, graph, lm))
+                single = whole.prediction.step_time_s
+            except PlannerError as e:
+                log.info("single stage on %s: %s", lm.mesh, e)
+                single = math.inf
+            timings["single_stage_s"] = time.perf_counter() - t0
         if math.isfinite(single_free):
             single_free += _once_per_step_max(table, free, (StageChoice(0, L - 1, 0, single_free),))
-        dp1 = DPResult((StageChoice(0, L - 1, full, float(st1.times[0, 0, L - 1, 0])),), single, single, 0)
+        dp1 = None if not math.isfinite(single) else \
+            DPResult((StageChoice(0, L - 1, full, float(st1.times[0, 0, L - 1, 0])),), single, single, 0)
         candidates.append(_Candidate(1, graph, layers, table, _remap(st1, full, len(shapes)), dp1, single))
 
     feasible = [c for c in candidates if c.dp is not None and math.isfinite(c.step_s)]
@@ -406,6 +424,18 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
                           len(cache), single, single_free,
                           tuple((c.B, c.step_s, len(c.dp.stages) if c.dp else 0) for c in candidates),
                           {"dp_evaluations": evaluations, "logical_meshes": len(meshes)})
+
+
+def _input_pins(pins, graph: Graph, lm: LogicalMesh) -> dict[int, Spec] | None:
+    """`pins` as `make_plan` takes them (program input position -> Spec) on `lm`; a pin the mesh
+    cannot take raises its error."""
+    if pins is None:
+        return None
+    by_tensor = pins(graph, lm)
+    for v in by_tensor.values():
+        if isinstance(v, Exception):
+            raise v
+    return {i: by_tensor[t] for i, t in enumerate(graph.inputs) if t in by_tensor}
 
 
 def _pipeline_plan(best: _Candidate, stages: tuple[StagePlan, ...], options: PlanOptions, cluster: Cluster,

@@ -299,8 +299,8 @@ def plan_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, clu
             if isinstance(v, Exception):
                 raise v
         pinned = {i: by_tensor[t] for i, t in enumerate(graph.inputs) if t in by_tensor}
-    plan = make_plan(graph, st.mesh, dataclasses.replace(options, inter_host_axes=st.host_axes), jax_mesh,
-                     pins=pinned)
+    plan = make_plan(graph, st.mesh, dataclasses.replace(options, inter_host_axes=st.host_axes,
+                                                         hardware=effective_hardware(cluster)), jax_mesh, pins=pinned)
     return dataclasses.replace(plan, pipeline=MappingProxyType(pp.to_dict())), pp
 
 
