@@ -35,8 +35,9 @@ On the clusters of several hosts (8x8, 128x8) the abstract rows add pipelines:
 The summary also checks the pipeline search against its own points: for each fitting `NAME+ppN`
 row, the search's best candidate at that row's microbatch count (`pp_candidates`, "B:step_s:stages"
 per count the search tried, B=1 the single stage as the stage DP costs it) must be no slower.
-Pipeline rows' `bytes_moved` count each stage's per-microbatch collectives B times
-(planner/stages/planned.py) and their `exposed_comm_s` is empty (a pipeline's step is not split).
+Pipeline rows' `bytes_moved` count each stage's collectives once per microbatch, its data-parallel
+gradient reduction once per step (planner/stages/planned.py `pipeline_collectives`), and their
+`exposed_comm_s` is the step less its compute (`PipelinePlan.compute_time_s`).
 
 Cost model: the a100-80gb preset (planner/cost_model/hardware.py), budget = its 80 GB per device;
 the planner's plans are planned under that budget, the baselines are costed as they are (fits=no
@@ -248,10 +249,8 @@ def _pipeline_fields(plan, wall: float, ilp: _ILPTimes, fits_memory: bool = True
             f"{info.get('logical_meshes', '?')} logical meshes x microbatch sizes, then the chosen stages' plans)")
     if not fits_memory:
         note += "; no microbatch count fits the budget: costed ignoring memory"
-    if multi:
-        note += "; exposed communication not split out of a pipeline's step"
     return {
-        "step_time_s": pr.step_time_s, "exposed_comm_s": "" if multi else f"{pr.communication_time_s:.4g}",
+        "step_time_s": pr.step_time_s, "exposed_comm_s": f"{pr.communication_time_s:.4g}",
         "memory_bytes": int(pr.memory_bytes_per_device), "bytes_moved": int(pr.bytes_moved_per_device),
         "fits": "yes" if pr.memory_bytes_per_device <= BUDGET and fits_memory else "no",
         "stages": pipe.get("num_stages", len(plan.stages) or 1), "microbatches": pipe.get("num_microbatches", ""),
