@@ -89,3 +89,10 @@ def test_greedy_plan_keeps_tied_outputs_with_shared_layers(name):
     assert all(choice[i] == choice[r] for i, r in enumerate(problem.rep))
     broken = [(a, b) for a, b in problem.ties if problem.spec(a, choice) != problem.spec(b, choice)]
     assert not broken
+    # Coordinate descent from it keeps the ties and the sharing and never costs more.
+    from planner.ilp.solver import improve
+
+    better = improve(problem, choice)
+    assert all(better[i] == better[r] for i, r in enumerate(problem.rep))
+    assert all(problem.spec(a, better) == problem.spec(b, better) for a, b in problem.ties)
+    assert plan_cost(problem, better) <= plan_cost(problem, choice)
