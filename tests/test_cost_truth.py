@@ -44,6 +44,19 @@ def _graph(name, **overrides):
     return trace(b.train_step, b.abstract_state(), b.abstract_batch())
 
 
+def _cp_sat_optimum(problem):
+    """CP-SAT's own optimum of the planner's model of `problem`: (objective in seconds, the choice,
+    the rounding tolerance: each objective term is rounded to one 10 ps tick)."""
+    model = _Model(problem)
+    model.m.Minimize(model.objective)
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.max_time_in_seconds = 20
+    assert solver.Solve(model.m) == cp_model.OPTIMAL
+    choice = [next(i for i, v in enumerate(vs) if isinstance(v, int) or solver.BooleanValue(v)) for vs in model.x]
+    return solver.ObjectiveValue() / _NS, choice, (len(model.terms) + 1) / _NS
+
+
 # --- 1. one number ---------------------------------------------------------------------------
 
 
@@ -59,16 +72,9 @@ def test_solver_objective_progress_line_and_prediction_are_one_number():
     assert p.step_time_s == pytest.approx(p.compute_time_s + p.communication_time_s, rel=1e-12)
 
     problem = build_problem(graph, cost_model_for(MESH_2x4, options))
-    model = _Model(problem)
-    model.m.Minimize(model.objective)
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    solver.parameters.max_time_in_seconds = 20
-    assert solver.Solve(model.m) == cp_model.OPTIMAL
-    choice = [next(i for i, v in enumerate(vs) if isinstance(v, int) or solver.BooleanValue(v)) for vs in model.x]
-    rounding = (len(model.terms) + 1) / _NS  # each term is rounded to one 10 ps tick
-    assert solver.ObjectiveValue() / _NS == pytest.approx(plan_cost(problem, choice), abs=rounding)
-    assert solver.ObjectiveValue() / _NS == pytest.approx(p.step_time_s, abs=rounding)  # same optimum
+    objective, choice, rounding = _cp_sat_optimum(problem)
+    assert objective == pytest.approx(plan_cost(problem, choice), abs=rounding)
+    assert objective == pytest.approx(p.step_time_s, abs=rounding)  # same optimum
 
 
 def test_combined_gradient_reductions_pay_one_latency():
@@ -352,11 +358,5 @@ def test_parameter_all_gathers_are_prefetched_behind_earlier_compute():
     serial = step_time(dataclasses.replace(problem, overlap=False), choice)  # the same plan, nothing hidden
     assert serial.total_s - p.step_time_s == pytest.approx(p.hidden_communication_time_s, rel=1e-9)
     assert p.hidden_communication_time_s >= (total - stall) * (1 - 1e-9)
-    model = _Model(problem)
-    model.m.Minimize(model.objective)
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    solver.parameters.max_time_in_seconds = 20
-    assert solver.Solve(model.m) == cp_model.OPTIMAL
-    rounding = (len(model.terms) + 1) / _NS
-    assert solver.ObjectiveValue() / _NS == pytest.approx(p.step_time_s, abs=rounding)
+    objective, _, rounding = _cp_sat_optimum(problem)
+    assert objective == pytest.approx(p.step_time_s, abs=rounding)

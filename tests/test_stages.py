@@ -85,18 +85,20 @@ def test_balanced_cuts_match_brute_force():
         assert all(flops[bounds[k]:bounds[k + 1]].sum() <= cap + 1e-9 for k in range(L))
 
 
-def test_flops_clustering_without_module_names():
-    def step(ws, x):
-        def loss(ws):
-            h = x
-            for w in ws:
-                h = jnp.tanh(h @ w)
-            return jnp.mean(h ** 2)
-        l, g = jax.value_and_grad(loss)(ws)
-        return [w - 0.1 * gw for w, gw in zip(ws, g)], l
+def _tanh_chain_step(ws, x):
+    """A train step over a chain of tanh layers in plain JAX (no module names), plain SGD."""
+    def loss(ws):
+        h = x
+        for w in ws:
+            h = jnp.tanh(h @ w)
+        return jnp.mean(h ** 2)
+    l, g = jax.value_and_grad(loss)(ws)
+    return [w - 0.1 * gw for w, gw in zip(ws, g)], l
 
+
+def test_flops_clustering_without_module_names():
     ws = [jax.ShapeDtypeStruct((16, 16), jnp.float32)] * 6
-    graph = trace(step, ws, jax.ShapeDtypeStruct((8, 16), jnp.float32))
+    graph = trace(_tanh_chain_step, ws, jax.ShapeDtypeStruct((8, 16), jnp.float32))
     layers = cluster_layers(graph, num_layers=3)
     assert layers.method == "flops" and layers.num_layers == 3
     facts = layer_facts(graph, layers)
@@ -234,17 +236,8 @@ def test_resharding_between_layers_of_one_stage_is_costed():
     from planner.options import PlanOptions
     from planner.stages.stage_cost import LayerCostTable, StageOption, layer_edges, stage_ranges
 
-    def step(ws, x):
-        def loss(ws):
-            h = x
-            for w in ws:
-                h = jnp.tanh(h @ w)
-            return jnp.mean(h ** 2)
-        l, g = jax.value_and_grad(loss)(ws)
-        return [w - 0.1 * gw for w, gw in zip(ws, g)], l
-
     ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
-    graph = trace(step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
+    graph = trace(_tanh_chain_step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
     layers = cluster_layers(graph, num_layers=2)
     cluster = make_cluster(1, 8, "a100")
     meshes = logical_meshes((1, 8), cluster, max_ndim=1)

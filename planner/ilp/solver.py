@@ -223,6 +223,11 @@ def _reduction_buffers(problem: Problem, node, i: int, combined_at: int) -> list
     return out
 
 
+def _compute_ticks(node) -> tuple[int, ...]:
+    """Per strategy, the node's compute (its cost less its own collectives) in objective units."""
+    return tuple(int(round((c - m) * _NS)) for c, m in zip(node.costs, node.comm_s))
+
+
 def _lin(x, ticks):
     return sum(t * v for t, v in zip(ticks, x) if t)
 
@@ -354,7 +359,7 @@ class _Model:
         info: list[tuple] = []  # per key id: (compute expression, issued expression or None)
         bound = 1
         for node in overlap_order(p):
-            compute = tuple(int(round((c - m) * _NS)) for c, m in zip(node.costs, node.comm_s))
+            compute = _compute_ticks(node)
             issued = tuple(int(round(a * _NS)) for a in node.async_s)
             bound += int(max(node.costs) * _NS) + 1
             if not any(compute) and not any(issued):
@@ -381,7 +386,7 @@ class _Model:
         info: list[tuple] = []
         bound = 1 + self._sink_ticks * max(1, len(self._prefetch_of))
         for node in reversed(overlap_order(p)):
-            compute = tuple(int(round((c - m) * _NS)) for c, m in zip(node.costs, node.comm_s))
+            compute = _compute_ticks(node)
             bound += int(max(node.costs) * _NS) + 1
             keys = tuple(sorted(self._prefetch_of.get(node.index, ()), key=repr))
             if not any(compute) and not keys:
@@ -674,12 +679,11 @@ def _in_program_order(problem: Problem, pick) -> tuple[int, ...]:
     choice = [0] * len(problem.nodes)
     rep = problem.rep
     tied_out: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # by the decision of the output
-    for tin, tout in problem.ties:
-        tied_out[rep[problem.owner[tout]]].append((tin, tout, problem.owner[tout]))
     reachable: dict[int, list[tuple[int, int, set]]] = defaultdict(list)  # tied inputs: specs their outputs take
     for tin, tout in problem.ties:
-        owner = problem.owner[tin]
-        reachable[rep[owner]].append((tin, owner, set(problem.nodes[problem.owner[tout]].owned[tout])))
+        a, b = problem.owner[tin], problem.owner[tout]
+        tied_out[rep[b]].append((tin, tout, b))
+        reachable[rep[a]].append((tin, a, set(problem.nodes[b].owned[tout])))
     done: set[int] = set()
     for node in problem.nodes:
         r = rep[node.index]

@@ -159,8 +159,8 @@ class PipelinePlan:
     layer_names: tuple[str, ...]
     candidates: tuple[tuple[int, float, int], ...]
     planning: Mapping[str, Any]
-    compute_time_s: float = 0.0
-    hidden_communication_s: float = 0.0
+    compute_time_s: float
+    hidden_communication_s: float
 
     @property
     def num_stages(self) -> int:
@@ -402,7 +402,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
             try:
                 whole = make_plan(graph, lm.mesh, dataclasses.replace(
                     options, pipeline=False, memory_budget=budget, inter_host_axes=lm.host_axes,
-                    hardware=effective_hardware(cluster)), pins=_input_pins(pins, graph, lm))
+                    hardware=effective_hardware(cluster)), pins=input_pins(pins, graph, lm))
                 single = whole.prediction.step_time_s
             except PlannerError as e:
                 log.info("single stage on %s: %s", lm.mesh, e)
@@ -426,7 +426,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
                           {"dp_evaluations": evaluations, "logical_meshes": len(meshes)})
 
 
-def _input_pins(pins, graph: Graph, lm: LogicalMesh) -> dict[int, Spec] | None:
+def input_pins(pins, graph: Graph, lm: LogicalMesh) -> dict[int, Spec] | None:
     """`pins` as `make_plan` takes them (program input position -> Spec) on `lm`; a pin the mesh
     cannot take raises its error."""
     if pins is None:

@@ -33,7 +33,7 @@ from planner.plan import Plan, PredictedCollective, Prediction
 from planner.planning import make_plan
 from planner.sharding import replicated
 from planner.stages.derived import DerivedStep
-from planner.stages.inter_op import PipelinePlan, fixed_pipeline, plan_pipeline
+from planner.stages.inter_op import PipelinePlan, fixed_pipeline, input_pins, plan_pipeline
 from planner.stages.runtime import PipelinedStep, StageLowered, plain_record
 from planner.stages.submesh import LogicalMesh, effective_hardware, make_cluster
 
@@ -94,11 +94,10 @@ def to_plan(pp: PipelinePlan, graph: Graph, cluster: Cluster, options: PlanOptio
         mesh = MeshSpec((cluster.devices_per_host,), ("device",))
     rank = [len(graph.tensors[t].shape) if isinstance(t, int) else len(t.tensor.shape) for t in graph.outputs]
     collectives = pipeline_collectives(stage_plans, transfers, pp.num_microbatches, once)
-    compute = pp.compute_time_s if pp.compute_time_s > 0 else pp.step_time_s
     prediction = Prediction(
         step_time_s=pp.step_time_s,
-        compute_time_s=compute,
-        communication_time_s=pp.step_time_s - compute,
+        compute_time_s=pp.compute_time_s,
+        communication_time_s=pp.step_time_s - pp.compute_time_s,
         hidden_communication_time_s=pp.hidden_communication_s,
         memory_bytes_per_device=int(pp.memory_bytes_per_device),
         bytes_moved_per_device=float(sum(ring_bytes(c.kind, c.nbytes, c.group_size) for c in collectives)),
@@ -292,13 +291,7 @@ def plan_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, clu
         return to_plan(pp, graph, cluster, options, *stage_plans_for(fn, args, graph, pp, cluster, options)), pp
     st = pp.stages[0]
     jax_mesh = st.mesh.to_jax_mesh([devices[i] for i in st.devices]) if max(st.devices) < len(devices) else None
-    pinned = None
-    if kwargs.get("pins") is not None:
-        by_tensor = kwargs["pins"](graph, LogicalMesh(st.mesh, (), st.host_axes))
-        for v in by_tensor.values():
-            if isinstance(v, Exception):
-                raise v
-        pinned = {i: by_tensor[t] for i, t in enumerate(graph.inputs) if t in by_tensor}
+    pinned = input_pins(kwargs.get("pins"), graph, LogicalMesh(st.mesh, (), st.host_axes))
     plan = make_plan(graph, st.mesh, dataclasses.replace(options, inter_host_axes=st.host_axes,
                                                          hardware=effective_hardware(cluster)), jax_mesh, pins=pinned)
     return dataclasses.replace(plan, pipeline=MappingProxyType(pp.to_dict())), pp

@@ -546,11 +546,17 @@ def _range_max(x: np.ndarray) -> np.ndarray:
 
 
 def _columns(table: LayerCostTable, mesh_index: int, layout: str) -> dict[str, np.ndarray]:
+    """Per layer on that mesh and state layout: its time per microbatch ("time") and the exposed
+    communication inside it ("comm"), each with what remat's recomputed forward adds
+    ("..._recompute"); its state, activation and working bytes."""
     rows = [table.cost(l, mesh_index) for l in range(table.layers.num_layers)]
     sharded = layout == "sharded-state"
+    gathers = [r.zero_extra_s if sharded else 0.0 for r in rows]  # the sharded state's all-gathers
     return {
-        "time": np.array([r.time_s + (r.zero_extra_s if sharded else 0.0) for r in rows]),
-        "recompute": np.array([r.time_s * r.fwd_fraction + (r.zero_extra_s / 2 if sharded else 0.0) for r in rows]),
+        "time": np.array([r.time_s + g for r, g in zip(rows, gathers)]),
+        "time_recompute": np.array([r.time_s * r.fwd_fraction + g / 2 for r, g in zip(rows, gathers)]),
+        "comm": np.array([r.comm_s + g for r, g in zip(rows, gathers)]),
+        "comm_recompute": np.array([r.comm_s * r.fwd_fraction + g / 2 for r, g in zip(rows, gathers)]),
         "state": np.array([r.zero_state_bytes if sharded else r.state_bytes for r in rows]),
         "act": np.array([r.act_bytes for r in rows]),
         "work": np.array([r.zero_work_bytes if sharded else r.work_bytes for r in rows]),
@@ -567,13 +573,10 @@ def stage_ranges(table: LayerCostTable, mesh_index: int, option: StageOption, de
     the recomputed forward under remat).
     """
     col = _columns(table, mesh_index, option.layout)
-    inner = table.inner(mesh_index)
-    fwd_send, bwd_send = _sends(boundary, link, devices)
-    t = _range_sums(col["time"]) + inner + fwd_send[None, :] + bwd_send[:, None]
+    t = _range_seconds(table, col, "time", mesh_index, option.remat, boundary, link, devices)
     state, act, work = _range_sums(col["state"]), _range_sums(col["act"]), _range_max(col["work"])
     if not option.remat:
         return t, state + work, act
-    t = t + _range_sums(col["recompute"]) + inner / 2
     stage_input = np.concatenate([[0.0], boundary[:-1]]) / devices
     per_mb = np.where(np.isfinite(act), np.broadcast_to(stage_input[:, None], act.shape), np.inf)
     return t, state + act + work, per_mb
@@ -589,20 +592,27 @@ def _sends(boundary: np.ndarray, link, devices: int) -> tuple[np.ndarray, np.nda
     return fwd_send, bwd_send
 
 
+def _range_seconds(table: LayerCostTable, col: dict[str, np.ndarray], kind: str, mesh_index: int, remat: bool,
+                   boundary: np.ndarray, link, devices: int) -> np.ndarray:
+    """`out[k, i]`: seconds per microbatch of layers k..i as one stage, from the per-layer column
+    `kind` of `_columns` ("time", or "comm" for the communication inside it): the layers' sum, the
+    resharding between them (`LayerCostTable.inner`), the boundary sends; under remat the
+    recomputed forward's share of the layers and of the resharding."""
+    inner = table.inner(mesh_index)
+    fwd_send, bwd_send = _sends(boundary, link, devices)
+    out = _range_sums(col[kind]) + inner + fwd_send[None, :] + bwd_send[:, None]
+    if remat:
+        out = out + _range_sums(col[f"{kind}_recompute"]) + inner / 2
+    return out
+
+
 def stage_communication(table: LayerCostTable, first: int, last: int, option: StageOption, devices: int,
                         boundary: np.ndarray, link) -> tuple[float, float]:
     """(exposed, hidden) communication per microbatch inside the stage time `stage_ranges` gives for
-    layers first..last: the layers' exposed communication (and the sharded-state gathers), the
-    resharding between them, the boundary sends; under remat the recomputed forward's share again."""
-    rows = [table.cost(l, option.mesh_index) for l in range(first, last + 1)]
-    sharded = option.layout == "sharded-state"
-    inner = float(table.inner(option.mesh_index)[first, last])
-    fwd_send, bwd_send = _sends(boundary, link, devices)
-    exposed = sum(r.comm_s + (r.zero_extra_s if sharded else 0.0) for r in rows) + inner
-    exposed += float(fwd_send[last] + bwd_send[first])
-    if option.remat:
-        exposed += sum(r.comm_s * r.fwd_fraction + (r.zero_extra_s / 2 if sharded else 0.0) for r in rows) + inner / 2
-    return exposed, sum(r.hidden_s for r in rows)
+    layers first..last (`_range_seconds` of the "comm" column)."""
+    col = _columns(table, option.mesh_index, option.layout)
+    exposed = _range_seconds(table, col, "comm", option.mesh_index, option.remat, boundary, link, devices)
+    return float(exposed[first, last]), sum(table.cost(l, option.mesh_index).hidden_s for l in range(first, last + 1))
 
 
 def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
