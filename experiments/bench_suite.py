@@ -5,7 +5,11 @@ planner/baselines.py: predicted step time (and vs the plan), exposed communicati
 device, bytes moved per device, whether it fits the device memory budget, pipeline stages and
 microbatches, planning time split, ILP size, and, on the compiled rows, bytes moved and peak memory
 read back from the compiled HLO (xla_hooks.inspect.report) after the program ran one step on the 8
-CPU devices.
+CPU devices. The compiled bytes of a bf16 plan's gradient all-reduces are twice the predicted ones:
+XLA:CPU's `all-reduce-promotion` pass turns every 16-bit all-reduce into a float32 one (seen in its
+pass dumps: bf16[256,64] all-reduces after spmd-partitioning, f32[256,64] after that pass), while the
+prediction is for the GPU the cost model describes, whose NCCL all-reduce runs in bf16. The
+comparison between configurations on one backend is unaffected (both sides are promoted).
 
 Two kinds of rows (the "mode" column says which):
   compiled  small models (`*-tiny`) on the 8 local CPU devices (1x8, 2x4): the plan from
@@ -526,7 +530,9 @@ def main(argv=None) -> int:
               f"{' --append (earlier rows kept)' if args.append else ''}; {PRESET} cost model, "
               f"budget {BUDGET / 1e9:.0f} GB/device; bf16 compute, fp32 master weights)\n\n"
               "mode `compiled`: planned, compiled, read back from the HLO and run one step on 8 CPU devices; "
-              "mode `abstract`: cost model only, nothing compiled. Columns: see experiments/bench_suite.py.")
+              "mode `abstract`: cost model only, nothing compiled. Columns: see experiments/bench_suite.py. "
+              "Compiled bytes of bf16 gradient all-reduces are 2x the predicted: XLA:CPU promotes 16-bit "
+              "all-reduces to float32 (its all-reduce-promotion pass); the prediction is for NCCL's bf16.")
     run = {(m, c, k) for m, c, ks in cases for k in ks}
     rows: list[dict] = []
     out = pathlib.Path(args.out)

@@ -14,6 +14,8 @@ from planner.errors import InvalidArgumentError
 from planner.mesh import MeshSpec
 from zoo import get_model, make_optimizer
 from planner.stages import pipelinable
+from planner.graph import trace
+from planner.stages.planned import cluster_for, plan_stages
 from planner.stages.runtime import PipelinedStep, StageLayout, even_layouts, layer_names
 from tests.conftest import skip_if_fewer_devices
 from tests.helpers import assert_first_step_close, assert_loss_close, assert_sgd_step_close, longest_reduction
@@ -135,6 +137,15 @@ def test_auto_pipeline_on_one_device_is_the_intra_op_plan(gpt):
     plan = step.plan(b.abstract_state(), b.abstract_batch())
     assert plan.stages == () and plan.pipeline["num_stages"] == 1
     assert plan.pipeline["bubble_fraction"] == 0.0
+    # The single-stage plan the search priced is the one returned, bound to the devices: one solve.
+    args = (b.abstract_state(), b.abstract_batch())
+    one = jax.devices()[:1]
+    options = planner.PlanOptions(pipeline="auto")
+    again, pp = plan_stages(b.train_step, args, trace(b.train_step, *args), cluster_for(MeshSpec((1,), ("x",)), 1, options),
+                            options, one)
+    assert pp.num_stages == 1 and again.solver is pp.single_stage_plan[0].solver
+    assert again.jax_mesh is not None and list(again.jax_mesh.devices.flat) == one
+    assert again.prediction == plan.prediction
 
 
 def test_model_without_module_names_splits_by_balanced_layers():

@@ -161,6 +161,10 @@ class PipelinePlan:
     planning: Mapping[str, Any]
     compute_time_s: float
     hidden_communication_s: float
+    # (plan, inter-host axes): the whole-program plan the single stage was priced with (`pipeline="auto"`), bound to the
+    # devices `plan_pipeline` was given; `planned.plan_stages` returns it when one stage wins
+    # instead of solving the same ILP again. Not part of the plan's data.
+    single_stage_plan: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def num_stages(self) -> int:
@@ -305,7 +309,8 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
                   max_mesh_ndim: int = 2,
                   microbatch_limit: int | None = None, rel_gap: float = 0.0, num_layers: int | None = None,
                   full_graph: Graph | None = None,
-                  pins: Callable[[Graph, LogicalMesh], Mapping[int, Any]] | None = None) -> PipelinePlan:
+                  pins: Callable[[Graph, LogicalMesh], Mapping[int, Any]] | None = None,
+                  devices: Sequence[Any] = ()) -> PipelinePlan:
     """Plans pipeline stages for `fn(*args)` on `cluster`.
 
     Args:
@@ -326,6 +331,9 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
       pins: `(graph, logical mesh) -> {program input tensor id: Spec}` (`planner.pins.stage_pins`):
         each layer's ILP keeps the pinned inputs it reads as pinned, so a pin applies to the stage
         that holds the pinned leaf; a mesh that cannot take a pin is not used for those layers.
+      devices: the devices the plan will run on (none: planned abstractly). The single-stage plan
+        of `pipeline="auto"` is made for the first `cluster.num_devices` of them, so that
+        `planned.plan_stages` can return it as it is when one stage wins.
 
     Raises:
       InfeasiblePlanError: no stage assignment fits the memory budget.
@@ -380,7 +388,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
         candidates.append(_Candidate(B, graph, layers, table, st, dp, step))
 
     # The single-stage plan: the whole cluster, the whole batch at once.
-    single = single_free = None
+    single = single_free = whole = None
     full = len(shapes) - 1
     if options.pipeline == "auto":
         graph, layers, table, t0 = build(1)
@@ -399,10 +407,11 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
             # the backward): it competes at that price, on the logical mesh the tables chose.
             t0 = time.perf_counter()
             lm = meshes[st1.options[0][int(st1.option[0, 0, L - 1, 0])].mesh_index]
+            bound = lm.mesh.to_jax_mesh(list(devices)[:lm.mesh.size]) if len(devices) >= lm.mesh.size else None
             try:
                 whole = make_plan(graph, lm.mesh, dataclasses.replace(
                     options, pipeline=False, memory_budget=budget, inter_host_axes=lm.host_axes,
-                    hardware=effective_hardware(cluster)), pins=input_pins(pins, graph, lm))
+                    hardware=effective_hardware(cluster)), bound, pins=input_pins(pins, graph, lm))
                 single = whole.prediction.step_time_s
             except PlannerError as e:
                 log.info("single stage on %s: %s", lm.mesh, e)
@@ -420,10 +429,13 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
             f"no pipeline of {cluster} fits the memory budget of {budget:.4g} bytes per device for any of "
             f"{list(counts)} microbatches; raise memory_budget, use more devices or more microbatches")
     best = min(feasible, key=lambda c: (c.step_s, len(c.dp.stages)))
-    return _pipeline_plan(best, _stage_plans(best, shapes, meshes, cluster), options, cluster, t_start, timings,
-                          len(cache), single, single_free,
-                          tuple((c.B, c.step_s, len(c.dp.stages) if c.dp else 0) for c in candidates),
-                          {"dp_evaluations": evaluations, "logical_meshes": len(meshes)})
+    pp = _pipeline_plan(best, _stage_plans(best, shapes, meshes, cluster), options, cluster, t_start, timings,
+                        len(cache), single, single_free,
+                        tuple((c.B, c.step_s, len(c.dp.stages) if c.dp else 0) for c in candidates),
+                        {"dp_evaluations": evaluations, "logical_meshes": len(meshes)})
+    if whole is None or pp.num_stages > 1:
+        return pp
+    return dataclasses.replace(pp, single_stage_plan=(whole, lm.host_axes))
 
 
 def input_pins(pins, graph: Graph, lm: LogicalMesh) -> dict[int, Spec] | None:

@@ -286,14 +286,19 @@ def plan_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, clu
     stage's mesh, bound to `devices` when there are enough of them, with the pipeline facts
     attached; for several it is `to_plan(...)`.
     """
-    pp = plan_pipeline(fn, args, cluster, options, full_graph=graph, **kwargs)
+    pp = plan_pipeline(fn, args, cluster, options, full_graph=graph, devices=devices, **kwargs)
     if pp.num_stages > 1:
         return to_plan(pp, graph, cluster, options, *stage_plans_for(fn, args, graph, pp, cluster, options)), pp
     st = pp.stages[0]
-    jax_mesh = st.mesh.to_jax_mesh([devices[i] for i in st.devices]) if max(st.devices) < len(devices) else None
-    pinned = input_pins(kwargs.get("pins"), graph, LogicalMesh(st.mesh, (), st.host_axes))
-    plan = make_plan(graph, st.mesh, dataclasses.replace(options, inter_host_axes=st.host_axes,
-                                                         hardware=effective_hardware(cluster)), jax_mesh, pins=pinned)
+    plan, host_axes = pp.single_stage_plan or (None, None)
+    # The search's own single-stage plan when it is the one this stage needs (same logical mesh and
+    # inter-host axes, the devices in order); otherwise the stage's plan is made here.
+    if (plan is None or plan.mesh != st.mesh or tuple(host_axes) != tuple(st.host_axes)
+            or tuple(st.devices) != tuple(range(len(st.devices)))):
+        jax_mesh = st.mesh.to_jax_mesh([devices[i] for i in st.devices]) if max(st.devices) < len(devices) else None
+        pinned = input_pins(kwargs.get("pins"), graph, LogicalMesh(st.mesh, (), st.host_axes))
+        plan = make_plan(graph, st.mesh, dataclasses.replace(options, inter_host_axes=st.host_axes,
+                                                             hardware=effective_hardware(cluster)), jax_mesh, pins=pinned)
     return dataclasses.replace(plan, pipeline=MappingProxyType(pp.to_dict())), pp
 
 
