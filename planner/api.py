@@ -11,6 +11,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
+from planner import offload
 from planner.accumulate import jit_accumulated, plan_accumulation
 from planner.compat import USER_CONSTRAINTS, user_sharding
 from planner.emit import jit_planned
@@ -22,6 +23,7 @@ from planner.pins import (check_stage_pins, intermediate_patterns, logical_names
                           resolve as resolve_pins, rules_to_pins, stage_pins)
 from planner.plan import Plan
 from planner.planning import check_options, make_plan
+from planner.remat import plan_remat, record as remat_record
 from planner.sharding import to_partition_spec
 from planner.search import best_plan, candidate_meshes, search_meshes
 from planner.stages.planned import plan_with_stages
@@ -92,10 +94,16 @@ class PlannedFunction:
         if self.options.accumulate not in (None, 1):
             self._cache[key] = self._accumulated(graph, args)
             return self._cache[key]
-        if self._mesh_spec is not None:
-            plan = make_plan(graph, self._mesh_spec, self.options, self._jax_mesh, pins=pinned)
-        else:
-            plan = self._choose_mesh(graph)
+        def plan_graph(g: Graph, search: bool) -> Plan:
+            if self._mesh_spec is not None:
+                return make_plan(g, self._mesh_spec, self.options, self._jax_mesh, pins=pinned, min_peak_search=search)
+            return self._choose_mesh(g)
+
+        traced = graph  # recomputation (`planner.remat`): the planned and emitted graph is the rewritten one
+        graph, plan, policy = plan_remat(graph, self.options.remat, self.options.memory_budget, plan_graph,
+                                         lambda p: p)
+        if self.options.remat != "off":
+            plan = remat_record(plan, traced, graph, policy)
         plan = _record_user_constraints(graph, plan)
         entry = (graph, plan, jit_planned(graph, plan, self.donate_argnums))
         self._cache[key] = entry
@@ -180,7 +188,7 @@ class PlannedFunction:
 
     def _choose_mesh(self, graph: Graph) -> Plan:
         return best_plan(search_meshes(graph, candidate_meshes(len(self.devices)), self.options,
-                                       devices=self.devices))
+                                       devices=self.devices), self.options.memory_budget)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments (arrays or ShapeDtypeStructs); planned once per signature."""
@@ -201,6 +209,8 @@ class PlannedFunction:
         graph, plan, jitted = self._entry(args)
         if plan.stages:
             return jitted.lower(*args)
+        if offload.positions(plan)[0]:  # host-offloaded arguments lower in their host shardings
+            args = offload.abstract_args(plan, args)
         with jax.sharding.set_mesh(plan._mesh()):
             return jitted.lower(*args)
 
@@ -212,13 +222,14 @@ class PlannedFunction:
         graph, plan, jitted = self._entry(args)
         if plan.stages:
             return jitted(*args)  # a pipeline: stages place their own inputs
-        placed = jax.device_put(args, plan.in_shardings)
+        placed = jax.device_put(args, offload.in_shardings(plan))
         with jax.sharding.set_mesh(plan._mesh()):
             outs = jitted(*placed)
         user = self._user_mesh
         if isinstance(user, jax.sharding.Mesh) and user is not plan._mesh():
             outs = jax.device_put(outs, jax.tree_util.tree_map(
-                lambda s: jax.sharding.NamedSharding(user, s.spec), plan.out_shardings))
+                lambda s: jax.sharding.NamedSharding(user, s.spec, memory_kind=s.memory_kind),
+                offload.out_shardings(plan)))
         return outs
 
 
@@ -284,6 +295,12 @@ def plan_parallel(fn: Callable[..., Any] | None = None, *, mesh: Any = None,
         choose another); `Plan.user_constraints` records which were kept. `accumulate=k` or
         `"auto"`: gradient accumulation over k microbatches inside the step (`planner.accumulate`;
         `plan.solver["accumulation"]` records k); the planned graph is then the microbatch trace.
+        `offload="opt-state"` or `"auto"`: Adam moments (optimizer state) kept in host memory
+        between steps, all of them or only what `memory_budget` needs (`planner.offload`;
+        `plan.solver["offload"]` records which, their bytes and copy times).
+        `remat="full"`, `"dots"` or `"auto"`: repeated layers' forward recomputed in the backward
+        (`planner.remat`; `plan.solver["remat"]` records the policy and layers); the planned and
+        emitted graph (`.graph(...)`) is then the rewritten one.
 
     Returns:
       A `PlannedFunction` (or a decorator making one).

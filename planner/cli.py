@@ -56,7 +56,8 @@ from planner.present.html_report import render_html
 from planner.present.ranking import hardware_record, mesh_ranking, pipeline_ranking, plan_view
 from planner.present.report import PlanView, fmt_bytes, format_plan
 from planner.programs import load_factory, load_model
-from planner.search import MeshResult, candidate_meshes, inter_host_axes, search_meshes
+from planner.remat import plan_remat, record as remat_record
+from planner.search import MeshResult, candidate_meshes, inter_host_axes, no_fit_error, search_meshes
 from planner.stages import make_cluster, plan_stages
 from planner.units import parse_bytes
 from zoo import model_names
@@ -124,6 +125,13 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     opts.add_argument("--accumulate", type=_accumulate, default=None, metavar="auto|K",
                       help="gradient accumulation without pipelining: K microbatches per step (a loop inside the "
                            "step, one update), or 'auto' for the fastest K that fits the memory budget")
+    opts.add_argument("--offload", choices=("off", "auto", "opt-state"), default=None,
+                      help="host offload of optimizer state in single-stage plans: 'opt-state' keeps all of it in "
+                           "host memory between steps, 'auto' only the part that does not fit the memory budget")
+    opts.add_argument("--remat", choices=("off", "auto", "dots", "full"), default=None,
+                      help="recompute repeated layers' forward in the backward (single-stage plans): 'full' keeps "
+                           "only each layer's inputs, 'dots' keeps matmul results, 'auto' recomputes only when the "
+                           "plan does not fit the memory budget")
     opts.add_argument("--prefetch", action="store_true",
                       help="price parameter all-gathers (ZeRO-3/FSDP) as issued ahead of their use, hidden behind "
                            "earlier compute (a harder ILP: slower planning)")
@@ -293,6 +301,12 @@ def _options(args, budget: float | None, cluster: Cluster | None = None) -> Plan
         base["solver_time_limit"] = args.time_limit
     if getattr(args, "prefetch", False):
         base["prefetch"] = True
+    if getattr(args, "offload", None) is not None:
+        base["offload"] = args.offload
+    if getattr(args, "remat", None) is not None:
+        if _hand_configured(args):
+            raise CLIError("--remat is not supported with --pin / --rules / --baseline yet; drop one")
+        base["remat"] = args.remat
     return PlanOptions.from_kwargs(base)
 
 
@@ -300,6 +314,8 @@ def _no_plan(results, budget: float | None, accumulated: bool = False) -> Except
     over = [r for r in results if r.over_budget]
     if not over:
         return CLIError("no mesh shape could be planned: " + "; ".join(f"{r.mesh}: {r.error}" for r in results))
+    if not accumulated:
+        return no_fit_error(results, budget)
     need = min((r.min_memory_bytes or math.inf) for r in over)
     floor = min((getattr(r.error, "lower_bound_bytes", None) or math.inf) for r in over)
     return InfeasiblePlanError(
@@ -384,9 +400,17 @@ def cmd_plan(args, out) -> int:
         results, graph = _accumulated_results(step, graph, meshes, options, cluster, budget)
         ranked = mesh_ranking(results, flops, hardware)
     else:
-        results = search_meshes(graph, meshes, options, cluster.devices_per_host if cluster else None)
-        if results[0].plan is None:
-            raise _no_plan(results, budget)
+        def search(g, _smallest_peak: bool):
+            found = search_meshes(g, meshes, options, cluster.devices_per_host if cluster else None)
+            if found[0].plan is None:
+                raise _no_plan(found, budget)
+            return found
+
+        traced = graph  # --remat: the graph planned is the one with recomputation (`planner.remat`)
+        graph, results, policy = plan_remat(graph, options.remat, budget, search, lambda found: found[0].plan)
+        if options.remat != "off":
+            results = [dataclasses.replace(r, plan=remat_record(r.plan, traced, graph, policy)) if r.plan else r
+                       for r in results]
         ranked = mesh_ranking(results, flops, hardware)
         log.info("planned %d mesh shape(s) in %.1fs", len(meshes), time.perf_counter() - t0)
     view = plan_view(ranked, graph, label, num_devices, cluster, hardware, budget, flops, time.perf_counter() - t0)
@@ -403,6 +427,18 @@ def cmd_plan(args, out) -> int:
     if record and record.get("microbatches", 1) > 1:
         print(f"\nGradient accumulation: {record['microbatches']} microbatches of {record['microbatch_rows']} rows "
               "per step (the shapes above are one microbatch's)", file=out)
+    record = view.plan.solver.get("remat")
+    if record:
+        print(f"\nRecomputation: {record['policy']}" + (
+            f", {len(record['layers'])} layer(s) ({record['layers'][0]}..{record['layers'][-1]}), "
+            f"{record['recomputed_ops']} ops recomputed in the backward" if record.get("layers") else
+            " (the plan fits without it)"), file=out)
+    record = view.plan.solver.get("offload")
+    if record:
+        print(f"\nHost offload ({record['mode']}): {len(record['inputs'])} of {record['candidates']} optimizer-state "
+              f"leaves in host memory, {fmt_bytes(record['host_bytes_per_device'])}/device; copies in "
+              f"{record['copy_in_s']:.3g} s ({record['hidden_s']:.3g} s hidden), back {record['copy_back_s']:.3g} s",
+              file=out)
     _print_xla_flags(view.plan, out)
     _write_outputs(args, view, out)
     return 0

@@ -7,7 +7,9 @@ from typing import Any
 
 import jax
 
+from planner import offload
 from planner.compat import USER_CONSTRAINTS
+from planner.errors import InvalidArgumentError
 from planner.graph import Graph, Op
 from planner.plan import Plan
 from planner.sharding import named_sharding
@@ -23,10 +25,14 @@ def constrained_function(graph: Graph, plan: Plan) -> Callable[..., Any]:
     (`mesh.auto_view`), so only `with_sharding_constraint` is needed.
     Must be called under `jax.jit` (sharding constraints need a tracing context).
     """
+    if (plan.solver.get("remat") or {}).get("recomputed_ops") and not graph.recompute:
+        raise InvalidArgumentError("this plan recomputes layers: emit it on the graph it was made for, "
+                                   "planner.remat.graph_for(trace(fn, *args), plan)")
     before_op, after_op = constraint_hooks(plan, plan._mesh(), graph)
+    before_op, to_host = offload.emission_hooks(graph, plan, before_op)  # host-offloaded state (`planner.offload`)
 
     def fn(*args):
-        outs = graph.evaluate(jax.tree_util.tree_leaves(args), after_op, before_op)
+        outs = to_host(graph.evaluate(jax.tree_util.tree_leaves(args), after_op, before_op))
         return jax.tree_util.tree_unflatten(graph.out_tree, outs)
 
     return fn
@@ -68,7 +74,7 @@ def jit_planned(graph: Graph, plan: Plan, donate_argnums: int | tuple[int, ...] 
     """`jax.jit` of the planned program with the plan's input and output shardings."""
     return jax.jit(
         constrained_function(graph, plan),
-        in_shardings=plan.in_shardings,
-        out_shardings=plan.out_shardings,
+        in_shardings=offload.in_shardings(plan),
+        out_shardings=offload.out_shardings(plan),
         donate_argnums=donate_argnums,
     )

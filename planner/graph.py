@@ -120,6 +120,23 @@ class Region:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Recompute:
+    """Ops [start, end) recompute forward values for the backward pass (`planner.remat`).
+
+    Evaluation passes `inputs` together with `gate` (a value that exists only once the backward
+    pass reaches these ops, e.g. the incoming cotangent) through one `jax.lax.optimization_barrier`,
+    makes the computed ones among them depend on `gate` (`_after`) and runs the ops on those, so XLA
+    neither merges them back into the forward ops they copy (CSE) nor computes them before the
+    backward needs them.
+    """
+
+    start: int
+    end: int
+    inputs: tuple[int, ...]
+    gate: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class Graph:
     """The traced program.
 
@@ -136,6 +153,7 @@ class Graph:
       loop_ties: (carry in, carry out) tensor pairs of while loops: one sharding for both.
       user_constraints: "pin" (the user's sharding constraints fix their results' sharding) or
         "hint" (the planner may choose another); read by the constraint's rule.
+      recompute: recomputation groups by the index of their first op (see `Recompute`).
     """
 
     tensors: tuple[Tensor, ...]
@@ -150,6 +168,7 @@ class Graph:
     regions: Mapping[int, tuple[Region, ...]] = dataclasses.field(default_factory=dict)
     loop_ties: tuple[tuple[int, int], ...] = ()
     user_constraints: str = "pin"
+    recompute: Mapping[int, Recompute] = dataclasses.field(default_factory=dict)
 
     def producers(self) -> dict[int, tuple[int, int]]:
         """tensor id -> (op index, output position)."""
@@ -200,6 +219,16 @@ class Graph:
                 env.update((t, v) for t, v in zip(region.outputs, outs) if isinstance(t, int))
                 i = region.end
                 continue
+            group = self.recompute.get(i)
+            if group is not None and group.end <= end and not any(group is a for a in active):
+                vals = jax.lax.optimization_barrier([env[t] for t in group.inputs] + [env[group.gate]])
+                local = dict(env)
+                args = set(self.inputs)
+                local.update(zip(group.inputs, _after(vals[:-1], vals[-1], [t in args for t in group.inputs])))
+                self._run(i, group.end, local, before_op, after_op, active + (group,))
+                env.update((t, local[t]) for op in self.ops[i:group.end] for t in op.outputs)
+                i = group.end
+                continue
             op = self.ops[i]
             operands = [_read(env, x) for x in op.inputs]
             if before_op is not None:
@@ -248,6 +277,24 @@ class Graph:
                     and len(producers[t].outputs) == 1 and region.kind != "while" else v
                     for t, v in zip(region.outputs, outs)]
         return outs
+
+
+def _after(values: Sequence[Any], gate: Any, skip: Sequence[bool]) -> list[Any]:
+    """`values` made data-dependent on `gate`: x - 0 * gate[0, ..., 0], which is x when that element
+    is finite (except that a -0 in x becomes +0 when that element is negative or -0; an inf or
+    nan there, a non-finite gradient already, turns the recomputed values into nan).
+    XLA removes optimization barriers before it schedules (OptimizationBarrierExpander), and XLA:CPU's
+    default scheduler then computed the recomputation during the forward (measured: no saving); an
+    operand keeps it after `gate`. Cost: one element of `gate` (a 4-byte all-reduce when `gate` is
+    sharded). Program arguments (`skip`) and non-float values pass as they are."""
+    floating = getattr(gate, "size", 0) and jax.numpy.issubdtype(gate.dtype, jax.numpy.floating)
+    g = gate[(0,) * gate.ndim] if floating else None
+    out = []
+    for v, s in zip(values, skip):
+        dtype = getattr(v, "dtype", None)
+        floating = dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.floating)
+        out.append(v if s or g is None or not floating else v - (g * 0).astype(dtype))
+    return out
 
 
 def _read(env: dict[int, Any], x: int | Literal) -> Any:

@@ -53,6 +53,13 @@ class PlanOptions:
       accumulate: gradient accumulation in a single-stage plan (`planner.accumulate`): None or 1
         (off), an int k (k microbatches per step, a `lax.scan` inside the step, one update), or
         "auto" (the planner chooses the fastest k that fits `memory_budget`).
+      offload: host offload of optimizer state in a single-stage plan (`planner.offload`): "off",
+        "opt-state" (every optimizer-state leaf lives in the host's memory between steps), or
+        "auto" (only the leaves a plan needs off the device to fit `memory_budget`, largest first).
+      remat: recomputation of repeated layers in a single-stage plan (`planner.remat`): "off",
+        "full" (each layer keeps only its inputs), "dots" (keeps matmul results,
+        `jax.checkpoint_policies.dots_saveable`), or "auto" (off when the plan without it fits
+        `memory_budget` unconstrained, else the fastest of off / "dots" / "full" that fits).
     """
 
     memory_budget: float | None = None
@@ -73,6 +80,8 @@ class PlanOptions:
     prefetch: bool = False
     user_constraints: str = "pin"
     accumulate: int | str | None = None
+    offload: str = "off"
+    remat: str = "off"
 
     def __post_init__(self):
         if not isinstance(self.overlap, bool):
@@ -90,6 +99,17 @@ class PlanOptions:
         if self.accumulate not in (None, 1) and self.pipeline:
             raise InvalidArgumentError("accumulate= is for single-stage plans; a pipeline splits the batch into "
                                        "microbatches itself (num_microbatches=)")
+        if self.offload not in ("off", "auto", "opt-state"):
+            raise InvalidArgumentError(f"offload={self.offload!r} must be 'off', 'auto' or 'opt-state'")
+        if self.offload != "off" and (self.pipeline or self.accumulate not in (None, 1)):
+            raise InvalidArgumentError(f"offload={self.offload!r} is for single-stage plans without gradient "
+                                       "accumulation; drop pipeline= / accumulate= or use offload='off'")
+        if self.remat not in ("off", "full", "dots", "auto"):
+            raise InvalidArgumentError(f"remat={self.remat!r} must be 'off', 'full', 'dots' or 'auto'")
+        if self.remat != "off" and (self.pipeline or self.accumulate not in (None, 1)):
+            raise InvalidArgumentError(f"remat={self.remat!r} is for single-stage plans without gradient accumulation "
+                                       "(pipeline stages choose recomputation themselves); drop pipeline= / "
+                                       "accumulate= or use remat='off'")
         if self.pipeline not in (True, False, "auto"):
             raise InvalidArgumentError(f"pipeline={self.pipeline!r} must be True, False or 'auto'")
         if self.schedule not in ("1f1b", "gpipe"):

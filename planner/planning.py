@@ -17,6 +17,7 @@ from planner.ilp.problem import Problem, build_problem
 from planner.ilp.solver import Solution, solve
 from planner.ilp.strategies import reshard_cost
 from planner.mesh import MeshSpec
+from planner.offload import plan_offload, record as offload_record
 from planner.options import PlanOptions
 from planner.plan import Decision, Plan, PredictedCollective, Prediction
 from planner.sharding import Spec, active_axes, replicated
@@ -190,14 +191,12 @@ def _common(specs: Sequence) -> tuple:
     return tuple(out)
 
 
-def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None = None,
-              pins: Mapping[int, Spec] | None = None) -> Plan:
-    """Plans `graph` on `mesh`; `pins` (input position -> spec, `planner.pins.resolve`) fix those
-    inputs' shardings and the ILP plans the rest.
+def plan_problem(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None = None,
+                 pins: Mapping[int, Spec] | None = None) -> Problem:
+    """The ILP `make_plan` solves for `graph` on `mesh` (the mesh search bounds it before solving).
 
     Raises:
       MeshError: a mesh axis that can split nothing.
-      InfeasiblePlanError: no plan fits `options.memory_budget`.
     """
     t0 = time.perf_counter()
     check_mesh_fits(graph, mesh)
@@ -208,10 +207,32 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     overlap = options.overlap and cost.hardware.platform != "cpu"
     problem = dataclasses.replace(problem, overlap=overlap, prefetch=overlap and options.prefetch,
                                   device_platform=_device_platform(jax_mesh))
-    t1 = time.perf_counter()
     log.info("built ILP: %d ops -> %d decisions (%d after layer sharing), %d edges in %.2fs", len(graph.ops),
-             len(problem.nodes), len(set(problem.rep)), len(problem.edges), t1 - t0)
-    sol = solve(problem, options.memory_budget, options.solver_time_limit, options.solver_workers)
+             len(problem.nodes), len(set(problem.rep)), len(problem.edges), time.perf_counter() - t0)
+    return problem
+
+
+def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None = None,
+              pins: Mapping[int, Spec] | None = None, problem: Problem | None = None,
+              min_peak_search: bool = True) -> Plan:
+    """Plans `graph` on `mesh`; `pins` (input position -> spec, `planner.pins.resolve`) fix those
+    inputs' shardings and the ILP plans the rest. `problem`: `plan_problem`'s answer for the same
+    arguments, when the caller built it already. `min_peak_search=False`: an infeasible budget is
+    reported without searching for the smallest peak (the mesh search runs that search once, on
+    its most promising mesh).
+
+    Raises:
+      MeshError: a mesh axis that can split nothing.
+      InfeasiblePlanError: no plan fits `options.memory_budget`.
+    """
+    t0 = time.perf_counter()
+    if problem is None:
+        problem = plan_problem(graph, mesh, options, jax_mesh, pins)
+    problem, sol = plan_offload(  # host offload of optimizer state (`planner.offload`; "off": a plain solve)
+        problem, options.offload, options.memory_budget,
+        list(jax_mesh.devices.flat) if isinstance(jax_mesh, jax.sharding.Mesh) else [],
+        lambda p, search: solve(p, options.memory_budget, options.solver_time_limit, options.solver_workers,
+                                min_peak_search=min_peak_search and search))
     log.info("solved: %s in %.2fs, predicted %.4g s/step, peak %s/device", sol.status, sol.solve_time_s,
              sol.objective_s, format_bytes(sol.peak_memory_bytes))
     producers = graph.producers()
@@ -267,6 +288,8 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     if pins:
         solver_info["pinned_inputs"] = len(pins)
     solver_info["step_parts"] = step_parts(problem, sol.choice)
+    if options.offload != "off":
+        solver_info["offload"] = offload_record(problem, sol.choice, options.offload)
     return Plan(
         mesh=mesh,
         input_paths=graph.input_paths,

@@ -6,9 +6,11 @@ not fit the memory budget, least memory first, then the unusable ones).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -16,10 +18,14 @@ from typing import Any
 from planner.cost_model import Cluster
 from planner.errors import InfeasiblePlanError, MeshError, PlannerError
 from planner.graph import Graph
+from planner.ilp.problem import Problem
+from planner.ilp.solver import (LEVERS, MIN_MEMORY_LIMIT, Lever, levers_text, memory_floor, memory_lower_bound,
+                                smallest_peak)
 from planner.mesh import MeshSpec, default_axis_names
+from planner.offload import bounding_problem
 from planner.options import PlanOptions
 from planner.plan import Plan
-from planner.planning import make_plan
+from planner.planning import make_plan, plan_problem
 from planner.units import format_bytes
 
 log = logging.getLogger("planner")
@@ -50,12 +56,18 @@ class MeshResult:
 
     Attributes:
       mesh: the logical mesh.
-      plan: the plan, or None when planning failed.
-      error: why planning failed (an `InfeasiblePlanError` when no plan fits the memory budget).
+      plan: the plan, or None when planning failed or the mesh was not solved.
+      error: why planning failed (an `InfeasiblePlanError` when no plan fits the memory budget,
+        including a mesh whose memory lower bound alone exceeds it: not solved).
       inter_host_axes: the mesh axes planned over inter-host links.
       plan_time_s: seconds spent planning this mesh.
       same_as: for a mesh not planned because it is another candidate with its axes permuted
         (same axis sizes on the same links: the same problem, `mirror_key`), that candidate.
+      pruned: why the mesh was not solved although a plan might fit: its step-time lower bound
+        (`step_time_lower_bound`) is not below a plan already found.
+      time_bound_s: that lower bound (seconds per step), for the meshes whose ILP was built.
+      over_bound: the mesh was not solved because its memory lower bound alone exceeds the budget.
+      deterministic_time: CP-SAT deterministic time spent on the mesh (None: not solved, or not known).
     """
 
     mesh: MeshSpec
@@ -64,6 +76,10 @@ class MeshResult:
     inter_host_axes: tuple[int, ...]
     plan_time_s: float
     same_as: MeshSpec | None = None
+    pruned: str | None = None
+    time_bound_s: float | None = None
+    over_bound: bool = False
+    deterministic_time: float | None = None
 
     @property
     def over_budget(self) -> bool:
@@ -74,10 +90,57 @@ class MeshResult:
         """The smallest reachable per-device peak when the mesh is over budget (if the solver found it)."""
         return getattr(self.error, "min_memory_bytes", None)
 
+    @property
+    def lower_bound_bytes(self) -> int | None:
+        """A proven lower bound on every plan's per-device peak, when the mesh is over budget."""
+        return getattr(self.error, "lower_bound_bytes", None)
+
+
+def step_time_lower_bound(problem: Problem) -> float:
+    """Seconds per step no plan of `problem` goes below: per node, its cheapest strategy's cost less
+    the part of its collectives that may hide behind compute (`Node.async_s`), summed.
+
+    Sound for `objective.step_time`, the number the plan reports: its total is the nodes' costs
+    (compute + own collectives), plus combined latencies and edge resharding (both >= 0), less the
+    hidden part, which is at most the nodes' hideable collectives plus the prefetched edges'
+    resharding plus the host-offload copies in, each hidden at most whole (`objective.hidden_time`).
+    Cheap: one pass over the built ILP, no solver."""
+    return float(sum(min((c - a for c, a in zip(n.costs, n.async_s)), default=0.0) for n in problem.nodes))
+
+
+@dataclasses.dataclass(slots=True)
+class _Candidate:
+    """A mesh of the search with its ILP and bounds, before it is solved."""
+
+    index: int
+    mesh: MeshSpec
+    inter: tuple[int, ...]
+    options: PlanOptions
+    problem: Problem | None = None
+    memory_bound: int | None = None
+    time_bound: float = 0.0
+    build_s: float = 0.0
+
 
 def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions,
-                  devices_per_host: int | None = None, devices: Sequence[Any] | None = None) -> tuple[MeshResult, ...]:
+                  devices_per_host: int | None = None, devices: Sequence[Any] | None = None,
+                  prune: bool = True, threads: int | None = None,
+                  min_peak_search: bool = True) -> tuple[MeshResult, ...]:
     """Plans `graph` on every mesh; returns the results, planned ones fastest first, failures last.
+
+    Without host offload, when the arguments and outputs alone (`solver.memory_floor`) exceed
+    `options.memory_budget` on the devices, only the first mesh's ILP is built (for the smallest
+    peak below); the others are over budget without one. Each mesh's ILP is built first and
+    bounded before any solver runs: a mesh whose memory lower
+    bound (`solver.memory_lower_bound`; with host offload, the bound of every offload choice)
+    exceeds `options.memory_budget` is not solved (an `InfeasiblePlanError` with that bound); the
+    others are solved in order of their step-time lower bound (`step_time_lower_bound`, the likely
+    best first), and with `prune` a mesh whose bound is not below the fastest plan found so far is
+    not solved (`MeshResult.pruned`): it cannot be faster, so the fastest plan is the one planning
+    every mesh would give. When no mesh gives a
+    plan and some are over budget, the smallest peak is searched on the most promising of them only
+    (the least lower bound; `solver.smallest_peak`, at most `MIN_MEMORY_LIMIT` deterministic units)
+    and recorded in its error; `no_fit_error` turns the results into the user's one-line answer.
 
     Args:
       graph: the traced program.
@@ -86,39 +149,178 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
         from its shape instead of taken from `options`.
       devices_per_host: devices per host of a multi-host target (None: `options.inter_host_axes`).
       devices: real devices to bind each plan's `jax.sharding.Mesh` to (None: abstract meshes).
+      prune: skip meshes whose step-time lower bound cannot beat the best plan found.
+      threads: meshes solved at once (None: the idle cores this process may use, divided by
+        `options.solver_workers`, `_threads`); the fastest plan is the same for any number.
+      min_peak_search: when no mesh gives a plan, search the smallest peak on the most promising
+        one (False: a caller trying several programs skips it on all but the last).
     """
-    done, failed, mirrors = [], [], []
-    seen: dict[tuple, MeshResult] = {}
-    for k, spec in enumerate(meshes, 1):
+    budget = options.memory_budget
+    planned: list[MeshResult] = []
+    failed: list[MeshResult] = []
+    pruned: list[MeshResult] = []
+    twins: list[tuple[MeshSpec, tuple[int, ...], tuple]] = []
+    keys: dict[tuple, MeshSpec] = {}
+    built: dict[MeshSpec, _Candidate] = {}
+    candidates: list[_Candidate] = []
+    floors: dict[int, int] = {}  # devices -> `solver.memory_floor`
+    for k, spec in enumerate(meshes):
         inter = inter_host_axes(spec.shape, devices_per_host) if devices_per_host else options.inter_host_axes
         key = mirror_key(spec, inter) if options.profile is None else None
-        twin = seen.get(key) if key is not None else None
-        if twin is not None:
-            log.info("mesh %s: the problem of mesh %s with its axes permuted; not planned again", spec, twin.mesh)
-            if twin.plan is not None:
-                mirrors.append(MeshResult(spec, None, None, inter, 0.0, same_as=twin.mesh))
-            else:
-                failed.append(MeshResult(spec, None, twin.error, inter, 0.0, same_as=twin.mesh))
+        if key is not None and key in keys:
+            log.info("mesh %s: the problem of mesh %s with its axes permuted; not planned again", spec, keys[key])
+            twins.append((spec, inter, key))
             continue
-        log.info("planning mesh %s (%d/%d) ...", spec, k, len(meshes))
+        if key is not None:
+            keys[key] = spec
+        floor = floors.get(spec.size)
+        if floor is None and budget is not None and options.offload == "off":
+            floor = floors[spec.size] = memory_floor(graph, spec.size)
+            log.info("every plan on %d devices needs >= %s/device (arguments and outputs)", spec.size,
+                     format_bytes(floor))
+        elif floor is not None and floor > budget:  # no ILP to build: the first such mesh has the search's
+            error = InfeasiblePlanError(
+                f"no plan fits the memory budget of {format_bytes(budget)} per device on mesh {spec}: no plan can go "
+                f"below {format_bytes(floor)} (its arguments and outputs split over every device; not solved)",
+                None, floor)
+            failed.append(MeshResult(spec, None, error, inter, 0.0, over_bound=True))
+            log.info("mesh %s: needs >= %s/device, over the budget: not built", spec, format_bytes(floor))
+            continue
+        cand = _Candidate(k, spec, inter, dataclasses.replace(options, inter_host_axes=inter))
+        log.info("building the ILP of mesh %s (%d/%d) ...", spec, k + 1, len(meshes))
         t0 = time.perf_counter()
         try:
             jax_mesh = spec.to_jax_mesh(devices) if devices is not None else None
-            plan = make_plan(graph, spec, dataclasses.replace(options, inter_host_axes=inter), jax_mesh)
+            cand.problem = plan_problem(graph, spec, cand.options, jax_mesh)
         except (MeshError, PlannerError) as e:
             failed.append(MeshResult(spec, None, e, inter, time.perf_counter() - t0))
-            if key is not None:
-                seen[key] = failed[-1]
-            log.info("mesh %s: %s", spec, "no plan fits the budget" if isinstance(e, InfeasiblePlanError) else e)
+            log.info("mesh %s: %s", spec, e)
             continue
-        done.append(MeshResult(spec, plan, None, inter, time.perf_counter() - t0))
-        if key is not None:
-            seen[key] = done[-1]
-        log.info("mesh %s: %.4g s/step, %s/device, planned in %.1fs", spec, plan.prediction.step_time_s,
-                 format_bytes(plan.prediction.memory_bytes_per_device), time.perf_counter() - t0)
-    done.sort(key=lambda r: r.plan.prediction.step_time_s)
-    failed.sort(key=lambda r: (not r.over_budget, r.min_memory_bytes or 0))
-    return tuple(done + mirrors + failed)
+        cand.time_bound = step_time_lower_bound(cand.problem)
+        if budget is not None:  # with host offload: the bound of every offload choice (`offload.bounding_problem`)
+            cand.memory_bound = int(memory_lower_bound(bounding_problem(cand.problem, options.offload)).max())
+        cand.build_s = time.perf_counter() - t0
+        built[spec] = cand
+        if cand.memory_bound is not None and cand.memory_bound > budget:
+            error = InfeasiblePlanError(
+                f"no plan fits the memory budget of {format_bytes(budget)} per device on mesh {spec}: no plan can go "
+                f"below {format_bytes(cand.memory_bound)} (lower bound; not solved)", None, cand.memory_bound)
+            failed.append(MeshResult(spec, None, error, inter, cand.build_s, time_bound_s=cand.time_bound,
+                                     over_bound=True))
+            log.info("mesh %s: needs >= %s/device, over the budget: not solved", spec, format_bytes(cand.memory_bound))
+            continue
+        candidates.append(cand)
+    candidates.sort(key=lambda c: (c.time_bound, c.index))
+
+    def solve_one(cand: _Candidate) -> MeshResult:
+        log.info("planning mesh %s (step time >= %.4g s) ...", cand.mesh, cand.time_bound)
+        t0 = time.perf_counter()
+        jax_mesh = cand.mesh.to_jax_mesh(devices) if devices is not None else None
+        try:
+            plan = make_plan(graph, cand.mesh, cand.options, jax_mesh, problem=cand.problem, min_peak_search=False)
+        except (MeshError, PlannerError) as e:
+            spent = getattr(e, "deterministic_time", None)
+            log.info("mesh %s: %s (%s deterministic units, %.1fs)", cand.mesh,
+                     e if not isinstance(e, InfeasiblePlanError) else "no plan fits the budget"
+                     if getattr(e, "proven", True) else "not decided within the solver limit",
+                     "?" if spent is None else f"{spent:.3g}", time.perf_counter() - t0)
+            return MeshResult(cand.mesh, None, e, cand.inter, cand.build_s + time.perf_counter() - t0,
+                              time_bound_s=cand.time_bound, deterministic_time=spent)
+        spent = plan.solver.get("deterministic_time")
+        log.info("mesh %s: %.4g s/step, %s/device, planned in %.1fs (%s deterministic units)", cand.mesh,
+                 plan.prediction.step_time_s, format_bytes(plan.prediction.memory_bytes_per_device),
+                 time.perf_counter() - t0, spent)
+        return MeshResult(cand.mesh, plan, None, cand.inter, cand.build_s + time.perf_counter() - t0,
+                          time_bound_s=cand.time_bound, deterministic_time=spent)
+
+    # Meshes are solved by `threads` workers (CP-SAT releases the GIL while it searches, so threads
+    # run solves side by side); each is dispatched in bound order and pruned against the best plan
+    # finished by then. A plan does not depend on the order or on the other solves (one CP-SAT
+    # worker, deterministic limits), so the fastest plan is the serial search's.
+    threads = max(1, min(len(candidates), _threads() // max(1, options.solver_workers) if threads is None
+                         else threads))
+    best = math.inf
+    queue = list(candidates)
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        running: dict = {}
+        while queue or running:
+            while queue and len(running) < threads:
+                cand = queue.pop(0)
+                if prune and cand.time_bound >= best:
+                    reason = (f"not solved: its step-time lower bound {cand.time_bound:.4g} s is not below the "
+                              f"{best:.4g} s of a plan found")
+                    pruned.append(MeshResult(cand.mesh, None, None, cand.inter, cand.build_s, pruned=reason,
+                                             time_bound_s=cand.time_bound))
+                    log.info("mesh %s: %s", cand.mesh, reason)
+                    continue
+                running[pool.submit(solve_one, cand)] = cand
+            if not running:
+                break
+            finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in finished:
+                del running[future]
+                result = future.result()
+                if result.plan is not None:
+                    planned.append(result)
+                    best = min(best, result.plan.prediction.step_time_s)
+                else:
+                    failed.append(result)
+    if not planned and min_peak_search:
+        _search_smallest_peak(failed, built, options)
+    by_mesh = {r.mesh: r for r in planned + failed + pruned}
+    mirrors = []
+    for spec, inter, key in twins:
+        twin = by_mesh.get(keys[key])
+        if twin is None:
+            continue
+        if twin.plan is not None:
+            mirrors.append(MeshResult(spec, None, None, inter, 0.0, same_as=twin.mesh))
+        elif twin.pruned is not None:
+            pruned.append(MeshResult(spec, None, None, inter, 0.0, same_as=twin.mesh, pruned=twin.pruned,
+                                     time_bound_s=twin.time_bound_s))
+        else:
+            failed.append(MeshResult(spec, None, twin.error, inter, 0.0, same_as=twin.mesh))
+    order = {spec: k for k, spec in enumerate(meshes)}
+    planned.sort(key=lambda r: (r.plan.prediction.step_time_s, order[r.mesh]))
+    pruned.sort(key=lambda r: order[r.mesh])
+    failed.sort(key=lambda r: (not r.over_budget, r.min_memory_bytes or r.lower_bound_bytes or 0, order[r.mesh]))
+    return tuple(planned + mirrors + pruned + failed)
+
+
+def _search_smallest_peak(failed: list[MeshResult], built: dict[MeshSpec, _Candidate], options: PlanOptions) -> None:
+    """No mesh gave a plan: the minimum-peak search on the one over-budget mesh with the least memory
+    lower bound (among those whose ILP was built), its result put into that mesh's error."""
+    over = [(r.lower_bound_bytes if r.lower_bound_bytes is not None else math.inf, built[r.mesh].index, k)
+            for k, r in enumerate(failed) if r.over_budget and r.mesh in built]
+    if not over:
+        return
+    k = min(over)[2]
+    r, cand = failed[k], built[failed[k].mesh]
+    t0 = time.perf_counter()
+    peak = smallest_peak(cand.problem, min(options.solver_time_limit, MIN_MEMORY_LIMIT), options.solver_workers,
+                         cand.memory_bound)
+    log.info("minimum-peak search on mesh %s: %s in %.1fs", r.mesh,
+             "none found" if peak is None else format_bytes(peak), time.perf_counter() - t0)
+    old = r.min_memory_bytes
+    if peak is not None and (old is None or peak < old):
+        error = InfeasiblePlanError(str(r.error), peak, r.lower_bound_bytes)
+        error.__dict__.update({k: v for k, v in vars(r.error).items() if k not in vars(error)})  # proven, time
+        failed[k] = dataclasses.replace(r, error=error, plan_time_s=r.plan_time_s + time.perf_counter() - t0)
+
+
+def _threads() -> int:
+    """The idle cores this process may run on: its cores less the 1-minute load average, at least
+    one. Solves on busy cores would only share them, and reach CP-SAT's wall-clock cap sooner (a
+    plan stopped by it depends on the load, `solver.WALL_CAP_FACTOR`)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on every platform
+        cores = os.cpu_count() or 1
+    try:
+        busy = os.getloadavg()[0]
+    except OSError:  # no load average on this platform
+        busy = 0.0
+    return max(1, int(cores - busy + 0.5))
 
 
 def mirror_key(spec: MeshSpec, inter: Sequence[int]) -> tuple:
@@ -130,12 +332,50 @@ def mirror_key(spec: MeshSpec, inter: Sequence[int]) -> tuple:
     return tuple(sorted((size, axis in inter) for axis, size in enumerate(spec.shape)))
 
 
-def best_plan(results: Sequence[MeshResult]) -> Plan:
+def no_fit_error(results: Sequence[MeshResult], budget: float | None = None,
+                 levers: Sequence[Lever] = LEVERS) -> InfeasiblePlanError:
+    """The one-line answer when no mesh of a `search_meshes` result gives a plan and some are over
+    the memory budget: the least proven lower bound over the mesh shapes, the smallest peak found
+    (and where), which meshes were not solved because their bound alone is over the budget, which
+    the solver could not decide within its limit, and the levers (`solver.LEVERS`)."""
+    own = [r for r in results if r.same_as is None]
+    over = [r for r in own if r.over_budget]
+    floors = [(r.lower_bound_bytes, r.min_memory_bytes is None, k) for k, r in enumerate(own)
+              if r.over_budget and r.lower_bound_bytes is not None]
+    found = [(r.min_memory_bytes, k) for k, r in enumerate(own) if r.over_budget and r.min_memory_bytes is not None]
+    undecided = [str(r.mesh) for r in own if r.plan is None and r.pruned is None and not isinstance(r.error, MeshError)
+                 and (not r.over_budget or not getattr(r.error, "proven", True))]
+    unsolved = [str(r.mesh) for r in over if r.over_bound]
+    limit = f"the memory budget of {format_bytes(budget)} per device" if budget is not None else "the memory budget"
+    shapes = (f"mesh {results[0].mesh}" if len(results) == 1 else
+              f"any mesh shape ({', '.join(str(r.mesh) for r in results)})")
+    text = (f"does not fit: no plan fits {limit} on {shapes}" if not undecided else
+            f"no plan fitting {limit} was found on {shapes}")
+    if floors:
+        b, _, k = min(floors)
+        text += f": needs {format_bytes(b)}/device at best (proven lower bound, mesh {own[k].mesh})"
+    if found:
+        b, k = min(found)
+        text += f"; the smallest peak found is {format_bytes(b)} (mesh {own[k].mesh})"
+    if unsolved:
+        text += f"; no plan searched on {', '.join(unsolved)} (the lower bound alone is over the budget)"
+    if undecided:
+        text += (f"; not decided within the solver limit: {', '.join(undecided)} (raise solver_time_limit / "
+                 "--time-limit)")
+    text += f". {levers_text(levers)}. Raise the memory budget (memory_budget, --memory-budget) or use more devices"
+    return InfeasiblePlanError(text, min(found)[0] if found else None, min(floors)[0] if floors else None)
+
+
+def best_plan(results: Sequence[MeshResult], budget: float | None = None) -> Plan:
     """The fastest plan of a `search_meshes` result.
 
     Raises:
+      InfeasiblePlanError: no mesh gave a plan and some are over the memory budget `budget`
+        (`no_fit_error`, one line).
       MeshError: no mesh could be planned (each mesh's reason is listed).
     """
     if results and results[0].plan is not None:
         return results[0].plan
+    if any(r.over_budget for r in results):
+        raise no_fit_error(results, budget)
     raise MeshError("no mesh shape could be planned:\n  " + "\n  ".join(f"{r.mesh}: {r.error}" for r in results))

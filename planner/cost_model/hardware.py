@@ -54,6 +54,9 @@ class Hardware:
       matmul_curve: measured matmul rates, `((dtype class, ((flops per kernel, FLOP/s), ...)), ...)`
         with dtype class "16bit" or "float32" and points sorted by FLOPs; filled from a profile
         database (`planner profile` sweeps square GEMMs), empty for presets.
+      host_bandwidth: one direction of one device's link to its host's memory (bytes/s): what
+        host offload (`planner.offload`) moves optimizer state over (PCIe, NVLink-C2C); None where
+        no figure is known, which makes host offload unavailable on that hardware.
     """
 
     name: str
@@ -72,6 +75,7 @@ class Hardware:
     platform: str = "gpu"
     matmul_efficiency: float = 1.0
     matmul_curve: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
+    host_bandwidth: float | None = None
 
     def __post_init__(self):
         for name in _NUMERIC:
@@ -94,6 +98,9 @@ class Hardware:
                     not (f > 0 and r > 0) for f, r in points) or list(points) != sorted(points):
                 raise ValueError(f"hardware {self.name}: matmul_curve[{cls!r}] must be FLOPs-sorted positive "
                                  "(flops, FLOP/s) points of class '16bit' or 'float32'")
+        h = self.host_bandwidth
+        if h is not None and (isinstance(h, bool) or not (isinstance(h, (int, float)) and h > 0)):
+            raise ValueError(f"hardware {self.name}: host_bandwidth={h!r} must be a positive number or None")
         if not (isinstance(self.devices_per_host, int) and self.devices_per_host >= 1):
             raise ValueError(f"hardware {self.name}: devices_per_host={self.devices_per_host!r} must be an int >= 1")
 
@@ -121,20 +128,30 @@ _MAMF_A100 = 267.9 / 312
 _MAMF_H100 = 792.1 / 989
 _MAMF_GH200 = 821.0 / 989
 
+# Host links (`Hardware.host_bandwidth`, one direction per device). PCI-SIG base specifications: a
+# x16 link moves 16 GT/s per lane at 128b/130b encoding in PCIe 4.0 (31.5 GB/s per direction), 32
+# GT/s in PCIe 5.0 (63 GB/s), 8 GT/s in PCIe 3.0 (15.75 GB/s). The NVIDIA datasheets give the same
+# as bidirectional totals: A100 "PCIe Gen4: 64 GB/s", H100 SXM and H200 SXM "PCIe Gen5: 128 GB/s",
+# V100 SXM2 "PCIe 32 GB/s" (Gen3). (A GH200 superchip's NVLink-C2C would give 450 GB/s per
+# direction, 900 GB/s bidirectional by its datasheet; no preset here.)
+_PCIE3_X16 = 15.75 * 1e9
+_PCIE4_X16 = 31.5 * 1e9
+_PCIE5_X16 = 63.0 * 1e9
+
 # NVIDIA H100 SXM5 80GB datasheet: FP32 67 TFLOP/s, BF16 989 TFLOP/s dense (1979 with sparsity),
 # 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s bidirectional (450 GB/s per direction).
 # DGX H100: 8 GPUs per node, 8x ConnectX-7 400 Gb/s NDR, i.e. 50 GB/s per GPU.
 H100_SXM = Hardware("h100-sxm", flops_f32=67e12, flops_bf16=989e12, memory_bytes=80 * _GB,
                     memory_bandwidth=3.35e12, intra_bandwidth=450 * _GB, intra_latency=2e-6,
                     inter_bandwidth=50 * _GB, inter_latency=10e-6, devices_per_host=8, device_kind=r"h100", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
-                    matmul_efficiency=_MAMF_H100)
+                    matmul_efficiency=_MAMF_H100, host_bandwidth=_PCIE5_X16)
 
 # NVIDIA H200 SXM datasheet: same Hopper compute as H100 SXM (FP32 67, BF16 989 TFLOP/s dense),
 # 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional; DGX H200: 8x ConnectX-7 400 Gb/s.
 H200 = Hardware("h200", flops_f32=67e12, flops_bf16=989e12, memory_bytes=141 * _GB, memory_bandwidth=4.8e12,
                 intra_bandwidth=450 * _GB, intra_latency=2e-6, inter_bandwidth=50 * _GB, inter_latency=10e-6,
                 devices_per_host=8, device_kind=r"h200", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
-                matmul_efficiency=_MAMF_GH200)  # GH200: the same H200-class Hopper die and HBM3e
+                matmul_efficiency=_MAMF_GH200, host_bandwidth=_PCIE5_X16)  # GH200: the same H200-class Hopper die and HBM3e
 
 # NVIDIA A100 datasheet (SXM4 40GB): FP32 19.5 TFLOP/s, BF16 312 TFLOP/s dense, 40 GB HBM2 at
 # 1,555 GB/s, NVLink 3 600 GB/s bidirectional (300 per direction). DGX A100: 8x 200 Gb/s HDR
@@ -143,14 +160,14 @@ A100_40GB = Hardware("a100-40gb", flops_f32=19.5e12, flops_bf16=312e12, memory_b
                      memory_bandwidth=1.555e12, intra_bandwidth=300 * _GB, intra_latency=2e-6,
                      inter_bandwidth=25 * _GB, inter_latency=10e-6, devices_per_host=8,
                      device_kind=r"a100.*40\s*gb", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
-                     matmul_efficiency=_MAMF_A100)
+                     matmul_efficiency=_MAMF_A100, host_bandwidth=_PCIE4_X16)
 
 # NVIDIA A100 datasheet (SXM4 80GB): as the 40 GB part but 80 GB HBM2e at 2,039 GB/s.
 A100_80GB = Hardware("a100-80gb", flops_f32=19.5e12, flops_bf16=312e12, memory_bytes=80 * _GB,
                      memory_bandwidth=2.039e12, intra_bandwidth=300 * _GB, intra_latency=2e-6,
                      inter_bandwidth=25 * _GB, inter_latency=10e-6, devices_per_host=8,
                      device_kind=r"a100.*80\s*gb", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
-                     matmul_efficiency=_MAMF_A100)
+                     matmul_efficiency=_MAMF_A100, host_bandwidth=_PCIE4_X16)
 
 # NVIDIA V100 datasheet (SXM2 16GB): FP32 15.7 TFLOP/s; no bfloat16, so the 16-bit figure is the
 # FP16 tensor-core peak of 125 TFLOP/s; 16 GB HBM2 at 900 GB/s; NVLink 2 300 GB/s bidirectional
@@ -158,11 +175,13 @@ A100_80GB = Hardware("a100-80gb", flops_f32=19.5e12, flops_bf16=312e12, memory_b
 V100_16GB = Hardware("v100-16gb", flops_f32=15.7e12, flops_bf16=125e12, memory_bytes=16 * _GB,
                      memory_bandwidth=900 * _GB, intra_bandwidth=150 * _GB, intra_latency=3e-6,
                      inter_bandwidth=6.25 * _GB, inter_latency=10e-6, devices_per_host=8, device_kind=r"v100",
-                     kernel_launch_s=_CUDA_KERNEL_LAUNCH_S, default_dtype="float16")
+                     kernel_launch_s=_CUDA_KERNEL_LAUNCH_S, default_dtype="float16", host_bandwidth=_PCIE3_X16)
 
 # TPU presets. A TPU program runs its ops from one on-chip instruction stream with no per-kernel
 # host launch; no published per-op floor is known, so none is modelled (kernel_launch_s = 0) unless
-# a profile measures one. JAX's default matmul precision runs float32 matmuls as one bfloat16 MXU pass on
+# a profile measures one. No TPU preset has a host link figure (none is published per chip in the
+# Cloud TPU system-architecture pages), so host offload is unavailable on them until one is given
+# (`dataclasses.replace(preset, host_bandwidth=...)`). JAX's default matmul precision runs float32 matmuls as one bfloat16 MXU pass on
 # TPU, so the float32 peak is the bfloat16 peak. A mesh axis maps to one torus dimension, whose
 # ring uses two ICI links per chip (one each way round), so `intra_bandwidth` is two links' worth
 # of one direction. Hosts (TPU VMs) hold 4 chips (v4, v5p) or 8 (v5e).
@@ -200,11 +219,14 @@ TPU_V5P = Hardware("tpu-v5p", flops_f32=459e12, flops_bf16=459e12, memory_bytes=
 # collectives ~10 us per ring step and ~3 GB/s; across 2 processes (gloo over loopback TCP, the
 # "inter-host" link) ~500 us per step and ~0.5 GB/s. Kernel launch floor: 3.7-5.1 us per dot in
 # three runs of `profiling.measure_kernel_launch` (8 devices). Users of XLA:CPU train in float32
-# (it runs bfloat16 dots in float32 anyway).
+# (it runs bfloat16 dots in float32 anyway). Host offload: XLA:CPU's "pinned_host" memory is the same
+# DRAM, and a copy between two buffers streams at the measured per-device rate (5.6 GB/s); XLA:CPU in
+# fact compiles no copy (a fusion reads a host-placed argument in place, tests/test_offload.py), so
+# this prices the copy a GPU would make.
 CPU = Hardware("cpu", flops_f32=41.6e9, flops_bf16=41.6e9, memory_bytes=24 * _GB / 8,
                memory_bandwidth=5.6 * _GB, intra_bandwidth=3 * _GB, intra_latency=10e-6,
                inter_bandwidth=0.5 * _GB, inter_latency=500e-6, devices_per_host=8, device_kind=r"^cpu$",
-               kernel_launch_s=4.5e-6, default_dtype="float32", platform="cpu")
+               kernel_launch_s=4.5e-6, default_dtype="float32", platform="cpu", host_bandwidth=5.6 * _GB)
 
 PRESETS: Mapping[str, Hardware] = MappingProxyType(
     {hw.name: hw for hw in (H100_SXM, H200, A100_40GB, A100_80GB, V100_16GB, TPU_V4, TPU_V5E, TPU_V5P, CPU)}

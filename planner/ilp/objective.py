@@ -37,6 +37,12 @@ paid once (`CostModel.collective_latency`). The CP-SAT model holds one boolean p
 (kind, axes) group, set when any chosen strategy joins it, so the solver's objective and
 `step_time` agree term for term (tests/test_cost_truth.py checks it against the solver's own value).
 
+3. Host offload (`planner.offload`, `Problem.offloaded`): optimizer state kept in the host's memory
+is copied in at the host link's bandwidth (`Hardware.host_bandwidth`, one direction per device) and
+its new value copied back. The copies in depend on nothing computed: issued at the start of the
+step, they hide behind the compute before the first op that reads offloaded state (with overlap);
+the copies back follow the update and stay exposed (`offload_transfer`, `offload_hidden`).
+
 Input nodes carry a tie-break (`problem.TIE_BREAK_S_PER_BYTE` per argument byte kept on a device)
 in their cost; it is part of the objective and is reported as compute (0.1 us per MiB).
 """
@@ -46,6 +52,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from planner.ilp.problem import Problem
+from planner.ilp.strategies import shard_bytes
 from planner.sharding import format_spec
 
 
@@ -59,7 +66,9 @@ class StepTime:
         groups at bandwidth only.
       combined_latency_s: one latency per group of combined collectives.
       resharding_s: collectives on edges (an operand read in another layout than produced).
-      hidden_s: the part of the combinable collectives that runs beside later compute.
+      hidden_s: the part of the combinable collectives that runs beside later compute (and of
+        the host-offload copies in, behind earlier compute).
+      host_transfer_s: copies of host-offloaded state to the device and back (`offload_transfer`).
     """
 
     compute_s: float
@@ -67,11 +76,12 @@ class StepTime:
     combined_latency_s: float
     resharding_s: float
     hidden_s: float = 0.0
+    host_transfer_s: float = 0.0
 
     @property
     def communication_s(self) -> float:
         """All communication, hidden or not."""
-        return self.collectives_s + self.combined_latency_s + self.resharding_s
+        return self.collectives_s + self.combined_latency_s + self.resharding_s + self.host_transfer_s
 
     @property
     def exposed_s(self) -> float:
@@ -129,9 +139,43 @@ def prefetch_hidden(problem: Problem, choice: Sequence[int]) -> float:
 
 def hidden_time(problem: Problem, choice: Sequence[int]) -> float:
     """Seconds of communication hidden behind compute (see the module docstring): the combinable
-    collectives behind later compute, and the arguments' resharding behind earlier compute
-    (`prefetch_hidden`)."""
-    return _async_hidden(problem, choice) + prefetch_hidden(problem, choice)
+    collectives behind later compute, the arguments' resharding behind earlier compute
+    (`prefetch_hidden`) and the host-offload copies in (`offload_hidden`)."""
+    return _async_hidden(problem, choice) + prefetch_hidden(problem, choice) + offload_hidden(problem, choice)
+
+
+def offload_start(problem: Problem) -> int:
+    """The first op that reads host-offloaded state (where its device range starts,
+    `problem.offloaded_live_ranges`): the copies in must be done by then."""
+    return min((problem.live[t][0] for t, _ in problem.offloaded), default=len(problem.graph.ops))
+
+
+def offload_transfer(problem: Problem, choice: Sequence[int]) -> tuple[float, float]:
+    """(seconds in, seconds back) per device of the host-offloaded state under `choice`: each
+    argument's shard, and its new value's (tied to it: the same layout), over the host link."""
+    if not getattr(problem, "offloaded", ()):
+        return 0.0, 0.0
+    bandwidth = problem.cost.hardware.host_bandwidth
+    tin = sum(shard_bytes(problem.graph.tensors[t], problem.spec(t, choice), problem.cost.mesh)
+              for t, _ in problem.offloaded)
+    tout = sum(shard_bytes(problem.graph.tensors[t], problem.spec(t, choice), problem.cost.mesh)
+               for t, o in problem.offloaded if o >= 0)
+    return tin / bandwidth, tout / bandwidth
+
+
+def offload_hidden(problem: Problem, choice: Sequence[int]) -> float:
+    """Seconds of the host-offload copies in hidden behind the compute before `offload_start`
+    (with overlap; the copies back are exposed)."""
+    if not (problem.overlap and getattr(problem, "offloaded", ())):
+        return 0.0
+    start = offload_start(problem)
+    before = 0.0
+    for node in overlap_order(problem):
+        if node.ops[0] >= start:
+            break
+        i = choice[node.index]
+        before += node.costs[i] - node.comm_s[i]
+    return min(offload_transfer(problem, choice)[0], before)
 
 
 def _async_hidden(problem: Problem, choice: Sequence[int]) -> float:
@@ -167,7 +211,8 @@ def step_time(problem: Problem, choice: Sequence[int]) -> StepTime:
     reshard = 0.0
     for e in problem.edges:
         reshard += problem.edge_time(e.tensor, e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]])
-    return StepTime(compute, collectives, latency, reshard, hidden_time(problem, choice))
+    return StepTime(compute, collectives, latency, reshard, hidden_time(problem, choice),
+                    sum(offload_transfer(problem, choice)))
 
 
 def step_parts(problem: Problem, choice: Sequence[int]) -> dict:
@@ -180,6 +225,7 @@ def step_parts(problem: Problem, choice: Sequence[int]) -> dict:
         is an argument (the argument's layout makes it), otherwise at the op that reads it.
       combined_latency: [kind, mesh axis names, seconds] per group of combined collectives.
       hidden_s: the communication hidden behind compute (subtracted once).
+    With host offload, one more item "host offload" carries the copies in and back as collectives.
     The items' parts plus the latencies minus `hidden_s` sum to `step_time(...).total_s`.
     """
     mesh = problem.cost.mesh
@@ -205,6 +251,8 @@ def step_parts(problem: Problem, choice: Sequence[int]) -> dict:
         if seconds:
             src = problem.nodes[e.src]
             item(src if not src.ops else problem.nodes[e.dst])[4] += seconds
+    if problem.offloaded:
+        parts["host offload"] = ["host offload", ["pinned_host"], 0.0, sum(offload_transfer(problem, choice)), 0.0]
     latency = [[kind, [mesh.axis_names[a] for a in axes], problem.cost.collective_latency(kind, axes)]
                for kind, axes in sorted(combined_groups(problem, choice))]
     return {"items": [[r[0], "; ".join(r[1]), r[2], r[3], r[4]] for r in parts.values()],

@@ -131,6 +131,10 @@ class Problem:
     # The XLA backend the plan compiles for ("cpu", "gpu", "tpu"; "" = the hardware preset's
     # platform): XLA:CPU allocates extra buffers for reductions (`ilp.solver.memory_profile`).
     device_platform: str = ""
+    # Host offload (`planner.offload`): (argument, its new value or -1) tensor pairs kept in the
+    # host's memory between steps; `live` then holds their device ranges (`offloaded_live_ranges`)
+    # and `ilp.objective` charges their transfers.
+    offloaded: tuple[tuple[int, int], ...] = ()
     # (tensor type, producer's spec, consumer's spec) -> `strategies.edge_time`; repeated layers ask alike
     _edge_times: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -535,3 +539,25 @@ def live_ranges(graph: Graph) -> tuple[tuple[int, int], ...]:
         if isinstance(x, int):
             last[x] = end
     return tuple(zip(first, last))
+
+
+def offloaded_live_ranges(graph: Graph, live: Sequence[tuple[int, int]],
+                          offloaded: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """`live` with the device ranges of host-offloaded values (`planner.offload`): an argument kept
+    on the host is on the device only from its first consumer to its last (it is copied in for the
+    optimizer update), and its new value from its producer to its last consumer inside the step
+    (then it is copied out); neither is held to the end of the step."""
+    consumers: dict[int, list[int]] = defaultdict(list)
+    for op in graph.ops:
+        for x in op.inputs:
+            if isinstance(x, int):
+                consumers[x].append(op.index)
+    out = list(live)
+    for tin, tout in offloaded:
+        uses = consumers.get(tin)
+        if uses:
+            out[tin] = (min(uses), max(uses))
+        if tout >= 0:
+            first = live[tout][0]
+            out[tout] = (first, max(consumers.get(tout, ()), default=first))
+    return tuple(out)

@@ -29,7 +29,8 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from planner.errors import InfeasiblePlanError, PlannerError
-from planner.ilp.objective import overlap_order, prefetched, step_time
+from planner.graph import Graph
+from planner.ilp.objective import offload_start, overlap_order, prefetched, step_time
 from planner.ilp.problem import Problem, tandem_runs
 from planner.ilp.strategies import edge_parts, edge_time, part_key, part_time, shard_bytes
 from planner.units import format_bytes
@@ -299,6 +300,7 @@ class _Model:
         self._combined_latency()
         self._overlap()
         self._prefetch()
+        self._offload()
         tied: set[tuple] = set()
         for tin, tout in problem.ties:  # ties of repeated layers are one constraint set
             a, b = problem.owner[tin], problem.owner[tout]
@@ -309,6 +311,7 @@ class _Model:
                 self._tie(tin, tout)
         self.objective = sum(self.terms) + self.constant
         self.copies: dict = {}  # (edge key, consumer spec) -> "operand copied" boolean (`_copy_var`)
+        self.sizes: dict = {}  # tensor id or -1 - edge index -> bytes per spec (`_sizes`)
         self.reductions: list | None = None  # (node, strategy, first, last point, bytes): `_reduction_buffers`
 
     def _combined_latency(self) -> None:
@@ -398,6 +401,38 @@ class _Model:
                 info.append((_lin(self.x[node.index], compute), issued))
             seq.append(ids[key])
         self.terms.append(self._backlog(seq, info, bound))
+
+    def _offload(self) -> None:
+        """Adds the host-offload copies (`objective.offload_transfer`, `offload_hidden`): the copies
+        back in full; the copies in in full without overlap, else max(0, copies in - compute before
+        `objective.offload_start`) in one integer variable (minimised, so exact)."""
+        p = self.problem
+        if not p.offloaded:
+            return
+        bandwidth = p.cost.hardware.host_bandwidth
+        copy_in: dict[tuple[int, int], int] = defaultdict(int)
+        for tin, tout in p.offloaded:
+            node = p.nodes[p.owner[tin]]
+            for i, spec in enumerate(node.owned[tin]):
+                ticks = int(round(shard_bytes(p.graph.tensors[tin], spec, p.cost.mesh) / bandwidth * _NS))
+                copy_in[(node.index, i)] += ticks
+                if tout >= 0:
+                    self._add_ticks((self.x[node.index][i],), ticks)
+        if not p.overlap:
+            for (n, i), ticks in copy_in.items():
+                self._add_ticks((self.x[n][i],), ticks)
+            return
+        start = offload_start(p)
+        before: dict[tuple[int, int], int] = defaultdict(int)
+        for node in overlap_order(p):
+            if node.ops[0] >= start:
+                break
+            for i, t in enumerate(_compute_ticks(node)):
+                before[(node.index, i)] += t
+        exposed = self.m.NewIntVar(0, sum(copy_in.values()) + 1, "exposed_offload")
+        self.m.Add(exposed >= sum(t * self.x[n][i] for (n, i), t in copy_in.items())
+                   - sum(t * self.x[n][i] for (n, i), t in before.items() if t))
+        self.terms.append(exposed)
 
     def _backlog(self, seq: list[int], info: list[tuple], bound: int):
         """The exposed backlog (an integer variable, objective units) of a first-in-first-out stream
@@ -561,8 +596,8 @@ class _Model:
             for tid, (first, last) in enumerate(p.live):
                 if last == n and _materialised(p, tid, first):
                     node = p.nodes[p.owner[tid]]
-                    for i, spec in enumerate(node.owned[tid]):
-                        coef[(p.rep[node.index], i)] += shard_bytes(p.graph.tensors[tid], spec, p.cost.mesh)
+                    for i, b in enumerate(self._sizes(tid, tid, node.owned[tid])):
+                        coef[(p.rep[node.index], i)] += b
             for node in p.nodes:
                 for i in range(node.size):
                     coef[(p.rep[node.index], i)] += _unfit_buffers(p, node, i)
@@ -571,15 +606,12 @@ class _Model:
             if not (first < point <= last + 1) or not _materialised(p, tid, first):
                 continue
             node = p.nodes[p.owner[tid]]
-            t = p.graph.tensors[tid]
-            for i, spec in enumerate(node.owned[tid]):
-                coef[(p.rep[node.index], i)] += shard_bytes(t, spec, p.cost.mesh)
+            for i, b in enumerate(self._sizes(tid, tid, node.owned[tid])):
+                coef[(p.rep[node.index], i)] += b
         copies: dict = defaultdict(int)
-        for e in p.edges:  # operands as the op reads them (a resharded copy is a transient buffer)
+        for k, e in enumerate(p.edges):  # operands as the op reads them (a resharded copy is a transient buffer)
             if _transient_point(p, e) == point:
-                t = p.graph.tensors[e.tensor]
-                for j, spec in enumerate(e.dst_specs):
-                    b = shard_bytes(t, spec, p.cost.mesh)
+                for j, b in enumerate(self._sizes(-1 - k, e.tensor, e.dst_specs)):
                     if _copied_only_if_resharded(p, e):  # only when resharded (`memory_profile`)
                         copies[self._copy_var(e, j)] += b
                     else:
@@ -593,6 +625,16 @@ class _Model:
                 coef[(n, i)] += b
         return (sum(-(-c // _MEM_UNIT) * self.x[n][i] for (n, i), c in coef.items())
                 + sum(-(-c // _MEM_UNIT) * z for z, c in copies.items() if not isinstance(z, int) or z))
+
+    def _sizes(self, key: int, tid: int, specs) -> list[int]:
+        """Per-device bytes of tensor `tid` in each of `specs` (`key`: the tensor's id for the specs
+        its owner gives it, -1 - k for edge k's consumer specs), computed once per model: each
+        memory round and the minimum-peak search ask for the same tensors at several points."""
+        found = self.sizes.get(key)
+        if found is None:
+            t = self.problem.graph.tensors[tid]
+            found = self.sizes[key] = [shard_bytes(t, spec, self.problem.cost.mesh) for spec in specs]
+        return found
 
     def _copy_var(self, e, j: int):
         """A boolean that is 1 when the consumer of edge `e` reads it in its spec `j` and the
@@ -804,7 +846,7 @@ def _violations(profile: np.ndarray, limit: float, have: set[int], k: int = 4) -
 
 
 def solve(problem: Problem, memory_budget: float | None = None, time_limit: float = 30.0,
-          workers: int = 1, max_rounds: int = 30) -> Solution:
+          workers: int = 1, max_rounds: int = 30, min_peak_search: bool = True) -> Solution:
     """Solves the ILP; with a budget, adds memory constraints until the plan's peak fits.
 
     `time_limit` is in CP-SAT deterministic units for all rounds together (about one second of one
@@ -813,14 +855,15 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
 
     Raises:
       InfeasiblePlanError: when no plan fits `memory_budget`; the message, `min_memory_bytes` and
-        `lower_bound_bytes` give the smallest per-device peak found and a proven lower bound.
+        `lower_bound_bytes` give the smallest per-device peak found and a proven lower bound
+        (`min_peak_search=False`: found without the CP-SAT minimum-peak search, `_infeasible`).
     """
     start = time.perf_counter()
     wall_cap = WALL_CAP_FACTOR * time_limit + WALL_CAP_FLOOR_S
     if memory_budget is not None:
         bound = memory_lower_bound(problem)
         if bound.max() > memory_budget:  # provably infeasible: no CP-SAT search for a plan
-            raise _infeasible(problem, memory_budget, time_limit, workers, bound)
+            raise _infeasible(problem, memory_budget, time_limit, workers, bound, min_peak_search)
     model = _Model(problem)
     model.m.Minimize(model.objective)
     points: set[int] = set()
@@ -842,7 +885,8 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
             limit = "deterministic" if det_used >= time_limit * 0.999 else "wall-clock"
         if choice is None:
             if status == cp_model.INFEASIBLE and memory_budget is not None:
-                raise _infeasible(problem, memory_budget, time_limit, workers)
+                raise _spent(_infeasible(problem, memory_budget, time_limit, workers, search=min_peak_search),
+                             det_used)
             fits = memory_budget is None or memory_profile(problem, fallback).max() <= memory_budget
             if status == cp_model.UNKNOWN and _ties_hold(problem, fallback) and fits:
                 log.warning("solver found no plan within its limit (%.3g deterministic units): using the greedy "
@@ -850,9 +894,12 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
                 choice, status_name = fallback, "heuristic"
                 profile = memory_profile(problem, choice)
                 break
+            if status == cp_model.UNKNOWN and memory_budget is not None:  # not decided: no raw status
+                peak = profile.max() if rounds > 1 else memory_profile(problem, fallback).max()
+                raise _spent(_undecided(problem, memory_budget, time_limit, peak), det_used)
             error = InfeasiblePlanError if status == cp_model.INFEASIBLE else PlannerError
-            raise error(f"{_status_words(status)} (solver limit {time_limit:.3g} deterministic units); "
-                        "raise solver_time_limit")
+            raise _spent(error(f"{_status_words(status)} (solver limit {time_limit:.3g} deterministic units); "
+                               "raise solver_time_limit"), det_used)
         if status != cp_model.OPTIMAL:
             status_name = "feasible"
         profile = memory_profile(problem, choice)
@@ -861,7 +908,8 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
         new = _violations(profile, memory_budget, points)
         if not new:
             if profile.max() > memory_budget:
-                raise _infeasible(problem, memory_budget, time_limit, workers)
+                raise _spent(_infeasible(problem, memory_budget, time_limit, workers, search=min_peak_search),
+                             det_used)
             break
         for p in new:
             model.m.Add(model.memory_expr(p) <= int(memory_budget // _MEM_UNIT))
@@ -870,12 +918,7 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
         log.info("memory round %d: peak %.3g B over budget %.3g B, %d constraints", rounds, profile.max(),
                  memory_budget, len(points))
         if det_used >= time_limit * 0.999 or time.perf_counter() - start >= wall_cap:
-            raise InfeasiblePlanError(
-                f"no plan fitting {memory_budget:.4g} bytes per device was found within the solver limit "
-                f"({time_limit:.3g} deterministic units); the best plan so far needs {profile.max():.4g} bytes; "
-                "raise solver_time_limit",
-                int(profile.max()), int(memory_lower_bound(problem).max()),
-            )
+            raise _spent(_undecided(problem, memory_budget, time_limit, profile.max()), det_used)
     elapsed = time.perf_counter() - start
     gap = run.gap() if run is not None else None
     if status_name == "heuristic" and run is not None and np.isfinite(run.bound):
@@ -890,55 +933,128 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
                     status_name == "optimal", gap, det_used, limit)
 
 
+def _undecided(problem: Problem, budget: float, time_limit: float, peak: float) -> InfeasiblePlanError:
+    """The error when the solver's limit stopped the search before a plan under `budget` was found
+    or ruled out (`proven` False: a plan may still fit; `search.no_fit_error` says so): the peak of
+    the best plan it had, and the proven lower bound."""
+    lower = int(memory_lower_bound(problem).max())
+    error = InfeasiblePlanError(
+        f"no plan fitting {_gb(budget)} per device on mesh {problem.cost.mesh} was found within the solver limit "
+        f"({time_limit:.3g} deterministic units); the best plan so far needs {_gb(peak)} (no plan goes below "
+        f"{_gb(lower)}); raise solver_time_limit", int(peak), lower)
+    error.proven = False
+    return error
+
+
+def memory_floor(graph: Graph, num_devices: int) -> int:
+    """Bytes per device every plan on `num_devices` devices keeps live at the end of the step,
+    known before any ILP is built: each argument, and each output computed from the arguments, at
+    `nbytes // num_devices`. `memory_profile` counts them there, each in its planned layout: an
+    argument is decided and lives for the whole program, such an output is decided, written and
+    lives to the end (`problem.live_ranges`), and no layout splits a tensor more than `num_devices`
+    ways. Below `memory_lower_bound` of every mesh of that size (it needs the built ILP); without
+    host offload, which moves arguments off the device (the mesh search uses it only then)."""
+    derived = set(graph.inputs)
+    for op in graph.ops:
+        if any(isinstance(x, int) and x in derived for x in op.inputs):
+            derived.update(op.outputs)
+    ends = set(graph.inputs) | {t for t in graph.outputs if isinstance(t, int) and t in derived}
+    return sum(graph.tensors[t].nbytes // num_devices for t in ends)
+
+
+def _spent(error: PlannerError, deterministic_time: float) -> PlannerError:
+    """`error` with the CP-SAT deterministic time spent before it (the mesh search reports it)."""
+    error.deterministic_time = deterministic_time
+    return error
+
+
 def memory_lower_bound(problem: Problem) -> np.ndarray:
     """Per program point, bytes per device that every plan the planner can choose keeps live there.
 
-    The terms of `memory_profile`, each at its least over the choices: each tensor it counts at its
-    smallest layout among its owner's strategies (an argument: split over every mesh axis that
-    divides one of its dims, as far as the strategies allow); each operand copy at its consumer's
-    smallest layout (none where the copy exists only when resharded and some layout pair needs
-    none); each node's XLA:CPU reduction buffers at their least over its strategies, point by point
-    (none where a strategy reduces nothing). Every term of `memory_profile(problem, choice)` is at
-    least its term here, point by point, for every `choice`, so `max()` is a sound lower bound on
-    the planner's peak under sharding alone (tests/test_infeasible.py checks it against plans).
+    The terms of `memory_profile` grouped by the decision that sets them (as the ILP's
+    `_Model.memory_expr` groups them into one coefficient per decision and strategy), each group at
+    its least over that decision's strategies, point by point: the tensors a decision owns (every
+    layer sharing it counted), the operand copies its consumers read in its layout, its XLA:CPU
+    reduction buffers. A copy that exists only when resharded counts at its consumer's smallest
+    layout, or not at all where some layout pair needs none. A decision takes one strategy in every
+    plan, so each group of `memory_profile(problem, choice)` is at least its least here, point by
+    point, for every `choice`: `max()` is a sound lower bound on the planner's peak under sharding
+    alone, for any choice, ties held or not (tests/test_infeasible.py checks it against plans and
+    random choices). Grouping by decision counts that one strategy cannot make every value small at
+    once (on XLA:CPU, a strategy that splits a tensor may reduce partial sums the others do not):
+    mlp-tiny on 1x8 CPU 16.0 -> 22.2 KB, llama-tiny 897 -> 909 KB, against each term at its own
+    smallest; equal on the GPU presets measured (gpt3-39b on 8x8 V100: 15.39 GB on every mesh shape).
     """
     n = len(problem.graph.ops)
-    delta = np.zeros(n + 3, dtype=np.int64)
     mesh = problem.cost.mesh
+    rep = problem.rep
+    tensors = problem.graph.tensors
+    cpu = _xla_cpu(problem)
+    sizes: dict = {}
+
+    def nbytes(t, spec) -> int:
+        key = (t, spec)
+        b = sizes.get(key)
+        if b is None:
+            b = sizes[key] = shard_bytes(t, spec, mesh)
+        return b
+
+    # per decision: (bytes per strategy, first point, point after the last) spans, and its reserved bytes
+    spans: dict[int, list[tuple[np.ndarray, int, int]]] = defaultdict(list)
+    reserved_of: dict[int, np.ndarray] = {}
     for tid, (first, last) in enumerate(problem.live):
         if not _materialised(problem, tid, first):
             continue
         node = problem.owner[tid]
-        t = problem.graph.tensors[tid]
-        b = min(shard_bytes(t, spec, mesh) for spec in set(problem.nodes[node].owned[tid]))
-        delta[first + 1] += b
-        delta[last + 2] -= b
-    profile = np.cumsum(delta)[: n + 2]
+        b = np.array([nbytes(tensors[tid], spec) for spec in problem.nodes[node].owned[tid]], dtype=np.int64)
+        spans[rep[node]].append((b, first + 1, last + 2))
+        if cpu and last == n:
+            r = rep[node]
+            reserved_of[r] = reserved_of.get(r, 0) + b
     combined_at = _combined_point(problem)
     for node in problem.nodes:
-        spans = [_reduction_buffers(problem, node, i, combined_at) for i in range(node.size)]
-        if not all(spans):
-            continue  # some strategy of this node allocates none
-        per = np.zeros((node.size, n + 3), dtype=np.int64)
-        for i, buffers in enumerate(spans):
+        if not node.size:
+            continue
+        per = [_reduction_buffers(problem, node, i, combined_at) for i in range(node.size)]
+        for i, buffers in enumerate(per):
             for first, last, b in buffers:
-                per[i, first] += b
-                per[i, last + 1] -= b
-        profile += np.cumsum(per, axis=1).min(axis=0)[: n + 2]
-    reserved = 0
-    if _xla_cpu(problem):
-        for tid, (first, last) in enumerate(problem.live):
-            if last == n and _materialised(problem, tid, first):
-                t = problem.graph.tensors[tid]
-                reserved += min(shard_bytes(t, spec, mesh) for spec in set(problem.nodes[problem.owner[tid]].owned[tid]))
-        reserved += sum(min(_unfit_buffers(problem, node, i) for i in range(node.size)) for node in problem.nodes
-                        if node.size)
+                v = np.zeros(node.size, dtype=np.int64)
+                v[i] = b
+                spans[rep[node.index]].append((v, first, last + 1))
+        if cpu:
+            unfit = np.array([_unfit_buffers(problem, node, i) for i in range(node.size)], dtype=np.int64)
+            if unfit.any():
+                r = rep[node.index]
+                reserved_of[r] = reserved_of.get(r, 0) + unfit
+    delta = np.zeros(n + 3, dtype=np.int64)
     for e in problem.edges:
         at = _transient_point(problem, e)
-        if _copied_only_if_resharded(problem, e) and set(e.src_specs) & set(e.dst_specs):
-            continue  # a copy only when resharded, and some layout needs none
-        t = problem.graph.tensors[e.tensor]
-        profile[at] += min(shard_bytes(t, spec, mesh) for spec in set(e.dst_specs))
+        t = tensors[e.tensor]
+        if _copied_only_if_resharded(problem, e):
+            if not set(e.src_specs) & set(e.dst_specs):  # a copy only when resharded, and every pair reshards
+                b = min(nbytes(t, spec) for spec in set(e.dst_specs))
+                delta[at] += b
+                delta[at + 1] -= b
+            continue
+        spans[rep[e.dst]].append((np.array([nbytes(t, spec) for spec in e.dst_specs], dtype=np.int64), at, at + 1))
+    for items in spans.values():
+        if len(items) == 1 or all(len(v) == 1 for v, _, _ in items):
+            for v, a, b in items:
+                m = int(v.min())
+                delta[a] += m
+                delta[b] -= m
+            continue
+        points = np.unique(np.array([p for _, a, b in items for p in (a, b)]))
+        where = {int(p): k for k, p in enumerate(points)}
+        table = np.zeros((len(items[0][0]), len(points)), dtype=np.int64)
+        for v, a, b in items:
+            table[:, where[a]] += v
+            table[:, where[b]] -= v
+        least = np.cumsum(table, axis=1).min(axis=0)  # the decision's least bytes from each point on
+        steps = np.diff(least, prepend=0)
+        np.add.at(delta, points, steps)
+    profile = np.cumsum(delta)[: n + 2]
+    reserved = sum(int(np.min(v)) for v in reserved_of.values()) if cpu else 0
     return np.append(profile, reserved)
 
 
@@ -955,39 +1071,86 @@ def _min_bytes_choice(problem: Problem) -> tuple[int, ...]:
     return _in_program_order(problem, fewest_bytes)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lever:
+    """A way to need less memory per device, as the message of a budget no plan fits names it.
+
+    Attributes:
+      name: what it is ("host offload").
+      state: "tried" (the plans searched use it), "option" (the user can turn it on, `how`) or
+        "missing" (not available in single-stage plans yet).
+      how: for an option, how to turn it on (API and CLI).
+    """
+
+    name: str
+    state: str
+    how: str = ""
+
+
+# The levers an infeasible single-stage budget reports, in the order the message lists them. A new
+# lever is one more entry here (or an entry's state changed to "tried").
+LEVERS: tuple[Lever, ...] = (
+    Lever("sharding every tensor", "tried"),
+    Lever("gradient accumulation", "option", "accumulate='auto' (--accumulate auto)"),
+    Lever("pipeline stages with recomputation", "option", "pipeline='auto' (--pipeline auto)"),
+    Lever("rematerialisation", "option", "remat='auto' (--remat auto)"),
+    Lever("host offload", "option", "offload='auto' (--offload auto)"),
+)
+
+
+def levers_text(levers: Sequence[Lever] = LEVERS) -> str:
+    """The levers as one sentence group: tried, other options (how), not available yet."""
+    tried = [v.name for v in levers if v.state == "tried"]
+    options = [f"{v.name}: {v.how}" if v.how else v.name for v in levers if v.state == "option"]
+    missing = [v.name for v in levers if v.state == "missing"]
+    parts = [f"Tried: {', '.join(tried) or 'nothing'}"]
+    if options:
+        parts.append(f"Other levers: {'; '.join(options)}")
+    if missing:
+        parts.append(f"Not available in single-stage plans yet: {', '.join(missing)}")
+    return ". ".join(parts)
+
+
+def smallest_peak(problem: Problem, det_limit: float, workers: int = 1,
+                  lower_bound: int | None = None) -> int | None:
+    """The smallest per-device peak found for `problem`: the fewest-bytes plan's, then (when that
+    is above the lower bound and `det_limit` > 0) a minimum-peak CP-SAT search of at most
+    `det_limit` deterministic units started from it. None when neither found a plan. `lower_bound`:
+    `memory_lower_bound(problem).max()` when the caller has it."""
+    lower = int(memory_lower_bound(problem).max()) if lower_bound is None else lower_bound
+    best = None
+    seed = _min_bytes_choice(problem)
+    if _ties_hold(problem, seed):
+        best = int(memory_profile(problem, seed).max())
+    if det_limit > 0 and (best is None or best > lower):
+        found = _min_peak_search(problem, det_limit, workers, seed if best is not None else None)
+        if found is not None:
+            best = found if best is None else min(best, found)
+    return best
+
+
 def _infeasible(problem: Problem, budget: float, time_limit: float, workers: int,
-                bound: np.ndarray | None = None) -> InfeasiblePlanError:
-    """The error for a budget no plan fits: the proven lower bound, the smallest peak found (the
-    fewest-bytes plan, then a minimum-peak CP-SAT search of at most `MIN_MEMORY_LIMIT`
-    deterministic units), and the levers tried and not available."""
+                bound: np.ndarray | None = None, search: bool = True) -> InfeasiblePlanError:
+    """The error for a budget no plan fits: the proven lower bound, the smallest peak found
+    (`smallest_peak`: the fewest-bytes plan, then with `search` a minimum-peak CP-SAT search of at
+    most `MIN_MEMORY_LIMIT` deterministic units), and the levers tried and not available (`LEVERS`)."""
     if bound is None:
         bound = memory_lower_bound(problem)
     lower = int(bound.max())
     mesh = problem.cost.mesh
     args = sum(min(shard_bytes(problem.graph.tensors[t], s, mesh) for s in set(problem.nodes[problem.owner[t]].owned[t]))
                for t in problem.graph.inputs if t in problem.owner)
-    best = None
-    seed = _min_bytes_choice(problem)
-    if _ties_hold(problem, seed):
-        best = int(memory_profile(problem, seed).max())
-    if best is None or best > lower:
-        found = _min_peak_search(problem, min(time_limit, MIN_MEMORY_LIMIT), workers,
-                                 seed if best is not None else None)
-        if found is not None:
-            best = found if best is None else min(best, found)
+    best = smallest_peak(problem, min(time_limit, MIN_MEMORY_LIMIT) if search else 0.0, workers, lower)
     where = int(np.argmax(bound))
     at = (f"op {where - 1} ({problem.graph.ops[where - 1].primitive})" if 0 < where <= len(problem.graph.ops)
           else "the end of the step")
     found_text = (f"the smallest per-device peak the planner could reach is {_gb(best)}"
                   + (" (the minimum)" if best == lower else "")
-                  if best is not None else "the minimum-memory search found no plan within its limit")
+                  if best is not None else "no plan was found to measure the smallest reachable peak")
     return InfeasiblePlanError(
         f"no plan fits the memory budget of {_gb(budget)} per device on mesh {mesh}: {found_text}; no plan can "
         f"go below {_gb(lower)} (lower bound: {_gb(args)} of arguments split over every mesh axis that divides "
-        f"them, plus what must be live together at {at}). Tried: sharding every tensor. Other levers: "
-        "gradient accumulation: accumulate='auto' (--accumulate auto); pipeline stages with recomputation: "
-        "pipeline='auto' (--pipeline auto). Not available in single-stage plans yet: rematerialisation, host "
-        "offload. Raise memory_budget or use more devices",
+        f"them, plus what must be live together at {at}). {levers_text()}. Raise memory_budget or use more devices",
         best, lower,
     )
 

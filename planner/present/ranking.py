@@ -46,10 +46,19 @@ def mesh_ranking(results: Sequence[MeshResult], flops: Mapping[str, float], hard
             row.update(_plan_row(r.plan, flops, hardware, r.mesh.size), plan_time_s=round(r.plan_time_s, 2))
         elif r.same_as is not None and r.error is None:
             row.update(status="same", note=f"the problem of mesh {r.same_as} with the axes permuted: not planned again")
+        elif r.pruned is not None:
+            row.update(status="pruned", note=r.pruned)
+        elif r.over_budget and not getattr(r.error, "proven", True):  # the solver's limit stopped it
+            need = r.min_memory_bytes
+            row.update(status="undecided", memory_bytes_per_device=need,
+                       note="no plan within the budget found within the solver limit"
+                       + (f" (smallest found {fmt_bytes(need)})" if need else ""))
         elif r.over_budget:
             need = r.min_memory_bytes
-            row.update(status="over budget", memory_bytes_per_device=need,
-                       note=f"needs >= {fmt_bytes(need)}" if need else "")
+            floor = r.lower_bound_bytes
+            parts = ([f"needs >= {fmt_bytes(floor)}"] if floor else []) + (
+                [f"smallest peak found {fmt_bytes(need)}"] if need else []) + (["not solved"] if r.over_bound else [])
+            row.update(status="over budget", memory_bytes_per_device=need, note=", ".join(parts))
         else:
             row.update(status="unusable", note=str(r.error).split(";")[0])
         out.append((row, r.plan))

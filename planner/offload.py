@@ -1,0 +1,242 @@
+"""Host offload of optimizer state in single-stage plans (issue 13, item 2).
+
+An optimizer-state leaf (an Adam moment) is read only by the optimizer update, so between steps it
+can live in the host's memory (JAX memory kind "pinned_host"): the planned program takes it in a
+host sharding, copies it to the device at its first consumer in the update, and hands its new value
+back to the host. The device then holds it only while the update runs.
+
+Decision (`PlanOptions.offload`): "opt-state" offloads every optimizer-state leaf; "auto" only the
+part that overflows (DeepCompile's adaptive offloading): when no plan fits `memory_budget`, the
+largest leaves go to the host until the memory lower bound fits, more if the solved plan still
+does not. The memory model sees it through the problem's live ranges
+(`problem.offloaded_live_ranges`: one liveness for the ILP's budget constraints, `memory_profile`
+and the reported peak); the cost through `ilp.objective` (copies in at the host link's bandwidth,
+`Hardware.host_bandwidth`, hidden behind the compute before the update; copies back exposed).
+
+Where the devices have no host memory space, or the hardware no host link figure, the option is a
+one-line error, never silently dropped. Not offloaded: master parameters (the forward reads them)
+and saved activations.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from planner.errors import InfeasiblePlanError, InvalidArgumentError
+from planner.graph import Graph
+from planner.ilp.objective import offload_hidden, offload_transfer
+from planner.ilp.problem import Problem, live_ranges, offloaded_live_ranges
+from planner.ilp.solver import Solution, memory_lower_bound
+from planner.ilp.strategies import shard_bytes
+
+log = logging.getLogger("planner")
+
+HOST = "pinned_host"
+DEVICE = "device"
+
+
+def state_pairs(problem: Problem) -> tuple[tuple[int, int], ...]:
+    """(argument, new value) tensor pairs of optimizer state, in argument order: a floating-point
+    array argument read only by the optimizer update (ops whose results feed no matmul,
+    `Problem.combinable`) whose new value is the output of the same path and type (tied, or handed
+    back in its pinned layout), so both can share one host layout."""
+    graph = problem.graph
+    readers: dict[int, list[int]] = defaultdict(list)
+    for op in graph.ops:
+        for x in op.inputs:
+            if isinstance(x, int):
+                readers[x].append(op.index)
+    outputs = {p: t for p, t in zip(graph.output_paths, graph.outputs) if isinstance(t, int)}
+    ties = set(problem.ties)
+    out = []
+    for tin, path in zip(graph.inputs, graph.input_paths):
+        t = graph.tensors[tin]
+        tout = outputs.get(path)
+        if (not t.shape or not np.issubdtype(np.dtype(t.dtype), np.floating) or tout is None or tout == tin
+                or graph.tensors[tout] != t or not readers.get(tin)
+                or not all(o in problem.combinable for o in readers[tin])):
+            continue
+        if (tin, tout) in ties or tout in problem.pinned_outputs:
+            out.append((tin, tout))
+    return tuple(out)
+
+
+def unavailable(hardware, devices: Sequence[Any] = ()) -> str | None:
+    """Why host offload cannot be planned here, or None: a device without a "pinned_host" memory
+    (`jax.Device.addressable_memories`), or hardware without a host link figure
+    (`Hardware.host_bandwidth`, needed to price the copies)."""
+    for d in devices[:1]:
+        memories = getattr(d, "addressable_memories", None)
+        kinds = sorted({m.kind for m in memories()}) if callable(memories) else []
+        if HOST not in kinds:
+            return (f"the {getattr(d, 'platform', '?')} devices have no {HOST!r} memory "
+                    f"(their memory kinds: {', '.join(kinds) or 'none'})")
+    if hardware.host_bandwidth is None:
+        return f"hardware {hardware.name!r} has no host link bandwidth (Hardware.host_bandwidth) to price the copies"
+    return None
+
+
+def with_offload(problem: Problem, pairs: Sequence[tuple[int, int]]) -> Problem:
+    """`problem` with `pairs` kept on the host: their device live ranges and transfer costs."""
+    pairs = tuple(pairs)
+    base = live_ranges(problem.graph) if problem.offloaded else problem.live
+    return dataclasses.replace(problem, offloaded=pairs, live=offloaded_live_ranges(problem.graph, base, pairs))
+
+
+def _smallest_bytes(problem: Problem, tid: int) -> int:
+    node = problem.nodes[problem.owner[tid]]
+    return min(shard_bytes(problem.graph.tensors[tid], s, problem.cost.mesh) for s in set(node.owned[tid]))
+
+
+def plan_offload(problem: Problem, mode: str, budget: float | None, devices: Sequence[Any],
+                 solve: Callable[[Problem, bool], Solution]) -> tuple[Problem, Solution]:
+    """The problem with the offloaded state `mode` asks for, and its solution.
+
+    `solve(problem, search)` solves under the budget (`search`: run the minimum-peak search when it
+    raises `InfeasiblePlanError`). "opt-state": every leaf of `state_pairs`. "auto": none when a
+    plan fits `budget` (or there is none); otherwise the fewest leaves, largest first, whose
+    offload brings `solver.memory_lower_bound` under the budget, twice as many until a solved plan
+    fits.
+
+    Raises:
+      InvalidArgumentError: host offload is unavailable (`unavailable`), in one line.
+      InfeasiblePlanError: no plan fits even with every optimizer-state leaf on the host.
+    """
+    if mode == "off":
+        return problem, solve(problem, True)
+    why = unavailable(problem.cost.hardware, devices)
+    if why is not None:
+        raise InvalidArgumentError(f"offload={mode!r} is unavailable: {why}; use offload='off'")
+    pairs = state_pairs(problem)
+    if not pairs and mode == "opt-state":
+        raise InvalidArgumentError(f"offload={mode!r}: the step has no optimizer state to offload (arguments read "
+                                   "only by the update whose new value is returned under the same path)")
+    if mode == "opt-state":
+        offloaded = with_offload(problem, pairs)
+        return offloaded, solve(offloaded, True)
+    if budget is None or not pairs:
+        return problem, solve(problem, True)
+    try:
+        return problem, solve(problem, False)
+    except InfeasiblePlanError:
+        pass
+    order = sorted(pairs, key=lambda p: -_smallest_bytes(problem, p[0]))  # stable: argument order on ties
+    lo, hi = 1, len(order)  # the fewest leaves whose offload brings the lower bound under the budget
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if memory_lower_bound(with_offload(problem, order[:mid])).max() <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    k = lo
+    while True:
+        last = k == len(order)
+        offloaded = with_offload(problem, order[:k])
+        log.info("offload auto: %d of %d optimizer-state leaves to the host", k, len(order))
+        try:
+            return offloaded, solve(offloaded, last)
+        except InfeasiblePlanError as e:
+            if last:
+                raise InfeasiblePlanError(f"{e} (with all {len(order)} optimizer-state leaves offloaded to the host)",
+                                          e.min_memory_bytes, e.lower_bound_bytes) from None
+            k = min(len(order), 2 * k)
+
+
+def record(problem: Problem, choice: Sequence[int], mode: str) -> dict:
+    """What the plan keeps of the offload (`plan.solver["offload"]`, JSON-ready): the argument and
+    output positions on the host (emission reads them), their paths, bytes per device and the
+    copies' times as the objective counts them."""
+    graph = problem.graph
+    in_pos = {t: i for i, t in enumerate(graph.inputs)}
+    out_pos = {t: i for i, t in enumerate(graph.outputs) if isinstance(t, int)}
+    copy_in, copy_back = offload_transfer(problem, choice)
+    host = sum(shard_bytes(graph.tensors[t], problem.spec(t, choice), problem.cost.mesh)
+               for t, _ in problem.offloaded)
+    return {
+        "mode": mode,
+        "inputs": sorted(in_pos[t] for t, _ in problem.offloaded),
+        "outputs": sorted(out_pos[o] for _, o in problem.offloaded if o in out_pos),
+        "paths": [graph.input_paths[in_pos[t]] for t, _ in problem.offloaded],
+        "candidates": len(state_pairs(problem)),
+        "host_bytes_per_device": int(host),
+        "copy_in_s": copy_in,
+        "copy_back_s": copy_back,
+        "hidden_s": offload_hidden(problem, choice),
+    }
+
+
+def positions(plan) -> tuple[frozenset[int], frozenset[int]]:
+    """(argument positions, output positions) a plan keeps on the host."""
+    info = (plan.solver or {}).get("offload") or {}
+    return frozenset(info.get("inputs", ())), frozenset(info.get("outputs", ()))
+
+
+def _leaves(tree) -> list:
+    return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: x is None or isinstance(x, jax.sharding.Sharding))
+
+
+def in_shardings(plan):
+    """`plan.in_shardings` with the offloaded arguments in host memory."""
+    ins, _ = positions(plan)
+    shardings = plan.in_shardings
+    if not ins:
+        return shardings
+    leaves = [s.with_memory_kind(HOST) if i in ins else s for i, s in enumerate(_leaves(shardings))]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shardings, is_leaf=_is_sharding), leaves)
+
+
+def out_shardings(plan):
+    """`plan.out_shardings` with the offloaded new values in host memory."""
+    _, outs = positions(plan)
+    shardings = plan.out_shardings
+    if not outs:
+        return shardings
+    leaves = [s.with_memory_kind(HOST) if i in outs and s is not None else s for i, s in enumerate(_leaves(shardings))]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shardings, is_leaf=_is_sharding), leaves)
+
+
+def _is_sharding(x) -> bool:
+    return x is None or isinstance(x, jax.sharding.Sharding)
+
+
+def emission_hooks(graph: Graph, plan, before_op):
+    """(before_op, finish) for `Graph.evaluate` inside the planned jit: `before_op` first copies an
+    offloaded argument to device memory where an op reads it (in its planned layout), then
+    applies the plan's own `before_op`; `finish(outputs)` sends the offloaded new values back to
+    host memory. Identity when the plan offloads nothing."""
+    ins, outs = positions(plan)
+    if not ins:
+        return before_op, lambda values: values
+    shardings = _leaves(plan.in_shardings)
+    device = {graph.inputs[i]: shardings[i].with_memory_kind(DEVICE) for i in ins}
+    host = {i: s.with_memory_kind(HOST) for i, s in enumerate(_leaves(plan.out_shardings)) if i in outs}
+
+    def before(op, operands):
+        values = [jax.device_put(v, device[x]) if isinstance(x, int) and x in device else v
+                  for x, v in zip(op.inputs, operands)]
+        return before_op(op, values) if before_op is not None else values
+
+    def finish(values):
+        return [jax.device_put(v, host[i]) if i in host else v for i, v in enumerate(values)]
+
+    return before, finish
+
+
+def abstract_args(plan, args):
+    """`args` as `jax.ShapeDtypeStruct`s carrying the offload-aware input shardings (lowering
+    concrete device arrays against host in-shardings is an error in `jax.jit`)."""
+    return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), args,
+                                  in_shardings(plan))
+
+
+def bounding_problem(problem: Problem, mode: str) -> Problem:
+    """The problem whose `solver.memory_lower_bound` holds for every offload `mode` may choose:
+    every optimizer-state leaf on the host unless offload is off (the mesh search bounds meshes
+    with it before solving)."""
+    return problem if mode == "off" else with_offload(problem, state_pairs(problem))

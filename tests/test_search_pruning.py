@@ -1,0 +1,151 @@
+"""The mesh search bounds each mesh before solving it: memory lower bounds skip meshes no plan fits,
+step-time lower bounds skip meshes that cannot beat a plan found, and a budget nothing fits gets one
+line with the bound, the smallest peak found and the levers."""
+from __future__ import annotations
+
+import random
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from planner import cli
+from planner.errors import InfeasiblePlanError
+from planner.graph import trace
+from planner.ilp.objective import step_time
+from planner.ilp.solver import memory_floor, memory_lower_bound
+from planner.options import PlanOptions
+from planner.planning import plan_problem
+from planner.search import best_plan, candidate_meshes, search_meshes, step_time_lower_bound
+from zoo import get_model
+
+
+def _mlp_tiny_graph():
+    bundle = get_model("mlp-tiny")
+    return trace(bundle.train_step, bundle.abstract_state(), bundle.abstract_batch())
+
+
+@pytest.fixture(scope="module")
+def mlp_graph():
+    return _mlp_tiny_graph()
+
+
+def test_step_time_bound_is_below_every_choice(mlp_graph):
+    """Random choices (ties held or not) and the solved plan never go below the bound."""
+    options = PlanOptions(hardware="v100")
+    rng = random.Random(0)
+    for mesh in candidate_meshes(8)[:2]:
+        problem = plan_problem(mlp_graph, mesh, options)
+        bound = step_time_lower_bound(problem)
+        assert bound > 0
+        for _ in range(50):
+            choice = [0] * len(problem.nodes)
+            for node in problem.nodes:
+                choice[node.index] = rng.randrange(node.size) if node.size else 0
+            choice = [choice[problem.rep[n]] for n in range(len(problem.nodes))]
+            assert step_time(problem, choice).total_s >= bound * (1 - 1e-12)
+
+
+def test_pruning_keeps_the_best_plan(mlp_graph):
+    """With pruning the fastest plan is the one planning every mesh gives, same predicted time."""
+    options = PlanOptions(hardware="v100")
+    meshes = candidate_meshes(8)
+    full = search_meshes(mlp_graph, meshes, options, prune=False)
+    pruned = search_meshes(mlp_graph, meshes, options, prune=True, threads=1)
+    assert best_plan(pruned) == best_plan(full)
+    assert best_plan(pruned).prediction.step_time_s == best_plan(full).prediction.step_time_s
+    for r in pruned:
+        assert r.pruned is None or r.time_bound_s >= best_plan(full).prediction.step_time_s
+
+
+def test_a_mesh_that_cannot_be_faster_is_not_solved():
+    """An elementwise program needs no communication on any mesh: every mesh's bound equals the
+    first plan's time, so the rest are pruned, and the answer is the unpruned search's."""
+    def f(x):
+        return jnp.tanh(x) * 2.0
+
+    graph = trace(f, jax.ShapeDtypeStruct((64, 64), jnp.float32))
+    options = PlanOptions(hardware="h100")
+    meshes = candidate_meshes(8)
+    results = search_meshes(graph, meshes, options, threads=1)
+    solved = [r for r in results if r.plan is not None]
+    assert len(solved) == 1 and any(r.pruned for r in results)
+    assert best_plan(results) == best_plan(search_meshes(graph, meshes, options, prune=False))
+
+
+def test_parallel_and_serial_searches_give_the_same_plans(mlp_graph):
+    """Meshes solved by two threads at once: the same plans, same predictions, same ranking."""
+    options = PlanOptions(hardware="v100")
+    meshes = candidate_meshes(8)
+    serial = search_meshes(mlp_graph, meshes, options, prune=False, threads=1)
+    parallel = search_meshes(mlp_graph, meshes, options, prune=False, threads=2)
+    assert [r.mesh for r in serial] == [r.mesh for r in parallel]
+    assert [r.plan for r in serial] == [r.plan for r in parallel]
+    assert best_plan(parallel) == best_plan(serial)
+
+
+def test_budget_under_every_bound_is_answered_without_solving(mlp_graph):
+    """Every mesh's memory lower bound is over the budget: no mesh is solved, the minimum-peak
+    search runs on the most promising mesh only, the answer is one line."""
+    options = PlanOptions(hardware="v100", memory_budget=1000.0)
+    results = search_meshes(mlp_graph, candidate_meshes(8), options)
+    assert all(r.plan is None and r.over_budget for r in results)
+    own = [r for r in results if r.same_as is None]
+    assert all(r.lower_bound_bytes > 1000 for r in own)
+    searched = [r for r in own if r.min_memory_bytes is not None]
+    assert len(searched) == 1 and searched[0].mesh == candidate_meshes(8)[0]
+    assert searched[0].min_memory_bytes >= searched[0].lower_bound_bytes
+    with pytest.raises(InfeasiblePlanError) as e:
+        best_plan(results, 1000.0)
+    text = str(e.value)
+    assert "\n" not in text and text.startswith("does not fit")
+    assert e.value.lower_bound_bytes == min(r.lower_bound_bytes for r in own)
+    assert e.value.min_memory_bytes == searched[0].min_memory_bytes
+    for words in ("/device at best", "smallest peak found", "Tried: sharding", "rematerialisation", "host offload"):
+        assert words in text
+    for words in ("UNKNOWN", "status", "within its limit"):
+        assert words not in text
+
+
+def test_cli_budget_nothing_fits_is_one_line_exit_2(capsys):
+    code = cli.main(["plan", "--model", "mlp-tiny", "--devices", "8", "--memory-budget", "1KB"])
+    _, err = capsys.readouterr()
+    assert code == 2
+    last = [line for line in err.splitlines() if line.strip() and not line.startswith("[planner")]
+    assert len(last) == 1 and "does not fit" in last[0] and "Traceback" not in err
+
+
+def test_solver_limit_is_reported_as_undecided_not_as_does_not_fit():
+    """A budget between the lower bound and the least peak, with a solver limit too short to decide:
+    the mesh is undecided (not "does not fit"), the answer names the limit and no solver status."""
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return (x ** 2).sum()
+
+    d = 64
+    graph = trace(jax.grad(loss), [jax.ShapeDtypeStruct((d, d), jnp.float32)] * 3,
+                  jax.ShapeDtypeStruct((64, d), jnp.float32))
+    meshes = [candidate_meshes(8)[1]]
+    free = search_meshes(graph, meshes, PlanOptions(hardware="h100"))[0]
+    lower = memory_lower_bound(plan_problem(graph, meshes[0], PlanOptions(hardware="h100"))).max()
+    budget = float(lower + 0.7 * (free.plan.prediction.memory_bytes_per_device - lower))
+    options = PlanOptions(hardware="h100", memory_budget=budget, solver_time_limit=0.01)
+    results = search_meshes(graph, meshes, options)
+    assert results[0].plan is None and results[0].over_budget and results[0].error.proven is False
+    with pytest.raises(InfeasiblePlanError) as e:
+        best_plan(results, budget)
+    text = str(e.value)
+    assert not text.startswith("does not fit") and "not decided within the solver limit: 2x4" in text
+    for words in ("UNKNOWN", "status", "found no plan within its limit"):
+        assert words not in text
+
+
+def test_memory_floor_is_below_every_mesh_bound(mlp_graph):
+    """The bound known before any ILP is built (arguments and outputs split over every device) is
+    below each mesh's `memory_lower_bound` where both count them: the end of the step."""
+    for mesh in candidate_meshes(8):
+        for hardware in ("v100", "cpu"):
+            problem = plan_problem(mlp_graph, mesh, PlanOptions(hardware=hardware))
+            end = len(mlp_graph.ops) + 1
+            assert 0 < memory_floor(mlp_graph, 8) <= memory_lower_bound(problem)[end]
