@@ -400,8 +400,9 @@ def cmd_plan(args, out) -> int:
         results, graph = _accumulated_results(step, graph, meshes, options, cluster, budget)
         ranked = mesh_ranking(results, flops, hardware)
     else:
-        def search(g, _smallest_peak: bool):
-            found = search_meshes(g, meshes, options, cluster.devices_per_host if cluster else None)
+        def search(g, smallest_peak: bool):
+            found = search_meshes(g, meshes, options, cluster.devices_per_host if cluster else None,
+                                  min_peak_search=smallest_peak)
             if found[0].plan is None:
                 raise _no_plan(found, budget)
             return found
