@@ -2,6 +2,19 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+
+# One compilation cache per test run, shared by the xdist workers and the CLI / multi-process
+# tests they start (through the environment): the suite compiles the same programs (the unsharded
+# reference steps of the zoo models, the same plans in different tests) many times, and XLA:CPU takes
+# seconds per transformer step. Each run starts empty, so nothing carries over between runs.
+# Made by the first process (the xdist controller, whose environment the workers inherit), removed by it
+# at the end; a directory the caller set is used and kept.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="planner-tests-xla-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -29,6 +42,11 @@ def devices8():
 # The longest tests start first, so that two workers do not end on one long test each.
 _FIRST = ("test_multihost.py", "test_zoo_numerics.py", "test_pipeline_runtime.py", "test_large_models.py",
           "test_stages_planning.py", "test_numerics.py", "test_memory.py")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_CACHE:  # the process that made it: the controller, after every worker is done
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
