@@ -1,14 +1,17 @@
 """Memory levers on models that do not fit (issue 13): Llama-70B- and GPT-39B-shaped steps planned
 abstractly on one host of 8 x H100 ("1x8:h100") and on 8 hosts of 8 x V100 ("8x8:v100"), with the
 levers the single-stage planner has: sharding alone, then sharding + gradient accumulation
-(accumulate="auto"). Prints per row: fits or not, the plan's predicted memory or the smallest peak
+(accumulate="auto"), and sharding + the model's own per-layer recomputation (where the model has the
+option, as the zoo's scanned Llama: `remat=True`, nn.remat inside the scanned layer; the planner's
+graph-level remat does not reach into a scan; otherwise the planner's remat="auto", `planner.remat`) + host offload of the optimizer state (offload="auto": only the leaves the budget needs,
+`planner.offload`). The train state is donated in every row (`donate_argnums=0`). Prints per row: fits or not, the plan's predicted memory or the smallest peak
 found, the predicted step time, the microbatch count and the planning time.
 
     .venv/bin/python experiments/bench_memory_levers.py [--layers N] [--models llama-70b,gpt3-39b]
         [--clusters 1x8:h100,8x8:v100] [--time-limit S]
 Full depth is slow on a 2-core machine (each mesh shape and each microbatch count is one ILP);
 --layers N plans N layers at the full widths. Results: experiments/results/memory_levers.json.
-Not here yet: recomputation per layer kind and host offload in single-stage plans.
+Not here: offload of master parameters or activations (not planned yet).
 """
 from __future__ import annotations
 
@@ -31,20 +34,36 @@ from planner.options import PlanOptions  # noqa: E402
 from planner.planning import make_plan  # noqa: E402
 from planner.search import inter_host_axes  # noqa: E402
 from planner.units import format_bytes  # noqa: E402
+from planner.remat import plan_remat  # noqa: E402
 from zoo import get_model  # noqa: E402
+from zoo.registry import get_config  # noqa: E402
 
 
-def run(model: str, cluster: str, layers: int | None, accumulate, time_limit: float) -> dict:
+LEVER_SETS = ("sharding", "accumulation", "remat+offload")
+
+
+def run(model: str, cluster: str, layers: int | None, levers: str, time_limit: float,
+        overrides: dict | None = None) -> dict:
     hw = Cluster.parse(cluster)
+    accumulate = "auto" if levers == "accumulation" else None
     over = {"layers": layers} if layers else {}
+    over.update(overrides or {})
+    own_remat = levers == "remat+offload" and "remat" in {f.name for f in dataclasses.fields(get_config(model))}
+    if own_remat:
+        over["remat"] = True
     b = get_model(model, **over, dtype=hw.hardware.default_dtype)
     mesh = MeshSpec((hw.hosts, hw.devices_per_host), ("x", "y"))
     budget = hw.hardware.memory_bytes
     options = PlanOptions(hardware=cluster, memory_budget=budget, solver_time_limit=time_limit,
-                          inter_host_axes=inter_host_axes(mesh.shape, hw.devices_per_host))
+                          inter_host_axes=inter_host_axes(mesh.shape, hw.devices_per_host),
+                          offload="auto" if levers == "remat+offload" else "off",
+                          donate_argnums=(0,))  # the train state, as every training loop donates it
     t0 = time.perf_counter()
     row = {"model": model, "layers": layers or b.config.layers, "cluster": cluster, "mesh": str(mesh),
-           "levers": "sharding" + (" + accumulation" if accumulate else ""), "budget": format_bytes(budget)}
+           "overrides": overrides or {},
+           "levers": {"sharding": "sharding", "accumulation": "sharding + accumulation",
+                      "remat+offload": "sharding + remat + offload auto"}[levers],
+           "budget": format_bytes(budget)}
     graph = trace(b.train_step, b.abstract_state(), b.abstract_batch())
     try:
         if accumulate:
@@ -52,11 +71,19 @@ def run(model: str, cluster: str, layers: int | None, accumulate, time_limit: fl
                 return make_plan(g, mesh, dataclasses.replace(options, memory_budget=inner))
 
             plan = plan_accumulation(b.train_step, graph, accumulate, budget, plan_micro, mesh).plan
+        elif levers == "remat+offload" and not own_remat:  # unrolled layers: the planner's own recomputation
+            _, plan, policy = plan_remat(graph, "auto", budget,
+                                         lambda g, search: make_plan(g, mesh, options, min_peak_search=search),
+                                         lambda p: p)
+            row["remat"] = policy
         else:
             plan = make_plan(graph, mesh, options)
         p = plan.prediction
+        off = plan.levers.get("offload") or {}
         row.update(fits=True, memory=format_bytes(p.memory_bytes_per_device), step_time_s=p.step_time_s,
-                   microbatches=plan.solver.get("accumulation", {}).get("microbatches", 1))
+                   microbatches=plan.levers.get("accumulation", {}).get("microbatches", 1),
+                   offloaded=f"{len(off.get('inputs', ()))} of {off.get('candidates', 0)} optimizer-state leaves, "
+                             f"{format_bytes(off.get('host_bytes_per_device', 0))}/device" if off else "none")
     except PlannerError as e:
         row.update(fits=False, memory=format_bytes(e.min_memory_bytes) if getattr(e, "min_memory_bytes", None) else "?",
                    lower_bound=format_bytes(e.lower_bound_bytes) if getattr(e, "lower_bound_bytes", None) else "?",
@@ -71,16 +98,18 @@ def main() -> None:
     ap.add_argument("--clusters", default="1x8:h100,8x8:v100")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--levers", default=",".join(LEVER_SETS), help=f"comma-separated from {LEVER_SETS}")
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary override (Llama 3: 128256)")
     ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "memory_levers.json"))
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     rows = []
     for model in a.models.split(","):
         for cluster in a.clusters.split(","):
-            for acc in (None, "auto"):
-                row = run(model, cluster, a.layers, acc, a.time_limit)
+            for levers in a.levers.split(","):
+                row = run(model, cluster, a.layers, levers, a.time_limit, {"vocab": a.vocab} if a.vocab else None)
                 rows.append(row)
-                print(f"{row['model']:<10} L={row['layers']:<3} {row['cluster']:<9} {row['levers']:<24} "
+                print(f"{row['model']:<10} L={row['layers']:<3} {row['cluster']:<9} {row['levers']:<38} "
                       f"fits={row['fits']!s:<5} memory={row['memory']:<10} "
                       f"t={row.get('step_time_s', float('nan')):.4g}s k={row.get('microbatches', '-')} "
                       f"planned in {row['planning_time_s']}s", flush=True)

@@ -75,7 +75,7 @@ _REPLANS = 3
 @dataclasses.dataclass(frozen=True)
 class Accumulated:
     """A planned accumulated step: the microbatch trace, its parts, the plan (prediction combined
-    for k microbatches; `plan.solver["accumulation"]` records k and how) and k."""
+    for k microbatches; `plan.levers["accumulation"]` records k and how) and k."""
 
     graph: Graph
     parts: StepParts
@@ -141,7 +141,7 @@ def extra_bytes(graph: Graph, parts: StepParts, plan: Plan, k: int) -> tuple[int
 
 def combine(graph: Graph, parts: StepParts, plan: Plan, k: int) -> Plan:
     """The microbatch plan with its prediction for k microbatches per step (module docstring) and
-    `solver["accumulation"]` recording k, the microbatch's own figures and the parts added."""
+    `levers["accumulation"]` recording k, the microbatch's own figures and the parts added."""
     labels = _update_labels(graph, parts)
     items = plan.solver["step_parts"]["items"]
     once_compute = sum(it[2] for it in items if it[0] in labels)
@@ -162,9 +162,7 @@ def combine(graph: Graph, parts: StepParts, plan: Plan, k: int) -> Plan:
               "microbatch_step_time_s": p.step_time_s, "update_time_s": once_compute + once_comm,
               "microbatch_memory_bytes": p.memory_bytes_per_device, "accumulator_bytes": acc,
               "batch_bytes": batch, "collectives": "per microbatch (update collectives once)"}
-    solver = dict(plan.solver)
-    solver["accumulation"] = record
-    return dataclasses.replace(plan, prediction=pred, solver=solver)
+    return dataclasses.replace(plan, prediction=pred).with_lever("accumulation", record)
 
 
 def _fits(plan: Plan, budget: float | None) -> bool:
@@ -176,9 +174,8 @@ def _plan_k(fn, graph: Graph, parts: StepParts, k: int, budget: float | None,
     """Plans k microbatches; raises InfeasiblePlanError (min_memory_bytes for the whole program)."""
     if k == 1:
         plan = plan_micro(graph, budget)
-        solver = dict(plan.solver)
-        solver["accumulation"] = {"microbatches": 1, "microbatch_rows": _rows(graph, parts)}
-        return Accumulated(graph, parts, dataclasses.replace(plan, solver=solver), 1)
+        plan = plan.with_lever("accumulation", {"microbatches": 1, "microbatch_rows": _rows(graph, parts)})
+        return Accumulated(graph, parts, plan, 1)
     mgraph = trace(fn, *_micro_args(graph, parts, k), user_constraints=graph.user_constraints)
     mparts = split_step(mgraph)
     if (mparts.params, mparts.batch) != (parts.params, parts.batch):

@@ -58,7 +58,7 @@ class PlannedFunction:
         self.pins = pins if callable(pins) else dict(pins) if pins else None
         self.unpinned = unpinned
         self.rules, self.logical = rules, logical
-        self.options = check_options(PlanOptions.from_kwargs(options))
+        self.options = check_options(PlanOptions.from_kwargs({**options, "donate_argnums": donate_argnums}))
         self.devices = list(devices) if devices is not None else jax.devices()
         # The user's mesh, as given or from `jax.set_mesh`: the step is traced under it (so its own
         # `reshard`/`shard_map` calls see it) and results are handed back on it.
@@ -294,12 +294,12 @@ def plan_parallel(fn: Callable[..., Any] | None = None, *, mesh: Any = None,
         and nested jit in/out shardings fix those values' sharding) or `"hint"` (the planner may
         choose another); `Plan.user_constraints` records which were kept. `accumulate=k` or
         `"auto"`: gradient accumulation over k microbatches inside the step (`planner.accumulate`;
-        `plan.solver["accumulation"]` records k); the planned graph is then the microbatch trace.
+        `plan.levers["accumulation"]` records k); the planned graph is then the microbatch trace.
         `offload="opt-state"` or `"auto"`: Adam moments (optimizer state) kept in host memory
         between steps, all of them or only what `memory_budget` needs (`planner.offload`;
-        `plan.solver["offload"]` records which, their bytes and copy times).
+        `plan.levers["offload"]` records which, their bytes and copy times).
         `remat="full"`, `"dots"` or `"auto"`: repeated layers' forward recomputed in the backward
-        (`planner.remat`; `plan.solver["remat"]` records the policy and layers); the planned and
+        (`planner.remat`; `plan.levers["remat"]` records the policy and layers); the planned and
         emitted graph (`.graph(...)`) is then the rewritten one.
 
     Returns:

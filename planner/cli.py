@@ -74,6 +74,16 @@ class CLIError(Exception):
 
 
 # ----- argument parsing ------------------------------------------------------------------------
+def _argnums(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of argument positions") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: argument positions are >= 0")
+    return values
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -131,7 +141,10 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     opts.add_argument("--remat", choices=("off", "auto", "dots", "full"), default=None,
                       help="recompute repeated layers' forward in the backward (single-stage plans): 'full' keeps "
                            "only each layer's inputs, 'dots' keeps matmul results, 'auto' recomputes only when the "
-                           "plan does not fit the memory budget")
+                           "plan does not fit the memory budget, and only the first layers it needs")
+    opts.add_argument("--donate", type=_argnums, default=None, metavar="I[,J]",
+                      help="argument positions whose buffers the step reuses, as jax.jit(donate_argnums=...): "
+                           "typically 0, the train state (its new value is written over the old one)")
     opts.add_argument("--prefetch", action="store_true",
                       help="price parameter all-gathers (ZeRO-3/FSDP) as issued ahead of their use, hidden behind "
                            "earlier compute (a harder ILP: slower planning)")
@@ -303,6 +316,8 @@ def _options(args, budget: float | None, cluster: Cluster | None = None) -> Plan
         base["prefetch"] = True
     if getattr(args, "offload", None) is not None:
         base["offload"] = args.offload
+    if getattr(args, "donate", None) is not None:
+        base["donate_argnums"] = args.donate
     if getattr(args, "remat", None) is not None:
         if _hand_configured(args):
             raise CLIError("--remat is not supported with --pin / --rules / --baseline yet; drop one")
@@ -424,17 +439,18 @@ def cmd_plan(args, out) -> int:
                                                                                else ""))
         print(f"\nYour configuration: {solver.get('configuration')}, {pinned}"
               + (f"; approximated: {solver['approximation']}" if solver.get("approximation") else ""), file=out)
-    record = view.plan.solver.get("accumulation")
+    record = view.plan.levers.get("accumulation")
     if record and record.get("microbatches", 1) > 1:
         print(f"\nGradient accumulation: {record['microbatches']} microbatches of {record['microbatch_rows']} rows "
               "per step (the shapes above are one microbatch's)", file=out)
-    record = view.plan.solver.get("remat")
+    record = view.plan.levers.get("remat")
     if record:
         print(f"\nRecomputation: {record['policy']}" + (
-            f", {len(record['layers'])} layer(s) ({record['layers'][0]}..{record['layers'][-1]}), "
+            f", {len(record['layers'])} of {record.get('recomputable', len(record['layers']))} layers "
+            f"({'..'.join(dict.fromkeys((record['layers'][0], record['layers'][-1])))}), "
             f"{record['recomputed_ops']} ops recomputed in the backward" if record.get("layers") else
             " (the plan fits without it)"), file=out)
-    record = view.plan.solver.get("offload")
+    record = view.plan.levers.get("offload")
     if record:
         print(f"\nHost offload ({record['mode']}): {len(record['inputs'])} of {record['candidates']} optimizer-state "
               f"leaves in host memory, {fmt_bytes(record['host_bytes_per_device'])}/device; copies in "
@@ -507,7 +523,7 @@ def _accumulated_results(step, graph, meshes, options, cluster, budget):
     t0 = time.perf_counter()
     acc = plan_accumulation(step, graph, options.accumulate, budget, plan_micro, bounds)
     plan = dataclasses.replace(acc.plan, options={**acc.plan.options, "accumulate": options.accumulate})
-    record = plan.solver["accumulation"]
+    record = plan.levers["accumulation"]
     log.info("gradient accumulation: %d microbatch(es) of %d rows", record["microbatches"], record["microbatch_rows"])
     inter = next((r.inter_host_axes for rs in seen for r in rs if r.plan is not None and r.mesh == plan.mesh), ())
     return (MeshResult(plan.mesh, plan, None, inter, time.perf_counter() - t0),), acc.graph

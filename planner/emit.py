@@ -25,7 +25,7 @@ def constrained_function(graph: Graph, plan: Plan) -> Callable[..., Any]:
     (`mesh.auto_view`), so only `with_sharding_constraint` is needed.
     Must be called under `jax.jit` (sharding constraints need a tracing context).
     """
-    if (plan.solver.get("remat") or {}).get("recomputed_ops") and not graph.recompute:
+    if (plan.levers.get("remat") or {}).get("recomputed_ops") and not graph.recompute:
         raise InvalidArgumentError("this plan recomputes layers: emit it on the graph it was made for, "
                                    "planner.remat.graph_for(trace(fn, *args), plan)")
     before_op, after_op = constraint_hooks(plan, plan._mesh(), graph)

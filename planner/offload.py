@@ -85,7 +85,7 @@ def unavailable(hardware, devices: Sequence[Any] = ()) -> str | None:
 def with_offload(problem: Problem, pairs: Sequence[tuple[int, int]]) -> Problem:
     """`problem` with `pairs` kept on the host: their device live ranges and transfer costs."""
     pairs = tuple(pairs)
-    base = live_ranges(problem.graph) if problem.offloaded else problem.live
+    base = live_ranges(problem.graph, problem.donated) if problem.offloaded else problem.live
     return dataclasses.replace(problem, offloaded=pairs, live=offloaded_live_ranges(problem.graph, base, pairs))
 
 
@@ -149,7 +149,7 @@ def plan_offload(problem: Problem, mode: str, budget: float | None, devices: Seq
 
 
 def record(problem: Problem, choice: Sequence[int], mode: str) -> dict:
-    """What the plan keeps of the offload (`plan.solver["offload"]`, JSON-ready): the argument and
+    """What the plan keeps of the offload (`plan.levers["offload"]`, JSON-ready): the argument and
     output positions on the host (emission reads them), their paths, bytes per device and the
     copies' times as the objective counts them."""
     graph = problem.graph
@@ -173,7 +173,7 @@ def record(problem: Problem, choice: Sequence[int], mode: str) -> dict:
 
 def positions(plan) -> tuple[frozenset[int], frozenset[int]]:
     """(argument positions, output positions) a plan keeps on the host."""
-    info = (plan.solver or {}).get("offload") or {}
+    info = plan.levers.get("offload") or {}
     return frozenset(info.get("inputs", ())), frozenset(info.get("outputs", ()))
 
 

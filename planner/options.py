@@ -60,6 +60,10 @@ class PlanOptions:
         "full" (each layer keeps only its inputs), "dots" (keeps matmul results,
         `jax.checkpoint_policies.dots_saveable`), or "auto" (off when the plan without it fits
         `memory_budget` unconstrained, else the fastest of off / "dots" / "full" that fits).
+      donate_argnums: arguments whose buffers the step may reuse (as `jax.jit(donate_argnums=...)`,
+        typically the train state): the memory model frees each leaf at its last use and lets its
+        new value take the buffer (`planner.ilp.problem.live_ranges`); `plan_parallel` passes its
+        own `donate_argnums` here and emits them donated.
     """
 
     memory_budget: float | None = None
@@ -82,8 +86,12 @@ class PlanOptions:
     accumulate: int | str | None = None
     offload: str = "off"
     remat: str = "off"
+    donate_argnums: tuple[int, ...] = ()
 
     def __post_init__(self):
+        if not (isinstance(self.donate_argnums, tuple)
+                and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.donate_argnums)):
+            raise InvalidArgumentError(f"donate_argnums={self.donate_argnums!r} must be argument positions (ints >= 0)")
         if not isinstance(self.overlap, bool):
             raise InvalidArgumentError(f"overlap={self.overlap!r} must be True or False")
         if not isinstance(self.prefetch, bool):
@@ -134,11 +142,16 @@ class PlanOptions:
             values["memory_budget"] = parse_bytes(values["memory_budget"])
         if "inter_host_axes" in values:
             values["inter_host_axes"] = tuple(values["inter_host_axes"])
+        if isinstance(values.get("donate_argnums"), int):
+            values["donate_argnums"] = (values["donate_argnums"],)
+        elif isinstance(values.get("donate_argnums"), list):
+            values["donate_argnums"] = tuple(values["donate_argnums"])
         return cls(**values)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["hardware"] = getattr(self.hardware, "name", self.hardware)  # a `Hardware` record by its preset name
         d["inter_host_axes"] = list(self.inter_host_axes)
+        d["donate_argnums"] = list(self.donate_argnums)
         d["profile"] = self.profile if isinstance(self.profile, (str, type(None))) else getattr(self.profile, "path", "<in memory>")
         return d

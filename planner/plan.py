@@ -105,6 +105,10 @@ def _decision_from_json(x: dict) -> Decision:
     return Decision(**x)
 
 
+# `Plan.levers` keys (plans saved before the field kept these records in "solver").
+LEVER_NAMES = ("accumulation", "remat", "offload")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
     """How to run one program on one mesh.
@@ -132,6 +136,10 @@ class Plan:
       in_tree / out_tree / jax_mesh: bound at planning time; not serialised (see `bind`).
       user_constraints: the step's own sharding constraints (`with_sharding_constraint`,
         `jax.sharding.reshard`), each {"where", "user_spec", "planned_spec", "kept", "mode"}.
+      levers: the memory levers the plan uses, each a JSON-ready record that emission reads (so
+        they take part in equality, unlike `solver`): "accumulation" (`planner.accumulate`: k
+        microbatches), "remat" (`planner.remat`: policy and layers recomputed), "offload"
+        (`planner.offload`: argument and output positions kept in host memory).
     """
 
     mesh: MeshSpec
@@ -154,6 +162,11 @@ class Plan:
     jax_mesh: jax.sharding.Mesh | None = dataclasses.field(default=None, compare=False, repr=False)
     assumed_xla_flags: tuple[str, ...] = ()
     user_constraints: tuple[Mapping[str, Any], ...] = ()
+    levers: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+
+    def with_lever(self, name: str, record: Mapping[str, Any]) -> Plan:
+        """This plan with `levers[name] = record`."""
+        return dataclasses.replace(self, levers=MappingProxyType({**self.levers, name: record}))
 
     def xla_flags(self) -> list[str]:
         """The XLA flags the prediction assumes (the latency-hiding scheduler and collective combiner
@@ -283,6 +296,7 @@ class Plan:
             "pipeline": _thaw(self.pipeline),
             "xla_flags": list(self.assumed_xla_flags),
             "user_constraints": [dict(c) for c in self.user_constraints],
+            "levers": _thaw(self.levers),
         }
 
     @classmethod
@@ -319,6 +333,8 @@ class Plan:
                 pipeline=_freeze(d.get("pipeline") or {}),
                 assumed_xla_flags=tuple(d.get("xla_flags", ())),
                 user_constraints=tuple(MappingProxyType(dict(c)) for c in d.get("user_constraints", ())),
+                levers=MappingProxyType(d.get("levers") or {k: d["solver"][k] for k in LEVER_NAMES
+                                                             if k in d["solver"]}),
             )
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
             if isinstance(e, InvalidArgumentError):

@@ -6,6 +6,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import jax
 
@@ -191,6 +192,12 @@ def _common(specs: Sequence) -> tuple:
     return tuple(out)
 
 
+def donated_inputs(graph: Graph, argnums: Sequence[int]) -> frozenset[int]:
+    """Input tensor ids of the leaves of the arguments at positions `argnums` (paths "[i]...")."""
+    heads = tuple(f"[{i}]" for i in argnums)
+    return frozenset(t for t, path in zip(graph.inputs, graph.input_paths) if path.startswith(heads))
+
+
 def plan_problem(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None = None,
                  pins: Mapping[int, Spec] | None = None) -> Problem:
     """The ILP `make_plan` solves for `graph` on `mesh` (the mesh search bounds it before solving).
@@ -203,7 +210,7 @@ def plan_problem(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: j
     cost = cost_model_for(mesh, options)
     pinned = {graph.inputs[i]: spec for i, spec in (pins or {}).items()}
     problem = build_problem(graph, cost, tie_outputs=options.tie_outputs, share_layers=options.share_layers,
-                            pins=pinned)
+                            pins=pinned, donated_inputs=donated_inputs(graph, options.donate_argnums))
     overlap = options.overlap and cost.hardware.platform != "cpu"
     problem = dataclasses.replace(problem, overlap=overlap, prefetch=overlap and options.prefetch,
                                   device_platform=_device_platform(jax_mesh))
@@ -288,8 +295,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     if pins:
         solver_info["pinned_inputs"] = len(pins)
     solver_info["step_parts"] = step_parts(problem, sol.choice)
-    if options.offload != "off":
-        solver_info["offload"] = offload_record(problem, sol.choice, options.offload)
+    levers = {"offload": offload_record(problem, sol.choice, options.offload)} if options.offload != "off" else {}
     return Plan(
         mesh=mesh,
         input_paths=graph.input_paths,
@@ -308,4 +314,5 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
         out_tree=graph.out_tree,
         jax_mesh=jax_mesh,
         assumed_xla_flags=_xla_flags(problem, sol.choice),
+        levers=MappingProxyType(levers),
     )

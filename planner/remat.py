@@ -31,6 +31,7 @@ pipeline plans (pipeline stages choose recomputation per stage, `pipeline="auto"
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -43,6 +44,8 @@ from planner.layer_index import find_indexed
 from planner.plan import Plan
 from planner.stages.clustering import BACKWARD, FORWARD, op_phases, repeated_module
 from planner.units import format_bytes
+
+log = logging.getLogger("planner")
 
 POLICIES = ("full", "dots")
 OPTIONS = ("off", "full", "dots", "auto")
@@ -235,27 +238,28 @@ def _insert(graph: Graph, copies: Sequence[_Copy]) -> Graph:
 
 
 def summary(original: Graph, transformed: Graph, policy: str) -> dict:
-    """What `plan.solver["remat"]` records: the policy, the layers recomputed, the ops added."""
+    """What `plan.levers["remat"]` records: the policy, the layers recomputed (those actually copied,
+    forward order), how many layers could be (`recomputable`), the ops added."""
     prefix = repeated_module(original) or ""
     copied = {_layer_of(op.name_stack, prefix) for op in transformed.ops if op.name_stack.startswith(f"{WRAPPER}(")}
-    return {"policy": policy, "layers": [n for n in remat_layers(original) if n in copied],
+    names = remat_layers(original)
+    return {"policy": policy, "layers": [n for n in names if n in copied], "recomputable": len(names),
             "recomputed_ops": len(transformed.ops) - len(original.ops)}
 
 
 def graph_for(graph: Graph, plan: Plan) -> Graph:
-    """The graph `plan` was made for, from the step's own trace: rewritten as `plan.solver["remat"]`
+    """The graph `plan` was made for, from the step's own trace: rewritten as `plan.levers["remat"]`
     records (a saved plan re-emitted with `jit_planned` needs it); `graph` itself for other plans."""
-    info = plan.solver.get("remat") or {}
+    info = plan.levers.get("remat") or {}
     if not info.get("recomputed_ops"):
         return graph
     return rematerialize(graph, info["layers"], info["policy"])
 
 
 def record(plan: Plan, original: Graph, transformed: Graph, policy: str) -> Plan:
-    """`plan` (of `transformed`) with `solver["remat"]` (`summary`) and `options["remat"]` kept."""
-    solver = dict(plan.solver)
-    solver["remat"] = summary(original, transformed, policy) if transformed is not original else {"policy": "off"}
-    return dataclasses.replace(plan, solver=solver)
+    """`plan` (of `transformed`) with `levers["remat"]` (`summary`)."""
+    return plan.with_lever("remat", summary(original, transformed, policy) if transformed is not original
+                           else {"policy": "off"})
 
 
 T = TypeVar("T")
@@ -266,9 +270,24 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
     """Plans `graph` with recomputation `remat` ("off", "full", "dots" or "auto").
 
     "auto": no recomputation when there is no budget, or when the plan without it meets the budget
-    without a memory constraint (its unconstrained optimum fits: recomputation only adds work);
-    otherwise the fastest (predicted step time) of "off", "dots" and "full" among those that fit
-    (sharding more to fit can cost more than recomputing).
+    without a memory constraint (its unconstrained optimum fits: recomputation only adds work).
+    Otherwise "off", "dots" and "full" (every layer) are planned; when some policy fits but "off" does
+    not, the fastest fitting policy is then applied to the first n layers (forward order) for the
+    fewest n that fits, found by bisection over n in [1, L]. The first layers are the ones whose
+    residuals live longest (their backward runs last), so they are the ones worth recomputing;
+    Megatron-LM's `--recompute-method block --recompute-num-layers N` likewise recomputes the first N
+    layers of each pipeline stage (NVIDIA/Megatron-LM, megatron/core/transformer/transformer_block.py,
+    `_checkpointed_forward`: `if l < recompute_num_layers`). Bisection assumes "fits" is
+    monotone in n: more recomputed layers free more memory, so it holds to a good approximation but
+    not exactly, since the ILP may shard differently at each n; the n found always fits (it was
+    planned), it may be a layer or so more than the fewest. The bisection costs at most
+    ceil(log2 L) extra plans (plan_fn(graph, False) each: no smallest-peak search), for one
+    policy only. The result is the fastest (predicted step time) of what fits: "off", each policy
+    on all L layers, the policy on its first n layers, and the bisection's other fitting probes
+    (planned anyway), fewer layers first on a tie. Fewer recomputed layers is usually faster but
+    not always: the memory they keep can force more sharding. When "off" fits (with more
+    sharding than its unconstrained optimum), the fewest layers the budget needs is none, and no
+    bisection runs. Each plan tried logs one line (the `[planner ...]` lines of the CLI).
 
     Args:
       plan_fn: (graph, search) -> its plan (or a result holding it, `plan_of`); raises
@@ -277,7 +296,8 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
         that an infeasible "off" costs little before recomputation is tried).
 
     Returns:
-      (the graph planned, plan_fn's result, the policy chosen: "off", "full" or "dots").
+      (the graph planned, plan_fn's result, the policy chosen: "off", "full" or "dots"); `summary`
+      of the graph tells which layers it recomputes.
 
     Raises:
       InvalidArgumentError: an unknown option, or "full"/"dots" for a step with no recomputable layer.
@@ -292,31 +312,36 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
                 "blocks_1, ... outside loops, with a gradient); a scanned stack recomputes with the model's own "
                 "jax.checkpoint")
         return transformed, plan_fn(transformed, True), remat
-    if remat == "off" or budget is None or not remat_layers(graph):
+    names = remat_layers(graph) if remat == "auto" and budget is not None else []
+    if not names:
         return graph, plan_fn(graph, True), "off"
     failed: dict[str, InfeasiblePlanError] = {}
-    found: list[tuple[float, Graph, T, str]] = []
+    found: list[tuple[float, int, Graph, T, str]] = []  # (step time, layers recomputed, graph, result, policy)
     try:
         result = plan_fn(graph, False)
     except InfeasiblePlanError as e:
         failed["off"] = e
+        log.info("remat auto: off does not fit")
     else:
         plan = plan_of(result)
         if plan.solver.get("rounds", 1) <= 1:  # the budget did not bind: recomputation only adds work
             return graph, result, "off"
-        found.append((plan.prediction.step_time_s, graph, result, "off"))
+        found.append((plan.prediction.step_time_s, 0, graph, result, "off"))
+        log.info("remat auto: off fits, %.4g s/step", plan.prediction.step_time_s)
     for policy in ("dots", "full"):
         transformed = rematerialize(graph, None, policy)
         if transformed is graph:
             break
-        try:
-            result = plan_fn(transformed, False)
-        except InfeasiblePlanError as e:
-            failed[policy] = e
-            continue
-        found.append((plan_of(result).prediction.step_time_s, transformed, result, policy))
+        probe = _probe(transformed, policy, len(names), len(names), plan_fn, plan_of)
+        if isinstance(probe, InfeasiblePlanError):
+            failed[policy] = probe
+        else:
+            found.append(probe)
+    if found and "off" in failed:
+        fastest = min(found, key=lambda x: x[:2])[4]
+        found.extend(_fewest_layers(graph, names, fastest, plan_fn, plan_of))
     if found:
-        _, g, result, policy = min(found, key=lambda x: x[0])
+        _, _, g, result, policy = min(found, key=lambda x: x[:2])  # on a tie, fewer layers recomputed
         return g, result, policy
     floors = [e.lower_bound_bytes for e in failed.values() if e.lower_bound_bytes is not None]
     off = failed["off"]
@@ -332,6 +357,40 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
             + (f"; without recomputation no plan goes below {format_bytes(off.lower_bound_bytes)}"
                if off.lower_bound_bytes is not None else "") + ")")
     best = full.min_memory_bytes
-    levers = tuple(dataclasses.replace(v, state="tried") if v.name == "rematerialisation" else v for v in LEVERS)
+    levers = tuple(dataclasses.replace(v, state="tried") if v.name == "rematerialisation" else v
+                   for v in getattr(full, "levers", LEVERS))
     raise InfeasiblePlanError(f"{text}. {levers_text(levers)}. Raise memory_budget or use more devices",
                               best, min(floors) if floors else None)
+
+
+def _probe(transformed: Graph, policy: str, n: int, total: int, plan_fn: Callable[[Graph, bool], T],
+           plan_of: Callable[[T], Plan]) -> tuple[float, int, Graph, T, str] | InfeasiblePlanError:
+    """`transformed` (`policy` on the first `n` of `total` layers) planned without the smallest-peak
+    search, logged: its `plan_remat` candidate, or the error when it does not fit."""
+    try:
+        result = plan_fn(transformed, False)
+    except InfeasiblePlanError as e:
+        log.info("remat auto: %s on %d of %d layers does not fit", policy, n, total)
+        return e
+    step = plan_of(result).prediction.step_time_s
+    log.info("remat auto: %s on %d of %d layers fits, %.4g s/step", policy, n, total, step)
+    return step, n, transformed, result, policy
+
+
+def _fewest_layers(graph: Graph, names: Sequence[str], policy: str, plan_fn: Callable[[Graph, bool], T],
+                   plan_of: Callable[[T], Plan]) -> list[tuple[float, int, Graph, T, str]]:
+    """`policy` on the first n of `names` for the fewest n that fits, by bisection: none fits at 0
+    ("off" did not), all of them at len(names) (planned already). Every plan the bisection found
+    fitting, the one at that n last, as `plan_remat` candidates (all were planned anyway, and one
+    with more layers can be faster: its unconstrained optimum may fit where the fewest layers
+    need more sharding)."""
+    lo, hi, fitting = 0, len(names), []
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        probe = _probe(rematerialize(graph, names[:mid], policy), policy, mid, len(names), plan_fn, plan_of)
+        if isinstance(probe, InfeasiblePlanError):
+            lo = mid
+        else:
+            hi = mid
+            fitting.append(probe)
+    return fitting

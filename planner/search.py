@@ -25,7 +25,7 @@ from planner.mesh import MeshSpec, default_axis_names
 from planner.offload import bounding_problem
 from planner.options import PlanOptions
 from planner.plan import Plan
-from planner.planning import make_plan, plan_problem
+from planner.planning import donated_inputs, make_plan, plan_problem
 from planner.units import format_bytes
 
 log = logging.getLogger("planner")
@@ -175,7 +175,8 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
             keys[key] = spec
         floor = floors.get(spec.size)
         if floor is None and budget is not None and options.offload == "off":
-            floor = floors[spec.size] = memory_floor(graph, spec.size)
+            floor = floors[spec.size] = memory_floor(graph, spec.size,
+                                                     donated_inputs(graph, options.donate_argnums))
             log.info("every plan on %d devices needs >= %s/device (arguments and outputs)", spec.size,
                      format_bytes(floor))
         elif floor is not None and floor > budget:  # no ILP to build: the first such mesh has the search's
@@ -339,6 +340,7 @@ def no_fit_error(results: Sequence[MeshResult], budget: float | None = None,
     (and where), which meshes were not solved because their bound alone is over the budget, which
     the solver could not decide within its limit, and the levers (`solver.LEVERS`)."""
     own = [r for r in results if r.same_as is None]
+    levers = next((r.error.levers for r in own if getattr(r.error, "levers", None)), levers)
     over = [r for r in own if r.over_budget]
     floors = [(r.lower_bound_bytes, r.min_memory_bytes is None, k) for k, r in enumerate(own)
               if r.over_budget and r.lower_bound_bytes is not None]

@@ -29,7 +29,7 @@ def test_microbatches_save_activation_memory_as_predicted_and_match_the_unsharde
     plain = planner.plan_parallel(b.train_step, mesh="1", devices=one)
     acc = planner.plan_parallel(b.train_step, mesh="1", devices=one, accumulate=2)
     plan = acc.plan(state, batch)
-    record = plan.solver["accumulation"]
+    record = plan.levers["accumulation"]
     assert record["microbatches"] == 2 and record["microbatch_rows"] == b.config.batch // 2
     compiled = acc.lower(state, batch).compile()
     measured, measured_plain = memory_stats(compiled).peak_bytes, _peak(plain, state, batch)
@@ -48,9 +48,9 @@ def test_sharded_accumulation_matches_the_unsharded_step(devices8):
     b, state, batch = concrete("mlp-tiny")
     step = planner.plan_parallel(b.train_step, mesh="2x4", accumulate=2)
     plan = step.plan(state, batch)
-    assert plan.solver["accumulation"]["microbatches"] == 2
+    assert plan.levers["accumulation"]["microbatches"] == 2
     # Costed from the microbatch plan: forward/backward twice, the update once.
-    record = plan.solver["accumulation"]
+    record = plan.levers["accumulation"]
     assert plan.prediction.step_time_s == pytest.approx(
         2 * record["microbatch_step_time_s"] - record["update_time_s"])
     ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
@@ -65,7 +65,7 @@ def test_auto_chooses_microbatches_that_fit_the_budget():
     budget = int(0.8 * full)
     step = planner.plan_parallel(b.train_step, mesh="1", devices=one, accumulate="auto", memory_budget=budget)
     plan = step.plan(state, batch)
-    k = plan.solver["accumulation"]["microbatches"]
+    k = plan.levers["accumulation"]["microbatches"]
     assert k > 1 and plan.prediction.memory_bytes_per_device <= budget
     assert _peak(step, state, batch) <= budget
     with pytest.raises(InfeasiblePlanError, match=r"gradient accumulation over \d+ microbatch count") as e:

@@ -90,7 +90,7 @@ def test_offloaded_state_runs_equal_on_the_host_as_predicted(devices8):
     b, state, batch = concrete("mlp-tiny")
     step = planner.plan_parallel(b.train_step, mesh="1x8", offload="opt-state")
     plan = step.plan(state, batch)
-    record = plan.solver["offload"]
+    record = plan.levers["offload"]
     assert record["candidates"] == len(record["inputs"]) == len(record["outputs"]) > 0
     assert all(".mu[" in p or ".nu[" in p for p in record["paths"])  # Adam moments, not params or count
     # The same numbers as the unsharded step; the new moments come back in host memory.
@@ -105,7 +105,7 @@ def test_offloaded_state_runs_equal_on_the_host_as_predicted(devices8):
     compiled = step.lower(state, batch).compile()
     host_args, _, host_outs, _ = _entry_bytes(compiled)
     assert host_args == host_outs == record["host_bytes_per_device"]
-    plain_plan = dataclasses.replace(plan, solver={k: v for k, v in plan.solver.items() if k != "offload"})
+    plain_plan = dataclasses.replace(plan, levers={k: v for k, v in plan.levers.items() if k != "offload"})
     with jax.sharding.set_mesh(plan._mesh()):
         plain = jit_planned(step.graph(state, batch), plain_plan).lower(state, batch).compile()
     assert _entry_bytes(plain)[0] == 0
@@ -137,12 +137,12 @@ def test_auto_offloads_only_the_overflow_and_fits(devices8):
 
     step = planner.plan_parallel(_mlp_step, mesh="1x8", offload="auto", memory_budget=budget)
     plan = step.plan(state, batch)
-    record = plan.solver["offload"]
+    record = plan.levers["offload"]
     assert 0 < len(record["inputs"]) < record["candidates"]
     assert record["paths"][0] == "[0]['opt_state'][0].mu['w1']"  # the largest leaf first
     assert plan.prediction.memory_bytes_per_device <= budget
     # Without a budget problem, auto keeps everything on the device.
-    assert not planner.plan(_mlp_step, state, batch, mesh="1x8", offload="auto").solver["offload"]["inputs"]
+    assert not planner.plan(_mlp_step, state, batch, mesh="1x8", offload="auto").levers["offload"]["inputs"]
 
     compiled = step.lower(state, batch).compile()
     host_args, _, host_outs, _ = _entry_bytes(compiled)

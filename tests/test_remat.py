@@ -12,8 +12,11 @@ import pytest
 
 import planner
 from planner.emit import jit_planned
-from planner.errors import InvalidArgumentError
+from planner.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.graph import trace
+from planner.mesh import parse_mesh
+from planner.options import PlanOptions
+from planner.planning import make_plan
 from planner.remat import WRAPPER, graph_for, rematerialize, remat_layers
 from tests.helpers import (assert_gradients_close, assert_loss_close, assert_sgd_step_close, concrete,
                            longest_reduction, max_abs_diff)
@@ -58,11 +61,11 @@ def _blocks_loss(params, x):
     return jnp.mean(x ** 2)
 
 
-def _blocks_data():
+def _blocks_data(layers: int = 3, rows: int = 32):
     rng = np.random.default_rng(0)
     params = [(jnp.asarray(rng.normal(size=(16, 64)) / 4, jnp.float32),
-               jnp.asarray(rng.normal(size=(64, 16)) / 8, jnp.float32)) for _ in range(3)]
-    return params, jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)
+               jnp.asarray(rng.normal(size=(64, 16)) / 8, jnp.float32)) for _ in range(layers)]
+    return params, jnp.asarray(rng.normal(size=(rows, 16)), jnp.float32)
 
 
 def test_rewritten_graph_computes_the_same_gradients():
@@ -97,7 +100,7 @@ def test_planned_remat_step_matches_the_unsharded_step(devices8):
 
     planned = planner.plan_parallel(step, mesh="2x4", remat="dots")
     plan = planned.plan(params, x)
-    assert plan.solver["remat"]["layers"] == ["blocks_0", "blocks_1", "blocks_2"]
+    assert plan.levers["remat"]["layers"] == ["blocks_0", "blocks_1", "blocks_2"]
     new_params = planned(params, x)
     assert_sgd_step_close(_blocks_loss, lr, params, x, new_params)
     # A saved plan is emitted on the graph it was made for, rewritten from a fresh trace.
@@ -112,7 +115,7 @@ def test_planned_remat_step_matches_the_unsharded_step(devices8):
 
 def test_remat_plan_compiles_to_less_memory_as_predicted(planned, devices8):
     (off, off_compiled), (full, full_compiled) = planned["off"], planned["full"]
-    assert full.solver["remat"]["layers"] == ["blocks_0", "blocks_1"]
+    assert full.levers["remat"]["layers"] == ["blocks_0", "blocks_1"]
     measured = {k: memory_stats(c).peak_bytes for k, (_, c) in planned.items()}
     for k, (plan, _) in planned.items():  # issue 11's agreement, as tests/test_memory.py asserts it
         assert 0.9 <= plan.prediction.memory_bytes_per_device / measured[k] <= 1.1, (k, plan.prediction, measured)
@@ -127,13 +130,69 @@ def test_auto_recomputes_only_when_the_budget_needs_it(gpt, planned, devices8):
     off, full = planned["off"][0], planned["full"][0]
     roomy = planner.plan(b.train_step, state, batch, mesh="1x8", remat="auto",
                          memory_budget=int(1.05 * off.prediction.memory_bytes_per_device))
-    assert roomy.solver["remat"] == {"policy": "off"} and roomy.prediction == off.prediction
+    assert roomy.levers["remat"] == {"policy": "off"} and roomy.prediction == off.prediction
     budget = int(1.02 * full.prediction.memory_bytes_per_device)
     assert budget < off.prediction.memory_bytes_per_device
     tight = planner.plan(b.train_step, state, batch, mesh="1x8", remat="auto", memory_budget=budget)
     assert tight.prediction.memory_bytes_per_device <= budget
     # the fastest that fits: full recomputation's unconstrained plan fits this budget, so nothing slower
     assert tight.prediction.step_time_s <= full.prediction.step_time_s
+
+
+LR = 0.1
+
+
+def _sgd_step(params, x):
+    return jax.tree.map(lambda p, g: p - LR * g, params, jax.grad(_blocks_loss)(params, x))
+
+
+@pytest.fixture(scope="module")
+def partial():
+    """Six MLP blocks on 2x4, activations (512 rows) setting the peak, planned by remat="auto" under
+    a budget of the unconstrained peak with "dots" on the first 3 layers, below the peak without
+    recomputation: (params, x, budget, the PlannedFunction, its plan)."""
+    params, x = _blocks_data(layers=6, rows=512)
+    graph = trace(_sgd_step, params, x)
+    spec, _ = parse_mesh("2x4")  # planned as plan_parallel plans it: on that mesh of the devices
+    first3 = rematerialize(graph, remat_layers(graph)[:3], "dots")
+    budget = make_plan(first3, spec, PlanOptions(), spec.to_jax_mesh(jax.devices()[:8])).prediction
+    budget = budget.memory_bytes_per_device
+    planned = planner.plan_parallel(_sgd_step, mesh="2x4", remat="auto", memory_budget=budget)
+    return params, x, budget, planned, planned.plan(params, x)
+
+
+def test_auto_recomputes_the_fewest_first_layers_that_fit(devices8, partial):
+    """Under a budget only some layers' recomputation meets, "auto" recomputes the first n < L
+    layers; its plan fits, and the same policy on the first n - 1 layers, planned the same way (no
+    smallest-peak search), does not."""
+    params, x, budget, _, plan = partial
+    record = plan.levers["remat"]
+    graph = trace(_sgd_step, params, x)
+    layers = remat_layers(graph)
+    n = len(record["layers"])
+    assert record["policy"] in ("dots", "full") and record["recomputable"] == len(layers) == 6
+    assert 1 <= n < len(layers) and record["layers"] == layers[:n], record
+    assert plan.prediction.memory_bytes_per_device <= budget
+    spec, _ = parse_mesh("2x4")  # planned as plan_parallel plans it: on that mesh of the devices
+    jax_mesh, options = spec.to_jax_mesh(devices8), PlanOptions(remat="auto", memory_budget=budget)
+    with pytest.raises(InfeasiblePlanError):
+        make_plan(rematerialize(graph, layers[:n - 1], record["policy"]), spec, options, jax_mesh,
+                  min_peak_search=False)
+
+
+def test_partial_remat_plan_matches_the_unsharded_step_and_re_emits(devices8, partial):
+    params, x, _, planned, plan = partial
+    assert 0 < len(plan.levers["remat"]["layers"]) < plan.levers["remat"]["recomputable"]
+    new_params = planned(params, x)
+    assert_sgd_step_close(_blocks_loss, LR, params, x, new_params)
+    # the saved plan names the layers; a fresh trace rewritten from it emits the same program
+    loaded = planner.Plan.from_json(plan.to_json()).bind(params, x, mesh=plan.jax_mesh, out_tree=plan.out_tree)
+    assert loaded.levers["remat"] == plan.levers["remat"]
+    fresh = trace(_sgd_step, params, x)
+    assert len(graph_for(fresh, loaded).ops) == len(planned.graph(params, x).ops)
+    with jax.sharding.set_mesh(loaded._mesh()):
+        again = jit_planned(graph_for(fresh, loaded), loaded)(*jax.device_put((params, x), loaded.in_shardings))
+    assert max_abs_diff(again, new_params) == 0.0  # the same program
 
 
 def test_bad_input_is_one_line():

@@ -135,16 +135,28 @@ class Problem:
     # host's memory between steps; `live` then holds their device ranges (`offloaded_live_ranges`)
     # and `ilp.objective` charges their transfers.
     offloaded: tuple[tuple[int, int], ...] = ()
+    # Donated arguments (`PlanOptions.donate_argnums`): (argument, the new value that reuses its
+    # buffer) tensor pairs; `live` ends such an argument at its last use (`live_ranges`).
+    donated: tuple[tuple[int, int], ...] = ()
     # (tensor type, producer's spec, consumer's spec) -> `strategies.edge_time`; repeated layers ask alike
     _edge_times: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    # (tensor id, producer's spec, consumer's spec) -> the same seconds: a lookup that hashes no
+    # `Tensor` (the coordinate descent and the decision records ask ~300k times on gpt2-small 2x4)
+    _edge_times_by_id: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    # `solver.memory_lower_bound` once computed (the mesh search bounds a mesh, then its solve checks it)
+    _bounds: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def edge_time(self, tensor: int, src: Spec, dst: Spec) -> float:
         """`strategies.edge_time` of tensor id `tensor` from `src` to `dst`, computed once per distinct question."""
+        found = self._edge_times_by_id.get((tensor, src, dst))
+        if found is not None:
+            return found
         t = self.graph.tensors[tensor]
         key = (t, src, dst)
         found = self._edge_times.get(key)
         if found is None:
             found = self._edge_times[key] = edge_time(t, src, dst, self.cost)
+        self._edge_times_by_id[(tensor, src, dst)] = found
         return found
 
     def spec(self, tensor: int, choice: Sequence[int]) -> Spec | None:
@@ -172,7 +184,8 @@ def _followed_operand(op, sig, graph: Graph, free: set[int], arrays: list[int]) 
 
 
 def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool = True,
-                  share_layers: bool = True, pins: Mapping[int, Spec] | None = None) -> Problem:
+                  share_layers: bool = True, pins: Mapping[int, Spec] | None = None,
+                  donated_inputs: frozenset[int] = frozenset()) -> Problem:
     """Builds nodes (with follower merging), edges, output ties and tensor live ranges.
 
     Tensors computed from literals alone (iotas, broadcast zeros, masks) are *free*: any device
@@ -181,6 +194,12 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     `pins` (input tensor id -> spec, `planner.pins`) leave a pinned input's decision that one
     strategy; its followers follow it. Layer sharing compares strategies, so a pinned input shares
     a decision only with inputs pinned alike, and an unpinned layer's input keeps all of its own.
+
+    `donated_inputs` (argument tensor ids whose buffers the program may reuse, as
+    `jax.jit(donate_argnums=...)`): each is paired with the output of the same pytree path and type,
+    which comes back in the same layout (a tie or a pinned output), so XLA writes it into the
+    argument's buffer (JAX pairs donated arguments with outputs of equal type and sharding in order;
+    for a train state's leaves that is this pairing); `live_ranges` frees the argument at its last use.
 
     `share_layers`: repeated layers share one decision, found by their indexed module names
     (`layer_representatives`) or, when the names show none, by structure
@@ -223,32 +242,24 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
         if lead is not None:
             src = op.inputs[lead]
             node = nodes[owner[src]]
-            out_specs = []
             others = [k for k in arrays if k != lead]
-            needs: dict[int, list[Spec]] = {k: [] for k in others}
             traffic = (memory_traffic[op.index].reads, memory_traffic[op.index].writes)
             key = (_sig_key(sig), lead, tuple(ins), tuple(outs), combined, tuple(node.owned[src]), traffic)
-            if key not in followed:
-                found = []
-                for spec in node.owned[src]:
-                    strat, pre = follow(sig, lead, spec, ins, outs, cost, combined, traffic)
-                    times = ([cost.collective_time(kd, b, a) for kd, a, b in pre]
-                             + [cost.collective_time(kd, b, a, combined) for kd, a, b in strat.comms])
-                    found.append((strat, pre, sum(times[: len(pre)]), times,
-                                  _groups(strat.comms) if combined else frozenset()))
-                followed[key] = found
-            for i, (strat, pre, pre_s, times, groups) in enumerate(followed[key]):
-                node.costs[i] += strat.cost + pre_s
-                node.comm_s[i] += strat.comm_time + pre_s
-                if combined:
-                    node.combined[i] = node.combined[i] | groups
-                    node.async_s[i] += strat.comm_time
-                node.comms[i].extend(pre + strat.comms)
-                node.comm_ops[i].extend([op.index] * (len(pre) + len(strat.comms)))
+            found = followed.get(key)
+            if found is None:
+                found = followed[key] = _followed(sig, lead, node.owned[src], ins, outs, cost, combined, traffic,
+                                                  others)
+            node.costs[:] = [c + add for c, add in zip(node.costs, found.costs)]
+            node.comm_s[:] = [c + add for c, add in zip(node.comm_s, found.comm_s)]
+            if combined:
+                node.combined[:] = [c | g for c, g in zip(node.combined, found.groups)]
+                node.async_s[:] = [c + add for c, add in zip(node.async_s, found.async_s)]
+            for i, comms, times in found.comms:
+                node.comms[i].extend(comms)
+                node.comm_ops[i].extend([op.index] * len(comms))
                 node.comm_times[i].extend(times)
-                out_specs.append(strat.out_specs[0])
-                for k in others:
-                    needs[k].append(strat.in_specs[k] if strat.in_specs[k] is not None else ((),) * len(ins[k].shape))
+            out_specs = list(found.out_specs)
+            needs = {k: list(v) for k, v in found.needs.items()}
             for k in others:
                 if op.inputs[k] in free:
                     node.free_requires.append((op.inputs[k], needs[k]))
@@ -298,6 +309,7 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
         edges.append(Edge(src, dst, tid, tuple(nodes[src].owned[tid]), tuple(req), op_index, k))
 
     ties = []
+    donated: list[tuple[int, int]] = []
     pinned_outputs: dict[int, Spec] = {}
     if tie_outputs:
         by_path = {p: t for p, t in zip(graph.input_paths, graph.inputs)}
@@ -305,6 +317,8 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
             tin = by_path.get(path)
             if (isinstance(out, int) and tin is not None and out != tin and out in owner
                     and graph.tensors[out] == graph.tensors[tin]):
+                if tin in donated_inputs and all(tin != a for a, _ in donated):
+                    donated.append((tin, out))
                 if tin in pins:
                     # A pinned state leaf comes back in its pinned layout, as `jax.jit(out_shardings=...)`
                     # would hand it back: the output may be computed in another layout and resharded
@@ -323,11 +337,57 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
         rep = layer_representatives(nodes, graph)
         if len(set(rep)) == len(rep):  # no repeated layers by name: find them by structure
             rep = structural_representatives(nodes, graph, edges)
-    return Problem(graph, cost, tuple(nodes), tuple(edges), owner, tuple(ties), live_ranges(graph),
+    return Problem(graph, cost, tuple(nodes), tuple(edges), owner, tuple(ties), live_ranges(graph, donated),
                    tuple(sorted(fallback)), frozenset(free), rep, frozenset(combinable),
-                   pinned_outputs=pinned_outputs,
+                   pinned_outputs=pinned_outputs, donated=tuple(donated),
                    unwritten=frozenset(t for op in graph.ops for t, w in zip(op.outputs, memory_traffic[op.index].writes)
                                        if not w))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Followed:
+    """What a follower op adds to its lead node, per strategy of the node (`follow`), computed once
+    per distinct question and added to each node that asks it (repeated layers ask the same).
+
+    Attributes:
+      costs: seconds added to `Node.costs` (its own cost plus the collectives before it).
+      comm_s: seconds added to `Node.comm_s`.
+      async_s: seconds added to `Node.async_s` (combinable ops; else zeros).
+      groups: (kind, axes) groups joined (`Node.combined`).
+      comms: (strategy, its collectives, their seconds) for the strategies with collectives only.
+      out_specs: the follower's result spec per strategy.
+      needs: per other array operand position, the spec the op reads it in, per strategy.
+    """
+
+    costs: tuple[float, ...]
+    comm_s: tuple[float, ...]
+    async_s: tuple[float, ...]
+    groups: tuple[frozenset, ...]
+    comms: tuple[tuple[int, list[Comm], list[float]], ...]
+    out_specs: tuple[Spec, ...]
+    needs: dict[int, tuple[Spec, ...]]
+
+
+def _followed(sig, lead: int, specs: Sequence[Spec], ins, outs, cost: CostModel, combined: bool, traffic,
+              others: Sequence[int]) -> _Followed:
+    costs, comm_s, async_s, groups, comms, out_specs = [], [], [], [], [], []
+    needs: dict[int, list[Spec]] = {k: [] for k in others}
+    for i, spec in enumerate(specs):
+        strat, pre = follow(sig, lead, spec, ins, outs, cost, combined, traffic)
+        times = ([cost.collective_time(kd, b, a) for kd, a, b in pre]
+                 + [cost.collective_time(kd, b, a, combined) for kd, a, b in strat.comms])
+        pre_s = sum(times[: len(pre)])
+        costs.append(strat.cost + pre_s)
+        comm_s.append(strat.comm_time + pre_s)
+        async_s.append(strat.comm_time if combined else 0.0)
+        groups.append(_groups(strat.comms) if combined else frozenset())
+        if pre or strat.comms:
+            comms.append((i, list(pre) + list(strat.comms), times))
+        out_specs.append(strat.out_specs[0])
+        for k in others:
+            needs[k].append(strat.in_specs[k] if strat.in_specs[k] is not None else ((),) * len(ins[k].shape))
+    return _Followed(tuple(costs), tuple(comm_s), tuple(async_s), tuple(groups), tuple(comms), tuple(out_specs),
+                     {k: tuple(v) for k, v in needs.items()})
 
 
 def _sig_key(sig) -> tuple:
@@ -515,10 +575,13 @@ def tandem_runs(seq: np.ndarray, weight: np.ndarray | None = None, min_weight: i
     return out
 
 
-def live_ranges(graph: Graph) -> tuple[tuple[int, int], ...]:
+def live_ranges(graph: Graph, donated: Sequence[tuple[int, int]] = ()) -> tuple[tuple[int, int], ...]:
     """(first, last) op index during which each tensor occupies memory.
 
-    Arguments and constants live for the whole program (they are not donated); results live from
+    Arguments and constants live for the whole program, except a donated argument (`donated`:
+    (argument, the output that takes its buffer) pairs, `build_problem`), which lives to its last
+    use, or to just before it when that use writes the output (an in-place update: one buffer, as
+    XLA aliases it); one that is never read lives nowhere. Results live from
     their producer to their last use, or to the end when they are program outputs. A result that
     never leaves its fusion (`planner.fusion`) still counts from its producer to its last use: XLA
     keeps it in registers, but dropping such values under-predicted XLA:CPU's compiled peak of the
@@ -533,11 +596,14 @@ def live_ranges(graph: Graph) -> tuple[tuple[int, int], ...]:
         for x in op.inputs:
             if isinstance(x, int):
                 last[x] = max(last[x], op.index)
+    used = {tin: last[tin] for tin, _ in donated}
     for t in list(graph.inputs) + list(graph.consts):
         first[t], last[t] = -1, end
     for x in graph.outputs:
         if isinstance(x, int):
             last[x] = end
+    for tin, tout in donated:
+        last[tin] = used[tin] - 1 if used[tin] == first[tout] else used[tin]
     return tuple(zip(first, last))
 
 

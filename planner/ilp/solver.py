@@ -664,6 +664,13 @@ class _Model:
         # Presolve costs more than it saves on these models (measured: 11.8 s -> 5.5 s for gpt-tiny
         # on 2x4, 14.6 s -> 9.0 s for gpt2-small, same optimum): the model is already compact.
         solver.parameters.cp_model_presolve = False
+        # The probing at the start of the search (level 2) spends about one deterministic unit and
+        # adds ~1.4M binary clauses to gpt2-small's 2x4 model that slow the search after it; level 1
+        # skips it. Measured (deterministic units, same optima): gpt2-small 2x4 3.91 -> 2.19, 1x8
+        # 0.27 -> 0.15, gpt-tiny 2x4 4.61 -> 3.09, llama-tiny 2x4 5.57 -> 4.33, moe-tiny 2x4 5.82 ->
+        # 3.96, wresnet-tiny 2x4 1.64 -> 1.00, bert-base 2x4 4.83 -> 3.12, llama-7b 8x8 5.62 -> 4.03;
+        # slower on gpt2-medium 4x4: 7.01 -> 10.06.
+        solver.parameters.cp_model_probing_level = 1
         if hint is not None:
             self.m.ClearHints()
             for node, i in enumerate(hint):
@@ -946,19 +953,20 @@ def _undecided(problem: Problem, budget: float, time_limit: float, peak: float) 
     return error
 
 
-def memory_floor(graph: Graph, num_devices: int) -> int:
+def memory_floor(graph: Graph, num_devices: int, donated: frozenset[int] = frozenset()) -> int:
     """Bytes per device every plan on `num_devices` devices keeps live at the end of the step,
     known before any ILP is built: each argument, and each output computed from the arguments, at
     `nbytes // num_devices`. `memory_profile` counts them there, each in its planned layout: an
     argument is decided and lives for the whole program, such an output is decided, written and
     lives to the end (`problem.live_ranges`), and no layout splits a tensor more than `num_devices`
     ways. Below `memory_lower_bound` of every mesh of that size (it needs the built ILP); without
-    host offload, which moves arguments off the device (the mesh search uses it only then)."""
+    host offload, which moves arguments off the device (the mesh search uses it only then). Donated
+    arguments (`donated`, input tensor ids) are left out: their buffers may hold outputs by then."""
     derived = set(graph.inputs)
     for op in graph.ops:
         if any(isinstance(x, int) and x in derived for x in op.inputs):
             derived.update(op.outputs)
-    ends = set(graph.inputs) | {t for t in graph.outputs if isinstance(t, int) and t in derived}
+    ends = (set(graph.inputs) - donated) | {t for t in graph.outputs if isinstance(t, int) and t in derived}
     return sum(graph.tensors[t].nbytes // num_devices for t in ends)
 
 
@@ -985,6 +993,13 @@ def memory_lower_bound(problem: Problem) -> np.ndarray:
     mlp-tiny on 1x8 CPU 16.0 -> 22.2 KB, llama-tiny 897 -> 909 KB, against each term at its own
     smallest; equal on the GPU presets measured (gpt3-39b on 8x8 V100: 15.39 GB on every mesh shape).
     """
+    found = problem._bounds.get("memory")
+    if found is None:
+        found = problem._bounds["memory"] = _memory_lower_bound(problem)
+    return found.copy()
+
+
+def _memory_lower_bound(problem: Problem) -> np.ndarray:
     n = len(problem.graph.ops)
     mesh = problem.cost.mesh
     rep = problem.rep
@@ -992,11 +1007,11 @@ def memory_lower_bound(problem: Problem) -> np.ndarray:
     cpu = _xla_cpu(problem)
     sizes: dict = {}
 
-    def nbytes(t, spec) -> int:
-        key = (t, spec)
+    def nbytes(tid: int, spec) -> int:
+        key = (tid, spec)  # keyed by id: hashing a `Tensor` costs more than `shard_bytes`
         b = sizes.get(key)
         if b is None:
-            b = sizes[key] = shard_bytes(t, spec, mesh)
+            b = sizes[key] = shard_bytes(tensors[tid], spec, mesh)
         return b
 
     # per decision: (bytes per strategy, first point, point after the last) spans, and its reserved bytes
@@ -1006,7 +1021,7 @@ def memory_lower_bound(problem: Problem) -> np.ndarray:
         if not _materialised(problem, tid, first):
             continue
         node = problem.owner[tid]
-        b = np.array([nbytes(tensors[tid], spec) for spec in problem.nodes[node].owned[tid]], dtype=np.int64)
+        b = np.array([nbytes(tid, spec) for spec in problem.nodes[node].owned[tid]], dtype=np.int64)
         spans[rep[node]].append((b, first + 1, last + 2))
         if cpu and last == n:
             r = rep[node]
@@ -1029,14 +1044,14 @@ def memory_lower_bound(problem: Problem) -> np.ndarray:
     delta = np.zeros(n + 3, dtype=np.int64)
     for e in problem.edges:
         at = _transient_point(problem, e)
-        t = tensors[e.tensor]
         if _copied_only_if_resharded(problem, e):
             if not set(e.src_specs) & set(e.dst_specs):  # a copy only when resharded, and every pair reshards
-                b = min(nbytes(t, spec) for spec in set(e.dst_specs))
+                b = min(nbytes(e.tensor, spec) for spec in set(e.dst_specs))
                 delta[at] += b
                 delta[at + 1] -= b
             continue
-        spans[rep[e.dst]].append((np.array([nbytes(t, spec) for spec in e.dst_specs], dtype=np.int64), at, at + 1))
+        spans[rep[e.dst]].append((np.array([nbytes(e.tensor, spec) for spec in e.dst_specs], dtype=np.int64), at,
+                                  at + 1))
     for items in spans.values():
         if len(items) == 1 or all(len(v) == 1 for v, _, _ in items):
             for v, a, b in items:
@@ -1095,7 +1110,14 @@ LEVERS: tuple[Lever, ...] = (
     Lever("pipeline stages with recomputation", "option", "pipeline='auto' (--pipeline auto)"),
     Lever("rematerialisation", "option", "remat='auto' (--remat auto)"),
     Lever("host offload", "option", "offload='auto' (--offload auto)"),
+    Lever("donating the train state", "option", "plan_parallel(donate_argnums=0) (--donate 0)"),
 )
+
+
+def levers_of(problem: Problem, levers: Sequence[Lever] = LEVERS) -> tuple[Lever, ...]:
+    """`levers` with those `problem` uses marked tried: host offload, donated arguments."""
+    used = {"host offload": bool(problem.offloaded), "donating the train state": bool(problem.donated)}
+    return tuple(dataclasses.replace(v, state="tried") if used.get(v.name) else v for v in levers)
 
 
 def levers_text(levers: Sequence[Lever] = LEVERS) -> str:
@@ -1147,12 +1169,15 @@ def _infeasible(problem: Problem, budget: float, time_limit: float, workers: int
     found_text = (f"the smallest per-device peak the planner could reach is {_gb(best)}"
                   + (" (the minimum)" if best == lower else "")
                   if best is not None else "no plan was found to measure the smallest reachable peak")
-    return InfeasiblePlanError(
+    levers = levers_of(problem)
+    error = InfeasiblePlanError(
         f"no plan fits the memory budget of {_gb(budget)} per device on mesh {mesh}: {found_text}; no plan can "
         f"go below {_gb(lower)} (lower bound: {_gb(args)} of arguments split over every mesh axis that divides "
-        f"them, plus what must be live together at {at}). {levers_text()}. Raise memory_budget or use more devices",
-        best, lower,
+        f"them, plus what must be live together at {at}). {levers_text(levers)}. Raise memory_budget or use more "
+        "devices", best, lower,
     )
+    error.levers = levers  # the mesh search's one-line answer lists them (`search.no_fit_error`)
+    return error
 
 
 def _gb(nbytes: float) -> str:

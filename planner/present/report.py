@@ -339,7 +339,9 @@ def format_header(view: PlanView) -> str:
         + (f" exposed + {fmt_time(p.hidden_communication_time_s)} hidden behind compute"
            if p.hidden_communication_time_s > 0 else "") + ")",
         f"  memory per device     {fmt_bytes(p.memory_bytes_per_device)}"
-        + (f" of {fmt_bytes(budget)} budget ({p.memory_bytes_per_device / budget:.0%})" if budget else ""),
+        + (f" of {fmt_bytes(budget)} budget ({p.memory_bytes_per_device / budget:.0%})" if budget else "")
+        + (f"; argument(s) {', '.join(map(str, donated))} donated" if (donated := view.plan.options.get("donate_argnums"))
+           else ""),
         f"  bytes moved / device  {fmt_bytes(p.bytes_moved_per_device)} in {len(p.collectives)} collectives",
     ]
     if m is not None:
