@@ -296,9 +296,11 @@ def test_exposed_communication_is_the_fifo_backlog():
     nodes = [N([0], [5.0], [0.0], [0.0], 0), N([1], [5.0], [4.0], [4.0], 1), N([2], [4.0], [3.0], [3.0], 2)]
 
     @dataclasses.dataclass
-    class P:
+    class P:  # the fields of `Problem` that `hidden_time` reads
         nodes: list
         overlap: bool = True
+        prefetch: bool = False
+        offloaded: tuple = ()
 
     assert hidden_time(P(nodes), [0, 0, 0]) == pytest.approx(1.0)
     assert hidden_time(P(nodes, overlap=False), [0, 0, 0]) == 0.0

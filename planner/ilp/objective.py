@@ -114,10 +114,10 @@ def prefetch_hidden(problem: Problem, choice: Sequence[int]) -> float:
     each needed before its consumer computes: compute stalls for
         max(0, max over consumers k of (prefetch issued up to k - compute before k))
     and the rest is hidden. Only when the problem asks for it (`Problem.prefetch`, with overlap)."""
-    if not (problem.overlap and getattr(problem, "prefetch", False)):
+    if not (problem.overlap and problem.prefetch):
         return 0.0
     amounts: dict[int, float] = {}
-    edges = getattr(problem, "edges", ())
+    edges = problem.edges
     args = frozenset(problem.graph.inputs) if edges else frozenset()
     for e in edges:
         if prefetched(problem, e, args):
@@ -153,7 +153,7 @@ def offload_start(problem: Problem) -> int:
 def offload_transfer(problem: Problem, choice: Sequence[int]) -> tuple[float, float]:
     """(seconds in, seconds back) per device of the host-offloaded state under `choice`: each
     argument's shard, and its new value's (tied to it: the same layout), over the host link."""
-    if not getattr(problem, "offloaded", ()):
+    if not problem.offloaded:
         return 0.0, 0.0
     bandwidth = problem.cost.hardware.host_bandwidth
     tin = sum(shard_bytes(problem.graph.tensors[t], problem.spec(t, choice), problem.cost.mesh)
@@ -166,7 +166,7 @@ def offload_transfer(problem: Problem, choice: Sequence[int]) -> tuple[float, fl
 def offload_hidden(problem: Problem, choice: Sequence[int]) -> float:
     """Seconds of the host-offload copies in hidden behind the compute before `offload_start`
     (with overlap; the copies back are exposed)."""
-    if not (problem.overlap and getattr(problem, "offloaded", ())):
+    if not (problem.overlap and problem.offloaded):
         return 0.0
     start = offload_start(problem)
     before = 0.0
