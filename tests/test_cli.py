@@ -163,6 +163,17 @@ def test_infeasible_budget_names_the_fix(capsys):
 def test_argparse_errors_exit_2(capsys):
     code, _, err = run(capsys, "plan", "--model", "mlp-tiny", "--devices", "zero")
     assert code == 2 and "not an integer" in err
+    code, _, err = run(capsys, "plan", "--model", "mlp-tiny", "--devices", "8", "--donate", "state")
+    assert code == 2 and "not a comma-separated list of argument positions" in err
+
+
+def test_donate_reaches_the_plan(capsys, tmp_path):
+    """--donate sets the plan's donate_argnums (the memory model's effect: tests/test_memory.py)."""
+    path = tmp_path / "plan.json"
+    code, out, _ = run(capsys, "plan", "--model", "mlp-tiny", "--mesh", "8", "--donate", "0", "--quiet",
+                       "--json", str(path))
+    assert code == 0 and "argument(s) 0 donated" in out
+    assert Plan.from_json(path.read_text()).options["donate_argnums"] == [0]
     assert run(capsys, "frobnicate")[0] == 2
     assert run(capsys, "--help")[0] == 0
 
