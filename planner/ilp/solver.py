@@ -664,13 +664,17 @@ class _Model:
         # Presolve costs more than it saves on these models (measured: 11.8 s -> 5.5 s for gpt-tiny
         # on 2x4, 14.6 s -> 9.0 s for gpt2-small, same optimum): the model is already compact.
         solver.parameters.cp_model_presolve = False
-        # The probing at the start of the search (level 2) spends about one deterministic unit and
-        # adds ~1.4M binary clauses to gpt2-small's 2x4 model that slow the search after it; level 1
-        # skips it. Measured (deterministic units, same optima): gpt2-small 2x4 3.91 -> 2.19, 1x8
-        # 0.27 -> 0.15, gpt-tiny 2x4 4.61 -> 3.09, llama-tiny 2x4 5.57 -> 4.33, moe-tiny 2x4 5.82 ->
-        # 3.96, wresnet-tiny 2x4 1.64 -> 1.00, bert-base 2x4 4.83 -> 3.12, llama-7b 8x8 5.62 -> 4.03;
-        # slower on gpt2-medium 4x4: 7.01 -> 10.06.
+        # Less probing. The probing at the start of the search (level 2) spends about one
+        # deterministic unit and adds ~1.4M binary clauses to gpt2-small's 2x4 model, and the SAT
+        # inprocessing's probing (1 unit per round by default) then works through them; level 1
+        # skips the first, 0.1 units per round caps the second. Measured with ortools 9.15, one
+        # worker, deterministic units, the same optimum on each (default -> these): gpt2-small 2x4
+        # 3.91 -> 1.18, 1x8 0.27 -> 0.15; gpt-tiny 2x4 4.61 -> 1.98; llama-tiny 2x4 5.57 -> 2.46;
+        # moe-tiny 2x4 5.82 -> 3.03; wresnet-tiny 2x4 1.64 -> 0.74; bert-base 2x4 4.83 -> 1.73;
+        # gpt2-medium 4x4 7.01 -> 4.78; llama-7b 8x8 5.62 -> 5.29. Level 1 alone slowed gpt2-medium
+        # 4x4 (10.06); no inprocessing probing at all slowed gpt-tiny 2x4 (4.34).
         solver.parameters.cp_model_probing_level = 1
+        solver.parameters.inprocessing_probing_dtime = 0.1
         if hint is not None:
             self.m.ClearHints()
             for node, i in enumerate(hint):
