@@ -25,7 +25,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from planner.accumulate import plan_accumulation  # noqa: E402
+from planner.accumulate import micro_options, plan_accumulation  # noqa: E402
 from planner.cost_model import Cluster  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
 from planner.graph import trace  # noqa: E402
@@ -68,7 +68,7 @@ def run(model: str, cluster: str, layers: int | None, levers: str, time_limit: f
     try:
         if accumulate:
             def plan_micro(g, inner):
-                return make_plan(g, mesh, dataclasses.replace(options, memory_budget=inner))
+                return make_plan(g, mesh, micro_options(options, inner))
 
             plan = plan_accumulation(b.train_step, graph, accumulate, budget, plan_micro, mesh).plan
         elif levers == "remat+offload" and not own_remat:  # unrolled layers: the planner's own recomputation

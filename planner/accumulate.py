@@ -67,7 +67,7 @@ from planner.stages.derived import StepParts, split_step
 from planner.stages.programs import op_ranges
 from planner.units import format_bytes
 
-__all__ = ["Accumulated", "accumulation_candidates", "combine", "jit_accumulated", "plan_accumulation"]
+__all__ = ["Accumulated", "accumulation_candidates", "combine", "jit_accumulated", "micro_options", "plan_accumulation"]
 
 _REPLANS = 3
 
@@ -81,6 +81,16 @@ class Accumulated:
     parts: StepParts
     plan: Plan
     k: int
+
+
+def micro_options(options, budget: float | None):
+    """The options the microbatch step is planned with: `budget`, no accumulation of its own, and no
+    donated arguments. `combine` adds the accumulator to the microbatch plan's peak, which holds
+    every gradient only when the state is not freed early; with the state donated that peak moves
+    into the backward and the sum fell short of XLA's (gpt-tiny 1x8, k=2: predicted 2.70 MB vs
+    3.21 MB compiled, 0.84x; undonated 3.26 MB, 1.02x of the donated program's peak). The
+    accumulated program is still emitted with the caller's donation."""
+    return dataclasses.replace(options, memory_budget=budget, accumulate=None, donate_argnums=())
 
 
 def _rows(graph: Graph, parts: StepParts) -> int:

@@ -12,7 +12,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from planner import offload
-from planner.accumulate import jit_accumulated, plan_accumulation
+from planner.accumulate import jit_accumulated, micro_options, plan_accumulation
 from planner.compat import USER_CONSTRAINTS, user_sharding
 from planner.emit import jit_planned
 from planner.errors import InfeasiblePlanError, InvalidArgumentError
@@ -167,7 +167,7 @@ class PlannedFunction:
         """Gradient accumulation (`planner.accumulate`): the microbatch step planned as any step
         (on the mesh, or by the mesh search), k chosen or given; the entry holds the microbatch trace."""
         def plan_micro(g: Graph, budget: float | None) -> Plan:
-            options = dataclasses.replace(self.options, memory_budget=budget, accumulate=None)
+            options = micro_options(self.options, budget)
             if self._mesh_spec is not None:
                 return make_plan(g, self._mesh_spec, options, self._jax_mesh, pins=self._pinned(g, args))
             results = search_meshes(g, candidate_meshes(len(self.devices)), options, devices=self.devices)

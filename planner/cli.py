@@ -43,7 +43,7 @@ from planner.errors import InfeasiblePlanError, PlannerError
 from planner.graph import matmul_flops, trace
 from planner.mesh import MeshSpec, default_axis_names
 from planner.options import PlanOptions
-from planner.accumulate import plan_accumulation
+from planner.accumulate import micro_options, plan_accumulation
 from planner.baselines import NAMES as BASELINES, baseline_pins, parse_baseline
 from planner.evaluation import labelled, pipeline_baseline
 from planner.pins import parse_spec_text, resolve as resolve_pins
@@ -506,8 +506,7 @@ def _accumulated_results(step, graph, meshes, options, cluster, budget):
     seen: list = []
 
     def plan_micro(g, inner):
-        results = search_meshes(g, meshes, dataclasses.replace(options, memory_budget=inner, accumulate=None),
-                                per_host)
+        results = search_meshes(g, meshes, micro_options(options, inner), per_host)
         seen.append(results)
         if results[0].plan is None:
             over = [r for r in results if r.over_budget]
