@@ -290,7 +290,8 @@ class PipelinedStep:
             pins.update(zip(sg.input_positions(group), specs))
         if isinstance(options, Sequence):
             options = options[s]
-        opts = dataclasses.replace(options or PlanOptions(), memory_budget=None, pipeline=False, tie_outputs=True)
+        opts = dataclasses.replace(options or PlanOptions(), memory_budget=None, pipeline=False, tie_outputs=True,
+                                   donate_argnums=())  # a stage program's own inputs, not the step's arguments
         try:
             return make_plan(sg.graph, lay.mesh, opts, pins=pins)
         except MeshError:

@@ -284,7 +284,8 @@ def _layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lme
         return LayerCost(0.0, 0.0, 0.0, 0.0, 0.0)
     cost = lmesh.cost_model(hardware)
     opts = dataclasses.replace(options, memory_budget=None, pipeline=False, tie_outputs=True,
-                               inter_host_axes=lmesh.host_axes, hardware=hardware)
+                               inter_host_axes=lmesh.host_axes, hardware=hardware,
+                               donate_argnums=())  # a layer's subgraph: no step arguments of its own
     pins = {j: pinned[t] for j, t in enumerate(ext) if pinned and t in pinned} or None
     refused = [v for v in (pins or {}).values() if isinstance(v, Exception)]
     if refused:  # a pinned leaf this mesh cannot hold as pinned
