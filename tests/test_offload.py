@@ -126,6 +126,17 @@ def test_offloaded_state_runs_equal_on_the_host_as_predicted(devices8):
     assert plan.solver["objective_s"] == pytest.approx(p.step_time_s, rel=1e-6)  # CP-SAT saw the same number
 
 
+def test_infeasible_with_offload_says_it_was_tried(devices8):
+    """The one-line answer for a budget nothing fits, with every optimizer-state leaf on the host:
+    host offload is among the levers tried, and its lower bound counts the arguments left on the device."""
+    state, batch = _mlp_args()
+    with pytest.raises(planner.InfeasiblePlanError) as e:
+        planner.plan(_mlp_step, state, batch, mesh="1x8", offload="opt-state", memory_budget="1kB")
+    text = str(e.value)
+    assert "of device-resident arguments" in text and "Tried: sharding every tensor, host offload" in text
+    assert len(text.splitlines()) == 1
+
+
 def test_auto_offloads_only_the_overflow_and_fits(devices8):
     state, batch = _mlp_args()
     plain = planner.plan_parallel(_mlp_step, mesh="1x8")

@@ -1164,8 +1164,9 @@ def _infeasible(problem: Problem, budget: float, time_limit: float, workers: int
         bound = memory_lower_bound(problem)
     lower = int(bound.max())
     mesh = problem.cost.mesh
+    on_host = {t for t, _ in problem.offloaded}  # host-offloaded state is not held on the device
     args = sum(min(shard_bytes(problem.graph.tensors[t], s, mesh) for s in set(problem.nodes[problem.owner[t]].owned[t]))
-               for t in problem.graph.inputs if t in problem.owner)
+               for t in problem.graph.inputs if t in problem.owner and t not in on_host)
     best = smallest_peak(problem, min(time_limit, MIN_MEMORY_LIMIT) if search else 0.0, workers, lower)
     where = int(np.argmax(bound))
     at = (f"op {where - 1} ({problem.graph.ops[where - 1].primitive})" if 0 < where <= len(problem.graph.ops)
@@ -1176,7 +1177,8 @@ def _infeasible(problem: Problem, budget: float, time_limit: float, workers: int
     levers = levers_of(problem)
     error = InfeasiblePlanError(
         f"no plan fits the memory budget of {_gb(budget)} per device on mesh {mesh}: {found_text}; no plan can "
-        f"go below {_gb(lower)} (lower bound: {_gb(args)} of arguments split over every mesh axis that divides "
+        f"go below {_gb(lower)} (lower bound: {_gb(args)} of {'device-resident ' if on_host else ''}arguments split "
+        "over every mesh axis that divides "
         f"them, plus what must be live together at {at}). {levers_text(levers)}. Raise memory_budget or use more "
         "devices", best, lower,
     )
