@@ -22,6 +22,14 @@ class InfeasiblePlanError(PlannerError, ValueError):
         self.min_memory_bytes = min_memory_bytes
         self.lower_bound_bytes = lower_bound_bytes  # no plan the planner can choose needs less
 
+    def reworded(self, message: str, min_memory_bytes: int | None = None) -> InfeasiblePlanError:
+        """This error with another message (and smallest peak, when given), keeping every fact the
+        solver attached to it (`levers`, `proven`, `deterministic_time`)."""
+        error = InfeasiblePlanError(message, self.min_memory_bytes if min_memory_bytes is None else min_memory_bytes,
+                                    self.lower_bound_bytes)
+        error.__dict__.update({k: v for k, v in vars(self).items() if k not in vars(error)})
+        return error
+
 
 class ProfileError(PlannerError, ValueError):
     """A profile database that cannot be used (corrupt, wrong version, other hardware)."""

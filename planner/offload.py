@@ -143,8 +143,7 @@ def plan_offload(problem: Problem, mode: str, budget: float | None, devices: Seq
             return offloaded, solve(offloaded, last)
         except InfeasiblePlanError as e:
             if last:
-                raise InfeasiblePlanError(f"{e} (with all {len(order)} optimizer-state leaves offloaded to the host)",
-                                          e.min_memory_bytes, e.lower_bound_bytes) from None
+                raise e.reworded(f"{e} (with all {len(order)} optimizer-state leaves offloaded to the host)") from None
             k = min(len(order), 2 * k)
 
 

@@ -19,8 +19,8 @@ from planner.cost_model import Cluster
 from planner.errors import InfeasiblePlanError, MeshError, PlannerError
 from planner.graph import Graph
 from planner.ilp.problem import Problem
-from planner.ilp.solver import (LEVERS, MIN_MEMORY_LIMIT, Lever, levers_text, memory_floor, memory_lower_bound,
-                                smallest_peak)
+from planner.ilp.solver import (LEVERS, MIN_MEMORY_LIMIT, Lever, levers_of, levers_text, memory_floor,
+                                memory_lower_bound, smallest_peak)
 from planner.mesh import MeshSpec, default_axis_names
 from planner.offload import bounding_problem
 from planner.options import PlanOptions
@@ -199,13 +199,15 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
             continue
         cand.time_bound = step_time_lower_bound(cand.problem)
         if budget is not None:  # with host offload: the bound of every offload choice (`offload.bounding_problem`)
-            cand.memory_bound = int(memory_lower_bound(bounding_problem(cand.problem, options.offload)).max())
+            bounding = bounding_problem(cand.problem, options.offload)
+            cand.memory_bound = int(memory_lower_bound(bounding).max())
         cand.build_s = time.perf_counter() - t0
         built[spec] = cand
         if cand.memory_bound is not None and cand.memory_bound > budget:
             error = InfeasiblePlanError(
                 f"no plan fits the memory budget of {format_bytes(budget)} per device on mesh {spec}: no plan can go "
                 f"below {format_bytes(cand.memory_bound)} (lower bound; not solved)", None, cand.memory_bound)
+            error.levers = levers_of(bounding)  # the levers that bound counted (`search.no_fit_error` lists them)
             failed.append(MeshResult(spec, None, error, inter, cand.build_s, time_bound_s=cand.time_bound,
                                      over_bound=True))
             log.info("mesh %s: needs >= %s/device, over the budget: not solved", spec, format_bytes(cand.memory_bound))
@@ -304,8 +306,7 @@ def _search_smallest_peak(failed: list[MeshResult], built: dict[MeshSpec, _Candi
              "none found" if peak is None else format_bytes(peak), time.perf_counter() - t0)
     old = r.min_memory_bytes
     if peak is not None and (old is None or peak < old):
-        error = InfeasiblePlanError(str(r.error), peak, r.lower_bound_bytes)
-        error.__dict__.update({k: v for k, v in vars(r.error).items() if k not in vars(error)})  # proven, time
+        error = r.error.reworded(str(r.error), peak)
         failed[k] = dataclasses.replace(r, error=error, plan_time_s=r.plan_time_s + time.perf_counter() - t0)
 
 

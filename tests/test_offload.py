@@ -135,6 +135,10 @@ def test_infeasible_with_offload_says_it_was_tried(devices8):
     text = str(e.value)
     assert "of device-resident arguments" in text and "Tried: sharding every tensor, host offload" in text
     assert len(text.splitlines()) == 1
+    # The mesh search's answer too, where meshes are ruled out by their bound with offload counted.
+    with pytest.raises(planner.InfeasiblePlanError) as e:
+        planner.plan(_mlp_step, state, batch, offload="auto", memory_budget="1kB")
+    assert "Tried: sharding every tensor, host offload" in str(e.value)
 
 
 def test_auto_offloads_only_the_overflow_and_fits(devices8):
