@@ -351,3 +351,31 @@ def cluster_layers(graph: Graph, num_layers: int | None = None, delta: float = 0
         return layers
     return cluster_by_flops(graph, num_layers or 8, delta)
 
+
+
+def stacked_inputs(graph: Graph, layers: Layers) -> tuple[int, ...]:
+    """Positions in `graph.inputs` of leaves stacked over layers: sliced (a scan's per-iteration
+    index, `slice` then `squeeze`) into values that ops of two or more layers read, as a scanned
+    model's weights (`nn.scan`, MaxText's scan_layers) are. A pipeline stage owns whole leaves
+    (`partition.partition`), so such a leaf cannot follow its layers to their stages."""
+    readers: dict[int, list[int]] = {}
+    for op in graph.ops:
+        for t in op.tensor_inputs:
+            readers.setdefault(t, []).append(op.index)
+    out = []
+    for pos, t in enumerate(graph.inputs):
+        reached: set[int] = set()
+        for s in readers.get(t, ()):
+            if graph.ops[s].name != "slice":
+                continue
+            frontier = list(graph.ops[s].outputs)
+            while frontier:  # through the squeeze / reshape / convert that follow the slice
+                for r in readers.get(frontier.pop(), ()):
+                    op = graph.ops[r]
+                    if op.name in ("squeeze", "reshape", "convert_element_type"):
+                        frontier.extend(op.outputs)
+                    else:
+                        reached.add(layers.op_layer[r])
+        if len(reached) >= 2:
+            out.append(pos)
+    return tuple(out)

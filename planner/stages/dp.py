@@ -13,13 +13,14 @@ end of the pipeline holds `min(s, B)` microbatches of activations under 1F1B (al
 GPipe), so its latency table is indexed by that in-flight count: a layer range whose memory does
 not fit with that many microbatches costs infinity there.
 
-`t_max` is enumerated over the distinct stage latencies in increasing order, starting from the
-smallest feasible one (found by bisection, since feasibility only grows with `t_max`) and stopping
-once `F_min + (B - 1) * t_max` exceeds the best `T` found, where `F_min` is the least `sum(t_i)`
-with no bound at all (Alpa stops at `(B - 1) * t_max` alone; adding the floor is still exact and
-stops much earlier). `rel_gap > 0` skips
-candidates within that relative distance of the last one evaluated, bounding the loss at
-`(B - 1) * rel_gap * t_max`; `rel_gap = 0` is exact.
+`t_max` ranges over the distinct stage latencies. `F(t)` only falls as `t` grows (a larger bound
+allows more stages), so over an interval of candidates `[a, b]` the objective is at least
+`F(b) + (B - 1) * a`: the search evaluates the smallest feasible bound (found by bisection, since
+feasibility only grows with `t_max`) and the largest (the least `sum(t_i)` of all), then splits
+intervals at their middle candidate, dropping every interval whose bound cannot beat the best `T`
+found (exact; Alpa enumerates the candidates in order and stops at `(B - 1) * t_max` alone).
+`rel_gap > 0` also drops intervals whose bound is within that relative distance of the best,
+bounding the loss at `rel_gap * T`; `rel_gap = 0` is exact. Ties go to the smallest `t_max`.
 """
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ def _solve(times: np.ndarray, sizes: Sequence[int], num_devices: int, t_max: flo
     best, best_s = inf, 0
     pointers = []
     masked = np.where(times <= t_max, times, inf)
+    cand = np.empty((L, L, D + 1))
     usable = [[m for m in range(len(sizes)) if np.isfinite(masked[q, :, :, m]).any() and sizes[m] <= D]
               for q in range(Q)]
     for s in range(1, max_stages + 1):
@@ -92,7 +94,10 @@ def _solve(times: np.ndarray, sizes: Sequence[int], num_devices: int, t_max: flo
             z = sizes[m]
             shifted = np.full((L, D + 1), inf)
             shifted[:, z:] = prev[1:, : D + 1 - z]
-            cand = masked[q, :, :, m][:, :, None] + shifted[None, :, :]
+            np.add(masked[q, :, :, m][:, :, None], shifted[None, :, :], out=cand)
+            if not keep:  # the value only: no arg-min to carry
+                np.minimum(cur[:L], cand.min(axis=1), out=cur[:L])
+                continue
             i = cand.argmin(axis=1)
             val = np.take_along_axis(cand, i[:, None, :], axis=1)[:, 0, :]
             better = val < cur[:L]
@@ -122,7 +127,8 @@ def pipeline_dp(times: np.ndarray, sizes: Sequence[int], num_devices: int, num_m
       num_devices: devices the stages must use in total.
       num_microbatches: B.
       max_stages / min_stages: bounds on the number of stages.
-      rel_gap: t_max candidates closer than this (relative) to the last one tried are skipped.
+      rel_gap: intervals of t_max candidates whose bound is within this relative distance of the
+        best objective found are not searched (loss at most `rel_gap` times the optimum).
 
     Returns:
       The best pipeline, or None when no assignment covers all layers and devices.
@@ -139,34 +145,45 @@ def pipeline_dp(times: np.ndarray, sizes: Sequence[int], num_devices: int, num_m
     B = num_microbatches
     evaluations = 0
 
-    def run(t):
+    found: dict[int, float] = {}  # index into `values` -> F(that bound)
+
+    def F(j: int) -> float:
         nonlocal evaluations
-        evaluations += 1
-        return _solve(times, sizes, num_devices, t, max_stages, min_stages, keep=False)[:2]
+        if j not in found:
+            evaluations += 1
+            found[j] = _solve(times, sizes, num_devices, values[j], max_stages, min_stages, keep=False)[0]
+        return found[j]
 
     # Smallest feasible bound (feasibility is monotone in t_max).
     lo, hi = 0, values.size - 1
-    floor = run(values[hi])[0]  # the least sum(t_i) of all: no bound on the slowest stage
+    floor = F(hi)  # the least sum(t_i) of all: no bound on the slowest stage
     if not math.isfinite(floor):
         return None
     while lo < hi:
         mid = (lo + hi) // 2
-        if math.isfinite(run(values[mid])[0]):
+        if math.isfinite(F(mid)):
             hi = mid
         else:
             lo = mid + 1
-    best_obj, best_t = math.inf, values[-1]
-    candidates = values[lo:] if B > 1 else values[-1:]
-    last = -math.inf
-    for t in candidates:
-        if B > 1 and floor + (B - 1) * t >= best_obj:
-            break
-        if t <= last * (1.0 + rel_gap) and t != candidates[-1]:
+    if B == 1:
+        lo = values.size - 1
+
+    def objective(j: int) -> tuple[float, float]:
+        return F(j) + (B - 1) * float(values[j]), float(values[j])
+
+    best_obj, best_t = min(objective(lo), objective(values.size - 1))
+    intervals = [(lo, values.size - 1)]  # both ends evaluated; the candidates strictly inside are open
+    while intervals:
+        a, b = intervals.pop()
+        if b - a < 2:
             continue
-        last = t
-        total, _ = run(t)
-        if math.isfinite(total) and total + (B - 1) * t < best_obj:
-            best_obj, best_t = total + (B - 1) * t, float(t)
+        bound = F(b) + (B - 1) * float(values[a + 1])  # the least objective any bound inside can give
+        if (bound > best_obj or (rel_gap > 0 and bound * (1.0 + rel_gap) >= best_obj)
+                or (bound == best_obj and values[a + 1] > best_t)):
+            continue
+        mid = (a + b) // 2
+        best_obj, best_t = min((best_obj, best_t), objective(mid))
+        intervals += [(mid, b), (a, mid)]
     total, s, pointers = _solve(times, sizes, num_devices, best_t, max_stages, min_stages, keep=True)
     evaluations += 1
     if not math.isfinite(total):

@@ -31,7 +31,7 @@ from planner.mesh import MeshSpec
 from planner.options import PlanOptions
 from planner.planning import make_plan
 from planner.sharding import Spec
-from planner.stages.clustering import Layers, cluster_layers
+from planner.stages.clustering import Layers, cluster_layers, stacked_inputs
 from planner.stages.dp import DPResult, StageChoice, bubble_fraction, pipeline_dp, pipeline_latency
 from planner.stages.stage_cost import (
     LayerCostTable,
@@ -210,6 +210,8 @@ class PipelinePlan:
             free = self.single_stage_time_unconstrained_s
             lines.append(f"  best single stage     {single}" + (
                 f" (ignoring memory {free * 1e3:.3f} ms)" if free is not None and math.isfinite(free) else ""))
+        if self.planning.get("stacked_params"):
+            lines.append(f"  note: {stacked_note(self.planning['stacked_params'])}")
         for k, st in enumerate(self.stages):
             names = st.layers[0] if len(st.layers) == 1 else f"{st.layers[0]}..{st.layers[-1]} ({len(st.layers)})"
             lines.append(
@@ -217,6 +219,14 @@ class PipelinePlan:
                 f"{st.state_layout + ('+remat' if st.remat else ''):<19} {st.time_s * 1e3:9.3f} ms/microbatch, "
                 f"{format_bytes(st.memory_bytes):>9}/device, devices {_ranges(st.devices)}")
         return "\n".join(lines)
+
+
+def stacked_note(paths: Sequence[str]) -> str:
+    """What pipelining a model whose weights are stacked over layers (a scan) means today."""
+    return (f"{len(paths)} parameter leaves are stacked over layers by a scan (e.g. {paths[0]}): a stage owns "
+            "whole leaves, so the first stage reading one holds all its layers' weights and optimizer state and "
+            "sends each layer's slice on; to pipeline this model, unroll its layers (a Python loop; the zoo's "
+            "scan_layers=False)")
 
 
 def _finite(x: float | None) -> float | None:
@@ -372,8 +382,13 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
         return graph, layers, table, t0
 
     candidates: list[_Candidate] = []
+    stacked: tuple[str, ...] = ()
     for B in counts:
         graph, layers, table, t0 = build(B)
+        if B == counts[0]:
+            stacked = tuple(graph.input_paths[i] for i in stacked_inputs(graph, layers))
+            if stacked:
+                log.warning("%s", stacked_note(stacked))
         st = stage_times(table, shapes, per_submesh, B, options.schedule, budget, boundary_bytes(graph, layers))
         timings["layer_costs_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -432,7 +447,8 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
     pp = _pipeline_plan(best, _stage_plans(best, shapes, meshes, cluster), options, cluster, t_start, timings,
                         len(cache), single, single_free,
                         tuple((c.B, c.step_s, len(c.dp.stages) if c.dp else 0) for c in candidates),
-                        {"dp_evaluations": evaluations, "logical_meshes": len(meshes)})
+                        {"dp_evaluations": evaluations, "logical_meshes": len(meshes),
+                         **({"stacked_params": list(stacked)} if stacked else {})})
     if whole is None or pp.num_stages > 1:
         return pp
     return dataclasses.replace(pp, single_stage_plan=(whole, lm.host_axes))
