@@ -272,7 +272,12 @@ def _pipeline_fields(plan, wall: float, ilp: _ILPTimes, fits_memory: bool = True
 
 def run_abstract(model: str, cluster: str, time_limit: float, configs: tuple[str, ...]) -> list[dict]:
     shape, hardware, batch = CLUSTERS[cluster]
-    b = get_model(model, dtype="bfloat16", **({"batch": batch} if batch else {}))
+    # On the clusters that pipeline, Llama's layers are a Python loop, not a scan: a stage owns whole
+    # parameter leaves, so stacked (scanned) weights would all sit on the first stage that reads them
+    # (`planner.stages.inter_op.stacked_note`) and every pipeline row, the planner's and the `+ppN`
+    # baselines' alike, would be that degenerate layout.
+    unroll = {"scan_layers": False} if multi_host(cluster) and model.startswith("llama") else {}
+    b = get_model(model, dtype="bfloat16", **({"batch": batch} if batch else {}), **unroll)
     args = (b.abstract_state(), b.abstract_batch())
     t = time.perf_counter()
     graph = trace(b.train_step, *args)
