@@ -15,20 +15,31 @@ class InvalidArgumentError(PlannerError, TypeError):
 
 
 class InfeasiblePlanError(PlannerError, ValueError):
-    """No plan satisfies the constraints (for example the per-device memory budget)."""
+    """No plan satisfies the constraints (for example the per-device memory budget).
 
-    def __init__(self, message: str, min_memory_bytes: int | None = None, lower_bound_bytes: int | None = None):
+    Attributes (facts for callers that reword or combine the answer; the message already says them):
+      min_memory_bytes: the smallest per-device peak of a plan found, when one was measured.
+      lower_bound_bytes: a proven bound: no plan the planner can choose needs less.
+      proven: False when the solver's limit stopped the search before the budget was ruled out.
+      levers: the memory levers and whether each was tried (`planner.ilp.solver.Lever`), when known.
+      deterministic_time: CP-SAT deterministic units spent before giving this answer, when known.
+    """
+
+    def __init__(self, message: str, min_memory_bytes: int | None = None, lower_bound_bytes: int | None = None,
+                 *, proven: bool = True, levers: tuple = (), deterministic_time: float | None = None):
         super().__init__(message)
         self.min_memory_bytes = min_memory_bytes
-        self.lower_bound_bytes = lower_bound_bytes  # no plan the planner can choose needs less
+        self.lower_bound_bytes = lower_bound_bytes
+        self.proven = proven
+        self.levers = tuple(levers)
+        self.deterministic_time = deterministic_time
 
     def reworded(self, message: str, min_memory_bytes: int | None = None) -> InfeasiblePlanError:
         """This error with another message (and smallest peak, when given), keeping every fact the
-        solver attached to it (`levers`, `proven`, `deterministic_time`)."""
-        error = InfeasiblePlanError(message, self.min_memory_bytes if min_memory_bytes is None else min_memory_bytes,
-                                    self.lower_bound_bytes)
-        error.__dict__.update({k: v for k, v in vars(self).items() if k not in vars(error)})
-        return error
+        solver attached to it."""
+        return InfeasiblePlanError(message, self.min_memory_bytes if min_memory_bytes is None else min_memory_bytes,
+                                   self.lower_bound_bytes, proven=self.proven, levers=self.levers,
+                                   deterministic_time=self.deterministic_time)
 
 
 class ProfileError(PlannerError, ValueError):

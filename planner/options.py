@@ -11,6 +11,8 @@ from typing import Any
 from planner.errors import InvalidArgumentError
 from planner.units import parse_bytes, parse_link
 
+REMAT = ("off", "full", "dots", "auto")  # recomputation choices (`planner.remat`)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PlanOptions:
@@ -112,8 +114,8 @@ class PlanOptions:
         if self.offload != "off" and (self.pipeline or self.accumulate not in (None, 1)):
             raise InvalidArgumentError(f"offload={self.offload!r} is for single-stage plans without gradient "
                                        "accumulation; drop pipeline= / accumulate= or use offload='off'")
-        if self.remat not in ("off", "full", "dots", "auto"):
-            raise InvalidArgumentError(f"remat={self.remat!r} must be 'off', 'full', 'dots' or 'auto'")
+        if not isinstance(self.remat, str) or self.remat not in REMAT:
+            raise InvalidArgumentError(f"remat={self.remat!r} must be one of {', '.join(map(repr, REMAT))}")
         if self.remat != "off" and (self.pipeline or self.accumulate not in (None, 1)):
             raise InvalidArgumentError(f"remat={self.remat!r} is for single-stage plans without gradient accumulation "
                                        "(pipeline stages choose recomputation themselves); drop pipeline= / "

@@ -41,6 +41,7 @@ from planner.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.graph import Body, Graph, Op, Recompute, Region
 from planner.ilp.solver import LEVERS, levers_text
 from planner.layer_index import find_indexed
+from planner.options import REMAT
 from planner.plan import Plan
 from planner.stages.clustering import BACKWARD, FORWARD, op_phases, repeated_module
 from planner.units import format_bytes
@@ -48,7 +49,7 @@ from planner.units import format_bytes
 log = logging.getLogger("planner")
 
 POLICIES = ("full", "dots")
-OPTIONS = ("off", "full", "dots", "auto")
+OPTIONS = REMAT
 
 # Results `dots` keeps (jax.checkpoint_policies.dots_saveable: dot_general and conv_general_dilated).
 SAVEABLE = frozenset({"dot_general", "conv_general_dilated"})
@@ -358,7 +359,7 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
                if off.lower_bound_bytes is not None else "") + ")")
     best = full.min_memory_bytes
     levers = tuple(dataclasses.replace(v, state="tried") if v.name == "rematerialisation" else v
-                   for v in getattr(full, "levers", LEVERS))
+                   for v in (full.levers or LEVERS))
     raise InfeasiblePlanError(f"{text}. {levers_text(levers)}. Raise memory_budget or use more devices",
                               best, min(floors) if floors else None)
 

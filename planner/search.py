@@ -179,11 +179,13 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
                                                      donated_inputs(graph, options.donate_argnums))
             log.info("every plan on %d devices needs >= %s/device (arguments and outputs)", spec.size,
                      format_bytes(floor))
-        elif floor is not None and floor > budget:  # no ILP to build: the first such mesh has the search's
+        elif floor is not None and floor > budget:  # no ILP to build; the first mesh of each size is still
+            # built (above), so that the answer can give the smallest peak of a plan found
             error = InfeasiblePlanError(
                 f"no plan fits the memory budget of {format_bytes(budget)} per device on mesh {spec}: no plan can go "
                 f"below {format_bytes(floor)} (its arguments and outputs split over every device; not solved)",
-                None, floor)
+                None, floor, levers=tuple(dataclasses.replace(v, state="tried") if v.name == "donating the train state"
+                                          and donated_inputs(graph, options.donate_argnums) else v for v in LEVERS))
             failed.append(MeshResult(spec, None, error, inter, 0.0, over_bound=True))
             log.info("mesh %s: needs >= %s/device, over the budget: not built", spec, format_bytes(floor))
             continue
@@ -207,7 +209,7 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
             error = InfeasiblePlanError(
                 f"no plan fits the memory budget of {format_bytes(budget)} per device on mesh {spec}: no plan can go "
                 f"below {format_bytes(cand.memory_bound)} (lower bound; not solved)", None, cand.memory_bound)
-            error.levers = levers_of(bounding)  # the levers that bound counted (`search.no_fit_error` lists them)
+            error.levers = levers_of(bounding)  # the levers the bound counted (`search.no_fit_error` lists them)
             failed.append(MeshResult(spec, None, error, inter, cand.build_s, time_bound_s=cand.time_bound,
                                      over_bound=True))
             log.info("mesh %s: needs >= %s/device, over the budget: not solved", spec, format_bytes(cand.memory_bound))
@@ -222,10 +224,10 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
         try:
             plan = make_plan(graph, cand.mesh, cand.options, jax_mesh, problem=cand.problem, min_peak_search=False)
         except (MeshError, PlannerError) as e:
-            spent = getattr(e, "deterministic_time", None)
+            spent = e.deterministic_time if isinstance(e, InfeasiblePlanError) else None
             log.info("mesh %s: %s (%s deterministic units, %.1fs)", cand.mesh,
                      e if not isinstance(e, InfeasiblePlanError) else "no plan fits the budget"
-                     if getattr(e, "proven", True) else "not decided within the solver limit",
+                     if e.proven else "not decided within the solver limit",
                      "?" if spent is None else f"{spent:.3g}", time.perf_counter() - t0)
             return MeshResult(cand.mesh, None, e, cand.inter, cand.build_s + time.perf_counter() - t0,
                               time_bound_s=cand.time_bound, deterministic_time=spent)
@@ -341,7 +343,7 @@ def no_fit_error(results: Sequence[MeshResult], budget: float | None = None,
     (and where), which meshes were not solved because their bound alone is over the budget, which
     the solver could not decide within its limit, and the levers (`solver.LEVERS`)."""
     own = [r for r in results if r.same_as is None]
-    levers = next((r.error.levers for r in own if getattr(r.error, "levers", None)), levers)
+    levers = next((r.error.levers for r in own if r.error.levers), levers)
     over = [r for r in own if r.over_budget]
     floors = [(r.lower_bound_bytes, r.min_memory_bytes is None, k) for k, r in enumerate(own)
               if r.over_budget and r.lower_bound_bytes is not None]

@@ -149,3 +149,21 @@ def test_memory_floor_is_below_every_mesh_bound(mlp_graph):
             problem = plan_problem(mlp_graph, mesh, PlanOptions(hardware=hardware))
             end = len(mlp_graph.ops) + 1
             assert 0 < memory_floor(mlp_graph, 8) <= memory_lower_bound(problem)[end]
+
+
+def test_meshes_ruled_out_by_the_floor_name_donation_as_tried(mlp_graph):
+    """A budget below the floor (no ILP built) still says which levers the floor counted: with the
+    train state donated, donation is among those tried; without it, it is offered."""
+    for donate in ((0,), ()):
+        floor = memory_floor(mlp_graph, 8, frozenset(mlp_graph.inputs) if donate else frozenset())
+        options = PlanOptions(hardware="v100", memory_budget=floor // 4, donate_argnums=donate)
+        results = search_meshes(mlp_graph, candidate_meshes(8), options, threads=1)
+        floored = [r for r in results if "arguments and outputs split over every device" in str(r.error)]
+        assert floored and all(any(v.name == "donating the train state" and (v.state == "tried") == bool(donate)
+                                   for v in r.error.levers) for r in floored)
+        with pytest.raises(InfeasiblePlanError) as e:
+            best_plan(results)
+        text = str(e.value)
+        tried = text.split("Tried: ")[1].split(". ")[0]
+        assert ("donating the train state" in tried) == bool(donate) and "\n" not in text
+        assert donate or "donating the train state" in text.split("Other levers: ")[1]

@@ -952,8 +952,7 @@ def _undecided(problem: Problem, budget: float, time_limit: float, peak: float) 
     error = InfeasiblePlanError(
         f"no plan fitting {_gb(budget)} per device on mesh {problem.cost.mesh} was found within the solver limit "
         f"({time_limit:.3g} deterministic units); the best plan so far needs {_gb(peak)} (no plan goes below "
-        f"{_gb(lower)}); raise solver_time_limit", int(peak), lower)
-    error.proven = False
+        f"{_gb(lower)}); raise solver_time_limit", int(peak), lower, proven=False)
     return error
 
 
@@ -976,7 +975,8 @@ def memory_floor(graph: Graph, num_devices: int, donated: frozenset[int] = froze
 
 def _spent(error: PlannerError, deterministic_time: float) -> PlannerError:
     """`error` with the CP-SAT deterministic time spent before it (the mesh search reports it)."""
-    error.deterministic_time = deterministic_time
+    if isinstance(error, InfeasiblePlanError):
+        error.deterministic_time = deterministic_time
     return error
 
 
@@ -1180,9 +1180,8 @@ def _infeasible(problem: Problem, budget: float, time_limit: float, workers: int
         f"go below {_gb(lower)} (lower bound: {_gb(args)} of {'device-resident ' if on_host else ''}arguments split "
         "over every mesh axis that divides "
         f"them, plus what must be live together at {at}). {levers_text(levers)}. Raise memory_budget or use more "
-        "devices", best, lower,
+        "devices", best, lower, levers=levers,  # the mesh search's one-line answer lists them (`search.no_fit_error`)
     )
-    error.levers = levers  # the mesh search's one-line answer lists them (`search.no_fit_error`)
     return error
 
 
