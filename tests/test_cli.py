@@ -272,3 +272,14 @@ def test_console_script_subprocess():
     assert proc.returncode == 0, proc.stderr
     assert "Best plan:" in proc.stdout and "logical_axis_rules" in proc.stdout
     assert "[planner" not in proc.stderr  # --quiet: no progress lines
+
+
+def test_pipeline_of_a_scanned_model_says_its_weights_stay_on_one_stage(capsys):
+    """`planner plan --pipeline on` of a scanned model (the zoo's Llama) prints which leaves a stage
+    cannot split and what to do (the unrolled model's plan has no such note: tests/test_stages.py)."""
+    code = cli.main(["plan", "--model", "llama-tiny", "--cluster", "1x2:cpu", "--pipeline", "on"])
+    out = capsys.readouterr().out
+    assert code == 0
+    note = [line for line in out.splitlines() if line.strip().startswith("note:")]
+    assert len(note) == 1 and "9 parameter leaves are stacked over layers by a scan" in note[0]
+    assert "scan_layers=False" in note[0]

@@ -17,6 +17,7 @@ from planner.errors import InvalidArgumentError
 from planner.layer_index import split_indexed
 from planner.present.logical_axes import Axes, AxisRules, Leaf, classify, infer_rules, path_tokens
 from planner.plan import Plan, solver_quality as _solver_quality
+from planner.stages.clustering import stacked_note
 from planner.units import format_bytes
 
 
@@ -404,4 +405,7 @@ def format_stages(view: PlanView) -> str:
     single = pipe.get("single_stage_step_time_s")
     if single is not None:
         out.append(f"  best single stage {fmt_time(single)}/step (whole cluster, no microbatching)")
+    stacked = (pipe.get("planning") or {}).get("stacked_params")
+    if stacked:
+        out.append(f"  note: {stacked_note(stacked)}")
     return "\n".join(out)

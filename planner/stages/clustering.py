@@ -379,3 +379,11 @@ def stacked_inputs(graph: Graph, layers: Layers) -> tuple[int, ...]:
         if len(reached) >= 2:
             out.append(pos)
     return tuple(out)
+
+
+def stacked_note(paths: Sequence[str]) -> str:
+    """What pipelining a model whose weights are stacked over layers (a scan) means today."""
+    return (f"{len(paths)} parameter leaves are stacked over layers by a scan (e.g. {paths[0]}): a stage owns "
+            "whole leaves, so the first stage reading one holds all its layers' weights and optimizer state and "
+            "sends each layer's slice on; to pipeline this model, unroll its layers (a Python loop; the zoo's "
+            "scan_layers=False)")

@@ -31,7 +31,7 @@ from planner.mesh import MeshSpec
 from planner.options import PlanOptions
 from planner.planning import make_plan
 from planner.sharding import Spec
-from planner.stages.clustering import Layers, cluster_layers, stacked_inputs
+from planner.stages.clustering import Layers, cluster_layers, stacked_inputs, stacked_note
 from planner.stages.dp import DPResult, StageChoice, bubble_fraction, pipeline_dp, pipeline_latency
 from planner.stages.stage_cost import (
     LayerCostTable,
@@ -219,14 +219,6 @@ class PipelinePlan:
                 f"{st.state_layout + ('+remat' if st.remat else ''):<19} {st.time_s * 1e3:9.3f} ms/microbatch, "
                 f"{format_bytes(st.memory_bytes):>9}/device, devices {_ranges(st.devices)}")
         return "\n".join(lines)
-
-
-def stacked_note(paths: Sequence[str]) -> str:
-    """What pipelining a model whose weights are stacked over layers (a scan) means today."""
-    return (f"{len(paths)} parameter leaves are stacked over layers by a scan (e.g. {paths[0]}): a stage owns "
-            "whole leaves, so the first stage reading one holds all its layers' weights and optimizer state and "
-            "sends each layer's slice on; to pipeline this model, unroll its layers (a Python loop; the zoo's "
-            "scan_layers=False)")
 
 
 def _finite(x: float | None) -> float | None:
