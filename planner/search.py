@@ -151,7 +151,7 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
       devices: real devices to bind each plan's `jax.sharding.Mesh` to (None: abstract meshes).
       prune: skip meshes whose step-time lower bound cannot beat the best plan found.
       threads: meshes solved at once (None: the idle cores this process may use, divided by
-        `options.solver_workers`, `_threads`); the fastest plan is the same for any number.
+        `options.solver_workers`, `idle_cores`); the fastest plan is the same for any number.
       min_peak_search: when no mesh gives a plan, search the smallest peak on the most promising
         one (False: a caller trying several programs skips it on all but the last).
     """
@@ -242,7 +242,7 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
     # run solves side by side); each is dispatched in bound order and pruned against the best plan
     # finished by then. A plan does not depend on the order or on the other solves (one CP-SAT
     # worker, deterministic limits), so the fastest plan is the serial search's.
-    threads = max(1, min(len(candidates), _threads() // max(1, options.solver_workers) if threads is None
+    threads = max(1, min(len(candidates), idle_cores() // max(1, options.solver_workers) if threads is None
                          else threads))
     best = math.inf
     queue = list(candidates)
@@ -312,7 +312,7 @@ def _search_smallest_peak(failed: list[MeshResult], built: dict[MeshSpec, _Candi
         failed[k] = dataclasses.replace(r, error=error, plan_time_s=r.plan_time_s + time.perf_counter() - t0)
 
 
-def _threads() -> int:
+def idle_cores() -> int:
     """The idle cores this process may run on: its cores less the 1-minute load average, at least
     one. Solves on busy cores would only share them, and reach CP-SAT's wall-clock cap sooner (a
     plan stopped by it depends on the load, `solver.WALL_CAP_FACTOR`)."""

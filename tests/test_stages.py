@@ -282,3 +282,26 @@ def test_scanned_weights_are_named_when_pipelining():
                            microbatch_limit=1)
         assert ("stacked over layers" in pp.summary()) == scan
         assert pp.planning.get("stacked_params", []) == paths
+
+
+def test_layer_tables_filled_in_parallel_equal_the_serial_ones():
+    """`LayerCostTable.fill` with two threads gives every layer on every logical mesh exactly the
+    cost the one-by-one fill gives (each ILP solved alone, deterministic limits)."""
+    from planner.options import PlanOptions
+    from planner.stages.stage_cost import LayerCostTable
+
+    ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
+    graph = trace(_tanh_chain_step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
+    layers = cluster_layers(graph, num_layers=2)
+    cluster = make_cluster(2, 4, "a100")
+    meshes = tuple(m for shape in ((1, 2), (1, 4), (2, 4)) for m in logical_meshes(shape, cluster, max_ndim=2))
+    tables = []
+    for threads in (1, 2):
+        table = LayerCostTable(graph, layers, meshes, cluster, PlanOptions(), {})
+        table.fill(range(len(meshes)), threads=threads)
+        assert table.solves == len(set(table.cache)) > len(meshes)
+        tables.append(table)
+    assert list(tables[0].cache) == list(tables[1].cache)
+    assert all(tables[0].cache[k] == tables[1].cache[k] for k in tables[0].cache)
+    solves = tables[1].solves
+    assert [tables[1].cost(l, m) for l in range(2) for m in range(len(meshes))] and tables[1].solves == solves

@@ -47,6 +47,7 @@ intra-op ILP plans each layer for time alone; it has no stage-level view of memo
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -62,6 +63,7 @@ from planner.ilp.rules import OpSig, signature
 from planner.ilp.strategies import rate_dtypes, reshard_cost, shard_bytes
 from planner.options import PlanOptions
 from planner.planning import make_plan
+from planner.search import idle_cores
 from planner.sharding import Spec, active_axes, replicated
 from planner.stages.clustering import APPLY, BACKWARD, FORWARD, Layers
 from planner.stages.submesh import LogicalMesh, boundary_link, effective_hardware
@@ -440,17 +442,47 @@ class LayerCostTable:
         return by_tensor, tuple(str(v) if isinstance(v, Exception) else by_tensor.get(t)
                                 for t in ext for v in (by_tensor.get(t),))
 
-    def cost(self, layer: int, mesh_index: int) -> LayerCost:
+    def _key(self, layer: int, mesh_index: int) -> tuple[tuple, Mapping[int, Spec]]:
         lm = self.meshes[mesh_index]
         pinned, pin_key = self.pinned(layer, mesh_index)
-        key = (self.layers.keys[layer], lm.mesh.shape, lm.links, self.cluster.hardware.name, pin_key)
+        return (self.layers.keys[layer], lm.mesh.shape, lm.links, self.cluster.hardware.name, pin_key), pinned
+
+    def _solve(self, layer: int, mesh_index: int, pinned: Mapping[int, Spec]) -> LayerCost:
+        return _layer_cost(self.graph, self.layers, self.facts[layer], layer, self.meshes[mesh_index],
+                           effective_hardware(self.cluster), self.options, pinned)
+
+    def cost(self, layer: int, mesh_index: int) -> LayerCost:
+        key, pinned = self._key(layer, mesh_index)
         hit = self.cache.get(key)
         if hit is None:
-            hit = _layer_cost(self.graph, self.layers, self.facts[layer], layer, lm,
-                              effective_hardware(self.cluster), self.options, pinned)
-            self.cache[key] = hit
+            hit = self.cache[key] = self._solve(layer, mesh_index, pinned)
             self.solves += 1
         return hit
+
+    def fill(self, mesh_indices: Sequence[int], threads: int | None = None) -> None:
+        """Plans every distinct layer on each of `mesh_indices` not planned yet, `threads` at once
+        (None: the idle cores, `search.idle_cores`, divided by `options.solver_workers`). CP-SAT
+        releases the GIL while it searches, so the solves run side by side; each is planned alone (one
+        CP-SAT worker, deterministic limits), so the table is the one `cost` fills one by one."""
+        todo: dict[tuple, tuple[int, int, Mapping[int, Spec]]] = {}
+        for mi in mesh_indices:
+            for layer in range(self.layers.num_layers):
+                key, pinned = self._key(layer, mi)
+                if key not in self.cache and key not in todo:
+                    todo[key] = (layer, mi, pinned)
+        if threads is None:
+            threads = idle_cores() // max(1, self.options.solver_workers)
+        threads = max(1, min(threads, len(todo)))
+        if threads == 1:
+            for key, (layer, mi, pinned) in todo.items():
+                self.cache[key] = self._solve(layer, mi, pinned)
+                self.solves += 1
+            return
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            futures = {key: pool.submit(self._solve, *job) for key, job in todo.items()}
+            for key, future in futures.items():  # in submission order: the cache's order is the serial one's
+                self.cache[key] = future.result()
+                self.solves += 1
 
 
 def layer_edges(graph: Graph, layers: Layers, facts: Sequence[LayerFacts]) -> tuple[tuple, ...]:
@@ -629,6 +661,7 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
     """
     L = table.layers.num_layers
     B = num_microbatches
+    table.fill(sorted({mi for idx in mesh_indices for mi in idx}))
     inflight = tuple(range(1, min(B, L) + 1)) if schedule == "1f1b" else (B,)
     Q, S = len(inflight), len(submeshes)
     times = np.full((Q, L, L, S), np.inf)
