@@ -313,18 +313,27 @@ def _search_smallest_peak(failed: list[MeshResult], built: dict[MeshSpec, _Candi
 
 
 def idle_cores() -> int:
-    """The idle cores this process may run on: its cores less the 1-minute load average, at least
-    one. Solves on busy cores would only share them, and reach CP-SAT's wall-clock cap sooner (a
-    plan stopped by it depends on the load, `solver.WALL_CAP_FACTOR`)."""
+    """The idle cores this process may run on: its cores less the load the rest of the machine puts
+    on them, at least one. Solves on busy cores would only share them, and reach CP-SAT's
+    wall-clock cap sooner (a plan stopped by it depends on the load, `solver.WALL_CAP_FACTOR`)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on every platform
         cores = os.cpu_count() or 1
     try:
-        busy = os.getloadavg()[0]
+        load = os.getloadavg()[0]
     except OSError:  # no load average on this platform
-        busy = 0.0
-    return max(1, int(cores - busy + 0.5))
+        load = 0.0
+    return spare_cores(cores, load)
+
+
+def spare_cores(cores: int, load: float) -> int:
+    """`cores` less the 1-minute `load` average that is not this process's own: the caller runs on
+    one core while it asks (tracing, building the problems), and that thread is part of the load
+    average, so up to one unit of it is ours (measured before this: an idle 2-core machine, load 1.0
+    from the planner itself, solved its independent problems one at a time)."""
+    others = max(0.0, load - 1.0)
+    return max(1, min(cores, int(cores - others + 0.5)))
 
 
 def mirror_key(spec: MeshSpec, inter: Sequence[int]) -> tuple:

@@ -16,7 +16,7 @@ from planner.ilp.objective import step_time
 from planner.ilp.solver import memory_floor, memory_lower_bound
 from planner.options import PlanOptions
 from planner.planning import plan_problem
-from planner.search import best_plan, candidate_meshes, search_meshes, step_time_lower_bound
+from planner.search import best_plan, candidate_meshes, search_meshes, spare_cores, step_time_lower_bound
 from zoo import get_model
 
 
@@ -82,6 +82,14 @@ def test_parallel_and_serial_searches_give_the_same_plans(mlp_graph):
     assert [r.mesh for r in serial] == [r.mesh for r in parallel]
     assert [r.plan for r in serial] == [r.plan for r in parallel]
     assert best_plan(parallel) == best_plan(serial)
+
+
+@pytest.mark.parametrize("cores, load, spare", [
+    (2, 0.0, 2), (2, 1.0, 2),  # the load of the planner's own thread leaves both cores to it
+    (2, 2.0, 1), (2, 6.0, 1),  # another job on one core (or more): one
+    (8, 1.3, 8), (8, 3.0, 6), (1, 0.0, 1)])
+def test_spare_cores_discount_the_callers_own_load(cores, load, spare):
+    assert spare_cores(cores, load) == spare
 
 
 def test_budget_under_every_bound_is_answered_without_solving(mlp_graph):
