@@ -3,6 +3,8 @@
     python experiments/bench_pipeline.py                      # GPT-39B, bfloat16 activations, B chosen
     python experiments/bench_pipeline.py --microbatches 8     # B fixed, as Alpa's benchmark does
     python experiments/bench_pipeline.py --dtype float32 --json /tmp/pp.json
+    python experiments/bench_pipeline.py --model llama-70b --hosts 128 --hardware h100 \
+        --inter-host-gbit 0 --batch 1024 --unrolled     # issue 14's Llama-70B on 1024 H100 (preset links)
 
 Planning is abstract (ShapeDtypeStructs; nothing is allocated). It prints the chosen stages, the
 predicted step time against the best single-stage plan, and where the planning time went. Alpa
@@ -32,8 +34,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--hosts", type=int, default=8)
     p.add_argument("--devices-per-host", type=int, default=8)
     p.add_argument("--hardware", default="v100-16gb")
-    p.add_argument("--inter-host-gbit", type=float, default=25.0)
+    p.add_argument("--inter-host-gbit", type=float, default=25.0,
+                   help="one host's network in Gbit/s (Alpa's testbed: 25); 0: the preset's link")
+    p.add_argument("--batch", type=int, default=None, help="global batch (default: the zoo model's)")
+    p.add_argument("--unrolled", action="store_true",
+                   help="unroll scanned layers (scan_layers=False): a stage then owns its layers' weights")
     p.add_argument("--microbatches", type=int, default=None, help="default: the planner chooses")
+    p.add_argument("--microbatch-limit", type=int, default=None,
+                   help="try this many microbatch counts, spread in log scale (default: every divisor)")
     p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
     p.add_argument("--pipeline", default="auto", choices=("auto", "true"))
     p.add_argument("--mesh-ndim", type=int, default=2, choices=(1, 2))
@@ -43,17 +51,19 @@ def main(argv: list[str] | None = None) -> dict:
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    bundle = get_model(args.model, dtype=args.dtype)
-    cluster = make_cluster(args.hosts, args.devices_per_host, args.hardware, inter_host_gbit=args.inter_host_gbit)
+    bundle = get_model(args.model, dtype=args.dtype, **({"batch": args.batch} if args.batch else {}),
+                       **({"scan_layers": False} if args.unrolled else {}))
+    cluster = make_cluster(args.hosts, args.devices_per_host, args.hardware,
+                           inter_host_gbit=args.inter_host_gbit or None)
     options = PlanOptions(pipeline=True if args.pipeline == "true" else "auto",
                           num_microbatches=args.microbatches, schedule=args.schedule)
     start = time.perf_counter()
     pp = plan_pipeline(bundle.train_step, (bundle.abstract_state(), bundle.abstract_batch()), cluster, options,
-                       max_mesh_ndim=args.mesh_ndim)
+                       max_mesh_ndim=args.mesh_ndim, microbatch_limit=args.microbatch_limit)
     elapsed = time.perf_counter() - start
 
     print(f"{args.model} ({args.dtype} activations, batch {bundle.config.batch}) on {cluster}, "
-          f"{args.inter_host_gbit:g} Gbit/s between hosts")
+          + (f"{args.inter_host_gbit:g} Gbit/s between hosts" if args.inter_host_gbit else "preset links"))
     print(pp.summary())
     hosts_aligned = all(st.devices[0] % args.devices_per_host == 0 and len(st.devices) % args.devices_per_host == 0
                         for st in pp.stages)
@@ -63,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
         free = pp.single_stage_time_unconstrained_s
         print(f"  pipeline vs best single stage: {pp.step_time_s:.3f} s vs "
               f"{'does not fit' if single == float('inf') else f'{single:.3f} s'}"
-              f" (ignoring memory: {free:.3f} s, {free / pp.step_time_s:.1f}x slower)")
+              f" (ignoring memory: {free:.3f} s, {free / pp.step_time_s:.2f}x the pipeline's time)")
     print(f"  microbatch counts tried (B, step s, stages): {[(b, round(t, 4), s) for b, t, s in pp.candidates]}")
     print(f"  planning time {elapsed:.1f} s: " + ", ".join(f"{k}={v}" for k, v in pp.planning.items()))
     result = {

@@ -131,6 +131,9 @@ def test_layer_subgraph_and_boundaries(tiny_graphs):
 def test_submesh_shapes_and_placement():
     assert submesh_shapes(8, 8) == ((1, 1), (1, 2), (1, 4), (1, 8)) + tuple((n, 8) for n in range(2, 9))
     assert submesh_shapes(1, 6) == ((1, 1), (1, 2), (1, 4), (1, 6))
+    # Many hosts: whole hosts, 2^k of them or all (the whole cluster last).
+    assert submesh_shapes(24, 8) == ((1, 8), (2, 8), (4, 8), (8, 8), (16, 8), (24, 8))
+    assert submesh_shapes(128, 8) == tuple((2 ** k, 8) for k in range(8))
     cluster = make_cluster(4, 4, "a100", inter_host_gbit=100)
     placed = place_submeshes([(1, 2), (2, 4), (1, 1), (1, 1), (1, 4)], cluster)
     assert placed[1] == tuple(range(0, 8))          # whole hosts first
@@ -162,8 +165,9 @@ def test_dp_matches_brute_force():
     checked = 0
     for _ in range(150):
         L = int(rng.integers(1, 6))
-        sizes = [1, 2, 4][: int(rng.integers(1, 4))]
-        D = int(rng.choice([2, 4, 6, 8]))
+        unit = int(rng.choice([1, 1, 8]))  # 8: whole-host submeshes (the DP works in units of their gcd)
+        sizes = [unit * z for z in [1, 2, 4][: int(rng.integers(1, 4))]]
+        D = unit * int(rng.choice([2, 4, 6, 8]))
         Q, B = int(rng.integers(1, 4)), int(rng.choice([1, 2, 3, 5, 8, 32, 64]))  # large B: interval pruning
         min_stages = int(rng.integers(1, 3))
         t = _random_table(rng, L, sizes, Q)

@@ -82,27 +82,47 @@ def _solve(times: np.ndarray, sizes: Sequence[int], num_devices: int, t_max: flo
     best, best_s = inf, 0
     pointers = []
     masked = np.where(times <= t_max, times, inf)
-    cand = np.empty((L, L, D + 1))
-    usable = [[m for m in range(len(sizes)) if np.isfinite(masked[q, :, :, m]).any() and sizes[m] <= D]
-              for q in range(Q)]
+    rows = np.arange(L)[:, None]
+    bands: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def band(q: int, m: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The stages starting at each layer k that fit under t_max end at i < k + w: their latencies
+        `a[k, j]` (of layers k..k+j) and last layers `last[k, j]`, so each stage count's min-plus step
+        is over w candidates per layer instead of L (most are infinite under a tight bound)."""
+        if (q, m) not in bands:
+            fin = np.isfinite(masked[q, :, :, m])
+            if not fin.any():
+                bands[q, m] = None
+            else:
+                k, i = np.nonzero(fin)
+                w = int((i - k).max()) + 1
+                last = rows + np.arange(w)[None, :]
+                a = np.where(last < L, masked[q, rows, np.minimum(last, L - 1), m], inf)
+                bands[q, m] = (a, np.minimum(last, L - 1))
+        return bands[q, m]
+
     for s in range(1, max_stages + 1):
         q = min(s, Q) - 1
         cur = np.full((L + 1, D + 1), inf)
         arg_i = np.zeros((L, D + 1), dtype=np.int32)
         arg_m = np.full((L, D + 1), -1, dtype=np.int32)
-        for m in usable[q]:
+        for m in range(len(sizes)):
             z = sizes[m]
+            b = band(q, m) if z <= D else None
+            if b is None:
+                continue
+            a, last = b
             shifted = np.full((L, D + 1), inf)
             shifted[:, z:] = prev[1:, : D + 1 - z]
-            np.add(masked[q, :, :, m][:, :, None], shifted[None, :, :], out=cand)
+            cand = a[:, :, None] + shifted[last]  # [k, j, d]: layers k..last[k, j] on m, then the rest
             if not keep:  # the value only: no arg-min to carry
                 np.minimum(cur[:L], cand.min(axis=1), out=cur[:L])
                 continue
-            i = cand.argmin(axis=1)
-            val = np.take_along_axis(cand, i[:, None, :], axis=1)[:, 0, :]
+            j = cand.argmin(axis=1)
+            val = np.take_along_axis(cand, j[:, None, :], axis=1)[:, 0, :]
             better = val < cur[:L]
             cur[:L] = np.where(better, val, cur[:L])
-            arg_i = np.where(better, i, arg_i)
+            arg_i = np.where(better, np.take_along_axis(last, j, axis=1), arg_i)
             arg_m = np.where(better, m, arg_m)
         if keep:
             pointers.append((arg_i, arg_m))
@@ -136,6 +156,12 @@ def pipeline_dp(times: np.ndarray, sizes: Sequence[int], num_devices: int, num_m
     Q, L, L2, M = times.shape
     if L != L2 or M != len(sizes):
         raise ValueError(f"times has shape {times.shape}; expected (Q, L, L, {len(sizes)})")
+    # Devices in units of the sizes' common divisor (whole hosts when every submesh is): the same
+    # assignments, the DP's device axis that many times shorter.
+    unit = math.gcd(num_devices, *sizes)
+    if unit > 1:
+        return pipeline_dp(times, [z // unit for z in sizes], num_devices // unit, num_microbatches,
+                           max_stages=max_stages, min_stages=min_stages, rel_gap=rel_gap)
     max_stages = min(max_stages or L, L, num_devices)
     if min_stages > max_stages:
         return None

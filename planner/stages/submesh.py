@@ -63,8 +63,20 @@ class LogicalMesh:
         return CostModel(self.mesh, hardware, self.links)
 
 
+# Clusters of more hosts than this plan stages on whole hosts, 2^k of them (or all): Alpa's space, every
+# (1, 2^k) and every (n, M), makes the stage DP's work grow as (shapes x devices) = N^2 M (131 shapes x
+# 1025 device counts on 128 x 8, minutes per DP pass); whole hosts in powers of two keep it to log2(N)
+# shapes over N host counts. A pipeline of at most L stages on so many hosts gives each stage more than
+# a host on average, and a stage on part of a host would need other part-host stages to fill it.
+WHOLE_HOSTS_ABOVE = 16
+
+
 def submesh_shapes(num_hosts: int, devices_per_host: int) -> tuple[Shape, ...]:
-    """Alpa's submesh shapes: (1, 2^k) up to (1, M), then (n, M) for n = 2..N."""
+    """Alpa's submesh shapes: (1, 2^k) up to (1, M), then (n, M) for n = 2..N; on clusters of more
+    than `WHOLE_HOSTS_ABOVE` hosts (n, M) for n = 2^k and N only. The whole cluster comes last."""
+    if num_hosts > WHOLE_HOSTS_ABOVE:
+        hosts = sorted({2 ** k for k in range(num_hosts.bit_length()) if 2 ** k <= num_hosts} | {num_hosts})
+        return tuple((n, devices_per_host) for n in hosts)
     out: list[Shape] = []
     m = 1
     while m < devices_per_host:
