@@ -4,7 +4,8 @@ pipelines), planned abstractly (nothing allocated, no devices needed).
 Sweeps (defaults; --quick runs the first two points of each):
   depth:    gpt2-small widths and llama-7b widths at 12, 24, 48, 96 layers on an 8x8 mesh description
   devices:  gpt2-small (12 layers) on 2x4, 8x8, 16x16 and 32x32 mesh descriptions (8 .. 1024 devices)
-  pipeline: gpt3-39b (Alpa's shape) on an 8x8:v100 cluster, pipeline auto (trace / layer costs / DP)
+  pipeline: gpt3-39b (Alpa's shape) on an 8x8:v100 cluster and llama-70b (unrolled, batch 1024) on
+            128x8:h100, pipeline auto (trace / layer costs / DP)
 
 Writes experiments/results/planning.json, planning.md (the table) and planning.png (time vs layers,
 time vs devices). The wall times are of this machine, whatever else it was running: compare rows of
@@ -48,8 +49,8 @@ def single_stage(model: str, layers: int, mesh: tuple[int, int], time_limit: flo
     }
 
 
-def pipeline(model: str, cluster: str, time_limit: float) -> dict:
-    b = get_model(model)
+def pipeline(model: str, cluster: str, time_limit: float, config: dict | None = None) -> dict:
+    b = get_model(model, **(config or {}))
     t0 = time.perf_counter()
     plan = planner.plan(b.train_step, b.abstract_state(), b.abstract_batch(), hardware=cluster,
                         pipeline="auto", solver_time_limit=time_limit)
@@ -120,7 +121,11 @@ def main() -> int:
     for mesh in meshes:
         run("devices", single_stage, "gpt2-small", 12, mesh, args.time_limit)
     if not args.quick:
-        run("pipeline", pipeline, "gpt3-39b", "8x8:v100", args.time_limit)
+        # V100 has no bfloat16: users train GPT-39B there in float16 (fp32 master weights), as `planner plan` does.
+        run("pipeline", pipeline, "gpt3-39b", "8x8:v100", args.time_limit, {"dtype": "float16"})
+        # Llama-70B on 1024 H100 at batch 1024 (issue 14's 300 s goal), layers unrolled: a stage owns
+        # its layers' weights (a scanned model's stacked weights would stay on one stage).
+        run("pipeline", pipeline, "llama-70b", "128x8:h100", args.time_limit, {"scan_layers": False, "batch": 1024})
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "planning.json").write_text(json.dumps(rows, indent=2) + "\n")
     load = os.getloadavg()[0]

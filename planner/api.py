@@ -170,7 +170,8 @@ class PlannedFunction:
             options = micro_options(self.options, budget)
             if self._mesh_spec is not None:
                 return make_plan(g, self._mesh_spec, options, self._jax_mesh, pins=self._pinned(g, args))
-            results = search_meshes(g, candidate_meshes(len(self.devices)), options, devices=self.devices)
+            meshes = candidate_meshes(len(self.devices), self.options.mesh_ndim)
+            results = search_meshes(g, meshes, options, devices=self.devices)
             over = [r.min_memory_bytes for r in results if r.over_budget and r.min_memory_bytes is not None]
             if results[0].plan is None and over:
                 raise InfeasiblePlanError(f"no mesh shape fits {format_bytes(budget)} per device", min(over))
@@ -187,7 +188,7 @@ class PlannedFunction:
         return acc.graph, plan, jitted
 
     def _choose_mesh(self, graph: Graph) -> Plan:
-        return best_plan(search_meshes(graph, candidate_meshes(len(self.devices)), self.options,
+        return best_plan(search_meshes(graph, candidate_meshes(len(self.devices), self.options.mesh_ndim), self.options,
                                        devices=self.devices), self.options.memory_budget)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:

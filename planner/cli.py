@@ -105,6 +105,9 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     where = p.add_argument_group("the target (one of; --mesh may combine with --cluster)")
     where.add_argument("--devices", type=_positive_int, metavar="N", help="N devices on one host; search mesh shapes")
     where.add_argument("--mesh", metavar="AxB", help="a fixed logical mesh shape, e.g. 2x4 (axes named x, y, ...)")
+    where.add_argument("--mesh-ndim", type=int, choices=(1, 2, 3), default=2,
+                       help="without --mesh: search logical meshes of up to this many axes (3 adds e.g. "
+                            "data x fsdp x tensor meshes, each started from the best 2-D plan it refines)")
     where.add_argument("--cluster", metavar="HOSTSxDEVICES",
                        help="HOSTS hosts with DEVICES devices each, e.g. 2x8 or 2x8:h100; mesh axes that cross "
                             "hosts use the slower inter-host links. Or a cluster file (JSON): {\"hosts\": 8, "
@@ -234,7 +237,7 @@ def candidate_specs(args, num_devices: int):
             raise CLIError(f"--mesh {args.mesh} has {math.prod(shape)} devices but the target has {num_devices}; "
                            f"choose sizes whose product is {num_devices}")
         return [MeshSpec(shape, default_axis_names(len(shape)))]
-    return candidate_meshes(num_devices)
+    return candidate_meshes(num_devices, getattr(args, "mesh_ndim", 2))
 
 
 _CLUSTER_FILE_KEYS = ("hosts", "devices_per_host", "hardware", "inter_host", "intra_host")

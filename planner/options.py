@@ -66,6 +66,9 @@ class PlanOptions:
         typically the train state): the memory model frees each leaf at its last use and lets its
         new value take the buffer (`planner.ilp.problem.live_ranges`); `plan_parallel` passes its
         own `donate_argnums` here and emits them donated.
+      mesh_ndim: the most axes of the logical meshes searched when no mesh is given (1, 2 or 3): 3
+        adds every 3-D factorisation (e.g. data x fsdp x tensor), each solved from the best plan of
+        a 2-D mesh it refines within that plan's solver units (`search.search_meshes`).
     """
 
     memory_budget: float | None = None
@@ -89,8 +92,11 @@ class PlanOptions:
     offload: str = "off"
     remat: str = "off"
     donate_argnums: tuple[int, ...] = ()
+    mesh_ndim: int = 2
 
     def __post_init__(self):
+        if self.mesh_ndim not in (1, 2, 3) or isinstance(self.mesh_ndim, bool):
+            raise InvalidArgumentError(f"mesh_ndim={self.mesh_ndim!r} must be 1, 2 or 3")
         if not (isinstance(self.donate_argnums, tuple)
                 and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.donate_argnums)):
             raise InvalidArgumentError(f"donate_argnums={self.donate_argnums!r} must be argument positions (ints >= 0)")

@@ -10,13 +10,15 @@ import jax.numpy as jnp
 import pytest
 
 from planner import cli
-from planner.errors import InfeasiblePlanError
+from planner.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.graph import trace
 from planner.ilp.objective import step_time
 from planner.ilp.solver import memory_floor, memory_lower_bound
 from planner.options import PlanOptions
 from planner.planning import plan_problem
-from planner.search import best_plan, candidate_meshes, search_meshes, spare_cores, step_time_lower_bound
+from planner.mesh import MeshSpec
+from planner.search import (best_plan, candidate_meshes, coarsenings, refined_choice, search_meshes, spare_cores,
+                             step_time_lower_bound)
 from zoo import get_model
 
 
@@ -175,3 +177,33 @@ def test_meshes_ruled_out_by_the_floor_name_donation_as_tried(mlp_graph):
         tried = text.split("Tried: ")[1].split(". ")[0]
         assert ("donating the train state" in tried) == bool(donate) and "\n" not in text
         assert donate or "donating the train state" in text.split("Other levers: ")[1]
+
+
+def test_three_axis_meshes_start_from_the_2d_plan_they_refine():
+    """mesh_ndim=3 adds 2x2x2; it is solved from the 2x4 plan mapped onto it (y of 2x4 becomes y, z:
+    the same shardings on the same devices), so it is never slower than that start."""
+    assert (2, 2, 2) not in [m.shape for m in candidate_meshes(8)]
+    assert [m.shape for m in candidate_meshes(8, 3)][-1] == (2, 2, 2)
+    assert coarsenings((2, 2, 2)) == [((4, 2), ((0, 1), (2,))), ((2, 4), ((0,), (1, 2)))]
+    graph = trace(*_gpt_tiny_step())
+    options = PlanOptions(hardware="a100")
+    results = {r.mesh.shape: r for r in search_meshes(graph, candidate_meshes(8, 3), options, prune=False)}
+    coarse, fine = results[(2, 4)].plan, results[(2, 2, 2)].plan
+    assert fine is not None
+    problem = plan_problem(graph, MeshSpec((2, 2, 2), ("x", "y", "z")), options)
+    start = refined_choice(problem, coarse, ((0,), (1, 2)))
+    assert start is not None
+    mapped = [tuple(tuple(f for a in dim for f in ((0,), (1, 2))[a]) for dim in spec) for spec in coarse.input_specs]
+    assert [problem.spec(t, start) for t in graph.inputs] == mapped
+    assert fine.prediction.step_time_s <= step_time(problem, start).total_s * (1 + 1e-9)
+
+
+def _gpt_tiny_step():
+    b = get_model("gpt-tiny")
+    return b.train_step, b.abstract_state(), b.abstract_batch()
+
+
+@pytest.mark.parametrize("bad", [0, 4, True, "3"])
+def test_mesh_ndim_out_of_range_is_a_one_line_error(bad):
+    with pytest.raises(InvalidArgumentError, match="mesh_ndim"):
+        PlanOptions(mesh_ndim=bad)

@@ -857,12 +857,15 @@ def _violations(profile: np.ndarray, limit: float, have: set[int], k: int = 4) -
 
 
 def solve(problem: Problem, memory_budget: float | None = None, time_limit: float = 30.0,
-          workers: int = 1, max_rounds: int = 30, min_peak_search: bool = True) -> Solution:
+          workers: int = 1, max_rounds: int = 30, min_peak_search: bool = True,
+          begin: Sequence[int] | None = None) -> Solution:
     """Solves the ILP; with a budget, adds memory constraints until the plan's peak fits.
 
     `time_limit` is in CP-SAT deterministic units for all rounds together (about one second of one
     idle core each, see the module's docstring); a wall-clock cap of `WALL_CAP_FACTOR` times as many
     seconds plus `WALL_CAP_FLOOR_S` stops the search on an overloaded machine.
+
+    `begin`: a choice to start from when it beats the greedy one (the hint and the fallback).
 
     Raises:
       InfeasiblePlanError: when no plan fits `memory_budget`; the message, `min_memory_bytes` and
@@ -881,6 +884,9 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
     fallback = greedy(problem)
     if _ties_hold(problem, fallback):
         fallback = improve(problem, fallback)
+    if begin is not None and _ties_hold(problem, begin) and (
+            not _ties_hold(problem, fallback) or plan_cost(problem, begin) < plan_cost(problem, fallback)):
+        fallback = tuple(begin)  # a caller's plan (e.g. a coarser mesh's, `search.refined_choice`) is better
     hint = fallback if _ties_hold(problem, fallback) else None
     status_name = "optimal"
     det_used = 0.0
