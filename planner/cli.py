@@ -381,7 +381,8 @@ def cmd_plan(args, out) -> int:
     options = _options(args, budget, cluster)
 
     t0 = time.perf_counter()
-    label, step, example = (load_model(args.model, args.batch, args.seq, args.dtype, target_hw.default_dtype)
+    label, step, example = (load_model(args.model, args.batch, args.seq, args.dtype, target_hw.default_dtype,
+                                       pipelined=pipelined)
                             if args.model else load_factory(args.fn, args.batch, args.seq, args.dtype))
     log.info("tracing %s (compute dtype %s) ...", label, args.dtype or
              (target_hw.default_dtype if args.model else "the factory's"))
@@ -653,8 +654,9 @@ def cmd_compare(args, out) -> int:
     hardware = hardware_record(get_hardware(args.hardware))
     budget = _budget(args, hardware)
     options = _options(args, budget, cluster)
+    staged = any(parse_baseline(n)[1] for n in names)  # a pipeline baseline: every row on the same (unrolled) model
     label, step, example = (load_model(args.model, args.batch, args.seq, args.dtype,
-                                       get_hardware(args.hardware).default_dtype)
+                                       get_hardware(args.hardware).default_dtype, pipelined=staged)
                             if args.model else load_factory(args.fn, args.batch, args.seq, args.dtype))
     t0 = time.perf_counter()
     graph = trace(step, *example)

@@ -274,12 +274,20 @@ def test_console_script_subprocess():
     assert "[planner" not in proc.stderr  # --quiet: no progress lines
 
 
-def test_pipeline_of_a_scanned_model_says_its_weights_stay_on_one_stage(capsys):
-    """`planner plan --pipeline on` of a scanned model (the zoo's Llama) prints which leaves a stage
-    cannot split and what to do (the unrolled model's plan has no such note: tests/test_stages.py)."""
-    code = cli.main(["plan", "--model", "llama-tiny", "--cluster", "1x2:cpu", "--pipeline", "on"])
+def test_pipeline_of_a_scanned_model_says_its_weights_stay_on_one_stage(capsys, tmp_path):
+    """`planner plan --pipeline on` of the user's scanned model (--fn) prints which leaves a stage
+    cannot split and what to do; the zoo's own Llama is built unrolled for pipelining instead."""
+    factory = tmp_path / "scanned_step.py"
+    factory.write_text("from zoo import get_model\n\n\ndef make():\n    b = get_model('llama-tiny')\n"
+                       "    return b.train_step, (b.abstract_state(), b.abstract_batch())\n")
+    code = cli.main(["plan", "--fn", f"{factory}:make", "--cluster", "1x2:cpu", "--pipeline", "on"])
     out = capsys.readouterr().out
     assert code == 0
     note = [line for line in out.splitlines() if line.strip().startswith("note:")]
     assert len(note) == 1 and "9 parameter leaves are stacked over layers by a scan" in note[0]
     assert "scan_layers=False" in note[0]
+    code = cli.main(["plan", "--model", "llama-tiny", "--cluster", "1x2:cpu", "--pipeline", "on"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "layers unrolled for pipelining" in out
+    assert not [line for line in out.splitlines() if line.strip().startswith("note:")]
