@@ -269,7 +269,8 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
 
     def solve_one(cand: _Candidate, start: tuple[int, ...] | None = None) -> MeshResult:
         log.info("planning mesh %s (step time >= %.4g s%s) ...", cand.mesh, cand.time_bound,
-                 "" if start is None else f", from a coarser mesh's plan, {cand.options.solver_time_limit:.3g} units")
+                 "" if start is None else
+                 f", a coarser mesh's plan offered as its start, {cand.options.solver_time_limit:.3g} units")
         t0 = time.perf_counter()
         jax_mesh = cand.mesh.to_jax_mesh(devices) if devices is not None else None
         try:
@@ -291,51 +292,23 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
                           time_bound_s=cand.time_bound, deterministic_time=spent)
 
     # Meshes are solved by `threads` workers (CP-SAT releases the GIL while it searches, so threads
-    # run solves side by side); each is dispatched in bound order and pruned against the best plan
-    # finished by then. A plan does not depend on the order or on the other solves (one CP-SAT
-    # worker, deterministic limits), so the fastest plan is the serial search's.
+    # run solves side by side), in phases of one axis count, fewest first; within a phase each is
+    # dispatched in bound order and pruned against the best plan finished by then. A plan does not
+    # depend on the order or on the other solves (one CP-SAT worker, deterministic limits), so the
+    # fastest plan is the serial search's.
+    #
+    # A mesh of two or more axes starts from the fastest plan of a mesh it refines (`coarsenings`:
+    # that plan is one of its plans, `refined_choice`) when that start ranks before the solver's own
+    # greedy one (`ilp.solver.solve`: it fits the budget and the greedy does not, or it is faster):
+    # under a binding budget a 2-D mesh begins from a fitting plan instead of none. Meshes of three
+    # or more axes also search only for what the extra axis adds, within the units their start took
+    # (at least `REFINE_MIN_UNITS`, at most the solver limit): from scratch, gpt2-small's 2x2x2 ILP
+    # spent the whole 30-unit limit and stopped 2.8% slower than the 2x4 plan it contains.
     threads = max(1, min(len(candidates), idle_cores() // max(1, options.solver_workers) if threads is None
                          else threads))
     best = math.inf
-    queue = [c for c in candidates if len(c.mesh.shape) <= 2]
-    refining = [c for c in candidates if len(c.mesh.shape) > 2]
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        running: dict = {}
-        while queue or running:
-            while queue and len(running) < threads:
-                cand = queue.pop(0)
-                if prune and cand.time_bound >= best:
-                    reason = (f"not solved: its step-time lower bound {cand.time_bound:.4g} s is not below the "
-                              f"{best:.4g} s of a plan found")
-                    pruned.append(MeshResult(cand.mesh, None, None, cand.inter, cand.build_s, pruned=reason,
-                                             time_bound_s=cand.time_bound))
-                    log.info("mesh %s: %s", cand.mesh, reason)
-                    continue
-                running[pool.submit(solve_one, cand)] = cand
-            if not running:
-                break
-            finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in finished:
-                del running[future]
-                result = future.result()
-                if result.plan is not None:
-                    planned.append(result)
-                    best = min(best, result.plan.prediction.step_time_s)
-                else:
-                    failed.append(result)
-    # Meshes of three or more axes, fewest axes first, start from the fastest plan of a mesh they
-    # refine (`coarsenings`: that plan is one of theirs) and search for what the extra axis adds
-    # within the units that plan took (at least `REFINE_MIN_UNITS`, at most the solver limit): from
-    # scratch, gpt2-small's 2x2x2 ILP spent the whole 30-unit limit and stopped 2.8% slower than the
-    # 2x4 plan it contains. Without a coarse plan the mesh gets the full limit.
-    for cand in sorted(refining, key=lambda c: (len(c.mesh.shape), c.time_bound, c.index)):
-        if prune and cand.time_bound >= best:
-            reason = (f"not solved: its step-time lower bound {cand.time_bound:.4g} s is not below the "
-                      f"{best:.4g} s of a plan found")
-            pruned.append(MeshResult(cand.mesh, None, None, cand.inter, cand.build_s, pruned=reason,
-                                     time_bound_s=cand.time_bound))
-            log.info("mesh %s: %s", cand.mesh, reason)
-            continue
+
+    def start_of(cand: _Candidate) -> tuple[int, ...] | None:
         start, units, coarse_time = None, 0.0, math.inf
         by_shape = {r.mesh.shape: r for r in planned}
         for coarse, axes in coarsenings(cand.mesh.shape):
@@ -345,15 +318,37 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
             choice = refined_choice(cand.problem, r.plan, axes)
             if choice is not None:
                 start, units, coarse_time = choice, r.deterministic_time or 0.0, r.plan.prediction.step_time_s
-        if start is not None:
+        if start is not None and len(cand.mesh.shape) > 2:
             limit = min(options.solver_time_limit, max(REFINE_MIN_UNITS, units))
             cand.options = dataclasses.replace(cand.options, solver_time_limit=limit)
-        result = solve_one(cand, start)
-        if result.plan is not None:
-            planned.append(result)
-            best = min(best, result.plan.prediction.step_time_s)
-        else:
-            failed.append(result)
+        return start
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for ndim in sorted({len(c.mesh.shape) for c in candidates}):
+            queue = [c for c in candidates if len(c.mesh.shape) == ndim]
+            running: dict = {}
+            while queue or running:
+                while queue and len(running) < threads:
+                    cand = queue.pop(0)
+                    if prune and cand.time_bound >= best:
+                        reason = (f"not solved: its step-time lower bound {cand.time_bound:.4g} s is not below the "
+                                  f"{best:.4g} s of a plan found")
+                        pruned.append(MeshResult(cand.mesh, None, None, cand.inter, cand.build_s, pruned=reason,
+                                                 time_bound_s=cand.time_bound))
+                        log.info("mesh %s: %s", cand.mesh, reason)
+                        continue
+                    running[pool.submit(solve_one, cand, start_of(cand) if ndim > 1 else None)] = cand
+                if not running:
+                    break
+                finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in finished:
+                    del running[future]
+                    result = future.result()
+                    if result.plan is not None:
+                        planned.append(result)
+                        best = min(best, result.plan.prediction.step_time_s)
+                    else:
+                        failed.append(result)
     if not planned and min_peak_search:
         _search_smallest_peak(failed, built, options)
     by_mesh = {r.mesh: r for r in planned + failed + pruned}

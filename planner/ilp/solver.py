@@ -865,7 +865,8 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
     idle core each, see the module's docstring); a wall-clock cap of `WALL_CAP_FACTOR` times as many
     seconds plus `WALL_CAP_FLOOR_S` stops the search on an overloaded machine.
 
-    `begin`: a choice to start from when it beats the greedy one (the hint and the fallback).
+    `begin`: a choice to start from (the hint and the fallback) when it beats the greedy one: it
+    fits the budget and the greedy does not, or both do (or neither) and it is faster.
 
     Raises:
       InfeasiblePlanError: when no plan fits `memory_budget`; the message, `min_memory_bytes` and
@@ -884,9 +885,12 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
     fallback = greedy(problem)
     if _ties_hold(problem, fallback):
         fallback = improve(problem, fallback)
-    if begin is not None and _ties_hold(problem, begin) and (
-            not _ties_hold(problem, fallback) or plan_cost(problem, begin) < plan_cost(problem, fallback)):
-        fallback = tuple(begin)  # a caller's plan (e.g. a coarser mesh's, `search.refined_choice`) is better
+    if begin is not None and _ties_hold(problem, begin):
+        def rank(choice):  # plans that fit the budget first, then the faster
+            fits = memory_budget is None or memory_profile(problem, choice).max() <= memory_budget
+            return not fits, plan_cost(problem, choice)
+        if not _ties_hold(problem, fallback) or rank(begin) < rank(fallback):
+            fallback = tuple(begin)  # a caller's plan (e.g. a coarser mesh's, `search.refined_choice`) is better
     hint = fallback if _ties_hold(problem, fallback) else None
     status_name = "optimal"
     det_used = 0.0
