@@ -3,7 +3,8 @@ pipelines), planned abstractly (nothing allocated, no devices needed).
 
 Sweeps (defaults; --quick runs the first two points of each):
   depth:    gpt2-small widths and llama-7b widths at 12, 24, 48, 96 layers on an 8x8 mesh description
-  devices:  gpt2-small (12 layers) on 2x4, 8x8, 16x16 and 32x32 mesh descriptions (8 .. 1024 devices)
+  devices:  gpt2-small and llama-7b (12 layers) on 2x4, 8x8, 16x16 and 32x32 mesh descriptions (8 .. 1024
+            devices)
   pipeline: gpt3-39b (Alpa's shape) on an 8x8:v100 cluster and llama-70b (unrolled, batch 1024) on
             128x8:h100, pipeline auto (trace / layer costs / DP)
 
@@ -88,11 +89,12 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     a.set_xlabel("layers (8x8 mesh)")
     a.set_ylabel("planning time, s")
     a.legend(fontsize=8)
-    pts = [r for r in rows if r["sweep"] == "devices"]
-    for key, style in (("total_s", "o-"), ("trace_s", "x--"), ("build_s", "s--"), ("solve_s", "d--")):
-        b.plot([r["devices"] for r in pts], [r[key] for r in pts], style, label=key)
+    for model in sorted({r["model"] for r in rows if r["sweep"] == "devices"}):
+        pts = [r for r in rows if r["sweep"] == "devices" and r["model"] == model]
+        for key, style in (("total_s", "o-"), ("solve_s", "d--")):
+            b.plot([r["devices"] for r in pts], [r[key] for r in pts], style, label=f"{model} {key}")
     b.set_xscale("log", base=2)
-    b.set_xlabel("devices (gpt2-small, 12 layers)")
+    b.set_xlabel("devices (12 layers)")
     b.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -118,8 +120,9 @@ def main() -> int:
     for model in ("gpt2-small", "llama-7b"):
         for layers in depths:
             run("depth", single_stage, model, layers, (8, 8), args.time_limit)
-    for mesh in meshes:
-        run("devices", single_stage, "gpt2-small", 12, mesh, args.time_limit)
+    for model in ("gpt2-small", "llama-7b"):
+        for mesh in meshes:
+            run("devices", single_stage, model, 12, mesh, args.time_limit)
     if not args.quick:
         # V100 has no bfloat16: users train GPT-39B there in float16 (fp32 master weights), as `planner plan` does.
         run("pipeline", pipeline, "gpt3-39b", "8x8:v100", args.time_limit, {"dtype": "float16"})
