@@ -175,7 +175,7 @@ class _Candidate:
 def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions,
                   devices_per_host: int | None = None, devices: Sequence[Any] | None = None,
                   prune: bool = True, threads: int | None = None,
-                  min_peak_search: bool = True) -> tuple[MeshResult, ...]:
+                  min_peak_search: bool = True, beat: float = math.inf) -> tuple[MeshResult, ...]:
     """Plans `graph` on every mesh; returns the results, planned ones fastest first, failures last.
 
     Without host offload, when the arguments and outputs alone (`solver.memory_floor`) exceed
@@ -204,6 +204,8 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
         `options.solver_workers`, `idle_cores`); the fastest plan is the same for any number.
       min_peak_search: when no mesh gives a plan, search the smallest peak on the most promising
         one (False: a caller trying several programs skips it on all but the last).
+      beat: a step time found elsewhere (e.g. a pipeline's): with `prune`, meshes whose lower bound
+        is not below it are not solved either.
     """
     budget = options.memory_budget
     planned: list[MeshResult] = []
@@ -306,7 +308,7 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
     # spent the whole 30-unit limit and stopped 2.8% slower than the 2x4 plan it contains.
     threads = max(1, min(len(candidates), idle_cores() // max(1, options.solver_workers) if threads is None
                          else threads))
-    best = math.inf
+    best = beat
 
     def start_of(cand: _Candidate) -> tuple[int, ...] | None:
         start, units, coarse_time = None, 0.0, math.inf

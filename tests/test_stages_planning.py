@@ -109,3 +109,24 @@ def test_gpt39b_on_alpa_testbed_pipelines_along_hosts():
     assert pp.step_time_s < pp.single_stage_time_s  # the single stage does not even fit (infinite)
     assert pp.step_time_s < pp.single_stage_time_unconstrained_s
     assert pp.planning["distinct_layers"] == 3 and pp.planning["layers"] == 26
+
+
+def test_pipeline_auto_single_stage_is_the_mesh_search_best():
+    """The stage tables see the whole cluster as one logical mesh (here 1-D: `max_mesh_ndim=1`); the
+    single stage competes as the best plan of every mesh shape of the cluster (what `planner plan
+    --pipeline off` finds), and that plan is the one kept to run."""
+    from planner.graph import trace
+    from planner.search import candidate_meshes, search_meshes
+    from planner.stages.submesh import effective_hardware
+
+    cluster = make_cluster(1, 8, "a100")
+    pp = _plan("gpt2-small", cluster, ndim=1, pipeline="auto")
+    b = get_model("gpt2-small")
+    graph = trace(b.train_step, b.abstract_state(), b.abstract_batch())
+    best = search_meshes(graph, candidate_meshes(8), PlanOptions(memory_budget=cluster.hardware.memory_bytes,
+                                                                 hardware=effective_hardware(cluster)),
+                         devices_per_host=8)[0]
+    assert best.mesh.shape == (2, 4)  # not the tables' 1-D mesh
+    assert pp.num_stages == 1 and pp.stages[0].mesh == best.mesh
+    assert pp.step_time_s == pytest.approx(best.plan.prediction.step_time_s, rel=1e-9)
+    assert pp.single_stage_plan[0].mesh == pp.stages[0].mesh

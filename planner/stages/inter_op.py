@@ -30,6 +30,7 @@ from planner.graph import Graph, trace
 from planner.mesh import MeshSpec
 from planner.options import PlanOptions
 from planner.planning import make_plan
+from planner.search import candidate_meshes, search_meshes
 from planner.sharding import Spec
 from planner.stages.clustering import Layers, cluster_layers, stacked_inputs, stacked_note
 from planner.stages.dp import DPResult, StageChoice, bubble_fraction, pipeline_dp, pipeline_latency
@@ -414,6 +415,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
             # the backward): it competes at that price, on the logical mesh the tables chose.
             t0 = time.perf_counter()
             lm = meshes[st1.options[0][int(st1.option[0, 0, L - 1, 0])].mesh_index]
+            whole_axes = lm.host_axes
             bound = lm.mesh.to_jax_mesh(list(devices)[:lm.mesh.size]) if len(devices) >= lm.mesh.size else None
             try:
                 whole = make_plan(graph, lm.mesh, dataclasses.replace(
@@ -423,6 +425,15 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
             except PlannerError as e:
                 log.info("single stage on %s: %s", lm.mesh, e)
                 single = math.inf
+            if pins is None and len(shapes) > 1:
+                # The tables view the whole cluster as one logical mesh (hosts x devices); the other
+                # mesh shapes of its devices (as `planner plan --pipeline off` searches them) may be
+                # faster: searched too, each pruned by its lower bound against the best so far.
+                best_pp = min((c.step_s for c in candidates), default=math.inf)
+                found = _single_stage_search(graph, cluster, options, budget, devices, min(single, best_pp))
+                if found is not None and found[0].prediction.step_time_s < single:
+                    whole, whole_axes = found
+                    single = whole.prediction.step_time_s
             timings["single_stage_s"] = time.perf_counter() - t0
         if math.isfinite(single_free):
             single_free += _once_per_step_max(table, free, (StageChoice(0, L - 1, 0, single_free),))
@@ -443,7 +454,31 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
                          **({"stacked_params": list(stacked)} if stacked else {})})
     if whole is None or pp.num_stages > 1:
         return pp
-    return dataclasses.replace(pp, single_stage_plan=(whole, lm.host_axes))
+    st = pp.stages[0]
+    if whole.mesh != st.mesh or tuple(whole_axes) != tuple(st.host_axes):  # the mesh search's plan won
+        pred = whole.prediction
+        st = dataclasses.replace(
+            st, mesh=whole.mesh, host_axes=tuple(whole_axes), state_layout="plan", remat=False,
+            time_s=pred.step_time_s, apply_s=0.0, grad_sync_s=0.0, memory_bytes=pred.memory_bytes_per_device,
+            specs=MappingProxyType(dict(zip(whole.input_paths, whole.input_specs))),
+            comm_s=pred.communication_time_s, hidden_s=pred.hidden_communication_time_s, data_axes=frozenset())
+        pp = dataclasses.replace(pp, stages=(st,))
+    return dataclasses.replace(pp, single_stage_plan=(whole, whole_axes))
+
+
+def _single_stage_search(graph: Graph, cluster: Cluster, options: PlanOptions, budget: float,
+                         devices: Sequence[Any], beat: float) -> tuple[Any, tuple[int, ...]] | None:
+    """The fastest single-stage plan of `graph` on the cluster's mesh shapes (`search.search_meshes`
+    with the cluster's links; meshes that cannot beat `beat` pruned), with its inter-host axes; None
+    when none fits `budget` or beats `beat`."""
+    single = dataclasses.replace(options, pipeline=False, memory_budget=budget, hardware=effective_hardware(cluster))
+    bound = list(devices)[:cluster.num_devices] if len(devices) >= cluster.num_devices else None
+    results = search_meshes(graph, candidate_meshes(cluster.num_devices), single,
+                            devices_per_host=cluster.devices_per_host, devices=bound, beat=beat,
+                            min_peak_search=False)
+    if not results or results[0].plan is None or results[0].plan.prediction.step_time_s >= beat:
+        return None
+    return results[0].plan, results[0].inter_host_axes
 
 
 def input_pins(pins, graph: Graph, lm: LogicalMesh) -> dict[int, Spec] | None:
