@@ -397,6 +397,8 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
 
     # The single-stage plan: the whole cluster, the whole batch at once.
     single = single_free = whole = None
+    whole_axes: tuple[int, ...] = ()
+    searched = False  # the single-stage plan is the mesh search's
     full = len(shapes) - 1
     if options.pipeline == "auto":
         graph, layers, table, t0 = build(1)
@@ -425,21 +427,28 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
             except PlannerError as e:
                 log.info("single stage on %s: %s", lm.mesh, e)
                 single = math.inf
-            if pins is None and len(shapes) > 1:
-                # The tables view the whole cluster as one logical mesh (hosts x devices); the other
-                # mesh shapes of its devices (as `planner plan --pipeline off` searches them) may be
-                # faster: searched too, each pruned by its lower bound against the best so far.
-                best_pp = min((c.step_s for c in candidates), default=math.inf)
-                found = _single_stage_search(graph, cluster, options, budget, devices, min(single, best_pp))
-                if found is not None and found[0].prediction.step_time_s < single:
-                    whole, whole_axes = found
-                    single = whole.prediction.step_time_s
             timings["single_stage_s"] = time.perf_counter() - t0
+        # The tables view the whole cluster as one logical mesh (hosts x devices); the other mesh
+        # shapes of its devices (as `planner plan --pipeline off` searches them) may be faster, or fit
+        # where that one does not. Searched too when the single stage can compete on time (its table
+        # price ignoring memory is below the best pipeline's: GPT-39B on V100 16 GB, 17x slower
+        # single, skips a search of minutes), each mesh pruned by its bound against the best so far.
+        best_pp = min((c.step_s for c in candidates), default=math.inf)
+        held = st1
+        if pins is None and len(shapes) > 1 and single_free < best_pp:
+            t0 = time.perf_counter()
+            found = _single_stage_search(graph, cluster, options, budget, devices, min(single, best_pp))
+            if found is not None and found[0].prediction.step_time_s < single:
+                whole, whole_axes = found
+                single = whole.prediction.step_time_s
+                searched = True
+                held = st1 if math.isfinite(st1.times[0, 0, L - 1, 0]) else free  # the stage's bookkeeping
+            timings["single_stage_s"] = timings.get("single_stage_s", 0.0) + time.perf_counter() - t0
         if math.isfinite(single_free):
             single_free += _once_per_step_max(table, free, (StageChoice(0, L - 1, 0, single_free),))
         dp1 = None if not math.isfinite(single) else \
-            DPResult((StageChoice(0, L - 1, full, float(st1.times[0, 0, L - 1, 0])),), single, single, 0)
-        candidates.append(_Candidate(1, graph, layers, table, _remap(st1, full, len(shapes)), dp1, single))
+            DPResult((StageChoice(0, L - 1, full, float(held.times[0, 0, L - 1, 0])),), single, single, 0)
+        candidates.append(_Candidate(1, graph, layers, table, _remap(held, full, len(shapes)), dp1, single))
 
     feasible = [c for c in candidates if c.dp is not None and math.isfinite(c.step_s)]
     if not feasible:
@@ -455,7 +464,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
     if whole is None or pp.num_stages > 1:
         return pp
     st = pp.stages[0]
-    if whole.mesh != st.mesh or tuple(whole_axes) != tuple(st.host_axes):  # the mesh search's plan won
+    if searched:  # the mesh search's plan won: the stage is that plan
         pred = whole.prediction
         st = dataclasses.replace(
             st, mesh=whole.mesh, host_axes=tuple(whole_axes), state_layout="plan", remat=False,
