@@ -207,3 +207,19 @@ def _gpt_tiny_step():
 def test_mesh_ndim_out_of_range_is_a_one_line_error(bad):
     with pytest.raises(InvalidArgumentError, match="mesh_ndim"):
         PlanOptions(mesh_ndim=bad)
+
+
+def test_a_fitting_start_is_the_answer_when_the_limit_cuts_the_memory_rounds():
+    """The unconstrained optimum is over the budget, the greedy start is under it: whatever the
+    limit, the solver answers with a plan that fits (its own or the start), never "not decided"."""
+    from planner.ilp.solver import greedy, improve, memory_profile, solve
+
+    graph = trace(*_gpt_tiny_step())
+    problem = plan_problem(graph, MeshSpec((2, 4), ("x", "y")), PlanOptions(hardware="a100"))
+    start_peak = memory_profile(problem, improve(problem, greedy(problem))).max()
+    best = solve(problem)
+    assert start_peak < best.peak_memory_bytes
+    budget = (start_peak + best.peak_memory_bytes) / 2
+    for limit in (1.8, 2.5):  # each cuts the second memory round (ortools 9.15)
+        sol = solve(problem, budget, time_limit=limit)
+        assert sol.peak_memory_bytes <= budget

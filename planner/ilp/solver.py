@@ -939,6 +939,13 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
         log.info("memory round %d: peak %.3g B over budget %.3g B, %d constraints", rounds, profile.max(),
                  memory_budget, len(points))
         if det_used >= time_limit * 0.999 or time.perf_counter() - start >= wall_cap:
+            if _ties_hold(problem, fallback) and memory_profile(problem, fallback).max() <= memory_budget:
+                # The limit came before a solver plan under the budget, but the start fits: use it.
+                log.warning("solver found no plan under the budget within its limit (%.3g deterministic units): "
+                            "using its start plan, which fits (raise solver_time_limit for a better one)", time_limit)
+                choice, status_name = fallback, "heuristic"
+                profile = memory_profile(problem, choice)
+                break
             raise _spent(_undecided(problem, memory_budget, time_limit, profile.max()), det_used)
     elapsed = time.perf_counter() - start
     gap = run.gap() if run is not None else None
