@@ -40,7 +40,9 @@ The summary also checks the pipeline search against its own points: for each fit
 row, the search's best candidate at that row's microbatch count (`pp_candidates`, "B:step_s:stages"
 per count the search tried, B=1 the single stage as the stage DP costs it) must be no slower.
 Pipeline rows' `bytes_moved` count each stage's collectives once per microbatch, its data-parallel
-gradient reduction once per step (planner/stages/planned.py `pipeline_collectives`), and their
+gradient reduction once per step (planner/stages/planned.py `pipeline_collectives`), per device: the
+most of any stage with the transfers it sends (`pipeline_bytes_per_device`; rows written before
+2026-11-25 summed the stages), and their
 `exposed_comm_s` is the step less its compute (`PipelinePlan.compute_time_s`).
 
 Cost model: the a100-80gb preset (planner/cost_model/hardware.py), budget = its 80 GB per device;

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -100,7 +102,7 @@ def to_plan(pp: PipelinePlan, graph: Graph, cluster: Cluster, options: PlanOptio
         communication_time_s=pp.step_time_s - pp.compute_time_s,
         hidden_communication_time_s=pp.hidden_communication_s,
         memory_bytes_per_device=int(pp.memory_bytes_per_device),
-        bytes_moved_per_device=float(sum(ring_bytes(c.kind, c.nbytes, c.group_size) for c in collectives)),
+        bytes_moved_per_device=pipeline_bytes_per_device(collectives),
         collectives=collectives,
     )
     records = pp.stage_dicts()
@@ -155,6 +157,21 @@ def pipeline_collectives(stage_plans: Sequence[Plan], transfers: Sequence[tuple[
             out.append(PredictedCollective("collective-permute", (f"stage{dst}->stage{src}",), int(nbytes * B), 2,
                                            f"stage {dst} -> stage {src} x{B} microbatches", "gradient"))
     return tuple(out)
+
+
+def pipeline_bytes_per_device(collectives: Sequence[PredictedCollective]) -> float:
+    """Bytes one device sends in a pipelined step (`pipeline_collectives`' entries): the stages run on
+    disjoint devices, so it is the most of any stage, counting its own collectives and the
+    stage-to-stage transfers it sends (each entry's axes name its stage first: "stage1/x",
+    "stage1->stage2")."""
+    per_stage: dict[int, float] = defaultdict(float)
+    for c in collectives:
+        m = _STAGE.match(c.axes[0]) if c.axes else None
+        per_stage[int(m.group(1)) if m else -1] += ring_bytes(c.kind, c.nbytes, c.group_size)
+    return float(max(per_stage.values(), default=0.0))
+
+
+_STAGE = re.compile(r"stage(\d+)")
 
 
 def _record(plan: Plan) -> dict:
