@@ -188,8 +188,8 @@ class PlannedFunction:
         return acc.graph, plan, jitted
 
     def _choose_mesh(self, graph: Graph) -> Plan:
-        return best_plan(search_meshes(graph, candidate_meshes(len(self.devices), self.options.mesh_ndim), self.options,
-                                       devices=self.devices), self.options.memory_budget)
+        meshes = candidate_meshes(len(self.devices), self.options.mesh_ndim)
+        return best_plan(search_meshes(graph, meshes, self.options, devices=self.devices), self.options.memory_budget)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments (arrays or ShapeDtypeStructs); planned once per signature."""

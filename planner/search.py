@@ -38,15 +38,12 @@ def candidate_meshes(num_devices: int, max_ndim: int = 2) -> list[MeshSpec]:
     """Logical mesh shapes to try when the user gives none: (n,), every 2-D factorisation, and with
     `max_ndim=3` every 3-D one with axes of at least 2 (e.g. data x fsdp x tensor)."""
     out = [MeshSpec((num_devices,), default_axis_names(1))]
+    divisors = [a for a in range(2, num_devices) if num_devices % a == 0]
     if max_ndim >= 2:
-        for a in range(2, num_devices):
-            if num_devices % a == 0:
-                out.append(MeshSpec((a, num_devices // a), default_axis_names(2)))
+        out += [MeshSpec((a, num_devices // a), default_axis_names(2)) for a in divisors]
     if max_ndim >= 3:
-        for a in range(2, num_devices):
-            for b in range(2, num_devices):
-                if num_devices % (a * b) == 0 and num_devices // (a * b) >= 2:
-                    out.append(MeshSpec((a, b, num_devices // (a * b)), default_axis_names(3)))
+        out += [MeshSpec((a, b, num_devices // (a * b)), default_axis_names(3)) for a in divisors for b in divisors
+                if num_devices % (a * b) == 0 and num_devices // (a * b) >= 2]
     return out
 
 

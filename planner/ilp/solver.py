@@ -842,6 +842,10 @@ def _ties_hold(problem: Problem, choice: Sequence[int]) -> bool:
     return all(problem.spec(a, choice) == problem.spec(b, choice) for a, b in problem.ties)
 
 
+def _fits(problem: Problem, choice: Sequence[int], budget: float | None) -> bool:
+    return budget is None or memory_profile(problem, choice).max() <= budget
+
+
 def _violations(profile: np.ndarray, limit: float, have: set[int], k: int = 4) -> list[int]:
     """Up to `k` distinct program points over `limit`, highest first, spread apart."""
     order = np.argsort(-profile, kind="stable")
@@ -887,11 +891,11 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
         fallback = improve(problem, fallback)
     if begin is not None and _ties_hold(problem, begin):
         def rank(choice):  # plans that fit the budget first, then the faster
-            fits = memory_budget is None or memory_profile(problem, choice).max() <= memory_budget
-            return not fits, plan_cost(problem, choice)
+            return not _fits(problem, choice, memory_budget), plan_cost(problem, choice)
         if not _ties_hold(problem, fallback) or rank(begin) < rank(fallback):
             fallback = tuple(begin)  # a caller's plan (e.g. a coarser mesh's, `search.refined_choice`) is better
     hint = fallback if _ties_hold(problem, fallback) else None
+    start_fits = hint is not None and _fits(problem, fallback, memory_budget)  # the answer when the limit comes first
     status_name = "optimal"
     det_used = 0.0
     limit = None
@@ -908,8 +912,7 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
             if status == cp_model.INFEASIBLE and memory_budget is not None:
                 raise _spent(_infeasible(problem, memory_budget, time_limit, workers, search=min_peak_search),
                              det_used)
-            fits = memory_budget is None or memory_profile(problem, fallback).max() <= memory_budget
-            if status == cp_model.UNKNOWN and _ties_hold(problem, fallback) and fits:
+            if status == cp_model.UNKNOWN and start_fits:
                 log.warning("solver found no plan within its limit (%.3g deterministic units): using the greedy "
                             "plan (raise solver_time_limit for a better one)", time_limit)
                 choice, status_name = fallback, "heuristic"
@@ -939,8 +942,7 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
         log.info("memory round %d: peak %.3g B over budget %.3g B, %d constraints", rounds, profile.max(),
                  memory_budget, len(points))
         if det_used >= time_limit * 0.999 or time.perf_counter() - start >= wall_cap:
-            if _ties_hold(problem, fallback) and memory_profile(problem, fallback).max() <= memory_budget:
-                # The limit came before a solver plan under the budget, but the start fits: use it.
+            if start_fits:  # the limit came before a solver plan under the budget, but the start fits: use it
                 log.warning("solver found no plan under the budget within its limit (%.3g deterministic units): "
                             "using its start plan, which fits (raise solver_time_limit for a better one)", time_limit)
                 choice, status_name = fallback, "heuristic"

@@ -83,7 +83,7 @@ def _solve(times: np.ndarray, sizes: Sequence[int], num_devices: int, t_max: flo
     pointers = []
     masked = np.where(times <= t_max, times, inf)
     rows = np.arange(L)[:, None]
-    bands: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+    bands: dict[tuple[int, int], tuple[np.ndarray, np.ndarray] | None] = {}
 
     def band(q: int, m: int) -> tuple[np.ndarray, np.ndarray] | None:
         """The stages starting at each layer k that fit under t_max end at i < k + w: their latencies

@@ -159,6 +159,9 @@ def pipeline_collectives(stage_plans: Sequence[Plan], transfers: Sequence[tuple[
     return tuple(out)
 
 
+_STAGE = re.compile(r"stage(\d+)")  # the stage an entry of `pipeline_collectives` belongs to (its axes' prefix)
+
+
 def pipeline_bytes_per_device(collectives: Sequence[PredictedCollective]) -> float:
     """Bytes one device sends in a pipelined step (`pipeline_collectives`' entries): the stages run on
     disjoint devices, so it is the most of any stage, counting its own collectives and the
@@ -169,9 +172,6 @@ def pipeline_bytes_per_device(collectives: Sequence[PredictedCollective]) -> flo
         m = _STAGE.match(c.axes[0]) if c.axes else None
         per_stage[int(m.group(1)) if m else -1] += ring_bytes(c.kind, c.nbytes, c.group_size)
     return float(max(per_stage.values(), default=0.0))
-
-
-_STAGE = re.compile(r"stage(\d+)")
 
 
 def _record(plan: Plan) -> dict:
