@@ -158,7 +158,7 @@ def time_split(row: Row, dtype: str) -> dict:
                       layers=layers, dtype=dtype)
         # The gradient alone: the optimizer update runs once per step, not once per sequence.
         g = trace(jax.grad(b.loss_fn), b.abstract_state()["params"], b.abstract_batch())
-        traffic = fusions(g)
+        traffic = fusions(g, cost.hardware.platform)
         out = {"matmul": 0.0, "attention scores": 0.0, "other memory-bound": 0.0}
         for op in g.ops:
             ins = [g.tensors[x] if isinstance(x, int) else None for x in op.inputs]

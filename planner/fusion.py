@@ -5,25 +5,37 @@ XLA's fusion passes merge elementwise ops, broadcasts, layout-only ops and reduc
 model therefore charges memory traffic at fusion boundaries, not per op: each fusion reads every
 value it takes from outside once and writes every value used outside it once.
 
-The grouping follows XLA's producer-consumer fusion in simplified form (`fusions`):
+The grouping follows XLA's producer-consumer fusion (`InstructionFusion`,
+xla/service/instruction_fusion.cc) in simplified form (`fusions`):
   - contractions (dot, convolution), gathers and scatters, sorts, collectives, custom calls and
     every primitive not listed in `_FUSIBLE` run as kernels of their own and fuse with nothing
     (XLA:GPU emits library calls for dots and convolutions);
-  - a fusible op joins the fusion of its consumers when every consumer is a fusible op of one and
-    the same fusion (a value used by two kernels is written once and read twice, as XLA does when
-    it does not duplicate the producer);
   - a reduction is a fusion root: its producers fuse into it (input fusion), its result is written
     for its consumers;
+  - a cheap fusible producer (not in XLA's `IsExpensive` list for the platform, `expensive`) is
+    duplicated into every fusion that consumes it when all its consumers are fusible: each of those
+    fusions recomputes it from its operands and the value itself is never written. When some
+    consumer cannot take it (a dot, a program output) it is still duplicated into the fusible
+    ones if it is "effectively at most unary" (at most one operand as large as its result,
+    `InstructionFusion::EffectivelyAtMostUnary`), and written once for the others;
+  - an expensive producer (exp, log, tanh, ... on CPU; XLA:GPU counts float32 / float16 exp, sqrt,
+    rsqrt and division as cheap, `GpuInstructionFusion::IsExpensive`) is never duplicated: it joins
+    its consumers' fusion when they are all fusible ops of one and the same fusion, otherwise it
+    is written once and read by each consuming fusion;
   - a value that is a program output is written.
-Approximations, stated: XLA duplicates cheap producers into several consumers (here the value is
-written once instead) and caps fusion sizes (not modelled); multi-output sibling fusions of
-reductions over one input are not formed (each reduction reads its input). tests/test_fusion.py
-checks the resulting bytes against the `bytes accessed` of XLA's compiled cost analysis.
+Approximations, stated: XLA caps fusion sizes and operand counts (not modelled); multi-output
+sibling fusions of reductions over one input are not formed (each reduction reads its input);
+XLA:GPU's priority fusion decides duplication with its own performance model and its softmax
+rewriter forms Triton normalization fusions (the rules here are `GpuInstructionFusion`'s); a
+duplicated op's FLOPs are counted once. tests/test_fusion.py checks the resulting bytes against
+the `bytes accessed` of XLA:CPU's compiled cost analysis.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+
+import numpy as np
 
 from planner.graph import Graph
 
@@ -46,21 +58,50 @@ _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"
                          "argmax", "argmin", "reduce_precision_sum"})
 _FUSIBLE = _ELEMENTWISE | _LAYOUT | _REDUCTIONS
 
+# XLA's InstructionFusion::IsExpensive (xla/service/instruction_fusion.cc), by the HLO each JAX
+# primitive lowers to: transcendental ops (exp, log, tanh, erf, logistic, power, sqrt, rsqrt, cbrt,
+# atan2, and what decomposes into them: the hyperbolic and inverse trigonometric functions,
+# lgamma, digamma), float division and remainder, and random-bit generation. Sine, cosine, tangent,
+# abs and sign are cheap for real numbers; everything else elementwise is cheap.
+_EXPENSIVE = frozenset({
+    "exp", "exp2", "expm1", "log", "log1p", "logistic", "tanh", "erf", "erfc", "erf_inv", "pow", "sqrt", "rsqrt",
+    "cbrt", "atan2", "acos", "acosh", "asin", "asinh", "atan", "atanh", "sinh", "cosh", "lgamma", "digamma",
+    "div", "rem", "random_bits", "threefry2x32",
+})
+# XLA:GPU's GpuInstructionFusion::IsExpensive (xla/service/gpu/transforms/instruction_fusion.cc):
+# "some floating-point math ops are cheap on the GPU": division, sqrt, rsqrt and exp of float32 or
+# float16 values.
+_CHEAP_ON_GPU = frozenset({"div", "sqrt", "rsqrt", "exp"})
+_GPU_CHEAP_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+# Operands that do not count as large inputs (EffectivelyAtMostUnary): broadcasts and iotas.
+_SMALL_PRODUCERS = frozenset({"broadcast_in_dim", "iota"})
+# Platforms whose fusion duplicates cheap producers here. XLA:GPU does (its instruction fusion and
+# priority fusion fuse a producer into all of its consumers). XLA:CPU's base pass allows it too,
+# but the XLA:CPU of jax 0.10 runs reductions as YNNPACK custom fusions over materialized
+# operands and keeps the stable-softmax shift materialized (CpuInstructionFusion), and its compiled
+# `bytes accessed` on the zoo models agree with the non-duplicating grouping (1.00-1.05x) better
+# than with duplication (0.93-0.97x; tests/test_fusion.py); XLA:TPU's passes are not public.
+DUPLICATING = frozenset({"gpu"})
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Traffic:
     """Which operands an op reads from and which results it writes to device memory.
 
     Attributes:
-      fusion: the op's fusion id (ops of one fusion share it; an unfused op has its own).
-      reads: per operand position, True when the op reads that value from memory (the first op of
-        its fusion to read a value made outside the fusion; literals are never read).
+      fusion: the op's fusion id (ops of one fusion share it; an unfused op has its own); for an
+        op duplicated into several fusions, the first of `fusions`.
+      reads: per operand position, how many times the op reads that value from memory: once per
+        fusion it runs in where it is the first op of the fusion to read a value made outside it
+        (0 for literals and values made inside).
       writes: per result, True when the value leaves the fusion (or the program).
+      fusions: every fusion the op runs in (more than one when XLA duplicates it).
     """
 
     fusion: int
-    reads: tuple[bool, ...]
+    reads: tuple[int, ...]
     writes: tuple[bool, ...]
+    fusions: tuple[int, ...] = ()
 
 
 def fusible(name: str) -> bool:
@@ -68,50 +109,92 @@ def fusible(name: str) -> bool:
     return name in _FUSIBLE
 
 
-def fusions(graph: Graph) -> Mapping[int, Traffic]:
-    """The fusion of every op of `graph` and its memory traffic (see the module docstring)."""
+def expensive(name: str, dtype, platform: str = "cpu") -> bool:
+    """Whether XLA on `platform` counts an op as too expensive to duplicate into several fusions."""
+    if name in _REDUCTIONS:
+        return True
+    if platform == "gpu" and name in _CHEAP_ON_GPU and dtype in _GPU_CHEAP_DTYPES:
+        return False
+    return name in _EXPENSIVE
+
+
+def fusions(graph: Graph, platform: str = "cpu") -> Mapping[int, Traffic]:
+    """The fusions every op of `graph` runs in and its memory traffic, under the fusion rules of
+    XLA on `platform` ("cpu", "gpu" or "tpu"; see the module docstring)."""
+    duplicate = platform in DUPLICATING
     consumers = graph.consumers()
     program_outputs = {t for t in graph.outputs if isinstance(t, int)}
-    fusion_of: dict[int, int] = {}
+    producer = {t: op.index for op in graph.ops for t in op.outputs}
+    runs_in: dict[int, frozenset[int]] = {}
     for op in reversed(graph.ops):
-        fusion_of[op.index] = op.index
+        own = frozenset((op.index,))
+        runs_in[op.index] = own
         if not fusible(op.name) or op.name in _REDUCTIONS:
             continue
-        if any(t in program_outputs for t in op.outputs):
-            continue
         users = {c for t in op.outputs for c, _ in consumers.get(t, ())}
+        outputs = any(t in program_outputs for t in op.outputs)
         if not users:
             continue
-        targets = {fusion_of[c] for c in users}
-        if len(targets) == 1 and all(fusible(graph.ops[c].name) for c in users):
-            fusion_of[op.index] = targets.pop()
+        into = [c for c in users if fusible(graph.ops[c].name)]
+        targets = frozenset().union(*(runs_in[c] for c in into))
+        dtype = graph.tensors[op.outputs[0]].dtype if op.outputs else None
+        if duplicate and not expensive(op.name, dtype, platform) and len(targets) > 1:
+            read_in = _operand_bytes(op, graph, producer)
+            made = sum(graph.tensors[t].nbytes for t in op.outputs)
+            n = len(targets)
+            if len(into) == len(users) and not outputs:
+                # fused into all: each consuming fusion reads the operands; unfused: one kernel
+                # reads them and writes the result, each consuming fusion reads that
+                if n * read_in <= read_in + (n + 1) * made:
+                    runs_in[op.index] = targets
+                    continue
+            elif into and read_in <= made:  # written anyway; the fusible consumers read operands
+                runs_in[op.index] = own | targets
+                continue
+        if not outputs and len(into) == len(users) and len(targets) == 1:
+            runs_in[op.index] = targets
     out: dict[int, Traffic] = {}
     read: set[tuple[int, int]] = set()  # (fusion, tensor) already read by an earlier op of the fusion
-    producer = {t: op.index for op in graph.ops for t in op.outputs}
     for op in graph.ops:
-        f = fusion_of[op.index]
+        mine = runs_in[op.index]
         reads = []
         for x in op.inputs:
             if not isinstance(x, int):
-                reads.append(False)
+                reads.append(0)
                 continue
-            inside = x in producer and fusion_of[producer[x]] == f
-            first = (f, x) not in read
-            read.add((f, x))
-            reads.append(not inside and first)
-        writes = tuple(t in program_outputs or any(fusion_of[c] != f for c, _ in consumers.get(t, ()))
+            made_in = runs_in.get(producer[x], frozenset()) if x in producer else frozenset()
+            count = 0
+            for f in mine:
+                if f not in made_in and (f, x) not in read:
+                    read.add((f, x))
+                    count += 1
+            reads.append(count)
+        writes = tuple(t in program_outputs or any(not runs_in[c] <= mine for c, _ in consumers.get(t, ()))
                        for t in op.outputs)
-        out[op.index] = Traffic(f, tuple(reads), writes)
+        ordered = tuple(sorted(mine))
+        out[op.index] = Traffic(ordered[0], tuple(reads), writes, ordered)
     return out
 
 
-def memory_traffic_bytes(graph: Graph, traffic: Mapping[int, Traffic] | None = None) -> float:
+def _operand_bytes(op, graph: Graph, producer: Mapping[int, int]) -> int:
+    """Bytes a fusion reads to recompute `op`: its operands, except broadcasts and iotas (which
+    fuse along and read little; XLA's InstructionFusion::EffectivelyAtMostUnary ignores them too)."""
+    total = 0
+    for x in set(x for x in op.inputs if isinstance(x, int)):
+        if x in producer and graph.ops[producer[x]].name in _SMALL_PRODUCERS:
+            continue
+        total += graph.tensors[x].nbytes
+    return total
+
+
+def memory_traffic_bytes(graph: Graph, traffic: Mapping[int, Traffic] | None = None,
+                         platform: str = "cpu") -> float:
     """Bytes the unsharded program reads and writes in device memory after fusion (the figure XLA's
     cost analysis reports as `bytes accessed` for one device)."""
-    traffic = fusions(graph) if traffic is None else traffic
+    traffic = fusions(graph, platform) if traffic is None else traffic
     total = 0
     for op in graph.ops:
         tr = traffic[op.index]
-        total += sum(graph.tensors[x].nbytes for x, r in zip(op.inputs, tr.reads) if r)
+        total += sum(graph.tensors[x].nbytes * r for x, r in zip(op.inputs, tr.reads) if r)
         total += sum(graph.tensors[t].nbytes for t, w in zip(op.outputs, tr.writes) if w)
     return float(total)

@@ -221,7 +221,7 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
         owner[tid] = len(nodes) - 1
 
     combinable = _combinable_ops(graph)
-    memory_traffic = fusions(graph)
+    memory_traffic = fusions(graph, cost.hardware.platform)
     # Repeated layers repeat the same (signature, types, spec) questions: each is answered once.
     followed: dict[tuple, tuple] = {}
     enumerated: dict[tuple, tuple[list[Strategy], list[str], list[list[float]]]] = {}

@@ -17,9 +17,10 @@ from planner.sharding import Spec, active_axes, axis_dim, num_shards
 
 # (collective kind, mesh axes, buffer bytes on one device)
 Comm = tuple[str, tuple[int, ...], int]
-# (reads, writes): which operands an op reads from and which results it writes to device memory
-# after fusion (`planner.fusion.Traffic`).
-Traffic = tuple[tuple[bool, ...], tuple[bool, ...]]
+# (reads, writes): how many times an op reads each operand from device memory (once per fusion it
+# runs in; 0 when the value is made inside) and which results it writes there, after fusion
+# (`planner.fusion.Traffic`).
+Traffic = tuple[tuple[int, ...], tuple[bool, ...]]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,15 +85,17 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
            cost: CostModel, combined: bool = False, traffic: Traffic | None = None) -> list[Strategy]:
     """Strategies for one label->axes assignment: all-reduce, or reduce-scatter onto a result dim.
 
-    `traffic`: (reads, writes) masks of `planner.fusion.fusions`: only the operands the op reads
-    from device memory and the results it writes there are charged memory time (None: all)."""
+    `traffic`: (reads, writes) of `planner.fusion.fusions`: each operand is charged memory time as
+    many times as the op reads it from device memory, each result when it is written there (None:
+    every operand once, every result)."""
     mesh = cost.mesh
     in_specs = tuple(None if l is None else _spec_of(l, axes_of) for l in sig.inputs)
     base_out = tuple(_spec_of(l, axes_of) for l in sig.outputs)
     partial = tuple(sorted(a for l in sig.sum_labels for a in axes_of.get(l, ())))
     split = math.prod(mesh.axis_size(v) for v in axes_of.values())
-    reads, writes = traffic if traffic is not None else ((True,) * len(ins), (True,) * len(outs))
-    moved = sum(shard_bytes(t, s, mesh) for t, s, r in zip(ins, in_specs, reads) if r and t is not None and s is not None)
+    reads, writes = traffic if traffic is not None else ((1,) * len(ins), (True,) * len(outs))
+    moved = sum(shard_bytes(t, s, mesh) * r for t, s, r in zip(ins, in_specs, reads)
+                if r and t is not None and s is not None)
     moved += sum(shard_bytes(t, s, mesh) for t, s, w in zip(outs, base_out, writes) if w)
     compute = cost.compute_time(sig.flops / split, moved, rate_dtypes(sig, ins, outs),
                                 kernels=int(is_contraction(sig, ins, outs)))
