@@ -12,6 +12,7 @@ import jax
 
 from planner.cost_model import Cluster, CostModel, get_hardware, hardware_with_links, ring_bytes, xla_flags
 from planner.errors import InvalidArgumentError, MeshError
+from planner.fusion import fusions
 from planner.graph import Graph
 from planner.ilp.objective import step_parts, step_time
 from planner.ilp.problem import Problem, build_problem
@@ -212,8 +213,15 @@ def plan_problem(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: j
     problem = build_problem(graph, cost, tie_outputs=options.tie_outputs, share_layers=options.share_layers,
                             pins=pinned, donated_inputs=donated_inputs(graph, options.donate_argnums))
     overlap = options.overlap and cost.hardware.platform != "cpu"
+    platform = _device_platform(jax_mesh)
     problem = dataclasses.replace(problem, overlap=overlap, prefetch=overlap and options.prefetch,
-                                  device_platform=_device_platform(jax_mesh))
+                                  device_platform=platform)
+    if platform and platform != cost.hardware.platform:
+        # time is the preset's, memory the devices' the program compiles for: their XLA fuses the
+        # update (which values it never writes) by its own rules (`planner.fusion`)
+        traffic = fusions(graph, platform)
+        problem = dataclasses.replace(problem, unwritten=frozenset(
+            t for op in graph.ops for t, w in zip(op.outputs, traffic[op.index].writes) if not w))
     log.info("built ILP: %d ops -> %d decisions (%d after layer sharing), %d edges in %.2fs", len(graph.ops),
              len(problem.nodes), len(set(problem.rep)), len(problem.edges), time.perf_counter() - t0)
     return problem

@@ -40,12 +40,11 @@ def gpt():
 
 @pytest.fixture(scope="module")
 def planned(gpt):
-    """remat -> (its plan, its compiled program) on 1x8, planned for the CPU whose compiled memory
-    the test reads back (XLA:GPU fuses differently, planner/fusion.py)."""
+    """remat -> (its plan, its compiled program) on 1x8."""
     b, state, batch = gpt
     out = {}
     for remat in ("off", "full"):
-        step = planner.plan_parallel(b.train_step, mesh="1x8", remat=remat, hardware="cpu")
+        step = planner.plan_parallel(b.train_step, mesh="1x8", remat=remat)
         out[remat] = (step.plan(state, batch), step.lower(state, batch).compile(FAST))
     return out
 
@@ -129,13 +128,12 @@ def test_remat_plan_compiles_to_less_memory_as_predicted(planned, devices8):
 def test_auto_recomputes_only_when_the_budget_needs_it(gpt, planned, devices8):
     b, state, batch = gpt
     off, full = planned["off"][0], planned["full"][0]
-    roomy = planner.plan(b.train_step, state, batch, mesh="1x8", remat="auto", hardware="cpu",
+    roomy = planner.plan(b.train_step, state, batch, mesh="1x8", remat="auto",
                          memory_budget=int(1.05 * off.prediction.memory_bytes_per_device))
     assert roomy.levers["remat"] == {"policy": "off"} and roomy.prediction == off.prediction
     budget = int(1.02 * full.prediction.memory_bytes_per_device)
     assert budget < off.prediction.memory_bytes_per_device
-    tight = planner.plan(b.train_step, state, batch, mesh="1x8", remat="auto", hardware="cpu",
-                         memory_budget=budget)
+    tight = planner.plan(b.train_step, state, batch, mesh="1x8", remat="auto", memory_budget=budget)
     assert tight.prediction.memory_bytes_per_device <= budget
     # the fastest that fits: full recomputation's unconstrained plan fits this budget, so nothing slower
     assert tight.prediction.step_time_s <= full.prediction.step_time_s
