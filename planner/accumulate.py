@@ -37,6 +37,14 @@ that plan (prediction P, objective parts `plan.solver["step_parts"]`):
   per device: the rest of the full batch argument ((k-1) x) plus the copy of the microbatch the
   loop body reads (the dynamic index copies its strided rows).
 
+Selective unsharding (`unshard`, DeepCompile's term): a value the microbatch step reshards straight
+from the arguments (a ZeRO-3 parameter's all-gather, `plan.solver["argument_reshards"]`) is the same
+in every microbatch. Resharded once before the loop it saves (k - 1) x that resharding and holds
+the resharded copy for the whole loop (added to memory(k)); the values with the most time saved per
+byte are chosen while the budget allows. XLA's while-loop invariant code motion would hoist every
+such resharding by itself (seen on XLA:CPU), so the ones not chosen are kept in the loop: their
+arguments go through an `optimization_barrier` with the microbatch index.
+
 With `memory_budget`, the microbatch step is planned under the budget less those extra bytes
 (re-planned while the plan's own extra bytes do not fit, at most `_REPLANS` times).
 `plan_accumulation` chooses k: for "auto" the divisors of the batch in ascending order, the
@@ -175,12 +183,113 @@ def combine(graph: Graph, parts: StepParts, plan: Plan, k: int) -> Plan:
     return dataclasses.replace(plan, prediction=pred).with_lever("accumulation", record)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Hoist:
+    """A loop-invariant value the microbatch loop would reshard every iteration, resharded once."""
+
+    tensor: int
+    spec: Any  # the layout its readers read it in
+    ops: tuple[int, ...]  # the ops computing it from the arguments (run once, before the loop)
+    saving_s: float  # (k - 1) x the resharding's time
+    moved: int  # (k - 1) x its bytes moved per device
+    extra: int  # bytes per device the resharded copy holds for the whole loop
+
+
+def _invariant_ops(graph: Graph, parts: StepParts) -> set[int]:
+    """Ops of the microbatch step (not the update) computed from the non-batch arguments and
+    constants alone: the same in every microbatch."""
+    upd = set(parts.update)
+    known = (set(graph.inputs) - {graph.inputs[p] for p in parts.batch}) | set(graph.consts)
+    ops = set()
+    for op in graph.ops:
+        if op.index not in upd and all(t in known for t in op.tensor_inputs):
+            ops.add(op.index)
+            known.update(op.outputs)
+    return ops
+
+
+def hoistable(graph: Graph, parts: StepParts, plan: Plan, k: int) -> list[_Hoist]:
+    """Selective unsharding's candidates (DeepCompile): each loop-invariant value (an argument such
+    as a sharded parameter, or what is computed from it alone, such as its bfloat16 cast) that the
+    microbatch step reshards before reading it (`plan.solver["argument_reshards"]`; a ZeRO-3
+    parameter's all-gather), when every reader in the microbatch step reads it in one layout: resharded
+    once before the loop instead of k times, at the cost of holding that copy for the whole loop."""
+    if k < 2:
+        return []
+    inside = {i for regions in graph.regions.values() for r in regions for i in range(r.start, r.end)}
+    invariant = _invariant_ops(graph, parts) - inside  # a loop's or branch's ops run with it
+    producers = graph.producers()
+    made_by = {t: producers[t][0] for t in producers}
+    reads = {(op, pos): spec for op, pos, spec in plan.operand_specs}
+    upd = set(parts.update)
+    by_tensor: dict[int, list] = defaultdict(list)
+    for op, pos, tensor, seconds, moved in plan.solver.get("argument_reshards", ()):
+        by_tensor[tensor].append((op, pos, seconds, moved))
+    consumers = graph.consumers()
+    out = []
+    for tensor, edges in by_tensor.items():
+        if tensor in made_by and made_by[tensor] not in invariant:
+            continue
+        specs = {reads.get((op, pos)) for op, pos, _, _ in edges}
+        readers = {(c, pos) for c, pos in consumers.get(tensor, ()) if c not in upd}
+        if len(specs) != 1 or None in specs or readers != {(op, pos) for op, pos, _, _ in edges}:
+            continue
+        ops, todo = set(), [tensor]
+        while todo:
+            t = todo.pop()
+            if t in made_by and made_by[t] not in ops:
+                ops.add(made_by[t])
+                todo.extend(graph.ops[made_by[t]].tensor_inputs)
+        if not ops <= invariant:
+            continue
+        spec = specs.pop()
+        out.append(_Hoist(tensor, spec, tuple(sorted(ops)), (k - 1) * sum(e[2] for e in edges),
+                          (k - 1) * sum(e[3] for e in edges), shard_bytes(graph.tensors[tensor], spec, plan.mesh)))
+    return out
+
+
+def unshard(graph: Graph, parts: StepParts, plan: Plan, k: int, budget: float | None, enabled: bool = True) -> Plan:
+    """`combine`'s plan with selective unsharding (DeepCompile): of the `hoistable` values, those
+    with the most resharding time saved per byte held, while the budget allows (all of them without
+    one), are resharded once before the microbatch loop; the prediction loses their (k - 1)
+    repeated reshardings and holds their copies for the loop. The others stay in the loop:
+    XLA's while-loop invariant code motion would hoist them too (measured on XLA:CPU: a ZeRO-3
+    parameter's all-gather leaves the loop by itself), so the emitted loop reads their arguments
+    through an `optimization_barrier` with the microbatch index, which keeps them in it, as
+    predicted. `levers["accumulation"]` records both ("unsharded", "resharded_per_microbatch")."""
+    found = hoistable(graph, parts, plan, k)
+    if not found:
+        return plan
+    chosen, used = [], plan.prediction.memory_bytes_per_device
+    for h in sorted(found, key=lambda h: (-h.saving_s / max(1, h.extra), h.tensor)) if enabled else ():
+        if budget is None or used + h.extra <= budget:
+            chosen.append(h)
+            used += h.extra
+    kept = [h for h in found if h not in chosen]
+    names = dict(zip(graph.inputs, graph.input_paths))
+    arguments = set(graph.inputs)
+    record = dict(plan.levers["accumulation"])
+    record["unsharded"] = [{"tensor": h.tensor, "value": names.get(h.tensor) or _label(graph.ops[h.ops[-1]]),
+                            "spec": [list(a) for a in h.spec], "ops": list(h.ops), "saved_s": h.saving_s,
+                            "bytes": h.extra} for h in chosen]
+    record["resharded_per_microbatch"] = sorted(
+        {t for h in kept for t in ([h.tensor] if h.tensor in arguments else
+                                   [x for i in h.ops for x in graph.ops[i].tensor_inputs if x in arguments])})
+    p = plan.prediction
+    saved = sum(h.saving_s for h in chosen)
+    pred = dataclasses.replace(
+        p, step_time_s=p.step_time_s - saved, communication_time_s=p.communication_time_s - saved,
+        memory_bytes_per_device=int(used),
+        bytes_moved_per_device=p.bytes_moved_per_device - sum(h.moved for h in chosen))
+    return dataclasses.replace(plan, prediction=pred).with_lever("accumulation", record)
+
+
 def _fits(plan: Plan, budget: float | None) -> bool:
     return budget is None or plan.prediction.memory_bytes_per_device <= budget
 
 
 def _plan_k(fn, graph: Graph, parts: StepParts, k: int, budget: float | None,
-            plan_micro: Callable[[Graph, float | None], Plan], mesh: MeshSpec) -> Accumulated:
+            plan_micro: Callable[[Graph, float | None], Plan], mesh: MeshSpec, unsharding: bool = True) -> Accumulated:
     """Plans k microbatches; raises InfeasiblePlanError (min_memory_bytes for the whole program)."""
     if k == 1:
         plan = plan_micro(graph, budget)
@@ -203,7 +312,7 @@ def _plan_k(fn, graph: Graph, parts: StepParts, k: int, budget: float | None,
                 found = best if found is None else min(found, best)
             raise InfeasiblePlanError(str(e), found,
                                       None if e.lower_bound_bytes is None else e.lower_bound_bytes + extra) from None
-        plan = combine(mgraph, mparts, mplan, k)
+        plan = unshard(mgraph, mparts, combine(mgraph, mparts, mplan, k), k, budget, unsharding)
         if _fits(plan, budget):
             return Accumulated(mgraph, mparts, plan, k)
         used = plan.prediction.memory_bytes_per_device
@@ -238,7 +347,8 @@ def _min_shard(t: Tensor, mesh: MeshSpec) -> int:
 
 
 def plan_accumulation(fn: Callable[..., Any], graph: Graph, accumulate: int | str, budget: float | None,
-                      plan_micro: Callable[[Graph, float | None], Plan], mesh: MeshSpec) -> Accumulated:
+                      plan_micro: Callable[[Graph, float | None], Plan], mesh: MeshSpec,
+                      unsharding: bool = True) -> Accumulated:
     """Plans `fn` (traced as `graph` at the full batch) with `accumulate` microbatches per step
     (an int k, or "auto": the fastest k that fits `budget`).
 
@@ -247,6 +357,7 @@ def plan_accumulation(fn: Callable[..., Any], graph: Graph, accumulate: int | st
         mesh, or the mesh search); raises InfeasiblePlanError when nothing fits.
       mesh: the mesh (or, for a mesh search, a 1-D mesh of all devices) on which the extra
         buffers' smallest layouts are counted in an infeasible answer's minimum.
+      unsharding: selective unsharding of loop-invariant reshardings (`unshard`).
 
     Raises:
       InvalidArgumentError: a step that cannot be split (one line saying why), or k not dividing
@@ -270,7 +381,7 @@ def plan_accumulation(fn: Callable[..., Any], graph: Graph, accumulate: int | st
     failed: dict[int, PlannerError] = {}
     for k in candidates:
         try:
-            done = _plan_k(fn, graph, parts, k, budget, plan_micro, mesh)
+            done = _plan_k(fn, graph, parts, k, budget, plan_micro, mesh, unsharding)
         except InvalidArgumentError:
             raise
         except PlannerError as e:  # over the budget, or the solver found no plan within its limit
@@ -329,7 +440,11 @@ def accumulated_function(acc: Accumulated) -> Callable[..., Any]:
     mesh = plan._mesh()
     before_op, after_op = constraint_hooks(plan, mesh, graph)
     upd = set(parts.update)
-    grad_ranges = op_ranges(tuple(i for i in range(len(graph.ops)) if i not in upd))
+    hoisted = plan.levers.get("accumulation", {}).get("unsharded", [])
+    in_loop = plan.levers.get("accumulation", {}).get("resharded_per_microbatch", [])
+    once = sorted({op for h in hoisted for op in h["ops"]})
+    grad_ranges = op_ranges(tuple(i for i in range(len(graph.ops)) if i not in upd and i not in set(once)))
+    copies = [(h["tensor"], named_sharding(tuple(tuple(a) for a in h["spec"]), plan.mesh, mesh)) for h in hoisted]
     update_ranges = op_ranges(tuple(parts.update))
     grad_shardings = [named_sharding(s, plan.mesh, mesh) for s in _grad_specs(graph, parts, plan)]
     batch_shardings = [named_sharding(plan.input_specs[p], plan.mesh, mesh) for p in parts.batch]
@@ -342,10 +457,16 @@ def accumulated_function(acc: Accumulated) -> Callable[..., Any]:
         env.update(zip(graph.inputs, flat))
         # (B, ...) -> (B/k, k, ...): a reshape, no copy; microbatch j is column j (rows j, j+k, ...).
         rows = [jnp.reshape(flat[p], (flat[p].shape[0] // k, k) + tuple(flat[p].shape[1:])) for p in parts.batch]
+        # selective unsharding (`unshard`): loop-invariant values resharded once, before the loop
+        for i in once:
+            graph.run_range(i, i + 1, env, before_op, after_op)
+        env.update((t, jax.lax.with_sharding_constraint(env[t], s)) for t, s in copies)
 
         def body(carry, j):
             grads, loss = carry
             local = dict(env)
+            # invariant reshardings planned per microbatch stay in the loop (`unshard`)
+            local.update((t, jax.lax.optimization_barrier((env[t], j))[0]) for t in in_loop)
             local.update((t, jax.lax.with_sharding_constraint(jax.lax.dynamic_index_in_dim(x, j, 1, False), s))
                          for t, x, s in zip(batch_ids, rows, batch_shardings))
             for start, end in grad_ranges:

@@ -179,7 +179,7 @@ class PlannedFunction:
 
         bounds = self._mesh_spec or MeshSpec((len(self.devices),), default_axis_names(1))
         acc = plan_accumulation(self.fn, graph, self.options.accumulate, self.options.memory_budget, plan_micro,
-                                bounds)
+                                bounds, self.options.unshard)
         plan = dataclasses.replace(_record_user_constraints(acc.graph, acc.plan),
                                    options={**acc.plan.options, "accumulate": self.options.accumulate})
         acc = dataclasses.replace(acc, plan=plan)

@@ -138,6 +138,10 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     opts.add_argument("--accumulate", type=_accumulate, default=None, metavar="auto|K",
                       help="gradient accumulation without pipelining: K microbatches per step (a loop inside the "
                            "step, one update), or 'auto' for the fastest K that fits the memory budget")
+    opts.add_argument("--no-unshard", dest="unshard", action="store_false", default=True,
+                      help="with --accumulate: reshard loop-invariant values (a sharded parameter's all-gather) "
+                           "in every microbatch instead of once before the loop while memory allows (selective "
+                           "unsharding, the default)")
     opts.add_argument("--offload", choices=("off", "auto", "opt-state"), default=None,
                       help="host offload of optimizer state in single-stage plans: 'opt-state' keeps all of it in "
                            "host memory between steps, 'auto' only the part that does not fit the memory budget")
@@ -313,6 +317,7 @@ def _options(args, budget: float | None, cluster: Cluster | None = None) -> Plan
         if _hand_configured(args):
             raise CLIError("--accumulate is not supported with --pin / --rules / --baseline yet; drop one")
         base["accumulate"] = args.accumulate
+        base["unshard"] = getattr(args, "unshard", True)
     if args.time_limit is not None:
         base["solver_time_limit"] = args.time_limit
     if getattr(args, "prefetch", False):
@@ -447,6 +452,14 @@ def cmd_plan(args, out) -> int:
     if record and record.get("microbatches", 1) > 1:
         print(f"\nGradient accumulation: {record['microbatches']} microbatches of {record['microbatch_rows']} rows "
               "per step (the shapes above are one microbatch's)", file=out)
+        once, every = record.get("unsharded", []), record.get("resharded_per_microbatch", [])
+        if once or every:
+            saved = sum(h["saved_s"] for h in once)
+            print(f"Selective unsharding: {len(once)} value(s) resharded once per step before the microbatch loop "
+                  f"({fmt_bytes(sum(h['bytes'] for h in once))}/device held, {saved:.4g} s/step saved), "
+                  f"{len(every)} argument(s) resharded in every microbatch", file=out)
+            for h in once[:8]:
+                print(f"  once: {h['value']}  ({fmt_bytes(h['bytes'])}, {h['saved_s']:.3g} s saved)", file=out)
     record = view.plan.levers.get("remat")
     if record:
         print(f"\nRecomputation: {record['policy']}" + (
@@ -524,7 +537,7 @@ def _accumulated_results(step, graph, meshes, options, cluster, budget):
 
     bounds = MeshSpec((meshes[0].size,), default_axis_names(1))
     t0 = time.perf_counter()
-    acc = plan_accumulation(step, graph, options.accumulate, budget, plan_micro, bounds)
+    acc = plan_accumulation(step, graph, options.accumulate, budget, plan_micro, bounds, options.unshard)
     plan = dataclasses.replace(acc.plan, options={**acc.plan.options, "accumulate": options.accumulate})
     record = plan.levers["accumulation"]
     log.info("gradient accumulation: %d microbatch(es) of %d rows", record["microbatches"], record["microbatch_rows"])

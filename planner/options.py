@@ -66,6 +66,10 @@ class PlanOptions:
         typically the train state): the memory model frees each leaf at its last use and lets its
         new value take the buffer (`planner.ilp.problem.live_ranges`); `plan_parallel` passes its
         own `donate_argnums` here and emits them donated.
+      unshard: with `accumulate` > 1, selective unsharding (`planner.accumulate.unshard`): values the
+        microbatch loop would reshard from the arguments in every microbatch (a ZeRO-3 parameter's
+        all-gather) are resharded once before the loop while `memory_budget` allows; False: every
+        microbatch reshards them.
       mesh_ndim: the most axes of the logical meshes searched when no mesh is given (1, 2 or 3): 3
         adds every 3-D factorisation (e.g. data x fsdp x tensor), each solved from the best plan of
         a 2-D mesh it refines within that plan's solver units (`search.search_meshes`).
@@ -93,8 +97,11 @@ class PlanOptions:
     remat: str = "off"
     donate_argnums: tuple[int, ...] = ()
     mesh_ndim: int = 2
+    unshard: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.unshard, bool):
+            raise InvalidArgumentError(f"unshard={self.unshard!r} must be True or False")
         if self.mesh_ndim not in (1, 2, 3) or isinstance(self.mesh_ndim, bool):
             raise InvalidArgumentError(f"mesh_ndim={self.mesh_ndim!r} must be 1, 2 or 3")
         if not (isinstance(self.donate_argnums, tuple)

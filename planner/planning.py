@@ -80,6 +80,27 @@ def _device_platform(jax_mesh) -> str:
     return ""
 
 
+def _argument_reshards(problem: Problem, choice: Sequence[int]) -> list[list]:
+    """[op, operand position, tensor id, seconds, bytes moved per device] of every resharding that
+    takes an argument (or a value its node computes from it alone, e.g. a parameter's bfloat16
+    cast) to the layout an op reads it in: the edge's time in the objective and its collectives'
+    ring bytes, as the prediction counts them."""
+    mesh = problem.cost.mesh
+    out = []
+    for e in problem.edges:
+        if e.op < 0 or problem.nodes[e.src].label.split()[0] != "input":
+            continue
+        src, dst = e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]]
+        if src == dst:
+            continue
+        comms, seconds = reshard_cost(problem.graph.tensors[e.tensor], src, dst, problem.cost)
+        moved = sum(ring_bytes(kind, nbytes, mesh.axis_size(axes)) for kind, axes, nbytes in comms
+                    if mesh.axis_size(axes) > 1)
+        if seconds > 0:
+            out.append([e.op, e.pos, e.tensor, seconds, int(moved)])
+    return out
+
+
 def _edge_comms(problem: Problem, choice: Sequence[int]):
     """(edge, its collectives, its time) for every edge that reshards; the time is the ILP's."""
     for e in problem.edges:
@@ -304,6 +325,8 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     if pins:
         solver_info["pinned_inputs"] = len(pins)
     solver_info["step_parts"] = step_parts(problem, sol.choice)
+    if not problem.prefetch:  # exposed: a loop over microbatches may do them once (`accumulate.unshard`)
+        solver_info["argument_reshards"] = _argument_reshards(problem, sol.choice)
     levers = {"offload": offload_record(problem, sol.choice, options.offload)} if options.offload != "off" else {}
     return Plan(
         mesh=mesh,

@@ -10,8 +10,11 @@ k = 2 and 4 (numerics and memory) are checked by experiments/check_accumulation.
 """
 from __future__ import annotations
 
+import re
+
 import jax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import planner
 from planner.errors import InfeasiblePlanError, InvalidArgumentError
@@ -67,6 +70,56 @@ def test_sharded_accumulation_matches_the_unsharded_step(devices8):
     ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
     new_state, metrics = step(state, batch)
     assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
+
+
+def _kernel_gathers(compiled) -> tuple[int, int]:
+    """(inside the microbatch loop's body, elsewhere): all-gathers of a whole MLP kernel."""
+    text = compiled.as_text()
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
+    inside = outside = 0
+    for comp in re.split(r"\n(?=\S)", text):
+        name = re.match(r"(?:ENTRY )?%?([\w.\-]+)", comp)
+        n = len(re.findall(r"f32\[(?:64,256|256,64)\]\{1,0\} all-gather\(", comp))
+        if name and name.group(1) in bodies:
+            inside += n
+        else:
+            outside += n
+    return inside, outside
+
+
+def test_selective_unsharding_gathers_invariant_parameters_once_per_step(devices8):
+    """MLP kernels pinned ZeRO-3 style (split over all 8 devices, the batch too): each microbatch's
+    dots need them whole. With unsharding (the default) the 4 all-gathers run once, before the
+    loop, predicted (k - 1) x their time faster and holding the gathered copies; without it they
+    run in every microbatch (XLA would hoist them by itself: the emitted loop stops it). Both
+    match the unsharded step."""
+    b, state, batch = concrete("gpt-tiny", batch=64)
+    pins = {"params/**/mlp/**/kernel": P("y", None), "inputs": P("y"), "targets": P("y")}
+    steps = {on: planner.plan_parallel(b.train_step, mesh="1x8", accumulate=4, pins=pins, unshard=on)
+             for on in (True, False)}
+    on, off = (steps[x].plan(state, batch) for x in (True, False))
+    graph = steps[True].graph(state, batch)
+    kernels = {t for t, path in zip(graph.inputs, graph.input_paths)
+               if "['params']" in path and "['mlp']" in path and path.endswith("['kernel']")}
+    record = on.levers["accumulation"]
+    assert {h["tensor"] for h in record["unsharded"]} == kernels and record["resharded_per_microbatch"] == []
+    assert off.levers["accumulation"]["unsharded"] == []
+    assert set(off.levers["accumulation"]["resharded_per_microbatch"]) == kernels
+    gathers = sum(r[3] for r in off.solver["argument_reshards"] if r[2] in kernels)
+    assert off.prediction.step_time_s - on.prediction.step_time_s == pytest.approx(3 * gathers, rel=1e-9)
+    assert (on.prediction.memory_bytes_per_device - off.prediction.memory_bytes_per_device
+            == sum(h["bytes"] for h in record["unsharded"]))
+    compiled = {x: steps[x].lower(state, batch).compile() for x in (True, False)}
+    assert _kernel_gathers(compiled[True]) == (0, 4) and _kernel_gathers(compiled[False]) == (4, 0)
+    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
+    for x in (True, False):
+        new_state, metrics = compiled[x](state, batch)
+        assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
+    # under a budget between the two, only what fits is gathered once
+    budget = (on.prediction.memory_bytes_per_device + off.prediction.memory_bytes_per_device) // 2
+    part = planner.plan(b.train_step, state, batch, mesh="1x8", accumulate=4, pins=pins, memory_budget=budget)
+    record = part.levers["accumulation"]
+    assert 0 < len(record["unsharded"]) < len(kernels) and part.prediction.memory_bytes_per_device <= budget
 
 
 def test_auto_chooses_microbatches_that_fit_the_budget():
