@@ -460,11 +460,12 @@ def accumulated_function(acc: Accumulated) -> Callable[..., Any]:
         # selective unsharding (`unshard`): loop-invariant values resharded once, before the loop
         for i in once:
             graph.run_range(i, i + 1, env, before_op, after_op)
-        env.update((t, jax.lax.with_sharding_constraint(env[t], s)) for t, s in copies)
+        gathered = {t: jax.lax.with_sharding_constraint(env[t], s) for t, s in copies}  # read by the loop only
 
         def body(carry, j):
             grads, loss = carry
             local = dict(env)
+            local.update(gathered)
             # invariant reshardings planned per microbatch stay in the loop (`unshard`)
             local.update((t, jax.lax.optimization_barrier((env[t], j))[0]) for t in in_loop)
             local.update((t, jax.lax.with_sharding_constraint(jax.lax.dynamic_index_in_dim(x, j, 1, False), s))
