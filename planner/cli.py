@@ -54,7 +54,7 @@ from planner.present.logical_axes import rules_file_pins
 from planner.present.explain import explain
 from planner.present.html_report import render_html
 from planner.present.ranking import hardware_record, mesh_ranking, pipeline_ranking, plan_view
-from planner.present.report import PlanView, fmt_bytes, format_plan
+from planner.present.report import PlanView, fmt_bytes, format_levers, format_plan
 from planner.programs import load_factory, load_model
 from planner.remat import plan_remat, record as remat_record
 from planner.search import MeshResult, candidate_meshes, inter_host_axes, no_fit_error, search_meshes
@@ -448,31 +448,9 @@ def cmd_plan(args, out) -> int:
                                                                                else ""))
         print(f"\nYour configuration: {solver.get('configuration')}, {pinned}"
               + (f"; approximated: {solver['approximation']}" if solver.get("approximation") else ""), file=out)
-    record = view.plan.levers.get("accumulation")
-    if record and record.get("microbatches", 1) > 1:
-        print(f"\nGradient accumulation: {record['microbatches']} microbatches of {record['microbatch_rows']} rows "
-              "per step (the shapes above are one microbatch's)", file=out)
-        once, every = record.get("unsharded", []), record.get("resharded_per_microbatch", [])
-        if once or every:
-            saved = sum(h["saved_s"] for h in once)
-            print(f"Selective unsharding: {len(once)} value(s) resharded once per step before the microbatch loop "
-                  f"({fmt_bytes(sum(h['bytes'] for h in once))}/device held, {saved:.4g} s/step saved), "
-                  f"{len(every)} argument(s) resharded in every microbatch", file=out)
-            for h in once[:8]:
-                print(f"  once: {h['value']}  ({fmt_bytes(h['bytes'])}, {h['saved_s']:.3g} s saved)", file=out)
-    record = view.plan.levers.get("remat")
-    if record:
-        print(f"\nRecomputation: {record['policy']}" + (
-            f", {len(record['layers'])} of {record.get('recomputable', len(record['layers']))} layers "
-            f"({'..'.join(dict.fromkeys((record['layers'][0], record['layers'][-1])))}), "
-            f"{record['recomputed_ops']} ops recomputed in the backward" if record.get("layers") else
-            " (the plan fits without it)"), file=out)
-    record = view.plan.levers.get("offload")
-    if record:
-        print(f"\nHost offload ({record['mode']}): {len(record['inputs'])} of {record['candidates']} optimizer-state "
-              f"leaves in host memory, {fmt_bytes(record['host_bytes_per_device'])}/device; copies in "
-              f"{record['copy_in_s']:.3g} s ({record['hidden_s']:.3g} s hidden), back {record['copy_back_s']:.3g} s",
-              file=out)
+    levers = format_levers(view.plan)
+    if levers:
+        print("\n" + levers, file=out)
     _print_xla_flags(view.plan, out)
     _write_outputs(args, view, out)
     return 0

@@ -155,11 +155,14 @@ def test_accumulation_options_are_checked():
         planner.plan(no_grad, *args, mesh="1", devices=jax.devices()[:1], accumulate=2)
 
 
-def test_cli_accumulate_flag(capsys):
+def test_cli_accumulate_flag(capsys, tmp_path):
     from planner import cli
 
-    code = cli.main(["plan", "--model", "mlp-tiny", "--mesh", "1x8", "--accumulate", "2", "-q"])
+    page = tmp_path / "plan.html"
+    code = cli.main(["plan", "--model", "mlp-tiny", "--mesh", "1x8", "--accumulate", "2", "-q", "--html", str(page)])
     out = capsys.readouterr().out
     assert code == 0 and "Gradient accumulation: 2 microbatches of 32 rows per step" in out
+    text = page.read_text()  # the report shows the levers too
+    assert "<h2>Memory levers</h2>" in text and "Gradient accumulation: 2 microbatches" in text
     code = cli.main(["plan", "--model", "mlp-tiny", "--mesh", "1x8", "--accumulate", "0"])
     assert code == 2 and "'0' is not 'auto' or a positive number of microbatches" in capsys.readouterr().err

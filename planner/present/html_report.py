@@ -23,6 +23,7 @@ from planner.present.report import (
     fmt_pct,
     fmt_time,
     format_header,
+    format_levers,
     format_layer_table,
     format_ranking,
     format_rules,
@@ -365,6 +366,9 @@ def render_html(view: PlanView) -> str:
     ranking = ctx.get("ranking") or []
     if len(ranking) > 1:
         parts += ["<h2>Mesh shapes, best first</h2>", f"<pre>{html.escape(format_ranking(ranking, budget))}</pre>"]
+    levers = format_levers(view.plan)
+    if levers:
+        parts += ["<h2>Memory levers</h2>", f"<pre>{html.escape(levers)}</pre>"]
     parts += ["<h2>Plan</h2>", f"<pre>{html.escape(format_header(view))}</pre>",
               "<h2>Where the time goes</h2>", f"<pre>{html.escape(cost_breakdown(view))}</pre>",
               "<h2>Per-layer shardings</h2>", f"<pre>{html.escape(format_layer_table(view))}</pre>",

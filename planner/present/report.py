@@ -325,6 +325,40 @@ def format_ranking(rows: Sequence[Mapping[str, Any]], budget: float | None, top:
     return out
 
 
+def format_levers(plan) -> str:
+    """The memory levers the plan uses (gradient accumulation and selective unsharding,
+    recomputation, host offload), a paragraph each; empty when it uses none."""
+    paras = []
+    record = plan.levers.get("accumulation")
+    if record and record.get("microbatches", 1) > 1:
+        lines = [f"Gradient accumulation: {record['microbatches']} microbatches of {record['microbatch_rows']} rows "
+                 "per step (the shapes above are one microbatch's)"]
+        once, every = record.get("unsharded", []), record.get("resharded_per_microbatch", [])
+        if once or every:
+            lines.append(f"Selective unsharding: {len(once)} value(s) resharded once per step before the microbatch "
+                         f"loop ({fmt_bytes(sum(h['bytes'] for h in once))}/device held, "
+                         f"{sum(h['saved_s'] for h in once):.4g} s/step saved), {len(every)} argument(s) resharded "
+                         "in every microbatch")
+            lines += [f"  once: {h['value']}  ({fmt_bytes(h['bytes'])}, {h['saved_s']:.3g} s saved)" for h in once[:8]]
+            if len(once) > 8:
+                lines.append(f"  ... and {len(once) - 8} more")
+        paras.append("\n".join(lines))
+    record = plan.levers.get("remat")
+    if record:
+        paras.append(f"Recomputation: {record['policy']}" + (
+            f", {len(record['layers'])} of {record.get('recomputable', len(record['layers']))} layers "
+            f"({'..'.join(dict.fromkeys((record['layers'][0], record['layers'][-1])))}), "
+            f"{record['recomputed_ops']} ops recomputed in the backward" if record.get("layers") else
+            " (the plan fits without it)"))
+    record = plan.levers.get("offload")
+    if record:
+        paras.append(f"Host offload ({record['mode']}): {len(record['inputs'])} of {record['candidates']} "
+                     f"optimizer-state leaves in host memory, {fmt_bytes(record['host_bytes_per_device'])}/device; "
+                     f"copies in {record['copy_in_s']:.3g} s ({record['hidden_s']:.3g} s hidden), back "
+                     f"{record['copy_back_s']:.3g} s")
+    return "\n\n".join(paras)
+
+
 def format_header(view: PlanView) -> str:
     p, ctx = view.plan.prediction, view.context
     budget = view.budget()
