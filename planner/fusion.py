@@ -12,23 +12,24 @@ xla/service/instruction_fusion.cc) in simplified form (`fusions`):
     (XLA:GPU emits library calls for dots and convolutions);
   - a reduction is a fusion root: its producers fuse into it (input fusion), its result is written
     for its consumers;
-  - a cheap fusible producer (not in XLA's `IsExpensive` list for the platform, `expensive`) is
-    duplicated into every fusion that consumes it when all its consumers are fusible: each of those
-    fusions recomputes it from its operands and the value itself is never written. When some
-    consumer cannot take it (a dot, a program output) it is still duplicated into the fusible
-    ones if it is "effectively at most unary" (at most one operand as large as its result,
-    `InstructionFusion::EffectivelyAtMostUnary`), and written once for the others;
-  - an expensive producer (exp, log, tanh, ... on CPU; XLA:GPU counts float32 / float16 exp, sqrt,
-    rsqrt and division as cheap, `GpuInstructionFusion::IsExpensive`) is never duplicated: it joins
-    its consumers' fusion when they are all fusible ops of one and the same fusion, otherwise it
-    is written once and read by each consuming fusion;
+  - an op joins its consumers' fusion when they are all fusible ops of one and the same fusion;
+    otherwise it is written once and read by each consuming fusion;
+  - on GPU only (`DUPLICATING`), a cheap producer (not in XLA:GPU's `IsExpensive` list: float32 /
+    float16 exp, sqrt, rsqrt and division are cheap there, `GpuInstructionFusion::IsExpensive`;
+    tanh, log, erf, ... are not) whose consumers lie in several fusions is duplicated into each of
+    them, each recomputing it from its operands, when that moves fewer bytes: all consumers
+    fusible, n fusions reading its operands against one kernel reading them, writing the result
+    and n reads of it (XLA:GPU's priority fusion fuses a producer into all its consumers when its
+    performance model says so; here the comparison is in bytes); when some consumer cannot take
+    it (a dot, a program output) it is still written for those and duplicated into the fusible
+    ones if its operands are no larger than its result;
   - a value that is a program output is written.
 Approximations, stated: XLA caps fusion sizes and operand counts (not modelled); multi-output
 sibling fusions of reductions over one input are not formed (each reduction reads its input);
-XLA:GPU's priority fusion decides duplication with its own performance model and its softmax
-rewriter forms Triton normalization fusions (the rules here are `GpuInstructionFusion`'s); a
-duplicated op's FLOPs are counted once. tests/test_fusion.py checks the resulting bytes against
-the `bytes accessed` of XLA:CPU's compiled cost analysis.
+XLA:GPU's softmax rewriter (Triton normalization fusions), dot epilogues and cuDNN fusions are not
+modelled; a duplicated op's FLOPs are counted once. tests/test_fusion.py checks the CPU grouping's
+bytes against the `bytes accessed` of XLA:CPU's compiled cost analysis and both groupings by hand;
+the GPU grouping is unchecked against XLA:GPU's compiled programs.
 """
 from __future__ import annotations
 
