@@ -158,11 +158,14 @@ def test_accumulation_options_are_checked():
 def test_cli_accumulate_flag(capsys, tmp_path):
     from planner import cli
 
-    page = tmp_path / "plan.html"
-    code = cli.main(["plan", "--model", "mlp-tiny", "--mesh", "1x8", "--accumulate", "2", "-q", "--html", str(page)])
+    page, saved = tmp_path / "plan.html", tmp_path / "plan.json"
+    code = cli.main(["plan", "--model", "mlp-tiny", "--mesh", "1x8", "--accumulate", "2", "-q", "--html", str(page),
+                     "--json", str(saved)])
     out = capsys.readouterr().out
     assert code == 0 and "Gradient accumulation: 2 microbatches of 32 rows per step" in out
-    text = page.read_text()  # the report shows the levers too
+    text = page.read_text()  # the report and explain show the levers too
     assert "<h2>Memory levers</h2>" in text and "Gradient accumulation: 2 microbatches" in text
+    assert cli.main(["explain", str(saved)]) == 0
+    assert "Memory levers:\nGradient accumulation: 2 microbatches" in capsys.readouterr().out
     code = cli.main(["plan", "--model", "mlp-tiny", "--mesh", "1x8", "--accumulate", "0"])
     assert code == 2 and "'0' is not 'auto' or a positive number of microbatches" in capsys.readouterr().err

@@ -17,7 +17,8 @@ from planner.cost_model import CostModel, ring_bytes
 from planner.options import PlanOptions
 from planner.plan import Decision, Plan, PredictedCollective
 from planner.planning import cost_model_for
-from planner.present.report import PlanView, fmt_axes_spec, fmt_bytes, fmt_time, memory_breakdown, table
+from planner.present.report import (PlanView, fmt_axes_spec, fmt_bytes, fmt_time, format_levers, memory_breakdown,
+                                     table)
 
 _REASONS = {
     "partial sum": "partial sums (a split contraction is reduced)",
@@ -210,6 +211,9 @@ def explain(view: PlanView, op: str | None = None, top: int = 15) -> str:
     out = [f"Plan on mesh {view.mesh_text()}, {len(view.data.get('stages') or []) or 1} stage(s)"]
     if op is None:
         out += ["", "Cost breakdown:", cost_breakdown(view, timer)]
+        levers = format_levers(plan)
+        if levers:
+            out += ["", "Memory levers:", levers]
         sites = _sites(plan.prediction.collectives, timer)
         if sites:
             out += ["", f"Where the communication happens (top {min(top, len(sites))} of {len(sites)} ops):"]

@@ -332,7 +332,7 @@ def format_levers(plan) -> str:
     record = plan.levers.get("accumulation")
     if record and record.get("microbatches", 1) > 1:
         lines = [f"Gradient accumulation: {record['microbatches']} microbatches of {record['microbatch_rows']} rows "
-                 "per step (the shapes above are one microbatch's)"]
+                 "per step (the planned shapes are one microbatch's)"]
         once, every = record.get("unsharded", []), record.get("resharded_per_microbatch", [])
         if once or every:
             lines.append(f"Selective unsharding: {len(once)} value(s) resharded once per step before the microbatch "
