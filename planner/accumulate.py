@@ -443,7 +443,8 @@ def accumulated_function(acc: Accumulated) -> Callable[..., Any]:
     hoisted = plan.levers.get("accumulation", {}).get("unsharded", [])
     in_loop = plan.levers.get("accumulation", {}).get("resharded_per_microbatch", [])
     once = sorted({op for h in hoisted for op in h["ops"]})
-    grad_ranges = op_ranges(tuple(i for i in range(len(graph.ops)) if i not in upd and i not in set(once)))
+    outside = upd.union(once)  # ops not run in the microbatch loop
+    grad_ranges = op_ranges(tuple(i for i in range(len(graph.ops)) if i not in outside))
     copies = [(h["tensor"], named_sharding(tuple(tuple(a) for a in h["spec"]), plan.mesh, mesh)) for h in hoisted]
     update_ranges = op_ranges(tuple(parts.update))
     grad_shardings = [named_sharding(s, plan.mesh, mesh) for s in _grad_specs(graph, parts, plan)]

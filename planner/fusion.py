@@ -90,19 +90,22 @@ class Traffic:
     """Which operands an op reads from and which results it writes to device memory.
 
     Attributes:
-      fusion: the op's fusion id (ops of one fusion share it; an unfused op has its own); for an
-        op duplicated into several fusions, the first of `fusions`.
+      fusions: every fusion the op runs in (their ids; more than one when XLA duplicates it).
       reads: per operand position, how many times the op reads that value from memory: once per
         fusion it runs in where it is the first op of the fusion to read a value made outside it
         (0 for literals and values made inside).
       writes: per result, True when the value leaves the fusion (or the program).
-      fusions: every fusion the op runs in (more than one when XLA duplicates it).
     """
 
-    fusion: int
+    fusions: tuple[int, ...]
     reads: tuple[int, ...]
     writes: tuple[bool, ...]
-    fusions: tuple[int, ...] = ()
+
+    @property
+    def fusion(self) -> int:
+        """The op's fusion id (ops of one fusion share it; an unfused op has its own); for an op
+        duplicated into several fusions, the first of `fusions`."""
+        return self.fusions[0]
 
 
 def fusible(name: str) -> bool:
@@ -172,8 +175,7 @@ def fusions(graph: Graph, platform: str = "cpu") -> Mapping[int, Traffic]:
             reads.append(count)
         writes = tuple(t in program_outputs or any(not runs_in[c] <= mine for c, _ in consumers.get(t, ()))
                        for t in op.outputs)
-        ordered = tuple(sorted(mine))
-        out[op.index] = Traffic(ordered[0], tuple(reads), writes, ordered)
+        out[op.index] = Traffic(tuple(sorted(mine)), tuple(reads), writes)
     return out
 
 

@@ -12,7 +12,6 @@ import jax
 
 from planner.cost_model import Cluster, CostModel, get_hardware, hardware_with_links, ring_bytes, xla_flags
 from planner.errors import InvalidArgumentError, MeshError
-from planner.fusion import fusions
 from planner.graph import Graph
 from planner.ilp.objective import step_parts, step_time
 from planner.ilp.problem import Problem, build_problem
@@ -83,22 +82,14 @@ def _device_platform(jax_mesh) -> str:
 def _argument_reshards(problem: Problem, choice: Sequence[int]) -> list[list]:
     """[op, operand position, tensor id, seconds, bytes moved per device] of every resharding that
     takes an argument (or a value its node computes from it alone, e.g. a parameter's bfloat16
-    cast) to the layout an op reads it in: the edge's time in the objective and its collectives'
-    ring bytes, as the prediction counts them."""
+    cast) to the layout an op reads it in (`_edge_comms`): the edge's time in the objective and its
+    collectives' ring bytes, as the prediction counts them."""
     mesh = problem.cost.mesh
-    out = []
-    for e in problem.edges:
-        if e.op < 0 or problem.nodes[e.src].label.split()[0] != "input":
-            continue
-        src, dst = e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]]
-        if src == dst:
-            continue
-        comms, seconds = reshard_cost(problem.graph.tensors[e.tensor], src, dst, problem.cost)
-        moved = sum(ring_bytes(kind, nbytes, mesh.axis_size(axes)) for kind, axes, nbytes in comms
-                    if mesh.axis_size(axes) > 1)
-        if seconds > 0:
-            out.append([e.op, e.pos, e.tensor, seconds, int(moved)])
-    return out
+    return [[e.op, e.pos, e.tensor, seconds,
+             int(sum(ring_bytes(kind, nbytes, mesh.axis_size(axes)) for kind, axes, nbytes in comms
+                     if mesh.axis_size(axes) > 1))]
+            for e, comms, seconds in _edge_comms(problem, choice)
+            if e.op >= 0 and seconds > 0 and problem.nodes[e.src].label.split()[0] == "input"]
 
 
 def _edge_comms(problem: Problem, choice: Sequence[int]):
@@ -232,17 +223,10 @@ def plan_problem(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: j
     cost = cost_model_for(mesh, options)
     pinned = {graph.inputs[i]: spec for i, spec in (pins or {}).items()}
     problem = build_problem(graph, cost, tie_outputs=options.tie_outputs, share_layers=options.share_layers,
-                            pins=pinned, donated_inputs=donated_inputs(graph, options.donate_argnums))
+                            pins=pinned, donated_inputs=donated_inputs(graph, options.donate_argnums),
+                            device_platform=_device_platform(jax_mesh))
     overlap = options.overlap and cost.hardware.platform != "cpu"
-    platform = _device_platform(jax_mesh)
-    problem = dataclasses.replace(problem, overlap=overlap, prefetch=overlap and options.prefetch,
-                                  device_platform=platform)
-    if platform and platform != cost.hardware.platform:
-        # time is the preset's, memory the devices' the program compiles for: their XLA fuses the
-        # update (which values it never writes) by its own rules (`planner.fusion`)
-        traffic = fusions(graph, platform)
-        problem = dataclasses.replace(problem, unwritten=frozenset(
-            t for op in graph.ops for t, w in zip(op.outputs, traffic[op.index].writes) if not w))
+    problem = dataclasses.replace(problem, overlap=overlap, prefetch=overlap and options.prefetch)
     log.info("built ILP: %d ops -> %d decisions (%d after layer sharing), %d edges in %.2fs", len(graph.ops),
              len(problem.nodes), len(set(problem.rep)), len(problem.edges), time.perf_counter() - t0)
     return problem

@@ -185,7 +185,7 @@ def _followed_operand(op, sig, graph: Graph, free: set[int], arrays: list[int]) 
 
 def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool = True,
                   share_layers: bool = True, pins: Mapping[int, Spec] | None = None,
-                  donated_inputs: frozenset[int] = frozenset()) -> Problem:
+                  donated_inputs: frozenset[int] = frozenset(), device_platform: str = "") -> Problem:
     """Builds nodes (with follower merging), edges, output ties and tensor live ranges.
 
     Tensors computed from literals alone (iotas, broadcast zeros, masks) are *free*: any device
@@ -204,6 +204,10 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     `share_layers`: repeated layers share one decision, found by their indexed module names
     (`layer_representatives`) or, when the names show none, by structure
     (`structural_representatives`).
+
+    `device_platform`: the XLA backend the program compiles for ("" = the hardware preset's): time
+    follows the preset's fusion rules, the update values never written to memory (`unwritten`)
+    follow that backend's (`planner.fusion`).
     """
     pins = pins or {}
     nodes: list[Node] = []
@@ -333,6 +337,10 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     for name, n in sorted(fallback.items()):
         log.warning("no sharding rule for primitive %r (%d ops): planned replicated", name, n)
     rep = tuple(range(len(nodes)))
+    # time is the preset's, memory the devices' the program compiles for: their XLA fuses the update
+    # (which values it never writes) by its own rules
+    memory_platform = device_platform or cost.hardware.platform
+    unwritten_by = memory_traffic if memory_platform == cost.hardware.platform else fusions(graph, memory_platform)
     if share_layers:
         rep = layer_representatives(nodes, graph)
         if len(set(rep)) == len(rep):  # no repeated layers by name: find them by structure
@@ -340,8 +348,8 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     return Problem(graph, cost, tuple(nodes), tuple(edges), owner, tuple(ties), live_ranges(graph, donated),
                    tuple(sorted(fallback)), frozenset(free), rep, frozenset(combinable),
                    pinned_outputs=pinned_outputs, donated=tuple(donated),
-                   unwritten=frozenset(t for op in graph.ops for t, w in zip(op.outputs, memory_traffic[op.index].writes)
-                                       if not w))
+                   unwritten=frozenset(t for op in graph.ops for t, w in zip(op.outputs, unwritten_by[op.index].writes)
+                                       if not w), device_platform=device_platform)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
