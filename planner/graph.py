@@ -73,14 +73,14 @@ class Op:
     inputs: tuple[int | Literal, ...]
     outputs: tuple[int, ...]
     name_stack: str
+    tensor_inputs: tuple[int, ...] = dataclasses.field(init=False, repr=False)  # the non-literal inputs
+
+    def __post_init__(self):
+        object.__setattr__(self, "tensor_inputs", tuple(i for i in self.inputs if isinstance(i, int)))
 
     @property
     def name(self) -> str:
         return self.primitive.name
-
-    @property
-    def tensor_inputs(self) -> tuple[int, ...]:
-        return tuple(i for i in self.inputs if isinstance(i, int))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -228,6 +228,7 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     memory_traffic = fusions(graph, cost.hardware.platform)
     # Repeated layers repeat the same (signature, types, spec) questions: each is answered once.
     followed: dict[tuple, tuple] = {}
+    per_spec: dict[tuple, tuple] = {}  # (question, one lead spec) -> its answer (`_followed`)
     enumerated: dict[tuple, tuple[list[Strategy], list[str], list[list[float]]]] = {}
     for op in graph.ops:
         sig = signature(op, graph, rules)
@@ -248,11 +249,12 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
             node = nodes[owner[src]]
             others = [k for k in arrays if k != lead]
             traffic = (memory_traffic[op.index].reads, memory_traffic[op.index].writes)
-            key = (_sig_key(sig), lead, tuple(ins), tuple(outs), combined, tuple(node.owned[src]), traffic)
+            question = (_sig_key(sig), lead, tuple(ins), tuple(outs), combined, traffic, tuple(others))
+            key = (question, tuple(node.owned[src]))
             found = followed.get(key)
             if found is None:
                 found = followed[key] = _followed(sig, lead, node.owned[src], ins, outs, cost, combined, traffic,
-                                                  others)
+                                                  others, per_spec, question)
             node.costs[:] = [c + add for c, add in zip(node.costs, found.costs)]
             node.comm_s[:] = [c + add for c, add in zip(node.comm_s, found.comm_s)]
             if combined:
@@ -377,23 +379,36 @@ class _Followed:
 
 
 def _followed(sig, lead: int, specs: Sequence[Spec], ins, outs, cost: CostModel, combined: bool, traffic,
-              others: Sequence[int]) -> _Followed:
+              others: Sequence[int], answers: dict | None = None, key: tuple = ()) -> _Followed:
+    """`_Followed` of one follower op for its lead node's `specs`. `answers` (with the question's
+    `key` without the spec) caches the answer per lead spec: lead nodes of different strategy lists
+    share most of their specs (gpt2-small on 2x2x2: 81,941 specs asked, 10,596 distinct)."""
     costs, comm_s, async_s, groups, comms, out_specs = [], [], [], [], [], []
     needs: dict[int, list[Spec]] = {k: [] for k in others}
+    answers = {} if answers is None else answers
     for i, spec in enumerate(specs):
-        strat, pre = follow(sig, lead, spec, ins, outs, cost, combined, traffic)
-        times = ([cost.collective_time(kd, b, a) for kd, a, b in pre]
-                 + [cost.collective_time(kd, b, a, combined) for kd, a, b in strat.comms])
-        pre_s = sum(times[: len(pre)])
-        costs.append(strat.cost + pre_s)
-        comm_s.append(strat.comm_time + pre_s)
-        async_s.append(strat.comm_time if combined else 0.0)
-        groups.append(_groups(strat.comms) if combined else frozenset())
-        if pre or strat.comms:
-            comms.append((i, list(pre) + list(strat.comms), times))
-        out_specs.append(strat.out_specs[0])
-        for k in others:
-            needs[k].append(strat.in_specs[k] if strat.in_specs[k] is not None else ((),) * len(ins[k].shape))
+        found = answers.get((key, spec))
+        if found is None:
+            strat, pre = follow(sig, lead, spec, ins, outs, cost, combined, traffic)
+            times = ([cost.collective_time(kd, b, a) for kd, a, b in pre]
+                     + [cost.collective_time(kd, b, a, combined) for kd, a, b in strat.comms])
+            pre_s = sum(times[: len(pre)])
+            found = answers[(key, spec)] = (
+                strat.cost + pre_s, strat.comm_time + pre_s, strat.comm_time if combined else 0.0,
+                _groups(strat.comms) if combined else frozenset(),
+                (list(pre) + list(strat.comms), times) if pre or strat.comms else None, strat.out_specs[0],
+                tuple(strat.in_specs[k] if strat.in_specs[k] is not None else ((),) * len(ins[k].shape)
+                      for k in others))
+        cost_s, comm, hideable, group, collectives, out_spec, need = found
+        costs.append(cost_s)
+        comm_s.append(comm)
+        async_s.append(hideable)
+        groups.append(group)
+        if collectives is not None:
+            comms.append((i, list(collectives[0]), collectives[1]))
+        out_specs.append(out_spec)
+        for k, n in zip(others, need):
+            needs[k].append(n)
     return _Followed(tuple(costs), tuple(comm_s), tuple(async_s), tuple(groups), tuple(comms), tuple(out_specs),
                      {k: tuple(v) for k, v in needs.items()})
 

@@ -65,8 +65,12 @@ def partition(graph: Graph, layouts: Sequence[StageLayout], n_params: int) -> Pa
                 op_stage[r.start:r.end] = [last] * (r.end - r.start)
     producer: dict[int, int] = {}
     param_owner: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}
+    for op in graph.ops:
+        for t in set(op.tensor_inputs):
+            readers.setdefault(t, []).append(op.index)
     for k, t in enumerate(graph.inputs[:n_params]):
-        users = [op_stage[op.index] for op in graph.ops if t in op.tensor_inputs]
+        users = [op_stage[i] for i in readers.get(t, ())]
         param_owner[k] = min(users) if users else stage_of_layer[layers.names[layers.input_layer[k]]]
         producer[t] = param_owner[k]
     for op in graph.ops:

@@ -51,7 +51,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -144,7 +144,8 @@ def external_inputs(graph: Graph, ops: Sequence[int]) -> tuple[int, ...]:
 
 
 def subgraph(graph: Graph, ops: Sequence[int], name: str = "",
-             updates: Sequence[tuple[int, int]] = ()) -> tuple[Graph, tuple[int, ...]]:
+             updates: Sequence[tuple[int, int]] = (),
+             exported: Collection[int] | None = None) -> tuple[Graph, tuple[int, ...]]:
     """The program made of `ops` alone: values from outside become inputs, values used outside outputs.
 
     Tensor ids are kept (ops are renumbered). Inputs that are program inputs keep their pytree path;
@@ -152,6 +153,9 @@ def subgraph(graph: Graph, ops: Sequence[int], name: str = "",
     an output under the parameter's own path: a one-op stand-in for the optimizer update, so that
     the intra-op plan stores the parameter where its update is cheap (output tied to the input)
     instead of replicated and sliced for free.
+
+    `exported`: the values `ops` make that are used outside them (`LayerFacts.exported`), when the
+    caller knows them (None: found by a pass over every op of `graph`).
 
     Returns:
       The subgraph and the tensor ids of its inputs (`external_inputs`).
@@ -161,8 +165,11 @@ def subgraph(graph: Graph, ops: Sequence[int], name: str = "",
     path_of = dict(zip(graph.inputs, graph.input_paths))
     inputs = external_inputs(graph, ops)
     consts = {t: graph.consts[t] for i in ops for t in graph.ops[i].tensor_inputs if t in graph.consts}
-    used_outside = {t for op in graph.ops if op.index not in inside for t in op.tensor_inputs}
-    used_outside.update(t for t in graph.outputs if isinstance(t, int))
+    if exported is None:
+        used_outside = {t for op in graph.ops if op.index not in inside for t in op.tensor_inputs}
+        used_outside.update(t for t in graph.outputs if isinstance(t, int))
+    else:
+        used_outside = set(exported)
     outputs = [t for i in ops for t in graph.ops[i].outputs if t in used_outside]
     output_paths = [f"{name}out{t}" for t in outputs]
     new_ops = [dataclasses.replace(graph.ops[i], index=k) for k, i in enumerate(ops)]
@@ -204,6 +211,7 @@ class LayerFacts:
     saved: tuple[int, ...]        # forward values this layer's backward reads (kept between them)
     fwd_fraction: float           # forward FLOPs / (forward + backward FLOPs)
     apply_dtypes: tuple[np.dtype, ...] = ()  # the values whose precision sets the update's FLOP rate (`rate_dtypes`)
+    exported: frozenset[int] = frozenset()  # values `ops` make that other ops or the program's outputs read
 
 
 def layer_facts(graph: Graph, layers: Layers) -> tuple[LayerFacts, ...]:
@@ -220,10 +228,21 @@ def layer_facts(graph: Graph, layers: Layers) -> tuple[LayerFacts, ...]:
     fwd_made = {t for op in graph.ops if layers.op_phase[op.index] == FORWARD for t in op.outputs}
     sigs = [signature(op, graph) for op in graph.ops]
     flops = [sig.flops for sig in sigs]
+    readers: dict[int, set[int]] = {}
+    for op in graph.ops:
+        for t in op.tensor_inputs:
+            readers.setdefault(t, set()).add(op.index)
+    program_outputs = {t for t in graph.outputs if isinstance(t, int)}
+    planned: list[list[int]] = [[] for _ in range(layers.num_layers)]  # `Layers.ops_of` in one pass
+    updating: list[list[int]] = [[] for _ in range(layers.num_layers)]
+    for i, (l, phase) in enumerate(zip(layers.op_layer, layers.op_phase)):
+        (updating if phase == APPLY else planned)[l].append(i)
     out = []
     for l in range(layers.num_layers):
-        ops = layers.ops_of(l, (FORWARD, BACKWARD))
-        apply_ops = layers.ops_of(l, (APPLY,))
+        ops, apply_ops = tuple(planned[l]), tuple(updating[l])
+        inside = set(ops)
+        exported = frozenset(t for i in ops for t in graph.ops[i].outputs
+                             if t in program_outputs or not readers.get(t, set()) <= inside)
         # Parameters: read by both the gradient computation and the update (optimizer state only by
         # the update, the batch only by the gradient computation).
         params = tuple(sorted(apply_reads[l] & grad_reads[l]))
@@ -244,6 +263,7 @@ def layer_facts(graph: Graph, layers: Layers) -> tuple[LayerFacts, ...]:
             fwd_fraction=f_fwd / f_all if f_all else 0.0,
             apply_dtypes=tuple(sorted({d for i in apply_ops for d in _rate_dtypes(graph, graph.ops[i], sigs[i])},
                                       key=str)),
+            exported=exported,
         ))
     return tuple(out)
 
@@ -281,7 +301,7 @@ def _gradients(graph: Graph, layers: Layers) -> dict[int, int]:
 
 def _layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmesh: LogicalMesh,
                 hardware: Hardware, options: PlanOptions, pinned: Mapping[int, Spec] | None = None) -> LayerCost:
-    sub, ext = subgraph(graph, facts.ops, f"{layers.names[layer]}/", facts.param_grads)
+    sub, ext = subgraph(graph, facts.ops, f"{layers.names[layer]}/", facts.param_grads, facts.exported)
     if not sub.ops:
         return LayerCost(0.0, 0.0, 0.0, 0.0, 0.0)
     cost = lmesh.cost_model(hardware)
