@@ -65,6 +65,18 @@ def test_slow_host_links_pipeline_along_host_boundaries():
     assert all(set(s) >= {"layers", "submesh", "mesh", "devices", "shardings", "inflight_microbatches"}
                for s in stages)
     assert any("['params']['blocks_0']" in p for p in stages[0]["shardings"])
+    # Where no single stage fits, the ranking says how far that was searched.
+    import dataclasses
+    import math
+
+    from planner.present.ranking import _no_single
+
+    assert info["planning"]["single_stage_mesh_search"] in (True, False)
+    unfit = dataclasses.replace(pp, single_stage_time_s=math.inf, single_stage_time_unconstrained_s=2 * pp.step_time_s,
+                                planning={**pp.planning, "single_stage_mesh_search": False})
+    assert "per-layer tables" in _no_single(unfit) and "2.0x this pipeline" in _no_single(unfit)
+    searched = dataclasses.replace(unfit, planning={**pp.planning, "single_stage_mesh_search": True})
+    assert _no_single(searched) == "does not fit the budget on any mesh shape searched"
 
 
 def test_forced_pipeline_schedule_and_microbatches():

@@ -84,8 +84,20 @@ def pipeline_ranking(plan: Plan, pp: PipelinePlan, cluster: Cluster, flops: Mapp
     single = pp.single_stage_time_s
     if pp.num_stages > 1 and single is not None:
         out.append(({"mesh": mesh_text, "axes": "whole cluster, no microbatching", "status": "single stage",
-                     "note": f"{fmt_time(single)}/step" if math.isfinite(single) else "does not fit the budget"}, None))
+                     "note": f"{fmt_time(single)}/step" if math.isfinite(single) else _no_single(pp)}, None))
     return out
+
+
+def _no_single(pp: PipelinePlan) -> str:
+    """Why the pipeline search has no single-stage plan, and how far it searched."""
+    free = pp.single_stage_time_unconstrained_s
+    if pp.planning.get("single_stage_mesh_search"):
+        return "does not fit the budget on any mesh shape searched"
+    text = "does not fit the budget as the per-layer tables price it"
+    if free is not None and math.isfinite(free):
+        text += (f" ({fmt_time(free)}/step ignoring memory, {free / pp.step_time_s:.1f}x this pipeline: "
+                 "the whole-program mesh search was skipped)")
+    return text
 
 
 def plan_view(ranked: Ranked, graph: Graph, label: str, devices: int, cluster: Cluster | None,

@@ -416,6 +416,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
         single = single_free = whole = None
         whole_axes: tuple[int, ...] = ()
         searched = False  # the single-stage plan is the mesh search's
+        mesh_search = False  # the single stage was searched over every mesh shape (not only priced by the tables)
         full = len(shapes) - 1
         if options.pipeline == "auto":
             graph, layers, table, t0 = build(1)
@@ -452,7 +453,8 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
             # single, skips a search of minutes), each mesh pruned by its bound against the best so far.
             best_pp = min((c.step_s for c in candidates), default=math.inf)
             held = st1
-            if pins is None and len(shapes) > 1 and single_free < best_pp:
+            mesh_search = pins is None and len(shapes) > 1 and single_free < best_pp
+            if mesh_search:
                 t0 = time.perf_counter()
                 found = _single_stage_search(graph, cluster, options, budget, devices, min(single, best_pp))
                 if found is not None and found[0].prediction.step_time_s < single:
@@ -477,7 +479,8 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
                             len(cache), single, single_free,
                             tuple((c.B, c.step_s, len(c.dp.stages) if c.dp else 0) for c in candidates),
                             {"dp_evaluations": evaluations, "logical_meshes": len(meshes),
-                             **({"stacked_params": list(stacked)} if stacked else {})})
+                             **({"stacked_params": list(stacked)} if stacked else {}),
+                             **({"single_stage_mesh_search": mesh_search} if options.pipeline == "auto" else {})})
         if whole is None or pp.num_stages > 1:
             return pp
         st = pp.stages[0]
