@@ -373,6 +373,10 @@ def cmd_plan(args, out) -> int:
     if pipelined and args.mesh is not None:
         raise CLIError("--mesh fixes one logical mesh but --pipeline searches submeshes and their meshes itself; "
                        "drop --mesh or use --pipeline off")
+    if (pipelined or _pp_baseline(args)[1]) and args.memory_budget is not None \
+            and args.memory_budget.strip().lower() in ("none", "off", "0", "unlimited"):
+        raise CLIError(f"--memory-budget {args.memory_budget} with --pipeline: pipeline stages are planned to fit a "
+                       "memory budget (default: the device memory); give a size such as 80GB")
     meshes = [] if pipelined else candidate_specs(args, num_devices)
     if args.profile is not None and not os.path.isfile(args.profile):
         raise CLIError(f"--profile {args.profile!r} does not exist; write one with `planner profile` or drop --profile")

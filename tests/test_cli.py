@@ -146,6 +146,8 @@ def test_inter_host_axes(shape, per_host, expected):
     (["--fn", "json", "--mesh", "8"], "is not MODULE:FACTORY"),
     (["--fn", "json:dumps", "--mesh", "8"], "dumps() raised TypeError"),
     (["--model", "mlp-tiny", "--mesh", "8", "--profile", "/nonexistent/db.json"], "does not exist"),
+    (["--model", "mlp-tiny", "--devices", "8", "--pipeline", "auto", "--memory-budget", "none"],
+     "pipeline stages are planned to fit a memory budget"),
 ])
 def test_errors_are_one_line_with_status_2(capsys, argv, needle):
     code, out, err = run(capsys, "plan", "--quiet", *argv)

@@ -472,7 +472,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
         feasible = [c for c in candidates if c.dp is not None and math.isfinite(c.step_s)]
         if not feasible:
             raise InfeasiblePlanError(
-                f"no pipeline of {cluster} fits the memory budget of {budget:.4g} bytes per device for any of "
+                f"no pipeline of {cluster} fits the memory budget of {format_bytes(budget)} per device for any of "
                 f"{list(counts)} microbatches; raise memory_budget, use more devices or more microbatches")
         best = min(feasible, key=lambda c: (c.step_s, len(c.dp.stages)))
         pp = _pipeline_plan(best, _stage_plans(best, shapes, meshes, cluster), options, cluster, t_start, timings,
