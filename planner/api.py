@@ -25,7 +25,7 @@ from planner.plan import Plan
 from planner.planning import check_options, make_plan
 from planner.remat import plan_remat, record as remat_record
 from planner.sharding import to_partition_spec
-from planner.search import best_plan, candidate_meshes, search_meshes
+from planner.search import best_plan, candidate_meshes, default_mesh_ndim, search_meshes
 from planner.stages.planned import plan_with_stages
 from planner.units import format_bytes
 
@@ -170,7 +170,8 @@ class PlannedFunction:
             options = micro_options(self.options, budget)
             if self._mesh_spec is not None:
                 return make_plan(g, self._mesh_spec, options, self._jax_mesh, pins=self._pinned(g, args))
-            meshes = candidate_meshes(len(self.devices), self.options.mesh_ndim)
+            meshes = candidate_meshes(len(self.devices), default_mesh_ndim(
+                self.options.mesh_ndim, len({getattr(d, "process_index", 0) for d in self.devices})))
             results = search_meshes(g, meshes, options, devices=self.devices)
             over = [r.min_memory_bytes for r in results if r.over_budget and r.min_memory_bytes is not None]
             if results[0].plan is None and over:
@@ -188,7 +189,8 @@ class PlannedFunction:
         return acc.graph, plan, jitted
 
     def _choose_mesh(self, graph: Graph) -> Plan:
-        meshes = candidate_meshes(len(self.devices), self.options.mesh_ndim)
+        meshes = candidate_meshes(len(self.devices), default_mesh_ndim(
+                self.options.mesh_ndim, len({getattr(d, "process_index", 0) for d in self.devices})))
         return best_plan(search_meshes(graph, meshes, self.options, devices=self.devices), self.options.memory_budget)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:

@@ -57,7 +57,8 @@ from planner.present.ranking import hardware_record, mesh_ranking, pipeline_rank
 from planner.present.report import PlanView, fmt_bytes, format_levers, format_plan
 from planner.programs import load_factory, load_model
 from planner.remat import plan_remat, record as remat_record
-from planner.search import MeshResult, candidate_meshes, inter_host_axes, no_fit_error, search_meshes
+from planner.search import (MeshResult, candidate_meshes, default_mesh_ndim, inter_host_axes, no_fit_error,
+                            search_meshes)
 from planner.stages import make_cluster, plan_stages
 from planner.units import parse_bytes
 from zoo import model_names
@@ -105,9 +106,10 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     where = p.add_argument_group("the target (one of; --mesh may combine with --cluster)")
     where.add_argument("--devices", type=_positive_int, metavar="N", help="N devices on one host; search mesh shapes")
     where.add_argument("--mesh", metavar="AxB", help="a fixed logical mesh shape, e.g. 2x4 (axes named x, y, ...)")
-    where.add_argument("--mesh-ndim", type=int, choices=(1, 2, 3), default=2,
+    where.add_argument("--mesh-ndim", type=int, choices=(1, 2, 3), default=None,
                        help="without --mesh: search logical meshes of up to this many axes (3 adds e.g. "
-                            "data x fsdp x tensor meshes, each started from the best 2-D plan it refines)")
+                            "data x fsdp x tensor meshes refining the best 2-D plan's mesh, searched near that plan; "
+                            "default: 3 for a cluster of several hosts, else 2)")
     where.add_argument("--cluster", metavar="HOSTSxDEVICES",
                        help="HOSTS hosts with DEVICES devices each, e.g. 2x8 or 2x8:h100; mesh axes that cross "
                             "hosts use the slower inter-host links. Or a cluster file (JSON): {\"hosts\": 8, "
@@ -231,8 +233,9 @@ def parse_cluster(text: str) -> Cluster:
                        "8 devices each (optionally 2x8:h100 to name the hardware)") from None
 
 
-def candidate_specs(args, num_devices: int):
-    """The MeshSpecs to plan: the --mesh one, or every candidate shape of the device count."""
+def candidate_specs(args, num_devices: int, hosts: int = 1):
+    """The MeshSpecs to plan: the --mesh one, or every candidate shape of the device count (on
+    `hosts` hosts: `search.default_mesh_ndim`)."""
     if args.mesh is not None:
         if not _MESH.match(args.mesh):
             raise CLIError(f"--mesh {args.mesh!r} is not a shape like 2x4; write the axis sizes joined by 'x'")
@@ -241,7 +244,7 @@ def candidate_specs(args, num_devices: int):
             raise CLIError(f"--mesh {args.mesh} has {math.prod(shape)} devices but the target has {num_devices}; "
                            f"choose sizes whose product is {num_devices}")
         return [MeshSpec(shape, default_axis_names(len(shape)))]
-    return candidate_meshes(num_devices, getattr(args, "mesh_ndim", 2))
+    return candidate_meshes(num_devices, default_mesh_ndim(getattr(args, "mesh_ndim", None), hosts))
 
 
 _CLUSTER_FILE_KEYS = ("hosts", "devices_per_host", "hardware", "inter_host", "intra_host")
@@ -377,7 +380,7 @@ def cmd_plan(args, out) -> int:
             and args.memory_budget.strip().lower() in ("none", "off", "0", "unlimited"):
         raise CLIError(f"--memory-budget {args.memory_budget} with --pipeline: pipeline stages are planned to fit a "
                        "memory budget (default: the device memory); give a size such as 80GB")
-    meshes = [] if pipelined else candidate_specs(args, num_devices)
+    meshes = [] if pipelined else candidate_specs(args, num_devices, cluster.hosts if cluster is not None else 1)
     if args.profile is not None and not os.path.isfile(args.profile):
         raise CLIError(f"--profile {args.profile!r} does not exist; write one with `planner profile` or drop --profile")
     try:

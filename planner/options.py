@@ -70,9 +70,11 @@ class PlanOptions:
         microbatch loop would reshard from the arguments in every microbatch (a ZeRO-3 parameter's
         all-gather) are resharded once before the loop while `memory_budget` allows; False: every
         microbatch reshards them.
-      mesh_ndim: the most axes of the logical meshes searched when no mesh is given (1, 2 or 3): 3
-        adds every 3-D factorisation (e.g. data x fsdp x tensor), each solved from the best plan of
-        a 2-D mesh it refines within that plan's solver units (`search.search_meshes`).
+      mesh_ndim: the most axes of the logical meshes searched when no mesh is given (1, 2 or 3;
+        None: 3 when the devices span several hosts, else 2, `search.default_mesh_ndim`): 3 adds the
+        3-D factorisations (e.g. data x fsdp x tensor) that refine the mesh of the fastest 2-D plan,
+        each searched near that plan: its shardings and those with one mesh axis moved
+        (`search.search_meshes`, `search.neighbourhood`). A 3-D mesh given explicitly is searched whole.
     """
 
     memory_budget: float | None = None
@@ -96,14 +98,14 @@ class PlanOptions:
     offload: str = "off"
     remat: str = "off"
     donate_argnums: tuple[int, ...] = ()
-    mesh_ndim: int = 2
+    mesh_ndim: int | None = None
     unshard: bool = True
 
     def __post_init__(self):
         if not isinstance(self.unshard, bool):
             raise InvalidArgumentError(f"unshard={self.unshard!r} must be True or False")
-        if self.mesh_ndim not in (1, 2, 3) or isinstance(self.mesh_ndim, bool):
-            raise InvalidArgumentError(f"mesh_ndim={self.mesh_ndim!r} must be 1, 2 or 3")
+        if self.mesh_ndim not in (None, 1, 2, 3) or isinstance(self.mesh_ndim, bool):
+            raise InvalidArgumentError(f"mesh_ndim={self.mesh_ndim!r} must be None, 1, 2 or 3")
         if not (isinstance(self.donate_argnums, tuple)
                 and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.donate_argnums)):
             raise InvalidArgumentError(f"donate_argnums={self.donate_argnums!r} must be argument positions (ints >= 0)")

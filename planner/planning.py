@@ -212,8 +212,10 @@ def donated_inputs(graph: Graph, argnums: Sequence[int]) -> frozenset[int]:
 
 
 def plan_problem(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None = None,
-                 pins: Mapping[int, Spec] | None = None) -> Problem:
-    """The ILP `make_plan` solves for `graph` on `mesh` (the mesh search bounds it before solving).
+                 pins: Mapping[int, Spec] | None = None,
+                 allowed: Mapping[int, frozenset[Spec]] | None = None) -> Problem:
+    """The ILP `make_plan` solves for `graph` on `mesh` (the mesh search bounds it before solving);
+    `allowed` restricts it to a neighbourhood of specs (`ilp.problem.build_problem`).
 
     Raises:
       MeshError: a mesh axis that can split nothing.
@@ -224,7 +226,7 @@ def plan_problem(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: j
     pinned = {graph.inputs[i]: spec for i, spec in (pins or {}).items()}
     problem = build_problem(graph, cost, tie_outputs=options.tie_outputs, share_layers=options.share_layers,
                             pins=pinned, donated_inputs=donated_inputs(graph, options.donate_argnums),
-                            device_platform=_device_platform(jax_mesh))
+                            device_platform=_device_platform(jax_mesh), allowed=allowed)
     overlap = options.overlap and cost.hardware.platform != "cpu"
     problem = dataclasses.replace(problem, overlap=overlap, prefetch=overlap and options.prefetch)
     log.info("built ILP: %d ops -> %d decisions (%d after layer sharing), %d edges in %.2fs", len(graph.ops),

@@ -22,6 +22,7 @@ from planner.ilp.problem import Problem
 from planner.ilp.solver import (LEVERS, MIN_MEMORY_LIMIT, Lever, levers_of, levers_text, memory_floor,
                                 memory_lower_bound, smallest_peak)
 from planner.mesh import MeshSpec, default_axis_names
+from planner.sharding import active_axes
 from planner.offload import bounding_problem
 from planner.options import PlanOptions
 from planner.plan import Plan
@@ -31,7 +32,7 @@ from planner.units import format_bytes
 log = logging.getLogger("planner")
 
 
-REFINE_MIN_UNITS = 1.0  # deterministic units a mesh refining a coarser plan gets at least (`search_meshes`)
+REFINE_UNITS = 0.5  # deterministic units of a neighbourhood search on a mesh of three axes (`search_meshes`)
 
 
 def candidate_meshes(num_devices: int, max_ndim: int = 2) -> list[MeshSpec]:
@@ -45,6 +46,14 @@ def candidate_meshes(num_devices: int, max_ndim: int = 2) -> list[MeshSpec]:
         out += [MeshSpec((a, b, num_devices // (a * b)), default_axis_names(3)) for a in divisors for b in divisors
                 if num_devices % (a * b) == 0 and num_devices // (a * b) >= 2]
     return out
+
+
+def default_mesh_ndim(mesh_ndim: int | None, hosts: int) -> int:
+    """The most mesh axes a search tries: `mesh_ndim` when given, else 3 for devices on several
+    hosts (where a third axis lets, e.g., the batch cross hosts while parameters are split over part
+    of each host and the tensor dimensions over the rest), 2 on one host (measured: searching
+    2x2x2 adds about 30% to gpt2-small's 8-device search and its answer was the 2x4 plan)."""
+    return mesh_ndim if mesh_ndim is not None else 3 if hosts > 1 else 2
 
 
 def coarsenings(shape: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]]:
@@ -86,6 +95,50 @@ def refined_choice(problem: Problem, plan: Plan, axes: Sequence[tuple[int, ...]]
                                         for t, specs, pos in node.requires)]
         choice.append(min(same or alike, key=lambda j: node.costs[j]))
     return tuple(choice)
+
+
+def neighbourhood(graph: Graph, plan: Plan, axes: Sequence[tuple[int, ...]], mesh: MeshSpec) -> dict[int, frozenset]:
+    """The specs a finer mesh's search keeps near `plan` (made on the coarser mesh, `coarsenings`):
+    per tensor the plan lays out, its spec (and the specs its readers read it in) with every
+    coarse axis replaced by its fine axes (as `refined_choice` maps them) and every spec one
+    active axis of `mesh` away from those (the
+    axis taken out, or moved to another dim, or added to a dim it did not split). Over these,
+    `ilp.problem.build_problem(allowed=...)` builds a small ILP holding the plan itself and the
+    layouts that use the split axes apart (e.g. batch over x*y, heads over z where the coarse plan
+    splits heads over y*z)."""
+    def fine(spec):
+        return tuple(tuple(f for a in dim for f in axes[a]) for dim in spec)
+
+    made = list(zip(graph.inputs, plan.input_specs)) + [(graph.ops[op].outputs[k], spec) for op, k, spec in plan.op_specs]
+    read = [(graph.ops[op].inputs[pos], spec) for op, pos, spec in plan.operand_specs]  # where read resharded
+    out: dict[int, frozenset] = {}
+    for t, spec in made + read:
+        if isinstance(t, int):
+            out[t] = out.get(t, frozenset()) | _one_axis_away(fine(spec), mesh)
+    return out
+
+
+def _one_axis_away(spec, mesh: MeshSpec) -> frozenset:
+    near = {spec}
+    for a in active_axes(mesh):
+        without = tuple(tuple(x for x in dim if x != a) for dim in spec)
+        near.add(without)
+        for d in range(len(spec)):
+            near.add(tuple(tuple(sorted(dim + (a,))) if k == d else dim for k, dim in enumerate(without)))
+    return frozenset(near)
+
+
+def keeps_together(plan: Plan, pair: tuple[int, int]) -> bool:
+    """Whether every spec of `plan` uses the two neighbouring mesh axes `pair` as one: both in one
+    dim, the first right before the second, or neither (the plan is then a plan of the mesh with
+    those axes merged)."""
+    a, b = pair
+    specs = list(plan.input_specs) + [spec for _, _, spec in plan.op_specs]
+    for spec in specs:
+        for dim in spec:
+            if (a in dim) != (b in dim) or (a in dim and dim.index(b) != dim.index(a) + 1):
+                return False
+    return True
 
 
 def inter_host_axes(shape: Sequence[int], devices_per_host: int) -> tuple[int, ...]:
@@ -167,6 +220,7 @@ class _Candidate:
     memory_bound: int | None = None
     time_bound: float = 0.0
     build_s: float = 0.0
+    refines: tuple | None = None  # (coarse MeshResult, fine axes of each coarse axis): a neighbourhood search
 
 
 def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions,
@@ -212,6 +266,7 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
     keys: dict[tuple, MeshSpec] = {}
     built: dict[MeshSpec, _Candidate] = {}
     candidates: list[_Candidate] = []
+    deferred: list[_Candidate] = []  # meshes of three or more axes (`refine`)
     floors: dict[int, int] = {}  # devices -> `solver.memory_floor`
     for k, spec in enumerate(meshes):
         inter = inter_host_axes(spec.shape, devices_per_host) if devices_per_host else options.inter_host_axes
@@ -239,6 +294,9 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
             log.info("mesh %s: needs >= %s/device, over the budget: not built", spec, format_bytes(floor))
             continue
         cand = _Candidate(k, spec, inter, dataclasses.replace(options, inter_host_axes=inter))
+        if len(spec.shape) >= 3:  # searched around the best plan of a mesh it refines, once that is known
+            deferred.append(cand)
+            continue
         log.info("building the ILP of mesh %s (%d/%d) ...", spec, k + 1, len(meshes))
         t0 = time.perf_counter()
         try:
@@ -300,9 +358,13 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
     # that plan is one of its plans, `refined_choice`) when that start ranks before the solver's own
     # greedy one (`ilp.solver.solve`: it fits the budget and the greedy does not, or it is faster):
     # under a binding budget a 2-D mesh begins from a fitting plan instead of none. Meshes of three
-    # or more axes also search only for what the extra axis adds, within the units their start took
-    # (at least `REFINE_MIN_UNITS`, at most the solver limit): from scratch, gpt2-small's 2x2x2 ILP
-    # spent the whole 30-unit limit and stopped 2.8% slower than the 2x4 plan it contains.
+    # or more axes are searched after the others, only those refining the mesh of the fastest plan so
+    # far, and only near that plan (`refine`: an ILP over its specs and those one axis away, built
+    # then, solved from the plan within `REFINE_UNITS`); a result that is that plan again (no faster,
+    # or the split axes kept together everywhere) is reported as such, not as a new plan. From
+    # scratch, gpt2-small's whole 2x2x2 ILP took 4.3 s to build and spent the 30-unit limit, 2.8%
+    # slower than the 2x4 plan it contains; near the 2x4 plan it builds in 1.9 s and is solved in
+    # 0.5 units (its answer: the 2x4 plan, priced 1% lower on 2x2x2, `strategies.edge_time`).
     threads = max(1, min(len(candidates), idle_cores() // max(1, options.solver_workers) if threads is None
                          else threads))
     best = beat
@@ -318,13 +380,77 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
             if choice is not None:
                 start, units, coarse_time = choice, r.deterministic_time or 0.0, r.plan.prediction.step_time_s
         if start is not None and len(cand.mesh.shape) > 2:
-            limit = min(options.solver_time_limit, max(REFINE_MIN_UNITS, units))
+            limit = min(options.solver_time_limit, REFINE_UNITS)
             cand.options = dataclasses.replace(cand.options, solver_time_limit=limit)
         return start
 
+    def refine(cand: _Candidate) -> bool:
+        """Builds the ILP of a mesh of three or more axes over the neighbourhood (`neighbourhood`) of
+        the fastest plan of a mesh it refines; False (and the mesh's result recorded) when there is
+        none or the mesh cannot be searched."""
+        by_shape = {r.mesh.shape: r for r in planned}
+        around = None
+        for coarse, axes in coarsenings(cand.mesh.shape):
+            r = by_shape.get(coarse)
+            if r is not None and (around is None or r.plan.prediction.step_time_s < around[0].plan.prediction.step_time_s):
+                around = (r, axes)
+        fastest = min(planned, key=lambda r: r.plan.prediction.step_time_s, default=None)
+        if around is None or around[0] is not fastest:
+            reason = ("no plan of fewer axes to search near" if fastest is None else
+                      f"3-D meshes are searched near the fastest plan so far (mesh {fastest.mesh}); this one does "
+                      "not refine its mesh")
+            pruned.append(MeshResult(cand.mesh, None, None, cand.inter, 0.0, pruned=reason))
+            log.info("mesh %s: %s", cand.mesh, reason)
+            return False
+        log.info("building the ILP of mesh %s around the plan of mesh %s ...", cand.mesh, around[0].mesh)
+        t0 = time.perf_counter()
+        try:
+            jax_mesh = cand.mesh.to_jax_mesh(devices) if devices is not None else None
+            cand.problem = plan_problem(graph, cand.mesh, cand.options, jax_mesh,
+                                        allowed=neighbourhood(graph, around[0].plan, around[1], cand.mesh))
+        except (MeshError, PlannerError) as e:
+            failed.append(MeshResult(cand.mesh, None, e, cand.inter, time.perf_counter() - t0))
+            log.info("mesh %s: %s", cand.mesh, e)
+            return False
+        cand.refines = around
+        cand.time_bound = step_time_lower_bound(cand.problem)
+        cand.build_s = time.perf_counter() - t0
+        built[cand.mesh] = cand
+        if budget is not None:
+            bound = int(memory_lower_bound(bounding_problem(cand.problem, options.offload)).max())
+            if bound > budget:  # the neighbourhood holds the coarse plan: only when that is over budget too
+                error = InfeasiblePlanError(
+                    f"no plan fits the memory budget of {format_bytes(budget)} per device on mesh {cand.mesh} near the "
+                    f"plan of mesh {around[0].mesh}: none goes below {format_bytes(bound)} (lower bound; not solved)",
+                    None, bound)
+                failed.append(MeshResult(cand.mesh, None, error, cand.inter, cand.build_s,
+                                         time_bound_s=cand.time_bound, over_bound=True))
+                return False
+        return True
+
+    def same_as_coarse(cand: _Candidate, result: MeshResult) -> MeshResult:
+        """`result`, or a pruned record when its plan is its coarse plan again: no faster, or every
+        spec keeping the split axes together (a plan of the coarse mesh)."""
+        if cand.refines is None or result.plan is None:
+            return result
+        coarse, axes = cand.refines
+        pair = next(fine for fine in axes if len(fine) == 2)
+        names = "*".join(cand.mesh.axis_names[a] for a in pair)
+        if result.plan.prediction.step_time_s >= coarse.plan.prediction.step_time_s:
+            reason = f"its best plan near mesh {coarse.mesh}'s is no faster than that plan"
+        elif keeps_together(result.plan, pair):
+            reason = f"its best plan uses {names} as one axis everywhere: the plan of mesh {coarse.mesh}"
+        else:
+            return result
+        log.info("mesh %s: %s", cand.mesh, reason)
+        return MeshResult(cand.mesh, None, None, cand.inter, result.plan_time_s, pruned=reason,
+                          time_bound_s=cand.time_bound, deterministic_time=result.deterministic_time)
+
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        for ndim in sorted({len(c.mesh.shape) for c in candidates}):
-            queue = [c for c in candidates if len(c.mesh.shape) == ndim]
+        for ndim in sorted({len(c.mesh.shape) for c in candidates + deferred}):
+            if ndim >= 3:
+                candidates.extend(c for c in deferred if len(c.mesh.shape) == ndim and refine(c))
+            queue = sorted((c for c in candidates if len(c.mesh.shape) == ndim), key=lambda c: (c.time_bound, c.index))
             running: dict = {}
             while queue or running:
                 while queue and len(running) < threads:
@@ -341,9 +467,10 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
                     break
                 finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
                 for future in finished:
-                    del running[future]
-                    result = future.result()
-                    if result.plan is not None:
+                    result = same_as_coarse(running.pop(future), future.result())
+                    if result.pruned is not None:
+                        pruned.append(result)
+                    elif result.plan is not None:
                         planned.append(result)
                         best = min(best, result.plan.prediction.step_time_s)
                     else:

@@ -185,7 +185,8 @@ def _followed_operand(op, sig, graph: Graph, free: set[int], arrays: list[int]) 
 
 def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool = True,
                   share_layers: bool = True, pins: Mapping[int, Spec] | None = None,
-                  donated_inputs: frozenset[int] = frozenset(), device_platform: str = "") -> Problem:
+                  donated_inputs: frozenset[int] = frozenset(), device_platform: str = "",
+                  allowed: Mapping[int, frozenset[Spec]] | None = None) -> Problem:
     """Builds nodes (with follower merging), edges, output ties and tensor live ranges.
 
     Tensors computed from literals alone (iotas, broadcast zeros, masks) are *free*: any device
@@ -208,6 +209,12 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     `device_platform`: the XLA backend the program compiles for ("" = the hardware preset's): time
     follows the preset's fusion rules, the update values never written to memory (`unwritten`)
     follow that backend's (`planner.fusion`).
+
+    `allowed` (tensor id -> specs) restricts the search to a neighbourhood (`search.neighbourhood`):
+    an argument takes only its allowed specs, an op that decides (not a follower) only the
+    strategies making every result in an allowed spec and, of those, the ones reading every
+    operand in an allowed spec (each filter dropped when nothing passes it); followers follow their
+    lead as always. Tensors not in it are unrestricted.
     """
     pins = pins or {}
     nodes: list[Node] = []
@@ -219,6 +226,8 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     for tid, path in zip(graph.inputs, graph.input_paths):
         t = graph.tensors[tid]
         specs = [pins[tid]] if tid in pins else list(enumerate_specs(t.shape, cost.mesh))
+        if allowed and tid in allowed and tid not in pins:
+            specs = [s for s in specs if s in allowed[tid]] or specs
         keep = [TIE_BREAK_S_PER_BYTE * shard_bytes(t, s, cost.mesh) for s in specs]
         nodes.append(Node(len(nodes), f"input {path}", keep, [[] for _ in specs], {tid: specs}, [],
                           [], ["" for _ in specs]))
@@ -276,10 +285,16 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
             owner[op.outputs[0]] = node.index
             continue
         traffic = (memory_traffic[op.index].reads, memory_traffic[op.index].writes)
-        key = (_sig_key(sig), tuple(ins), tuple(outs), op.name in HEAVY, combined, traffic)
+        near = tuple(allowed.get(t) for t in op.outputs) if allowed else ()
+        reads = tuple(allowed.get(x) if isinstance(x, int) else None for x in op.inputs) if allowed else ()
+        key = (_sig_key(sig), tuple(ins), tuple(outs), op.name in HEAVY, combined, traffic, near, reads)
         if key not in enumerated:
             found = enumerate_strategies(sig, ins, outs, cost, full_split_only=op.name in HEAVY, combined=combined,
                                          traffic=traffic)
+            if any(a is not None for a in near):  # results near, operands near too where some such strategy is
+                found = [s for s in found if all(a is None or o in a for o, a in zip(s.out_specs, near))] or found
+                found = [s for s in found if all(a is None or i is None or i in a
+                                                 for i, a in zip(s.in_specs, reads))] or found
             enumerated[key] = (found, [s.describe(cost.mesh) for s in found],
                                [[cost.collective_time(kd, b, a, combined) for kd, a, b in s.comms] for s in found])
         strategies, descriptions, comm_times = enumerated[key]
