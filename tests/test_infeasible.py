@@ -26,10 +26,11 @@ def _mlp_grad_problem(layers: int = 3, d: int = 64):
 
 
 def test_deterministic_limit_reached_gives_the_same_plan_twice():
-    problem = _mlp_grad_problem()
+    problem = _mlp_grad_problem(layers=6)
     full = solve(problem, time_limit=30.0)
     assert full.status == "optimal" and full.optimal and full.gap == 0.0 and full.limit is None
     # 0.1 deterministic units stop this search before it proves optimality (it needs ~0.2).
+    assert full.deterministic_time > 0.15
     first = solve(problem, time_limit=0.1)
     second = solve(problem, time_limit=0.1)
     assert first.limit == "deterministic" and not first.optimal
