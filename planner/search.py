@@ -100,12 +100,11 @@ def refined_choice(problem: Problem, plan: Plan, axes: Sequence[tuple[int, ...]]
 def neighbourhood(graph: Graph, plan: Plan, axes: Sequence[tuple[int, ...]], mesh: MeshSpec) -> dict[int, frozenset]:
     """The specs a finer mesh's search keeps near `plan` (made on the coarser mesh, `coarsenings`):
     per tensor the plan lays out, its spec (and the specs its readers read it in) with every
-    coarse axis replaced by its fine axes (as `refined_choice` maps them) and every spec one
-    active axis of `mesh` away from those (the
-    axis taken out, or moved to another dim, or added to a dim it did not split). Over these,
-    `ilp.problem.build_problem(allowed=...)` builds a small ILP holding the plan itself and the
-    layouts that use the split axes apart (e.g. batch over x*y, heads over z where the coarse plan
-    splits heads over y*z)."""
+    coarse axis replaced by its fine axes (as `refined_choice` maps them), and every spec one
+    active axis of `mesh` away from those (the axis taken out, moved to another dim, or added to a
+    dim it did not split). Over these, `ilp.problem.build_problem(allowed=...)` builds a small ILP
+    holding the plan itself and the layouts that use the split axes apart (e.g. batch over x*y,
+    heads over z where the coarse plan splits heads over y*z)."""
     def fine(spec):
         return tuple(tuple(f for a in dim for f in axes[a]) for dim in spec)
 
@@ -364,13 +363,13 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
     # or the split axes kept together everywhere) is reported as such, not as a new plan. From
     # scratch, gpt2-small's whole 2x2x2 ILP took 4.3 s to build and spent the 30-unit limit, 2.8%
     # slower than the 2x4 plan it contains; near the 2x4 plan it builds in 1.9 s and is solved in
-    # 0.5 units (its answer: the 2x4 plan, priced 1% lower on 2x2x2, `strategies.edge_time`).
+    # 0.5 units (its answer: the 2x4 plan).
     threads = max(1, min(len(candidates), idle_cores() // max(1, options.solver_workers) if threads is None
                          else threads))
     best = beat
 
     def start_of(cand: _Candidate) -> tuple[int, ...] | None:
-        start, units, coarse_time = None, 0.0, math.inf
+        start, coarse_time = None, math.inf
         by_shape = {r.mesh.shape: r for r in planned}
         for coarse, axes in coarsenings(cand.mesh.shape):
             r = by_shape.get(coarse)
@@ -378,7 +377,7 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
                 continue
             choice = refined_choice(cand.problem, r.plan, axes)
             if choice is not None:
-                start, units, coarse_time = choice, r.deterministic_time or 0.0, r.plan.prediction.step_time_s
+                start, coarse_time = choice, r.plan.prediction.step_time_s
         if start is not None and len(cand.mesh.shape) > 2:
             limit = min(options.solver_time_limit, REFINE_UNITS)
             cand.options = dataclasses.replace(cand.options, solver_time_limit=limit)

@@ -408,7 +408,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
             if dp is not None:
                 evaluations += dp.evaluations
                 step = dp.objective_s + _once_per_step_max(table, st, dp.stages)
-            log.info("B=%d: %s", B, "no feasible pipeline" if dp is None else
+            log.info("B=%d: %s", B, "no pipeline of the per-layer plans fits the budget" if dp is None else
                      f"{len(dp.stages)} stages, predicted {step:.4g} s/step")
             candidates.append(_Candidate(B, graph, layers, table, st, dp, step))
 
@@ -472,7 +472,9 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
         feasible = [c for c in candidates if c.dp is not None and math.isfinite(c.step_s)]
         if not feasible:
             raise InfeasiblePlanError(
-                f"no pipeline of {cluster} fits the memory budget of {format_bytes(budget)} per device for any of "
+                f"no pipeline of {cluster} built from the per-layer plans (each layer's fastest plan on each mesh, "
+                f"with or without recomputation and sharded state) fits the memory budget of {format_bytes(budget)} "
+                f"per device for any of "
                 f"{list(counts)} microbatches; raise memory_budget, use more devices or more microbatches")
         best = min(feasible, key=lambda c: (c.step_s, len(c.dp.stages)))
         pp = _pipeline_plan(best, _stage_plans(best, shapes, meshes, cluster), options, cluster, t_start, timings,
