@@ -12,7 +12,6 @@ competes too. The batch is the last positional argument; every leaf of it is spl
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -362,141 +361,123 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
     timings: dict[str, float] = {"trace_s": 0.0, "layer_costs_s": 0.0, "dp_s": 0.0}
     evaluations = 0
 
-    def traced(B: int) -> tuple[Graph, Layers, float]:
+    def build(B: int):
         t0 = time.perf_counter()
         if B == 1 and full_graph is not None:
             graph = full_graph
         else:
             graph = trace(fn, *microbatch_args(args, batch // B, batch_argnum))
-        return graph, cluster_layers(graph, num_layers), time.perf_counter() - t0
-
-    # Each microbatch count is traced (and its layers found) one count ahead, on a thread of its own,
-    # while the current count's layer ILPs are solved (CP-SAT releases the GIL): the same graphs,
-    # most of the tracing off the critical path.
-    order = list(counts) + ([1] if options.pipeline == "auto" else [])
-    ahead = concurrent.futures.ThreadPoolExecutor(1)
-    pending: dict[int, concurrent.futures.Future] = {}
-
-    def build(B: int):
-        if B not in pending:
-            pending[B] = ahead.submit(traced, B)
-        k = order.index(B) if B in order else -1
-        if 0 <= k < len(order) - 1 and order[k + 1] not in pending:
-            pending[order[k + 1]] = ahead.submit(traced, order[k + 1])
-        graph, layers, spent = pending.pop(B).result()
-        timings["trace_s"] += spent
+        layers = cluster_layers(graph, num_layers)
+        timings["trace_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         table = LayerCostTable(graph, layers, tuple(meshes), cluster, options, cache,
                                pins=None if pins is None else (lambda m, g=graph: pins(g, m)))
         return graph, layers, table, t0
 
-    try:
-        candidates: list[_Candidate] = []
-        stacked: tuple[str, ...] = ()
-        for B in counts:
-            graph, layers, table, t0 = build(B)
-            if B == counts[0]:
-                stacked = tuple(graph.input_paths[i] for i in stacked_inputs(graph, layers))
-                if stacked:
-                    log.warning("%s", stacked_note(stacked))
-            st = stage_times(table, shapes, per_submesh, B, options.schedule, budget, boundary_bytes(graph, layers))
-            timings["layer_costs_s"] += time.perf_counter() - t0
+    candidates: list[_Candidate] = []
+    stacked: tuple[str, ...] = ()
+    for B in counts:
+        graph, layers, table, t0 = build(B)
+        if B == counts[0]:
+            stacked = tuple(graph.input_paths[i] for i in stacked_inputs(graph, layers))
+            if stacked:
+                log.warning("%s", stacked_note(stacked))
+        st = stage_times(table, shapes, per_submesh, B, options.schedule, budget, boundary_bytes(graph, layers))
+        timings["layer_costs_s"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        dp = pipeline_dp(st.times, sizes, cluster.num_devices, B, min_stages=min_stages, rel_gap=rel_gap)
+        timings["dp_s"] += time.perf_counter() - t0
+        step = math.inf
+        if dp is not None:
+            evaluations += dp.evaluations
+            step = dp.objective_s + _once_per_step_max(table, st, dp.stages)
+        log.info("B=%d: %s", B, "no pipeline of the per-layer plans fits the budget" if dp is None else
+                 f"{len(dp.stages)} stages, predicted {step:.4g} s/step")
+        candidates.append(_Candidate(B, graph, layers, table, st, dp, step))
+
+    # The single-stage plan: the whole cluster, the whole batch at once.
+    single = single_free = whole = None
+    whole_axes: tuple[int, ...] = ()
+    searched = False  # the single-stage plan is the mesh search's
+    mesh_search = False  # the single stage was searched over every mesh shape (not only priced by the tables)
+    full = len(shapes) - 1
+    if options.pipeline == "auto":
+        graph, layers, table, t0 = build(1)
+        st1 = stage_times(table, shapes[full:], [per_submesh[full]], 1, options.schedule, budget,
+                          boundary_bytes(graph, layers))
+        free = stage_times(table, shapes[full:], [per_submesh[full]], 1, options.schedule, math.inf,
+                           boundary_bytes(graph, layers))
+        timings["layer_costs_s"] += time.perf_counter() - t0
+        L = layers.num_layers
+        single = float(st1.times[0, 0, L - 1, 0])
+        single_free = float(free.times[0, 0, L - 1, 0])
+        if math.isfinite(single):
+            single += _once_per_step_max(table, st1, (StageChoice(0, L - 1, 0, single),))
+            # The single stage runs as the whole program's intra-op plan (`planned.plan_stages`), whose
+            # prediction hides what the per-layer tables charge exposed (the gradient reduction behind
+            # the backward): it competes at that price, on the logical mesh the tables chose.
             t0 = time.perf_counter()
-            dp = pipeline_dp(st.times, sizes, cluster.num_devices, B, min_stages=min_stages, rel_gap=rel_gap)
-            timings["dp_s"] += time.perf_counter() - t0
-            step = math.inf
-            if dp is not None:
-                evaluations += dp.evaluations
-                step = dp.objective_s + _once_per_step_max(table, st, dp.stages)
-            log.info("B=%d: %s", B, "no pipeline of the per-layer plans fits the budget" if dp is None else
-                     f"{len(dp.stages)} stages, predicted {step:.4g} s/step")
-            candidates.append(_Candidate(B, graph, layers, table, st, dp, step))
+            lm = meshes[st1.options[0][int(st1.option[0, 0, L - 1, 0])].mesh_index]
+            whole_axes = lm.host_axes
+            bound = lm.mesh.to_jax_mesh(list(devices)[:lm.mesh.size]) if len(devices) >= lm.mesh.size else None
+            try:
+                whole = make_plan(graph, lm.mesh, dataclasses.replace(
+                    options, pipeline=False, memory_budget=budget, inter_host_axes=lm.host_axes,
+                    hardware=effective_hardware(cluster)), bound, pins=input_pins(pins, graph, lm))
+                single = whole.prediction.step_time_s
+            except PlannerError as e:
+                log.info("single stage on %s: %s", lm.mesh, e)
+                single = math.inf
+            timings["single_stage_s"] = time.perf_counter() - t0
+        # The tables view the whole cluster as one logical mesh (hosts x devices); the other mesh
+        # shapes of its devices (as `planner plan --pipeline off` searches them) may be faster, or fit
+        # where that one does not. Searched too when the single stage can compete on time (its table
+        # price ignoring memory is below the best pipeline's: GPT-39B on V100 16 GB, 17x slower
+        # single, skips a search of minutes), each mesh pruned by its bound against the best so far.
+        best_pp = min((c.step_s for c in candidates), default=math.inf)
+        held = st1
+        mesh_search = pins is None and len(shapes) > 1 and single_free < best_pp
+        if mesh_search:
+            t0 = time.perf_counter()
+            found = _single_stage_search(graph, cluster, options, budget, devices, min(single, best_pp))
+            if found is not None and found[0].prediction.step_time_s < single:
+                whole, whole_axes = found
+                single = whole.prediction.step_time_s
+                searched = True
+                held = st1 if math.isfinite(st1.times[0, 0, L - 1, 0]) else free  # the stage's bookkeeping
+            timings["single_stage_s"] = timings.get("single_stage_s", 0.0) + time.perf_counter() - t0
+        if math.isfinite(single_free):
+            single_free += _once_per_step_max(table, free, (StageChoice(0, L - 1, 0, single_free),))
+        dp1 = None if not math.isfinite(single) else \
+            DPResult((StageChoice(0, L - 1, full, float(held.times[0, 0, L - 1, 0])),), single, single, 0)
+        candidates.append(_Candidate(1, graph, layers, table, _remap(held, full, len(shapes)), dp1, single))
 
-        # The single-stage plan: the whole cluster, the whole batch at once.
-        single = single_free = whole = None
-        whole_axes: tuple[int, ...] = ()
-        searched = False  # the single-stage plan is the mesh search's
-        mesh_search = False  # the single stage was searched over every mesh shape (not only priced by the tables)
-        full = len(shapes) - 1
-        if options.pipeline == "auto":
-            graph, layers, table, t0 = build(1)
-            st1 = stage_times(table, shapes[full:], [per_submesh[full]], 1, options.schedule, budget,
-                              boundary_bytes(graph, layers))
-            free = stage_times(table, shapes[full:], [per_submesh[full]], 1, options.schedule, math.inf,
-                               boundary_bytes(graph, layers))
-            timings["layer_costs_s"] += time.perf_counter() - t0
-            L = layers.num_layers
-            single = float(st1.times[0, 0, L - 1, 0])
-            single_free = float(free.times[0, 0, L - 1, 0])
-            if math.isfinite(single):
-                single += _once_per_step_max(table, st1, (StageChoice(0, L - 1, 0, single),))
-                # The single stage runs as the whole program's intra-op plan (`planned.plan_stages`), whose
-                # prediction hides what the per-layer tables charge exposed (the gradient reduction behind
-                # the backward): it competes at that price, on the logical mesh the tables chose.
-                t0 = time.perf_counter()
-                lm = meshes[st1.options[0][int(st1.option[0, 0, L - 1, 0])].mesh_index]
-                whole_axes = lm.host_axes
-                bound = lm.mesh.to_jax_mesh(list(devices)[:lm.mesh.size]) if len(devices) >= lm.mesh.size else None
-                try:
-                    whole = make_plan(graph, lm.mesh, dataclasses.replace(
-                        options, pipeline=False, memory_budget=budget, inter_host_axes=lm.host_axes,
-                        hardware=effective_hardware(cluster)), bound, pins=input_pins(pins, graph, lm))
-                    single = whole.prediction.step_time_s
-                except PlannerError as e:
-                    log.info("single stage on %s: %s", lm.mesh, e)
-                    single = math.inf
-                timings["single_stage_s"] = time.perf_counter() - t0
-            # The tables view the whole cluster as one logical mesh (hosts x devices); the other mesh
-            # shapes of its devices (as `planner plan --pipeline off` searches them) may be faster, or fit
-            # where that one does not. Searched too when the single stage can compete on time (its table
-            # price ignoring memory is below the best pipeline's: GPT-39B on V100 16 GB, 17x slower
-            # single, skips a search of minutes), each mesh pruned by its bound against the best so far.
-            best_pp = min((c.step_s for c in candidates), default=math.inf)
-            held = st1
-            mesh_search = pins is None and len(shapes) > 1 and single_free < best_pp
-            if mesh_search:
-                t0 = time.perf_counter()
-                found = _single_stage_search(graph, cluster, options, budget, devices, min(single, best_pp))
-                if found is not None and found[0].prediction.step_time_s < single:
-                    whole, whole_axes = found
-                    single = whole.prediction.step_time_s
-                    searched = True
-                    held = st1 if math.isfinite(st1.times[0, 0, L - 1, 0]) else free  # the stage's bookkeeping
-                timings["single_stage_s"] = timings.get("single_stage_s", 0.0) + time.perf_counter() - t0
-            if math.isfinite(single_free):
-                single_free += _once_per_step_max(table, free, (StageChoice(0, L - 1, 0, single_free),))
-            dp1 = None if not math.isfinite(single) else \
-                DPResult((StageChoice(0, L - 1, full, float(held.times[0, 0, L - 1, 0])),), single, single, 0)
-            candidates.append(_Candidate(1, graph, layers, table, _remap(held, full, len(shapes)), dp1, single))
-
-        feasible = [c for c in candidates if c.dp is not None and math.isfinite(c.step_s)]
-        if not feasible:
-            raise InfeasiblePlanError(
-                f"no pipeline of {cluster} built from the per-layer plans (each layer's fastest plan on each mesh, "
-                f"with or without recomputation and sharded state) fits the memory budget of {format_bytes(budget)} "
-                f"per device for any of "
-                f"{list(counts)} microbatches; raise memory_budget, use more devices or more microbatches")
-        best = min(feasible, key=lambda c: (c.step_s, len(c.dp.stages)))
-        pp = _pipeline_plan(best, _stage_plans(best, shapes, meshes, cluster), options, cluster, t_start, timings,
-                            len(cache), single, single_free,
-                            tuple((c.B, c.step_s, len(c.dp.stages) if c.dp else 0) for c in candidates),
-                            {"dp_evaluations": evaluations, "logical_meshes": len(meshes),
-                             **({"stacked_params": list(stacked)} if stacked else {}),
-                             **({"single_stage_mesh_search": mesh_search} if options.pipeline == "auto" else {})})
-        if whole is None or pp.num_stages > 1:
-            return pp
-        st = pp.stages[0]
-        if searched:  # the mesh search's plan won: the stage is that plan
-            pred = whole.prediction
-            st = dataclasses.replace(
-                st, mesh=whole.mesh, host_axes=tuple(whole_axes), state_layout="plan", remat=False,
-                time_s=pred.step_time_s, apply_s=0.0, grad_sync_s=0.0, memory_bytes=pred.memory_bytes_per_device,
-                specs=MappingProxyType(dict(zip(whole.input_paths, whole.input_specs))),
-                comm_s=pred.communication_time_s, hidden_s=pred.hidden_communication_time_s, data_axes=frozenset())
-            pp = dataclasses.replace(pp, stages=(st,))
-        return dataclasses.replace(pp, single_stage_plan=(whole, whole_axes))
-    finally:
-        ahead.shutdown(wait=True, cancel_futures=True)
+    feasible = [c for c in candidates if c.dp is not None and math.isfinite(c.step_s)]
+    if not feasible:
+        raise InfeasiblePlanError(
+            f"no pipeline of {cluster} built from the per-layer plans (each layer's fastest plan on each mesh, "
+            f"with or without recomputation and sharded state) fits the memory budget of {format_bytes(budget)} "
+            f"per device for any of "
+            f"{list(counts)} microbatches; raise memory_budget, use more devices or more microbatches")
+    best = min(feasible, key=lambda c: (c.step_s, len(c.dp.stages)))
+    pp = _pipeline_plan(best, _stage_plans(best, shapes, meshes, cluster), options, cluster, t_start, timings,
+                        len(cache), single, single_free,
+                        tuple((c.B, c.step_s, len(c.dp.stages) if c.dp else 0) for c in candidates),
+                        {"dp_evaluations": evaluations, "logical_meshes": len(meshes),
+                         **({"stacked_params": list(stacked)} if stacked else {}),
+                         **({"single_stage_mesh_search": mesh_search} if options.pipeline == "auto" else {})})
+    if whole is None or pp.num_stages > 1:
+        return pp
+    st = pp.stages[0]
+    if searched:  # the mesh search's plan won: the stage is that plan
+        pred = whole.prediction
+        st = dataclasses.replace(
+            st, mesh=whole.mesh, host_axes=tuple(whole_axes), state_layout="plan", remat=False,
+            time_s=pred.step_time_s, apply_s=0.0, grad_sync_s=0.0, memory_bytes=pred.memory_bytes_per_device,
+            specs=MappingProxyType(dict(zip(whole.input_paths, whole.input_specs))),
+            comm_s=pred.communication_time_s, hidden_s=pred.hidden_communication_time_s, data_axes=frozenset())
+        pp = dataclasses.replace(pp, stages=(st,))
+    return dataclasses.replace(pp, single_stage_plan=(whole, whole_axes))
 
 
 def _single_stage_search(graph: Graph, cluster: Cluster, options: PlanOptions, budget: float,
