@@ -170,9 +170,7 @@ class PlannedFunction:
             options = micro_options(self.options, budget)
             if self._mesh_spec is not None:
                 return make_plan(g, self._mesh_spec, options, self._jax_mesh, pins=self._pinned(g, args))
-            meshes = candidate_meshes(len(self.devices), default_mesh_ndim(
-                self.options.mesh_ndim, len({getattr(d, "process_index", 0) for d in self.devices})))
-            results = search_meshes(g, meshes, options, devices=self.devices)
+            results = search_meshes(g, self._candidate_meshes(), options, devices=self.devices)
             over = [r.min_memory_bytes for r in results if r.over_budget and r.min_memory_bytes is not None]
             if results[0].plan is None and over:
                 raise InfeasiblePlanError(f"no mesh shape fits {format_bytes(budget)} per device", min(over))
@@ -188,10 +186,15 @@ class PlannedFunction:
                                                                                            self.donate_argnums)
         return acc.graph, plan, jitted
 
+    def _candidate_meshes(self) -> list:
+        """The mesh search's candidates for these devices (3-D ones when they span several processes,
+        `search.default_mesh_ndim`)."""
+        hosts = len({getattr(d, "process_index", 0) for d in self.devices})
+        return candidate_meshes(len(self.devices), default_mesh_ndim(self.options.mesh_ndim, hosts))
+
     def _choose_mesh(self, graph: Graph) -> Plan:
-        meshes = candidate_meshes(len(self.devices), default_mesh_ndim(
-                self.options.mesh_ndim, len({getattr(d, "process_index", 0) for d in self.devices})))
-        return best_plan(search_meshes(graph, meshes, self.options, devices=self.devices), self.options.memory_budget)
+        return best_plan(search_meshes(graph, self._candidate_meshes(), self.options, devices=self.devices),
+                         self.options.memory_budget)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments (arrays or ShapeDtypeStructs); planned once per signature."""

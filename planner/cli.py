@@ -300,10 +300,15 @@ def _target(args) -> tuple[int, Cluster | None]:
     raise CLIError("say where to plan for: --devices N, --mesh 2x4 or --cluster HOSTSxDEVICES")
 
 
+def _unlimited(args) -> bool:
+    """--memory-budget asks for no limit."""
+    return args.memory_budget is not None and args.memory_budget.strip().lower() in ("none", "off", "0", "unlimited")
+
+
 def _budget(args, hardware: dict) -> float | None:
     if args.memory_budget is None:
         return float(hardware["memory_bytes"])
-    if args.memory_budget.strip().lower() in ("none", "off", "0", "unlimited"):
+    if _unlimited(args):
         return None
     return parse_bytes(args.memory_budget, "--memory-budget")
 
@@ -376,8 +381,7 @@ def cmd_plan(args, out) -> int:
     if pipelined and args.mesh is not None:
         raise CLIError("--mesh fixes one logical mesh but --pipeline searches submeshes and their meshes itself; "
                        "drop --mesh or use --pipeline off")
-    if (pipelined or _pp_baseline(args)[1]) and args.memory_budget is not None \
-            and args.memory_budget.strip().lower() in ("none", "off", "0", "unlimited"):
+    if (pipelined or _pp_baseline(args)[1]) and _unlimited(args):
         raise CLIError(f"--memory-budget {args.memory_budget} with --pipeline: pipeline stages are planned to fit a "
                        "memory budget (default: the device memory); give a size such as 80GB")
     meshes = [] if pipelined else candidate_specs(args, num_devices, cluster.hosts if cluster is not None else 1)

@@ -369,6 +369,13 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
     best = beat
 
     def start_of(cand: _Candidate) -> tuple[int, ...] | None:
+        if cand.refines is not None:  # searched near that plan (`refine`): it starts there, within REFINE_UNITS
+            coarse, axes = cand.refines
+            start = refined_choice(cand.problem, coarse.plan, axes)
+            if start is not None:
+                cand.options = dataclasses.replace(cand.options,
+                                                   solver_time_limit=min(options.solver_time_limit, REFINE_UNITS))
+            return start
         start, coarse_time = None, math.inf
         by_shape = {r.mesh.shape: r for r in planned}
         for coarse, axes in coarsenings(cand.mesh.shape):
@@ -378,23 +385,16 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
             choice = refined_choice(cand.problem, r.plan, axes)
             if choice is not None:
                 start, coarse_time = choice, r.plan.prediction.step_time_s
-        if start is not None and len(cand.mesh.shape) > 2:
-            limit = min(options.solver_time_limit, REFINE_UNITS)
-            cand.options = dataclasses.replace(cand.options, solver_time_limit=limit)
         return start
 
     def refine(cand: _Candidate) -> bool:
         """Builds the ILP of a mesh of three or more axes over the neighbourhood (`neighbourhood`) of
         the fastest plan of a mesh it refines; False (and the mesh's result recorded) when there is
         none or the mesh cannot be searched."""
-        by_shape = {r.mesh.shape: r for r in planned}
-        around = None
-        for coarse, axes in coarsenings(cand.mesh.shape):
-            r = by_shape.get(coarse)
-            if r is not None and (around is None or r.plan.prediction.step_time_s < around[0].plan.prediction.step_time_s):
-                around = (r, axes)
         fastest = min(planned, key=lambda r: r.plan.prediction.step_time_s, default=None)
-        if around is None or around[0] is not fastest:
+        around = next(((fastest, axes) for coarse, axes in coarsenings(cand.mesh.shape)
+                       if fastest is not None and coarse == fastest.mesh.shape), None)
+        if around is None:
             reason = ("no plan of fewer axes to search near" if fastest is None else
                       f"3-D meshes are searched near the fastest plan so far (mesh {fastest.mesh}); this one does "
                       "not refine its mesh")

@@ -65,12 +65,9 @@ def partition(graph: Graph, layouts: Sequence[StageLayout], n_params: int) -> Pa
                 op_stage[r.start:r.end] = [last] * (r.end - r.start)
     producer: dict[int, int] = {}
     param_owner: dict[int, int] = {}
-    readers: dict[int, list[int]] = {}
-    for op in graph.ops:
-        for t in set(op.tensor_inputs):
-            readers.setdefault(t, []).append(op.index)
+    consumers = graph.consumers()
     for k, t in enumerate(graph.inputs[:n_params]):
-        users = [op_stage[i] for i in readers.get(t, ())]
+        users = [op_stage[i] for i, _ in consumers.get(t, ())]
         param_owner[k] = min(users) if users else stage_of_layer[layers.names[layers.input_layer[k]]]
         producer[t] = param_owner[k]
     for op in graph.ops:

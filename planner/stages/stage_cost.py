@@ -228,10 +228,7 @@ def layer_facts(graph: Graph, layers: Layers) -> tuple[LayerFacts, ...]:
     fwd_made = {t for op in graph.ops if layers.op_phase[op.index] == FORWARD for t in op.outputs}
     sigs = [signature(op, graph) for op in graph.ops]
     flops = [sig.flops for sig in sigs]
-    readers: dict[int, set[int]] = {}
-    for op in graph.ops:
-        for t in op.tensor_inputs:
-            readers.setdefault(t, set()).add(op.index)
+    consumers = graph.consumers()
     program_outputs = {t for t in graph.outputs if isinstance(t, int)}
     planned: list[list[int]] = [[] for _ in range(layers.num_layers)]  # `Layers.ops_of` in one pass
     updating: list[list[int]] = [[] for _ in range(layers.num_layers)]
@@ -242,7 +239,7 @@ def layer_facts(graph: Graph, layers: Layers) -> tuple[LayerFacts, ...]:
         ops, apply_ops = tuple(planned[l]), tuple(updating[l])
         inside = set(ops)
         exported = frozenset(t for i in ops for t in graph.ops[i].outputs
-                             if t in program_outputs or not readers.get(t, set()) <= inside)
+                             if t in program_outputs or any(i not in inside for i, _ in consumers.get(t, ())))
         # Parameters: read by both the gradient computation and the update (optimizer state only by
         # the update, the batch only by the gradient computation).
         params = tuple(sorted(apply_reads[l] & grad_reads[l]))
