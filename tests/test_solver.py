@@ -31,8 +31,9 @@ def _brute_force(problem):
     return best
 
 
+@pytest.mark.parametrize("lp_level", [1, 2])  # 2: the pipeline stage tables' per-layer ILPs
 @pytest.mark.parametrize("shape", [(64, 16, 16), (16, 64, 128)])
-def test_ilp_matches_brute_force(shape):
+def test_ilp_matches_brute_force(shape, lp_level):
     b, d, h = shape
 
     def loss(w1, w2, x):
@@ -41,7 +42,7 @@ def test_ilp_matches_brute_force(shape):
     args = (jnp.ones((d, h)), jnp.ones((h, d)), jnp.ones((b, d)))
     problem = _problem(jax.grad(loss, argnums=(0, 1)), args, MeshSpec((4,), ("x",)))
     assert 1 < len(problem.nodes) <= 9
-    sol = solve(problem)
+    sol = solve(problem, lp_level=lp_level)
     assert sol.status == "optimal"
     assert sol.objective_s == pytest.approx(_brute_force(problem), rel=1e-6, abs=1e-12)
 

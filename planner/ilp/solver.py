@@ -653,14 +653,17 @@ class _Model:
                 self.copies[key] = z
         return self.copies[key]
 
-    def solve(self, det_limit: float, wall_limit: float, workers: int, hint: Sequence[int] | None):
+    def solve(self, det_limit: float, wall_limit: float, workers: int, hint: Sequence[int] | None,
+              lp_level: int = 1):
         """One CP-SAT run limited to `det_limit` deterministic units (and `wall_limit` seconds);
-        returns (choice or None, status) and leaves the run's figures in `self.last`."""
+        returns (choice or None, status) and leaves the run's figures in `self.last`. `lp_level`:
+        CP-SAT's `linearization_level` (see `solve`)."""
         solver = cp_model.CpSolver()
         solver.parameters.max_deterministic_time = max(0.01, det_limit)
         solver.parameters.max_time_in_seconds = max(0.1, wall_limit)
         solver.parameters.num_workers = workers
         solver.parameters.random_seed = 0
+        solver.parameters.linearization_level = lp_level
         # Presolve costs more than it saves on these models (measured: 11.8 s -> 5.5 s for gpt-tiny
         # on 2x4, 14.6 s -> 9.0 s for gpt2-small, same optimum): the model is already compact.
         solver.parameters.cp_model_presolve = False
@@ -862,7 +865,7 @@ def _violations(profile: np.ndarray, limit: float, have: set[int], k: int = 4) -
 
 def solve(problem: Problem, memory_budget: float | None = None, time_limit: float = 30.0,
           workers: int = 1, max_rounds: int = 30, min_peak_search: bool = True,
-          begin: Sequence[int] | None = None) -> Solution:
+          begin: Sequence[int] | None = None, lp_level: int = 1) -> Solution:
     """Solves the ILP; with a budget, adds memory constraints until the plan's peak fits.
 
     `time_limit` is in CP-SAT deterministic units for all rounds together (about one second of one
@@ -871,6 +874,16 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
 
     `begin`: a choice to start from (the hint and the fallback) when it beats the greedy one: it
     fits the budget and the greedy does not, or both do (or neither) and it is faster.
+
+    `lp_level`: CP-SAT's `linearization_level`: 1 (its default) adds the linear constraints to its
+    LP relaxation lazily; 2 adds them all with cuts. 2 pays on small ILPs whose overlap term (the
+    max-plus chain of `_Model._overlap`) the LP must see to bound the objective: the per-layer ILPs
+    of the pipeline stage tables (`stages.stage_cost`), 42-46 decisions each; measured on 21 such
+    ILPs saved from GPT-39B (8x8 V100), llama-7b (2x8 A100) and gpt3-1.3b (8x8 V100) pipeline
+    searches, one worker, deterministic units, the same optimum on each: 63.3 -> 39.4 in all, the
+    slowest 21.9 -> 8.5 and 9.6 -> 4.2. It does not pay on whole-model ILPs (gpt2-small 2x4 1.30 ->
+    1.54, llama-7b 8x8 4.51 -> 7.71, 13 single-stage ILPs of the gpt3-1.3b / llama-7b searches
+    37.5 -> 51.8 in all), which keep 1. WORKSPACE.md, Measured.
 
     Raises:
       InfeasiblePlanError: when no plan fits `memory_budget`; the message, `min_memory_bytes` and
@@ -903,7 +916,7 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
     for rounds in range(1, max_rounds + 1):
         det_left = time_limit - det_used
         wall_left = wall_cap - (time.perf_counter() - start)
-        choice, status = model.solve(det_left, wall_left, workers, hint)
+        choice, status = model.solve(det_left, wall_left, workers, hint, lp_level)
         run = model.last
         det_used += run.deterministic_time
         if not run.optimal and status != cp_model.INFEASIBLE:

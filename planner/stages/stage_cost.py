@@ -311,7 +311,7 @@ def _layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lme
         log.info("layer %s on %s: %s", layers.names[layer], lmesh.mesh, refused[0])
         return INFEASIBLE
     try:
-        plan = make_plan(sub, lmesh.mesh, opts, pins=pins)
+        plan = make_plan(sub, lmesh.mesh, opts, pins=pins, lp_level=2)  # small ILPs: see `ilp.solver.solve`
     except (MeshError, PlannerError) as e:
         log.info("layer %s on %s: %s", layers.names[layer], lmesh.mesh, e)
         return INFEASIBLE
