@@ -188,6 +188,25 @@ def _layer_keys(graph: Graph, op_layer: Sequence[int], num_layers: int, prefix: 
     for i, l in enumerate(op_layer):
         members[l].append(i)
     producers = graph.producers()
+    # Written once per distinct tensor type and literal value (the repr of numpy values and
+    # dtypes is slow, and repeated layers repeat the same ones).
+    types: dict = {}
+    literals: dict = {}
+
+    def type_of(t) -> str:
+        text = types.get(t)
+        if text is None:
+            text = types[t] = f"{t.shape}{t.dtype}"
+        return text
+
+    def literal(x: Literal) -> str:
+        v = np.asarray(x.value)
+        raw = (v.dtype.str, v.shape, v.tobytes()) if v.dtype != object else repr(x.value)
+        text = literals.get(raw)
+        if text is None:
+            text = literals[raw] = f"lit{raw}{type_of(x.tensor)}"
+        return text
+
     keys = []
     for l in range(num_layers):
         h = hashlib.sha1()
@@ -200,16 +219,15 @@ def _layer_keys(graph: Graph, op_layer: Sequence[int], num_layers: int, prefix: 
             operands = []
             for x in op.inputs:
                 if isinstance(x, Literal):
-                    operands.append(("lit", repr(x.value), x.tensor.shape, str(x.tensor.dtype)))
+                    operands.append(literal(x))
                     continue
-                t = graph.tensors[x]
                 src = producers.get(x)
                 where = ("op", local[src[0]], src[1]) if src is not None and src[0] in local else ("ext",)
-                operands.append((where, t.shape, str(t.dtype)))
+                operands.append((where, type_of(graph.tensors[x])))
             params = sorted((k, repr(v)) for k, v in op.params.items()
                             if not hasattr(v, "jaxpr") and not hasattr(v, "eqns"))
             h.update(repr((op.name, stack, params, operands,
-                           [(graph.tensors[t].shape, str(graph.tensors[t].dtype)) for t in op.outputs])).encode())
+                           [type_of(graph.tensors[t]) for t in op.outputs])).encode())
         keys.append(h.hexdigest()[:16])
     return tuple(keys)
 
