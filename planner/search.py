@@ -19,8 +19,8 @@ from planner.cost_model import Cluster
 from planner.errors import InfeasiblePlanError, MeshError, PlannerError
 from planner.graph import Graph
 from planner.ilp.problem import Problem
-from planner.ilp.solver import (LEVERS, MIN_MEMORY_LIMIT, Lever, levers_of, levers_text, memory_floor,
-                                memory_lower_bound, smallest_peak)
+from planner.ilp.solver import (LEVERS, MIN_MEMORY_LIMIT, Lever, levers_of, levers_text, liveness_floor,
+                                memory_floor, memory_lower_bound, smallest_peak)
 from planner.mesh import MeshSpec, default_axis_names
 from planner.sharding import active_axes
 from planner.offload import bounding_problem
@@ -230,7 +230,9 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
 
     Without host offload, when the arguments and outputs alone (`solver.memory_floor`) exceed
     `options.memory_budget` on the devices, only the first mesh's ILP is built (for the smallest
-    peak below); the others are over budget without one. Each mesh's ILP is built first and
+    peak below); the others are over budget without one. The same once the first mesh of a device
+    count is built, when the values live at the step's fullest point split over every device
+    (`solver.liveness_floor`) exceed it. Each mesh's ILP is built first and
     bounded before any solver runs: a mesh whose memory lower
     bound (`solver.memory_lower_bound`; with host offload, the bound of every offload choice)
     exceeds `options.memory_budget` is not solved (an `InfeasiblePlanError` with that bound); the
@@ -266,7 +268,7 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
     built: dict[MeshSpec, _Candidate] = {}
     candidates: list[_Candidate] = []
     deferred: list[_Candidate] = []  # meshes of three or more axes (`refine`)
-    floors: dict[int, int] = {}  # devices -> `solver.memory_floor`
+    floors: dict[int, tuple[int, str]] = {}  # devices -> (bytes no plan goes below, what they are)
     for k, spec in enumerate(meshes):
         inter = inter_host_axes(spec.shape, devices_per_host) if devices_per_host else options.inter_host_axes
         key = mirror_key(spec, inter) if options.profile is None else None
@@ -276,17 +278,18 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
             continue
         if key is not None:
             keys[key] = spec
-        floor = floors.get(spec.size)
+        floor, floor_words = floors.get(spec.size, (None, ""))
         if floor is None and budget is not None and options.offload == "off":
-            floor = floors[spec.size] = memory_floor(graph, spec.size,
-                                                     donated_inputs(graph, options.donate_argnums))
+            floor, floor_words = floors[spec.size] = (memory_floor(graph, spec.size,
+                                                                   donated_inputs(graph, options.donate_argnums)),
+                                                      "its arguments and outputs split over every device")
             log.info("every plan on %d devices needs >= %s/device (arguments and outputs)", spec.size,
                      format_bytes(floor))
         elif floor is not None and floor > budget:  # no ILP to build; the first mesh of each size is still
             # built (above), so that the answer can give the smallest peak of a plan found
             error = InfeasiblePlanError(
                 f"no plan fits the memory budget of {format_bytes(budget)} per device on mesh {spec}: no plan can go "
-                f"below {format_bytes(floor)} (its arguments and outputs split over every device; not solved)",
+                f"below {format_bytes(floor)} ({floor_words}; not solved)",
                 None, floor, levers=tuple(dataclasses.replace(v, state="tried") if v.name == "donating the train state"
                                           and donated_inputs(graph, options.donate_argnums) else v for v in LEVERS))
             failed.append(MeshResult(spec, None, error, inter, 0.0, over_bound=True))
@@ -306,6 +309,12 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
             log.info("mesh %s: %s", spec, e)
             continue
         cand.time_bound = step_time_lower_bound(cand.problem)
+        if budget is not None and options.offload == "off" and floor is not None:
+            live = liveness_floor(cand.problem)  # bounds the later meshes of this size before they are built
+            if live > floor:
+                floors[spec.size] = (live, "the values live at the step's fullest point split over every device")
+                log.info("every plan on %d devices needs >= %s/device (the values live at the fullest point)",
+                         spec.size, format_bytes(live))
         if budget is not None:  # with host offload: the bound of every offload choice (`offload.bounding_problem`)
             bounding = bounding_problem(cand.problem, options.offload)
             cand.memory_bound = int(memory_lower_bound(bounding).max())

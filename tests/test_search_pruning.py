@@ -14,7 +14,7 @@ from planner import cli
 from planner.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.graph import trace
 from planner.ilp.objective import step_time
-from planner.ilp.solver import memory_floor, memory_lower_bound
+from planner.ilp.solver import liveness_floor, memory_floor, memory_lower_bound, memory_profile
 from planner.options import PlanOptions
 from planner.planning import plan_problem
 from planner.mesh import MeshSpec
@@ -163,6 +163,45 @@ def test_memory_floor_is_below_every_mesh_bound(mlp_graph):
             assert 0 < memory_floor(mlp_graph, 8) <= memory_lower_bound(problem)[end]
 
 
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+def test_liveness_floor_is_below_every_mesh_bound_and_plan(model):
+    """The floor one built mesh gives every mesh of its size (each live value split over every
+    device) is below each mesh's `memory_lower_bound` and below the peak of random choices on
+    it, donated or not, on a GPU preset and on XLA:CPU."""
+    b = get_model(model)
+    graph = trace(b.train_step, b.abstract_state(), b.abstract_batch())
+    rng = random.Random(0)
+    for donate in ((), (0,)):
+        for hardware in ("h100", "cpu"):
+            floors = set()
+            for mesh in candidate_meshes(8):
+                problem = plan_problem(graph, mesh, PlanOptions(hardware=hardware, donate_argnums=donate))
+                floor = liveness_floor(problem)
+                floors.add(floor)
+                assert memory_floor(graph, 8, frozenset(graph.inputs[:len(graph.inputs)]) if donate else
+                                    frozenset()) <= floor <= memory_lower_bound(problem).max()
+                for _ in range(5):
+                    choice = [rng.randrange(n.size) if n.size else 0 for n in problem.nodes]
+                    assert floor <= memory_profile(problem, choice).max()
+            assert len(floors) == 1  # the same on every mesh of the size: what lets one bound them all
+
+
+def test_meshes_over_the_liveness_floor_are_not_built():
+    """A budget under the liveness floor but over the arguments-and-outputs floor: the first mesh
+    is built and bounded, the others of its size are over budget without an ILP, and say why."""
+    b = get_model("gpt-tiny")
+    graph = trace(b.train_step, b.abstract_state(), b.abstract_batch())
+    problem = plan_problem(graph, candidate_meshes(8)[0], PlanOptions(hardware="v100"))
+    live, ends = liveness_floor(problem), memory_floor(graph, 8)
+    assert live > ends  # activations live mid-step on top of the arguments
+    options = PlanOptions(hardware="v100", memory_budget=(live + ends) // 2)
+    results = search_meshes(graph, candidate_meshes(8), options, threads=1)
+    floored = [r for r in results if "live at the step's fullest point split over every device" in str(r.error)]
+    first = candidate_meshes(8)[0]
+    assert {r.mesh for r in floored} == set(candidate_meshes(8)) - {first}  # 4x2 as its twin 2x4
+    assert all(r.plan is None for r in results) and all(r.over_budget for r in results if r.same_as is None)
+
+
 def test_meshes_ruled_out_by_the_floor_name_donation_as_tried(mlp_graph):
     """A budget below the floor (no ILP built) still says which levers the floor counted: with the
     train state donated, donation is among those tried; without it, it is offered."""
@@ -170,7 +209,7 @@ def test_meshes_ruled_out_by_the_floor_name_donation_as_tried(mlp_graph):
         floor = memory_floor(mlp_graph, 8, frozenset(mlp_graph.inputs) if donate else frozenset())
         options = PlanOptions(hardware="v100", memory_budget=floor // 4, donate_argnums=donate)
         results = search_meshes(mlp_graph, candidate_meshes(8), options, threads=1)
-        floored = [r for r in results if "arguments and outputs split over every device" in str(r.error)]
+        floored = [r for r in results if "split over every device" in str(r.error)]
         assert floored and all(any(v.name == "donating the train state" and (v.state == "tried") == bool(donate)
                                    for v in r.error.levers) for r in floored)
         with pytest.raises(InfeasiblePlanError) as e:

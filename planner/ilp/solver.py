@@ -1005,6 +1005,28 @@ def memory_floor(graph: Graph, num_devices: int, donated: frozenset[int] = froze
     return sum(graph.tensors[t].nbytes // num_devices for t in ends)
 
 
+def liveness_floor(problem: Problem) -> int:
+    """Bytes per device every plan keeps live at the fullest program point, on any mesh of
+    `problem`'s device count: `memory_profile`'s tensor terms (each value the plan materialises,
+    over its live range) with every value split over every device (`nbytes // devices`, which no
+    layout goes below), its operand copies and reduction buffers left out (they only add).
+
+    The values and live ranges that term counts come from the graph, the platform's fusions and
+    the donated arguments, not from the mesh's shape (`build_problem`), so after one mesh's ILP is
+    built this bounds every mesh of that size before theirs are (`search.search_meshes`); it is
+    below each one's `memory_lower_bound` (tests/test_search_pruning.py). Not with host offload,
+    whose live ranges depend on the plan."""
+    n = len(problem.graph.ops)
+    devices = problem.cost.mesh.size
+    delta = np.zeros(n + 3, dtype=np.int64)
+    for tid, (first, last) in enumerate(problem.live):
+        if _materialised(problem, tid, first):
+            b = problem.graph.tensors[tid].nbytes // devices
+            delta[first + 1] += b
+            delta[last + 2] -= b
+    return int(np.cumsum(delta).max())
+
+
 def _spent(error: PlannerError, deterministic_time: float) -> PlannerError:
     """`error` with the CP-SAT deterministic time spent before it (the mesh search reports it)."""
     if isinstance(error, InfeasiblePlanError):
