@@ -263,8 +263,9 @@ def write_table(results: list[dict]) -> str:
         note = "; ".join(f"{k}: {v['error']}" for k, v in (("published", pub), ("planner", own)) if "error" in v)
         same = r.get("planner_at_published_count")
         if same is not None:
-            note += ("; " if note else "") + (f"planner slower: its {len(own.get('counts_tried', ()))} microbatch counts "
-                     f"({', '.join(map(str, own.get('counts_tried', ())))}; --microbatch-limit) miss the published "
+            tried = own.get("counts_tried", ())
+            note += ("; " if note else "") + (f"planner slower: its {len(tried)} microbatch counts "
+                     f"({', '.join(map(str, tried))}; --microbatch-limit) miss the published "
                      f"{pub.get('microbatches')}; its search at {pub.get('microbatches')} microbatches: "
                      f"{_fmt(same.get('tflops_per_gpu'))} TFLOP/s per GPU"
                      + (f" ({same['error']})" if "error" in same else
