@@ -108,7 +108,8 @@ def neighbourhood(graph: Graph, plan: Plan, axes: Sequence[tuple[int, ...]], mes
     def fine(spec):
         return tuple(tuple(f for a in dim for f in axes[a]) for dim in spec)
 
-    made = list(zip(graph.inputs, plan.input_specs)) + [(graph.ops[op].outputs[k], spec) for op, k, spec in plan.op_specs]
+    made = list(zip(graph.inputs, plan.input_specs))
+    made += [(graph.ops[op].outputs[k], spec) for op, k, spec in plan.op_specs]
     read = [(graph.ops[op].inputs[pos], spec) for op, pos, spec in plan.operand_specs]  # where read resharded
     out: dict[int, frozenset] = {}
     for t, spec in made + read:
@@ -269,6 +270,7 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
     candidates: list[_Candidate] = []
     deferred: list[_Candidate] = []  # meshes of three or more axes (`refine`)
     floors: dict[int, tuple[int, str]] = {}  # devices -> (bytes no plan goes below, what they are)
+    lived: set[int] = set()  # device counts whose `liveness_floor` is known (one built mesh gives it)
     for k, spec in enumerate(meshes):
         inter = inter_host_axes(spec.shape, devices_per_host) if devices_per_host else options.inter_host_axes
         key = mirror_key(spec, inter) if options.profile is None else None
@@ -309,7 +311,8 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
             log.info("mesh %s: %s", spec, e)
             continue
         cand.time_bound = step_time_lower_bound(cand.problem)
-        if budget is not None and options.offload == "off" and floor is not None:
+        if budget is not None and options.offload == "off" and floor is not None and spec.size not in lived:
+            lived.add(spec.size)
             live = liveness_floor(cand.problem)  # bounds the later meshes of this size before they are built
             if live > floor:
                 floors[spec.size] = (live, "the values live at the step's fullest point split over every device")
