@@ -50,12 +50,13 @@ import fnmatch
 import math
 import re
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from jax.sharding import PartitionSpec
 
 from planner.errors import InvalidArgumentError
 from planner.mesh import MeshSpec
-from planner.pins import exact_pattern, path_tokens
+from planner.pins import exact_pattern, path_tokens, resolve
 
 Shape = tuple[int, ...]
 
@@ -244,4 +245,43 @@ def baseline_pins(name: str, host_axes: Sequence[int] = ()) -> Callable[[Sequenc
         return {exact_pattern(p): s for p, s in zip(paths, specs)}
 
     pins.__name__ = f"baseline_{name}"
+    return pins
+
+
+def stage_baseline_pins(name: str) -> Callable[[Any, Any], dict[int, Any]]:
+    """The baseline's pins on a pipeline stage's logical mesh (`planner.stages.submesh.LogicalMesh`),
+    as `(graph, logical mesh) -> {program input tensor id: Spec}`, every argument leaf pinned
+    (`inter_op.fixed_pipeline`'s `pins`). megatron-tp(-sp) take the mesh's host axes as Megatron
+    does (`baseline_specs`).
+
+    Raises:
+      InvalidArgumentError: an unknown baseline name.
+    """
+    if name not in NAMES:
+        raise InvalidArgumentError(f"unknown baseline {name!r}; known: {', '.join(NAMES)}")
+
+    def pins(graph: Any, lm: Any) -> dict[int, Any]:
+        shapes = [tuple(graph.tensors[t].shape) for t in graph.inputs]
+        by_pattern = baseline_pins(name, lm.host_axes)(graph.input_paths, shapes, lm.mesh)
+        resolved = resolve(by_pattern, graph.input_paths, shapes, lm.mesh, complete=True)
+        return {graph.inputs[i]: spec for i, spec in resolved.items()}
+
+    return pins
+
+
+def layer_variant_pins(name: str) -> Callable[[Any, Any], dict[int, Any]]:
+    """`stage_baseline_pins(name)` as a per-layer plan variant of the pipeline's cost tables
+    (`planner.stages.stage_cost.LayerCostTable.variants`): empty (no variant) on a mesh where the
+    baseline splits no parameter, since then it is no hand layout of the model's weights (a model
+    whose parameter keys Megatron's table does not name, or a mesh it cannot divide)."""
+    full = stage_baseline_pins(name)
+
+    def pins(graph: Any, lm: Any) -> dict[int, Any]:
+        shapes = [tuple(graph.tensors[t].shape) for t in graph.inputs]
+        specs = baseline_specs(name, graph.input_paths, shapes, lm.mesh, lm.host_axes)
+        roles = _roles(graph.input_paths, shapes)
+        if not any(role == "param" and tuple(spec) for (role, _), spec in zip(roles, specs)):
+            return {}
+        return full(graph, lm)
+
     return pins

@@ -18,16 +18,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from planner.api import PlannedFunction
 from planner.baselines import APPROXIMATIONS, NAMES, baseline_pins, batch_ways, parse_baseline
+from planner.baselines import stage_baseline_pins as pipeline_baseline_pins
 from planner.cost_model import Cluster
 from planner.errors import InfeasiblePlanError, InvalidArgumentError, PlannerError
 from planner.graph import Graph, trace
 from planner.mesh import parse_mesh
 from planner.options import PlanOptions
-from planner.pins import exact_pattern, resolve as resolve_pins
+from planner.pins import exact_pattern
 from planner.plan import Plan
 from planner.planning import check_options
 from planner.stages.planned import pipeline_cluster, plan_fixed_stages
-from planner.stages.submesh import LogicalMesh
 
 
 def _is_spec_leaf(x: Any) -> bool:
@@ -168,17 +168,6 @@ def labelled(plan: Plan, label: str) -> Plan:
 
 PP_APPROXIMATION = ("inside pipeline stages the optimizer state is costed split like its parameter (the stage "
                     "cost tables know parameters, not their optimizer state)")
-
-
-def pipeline_baseline_pins(name: str) -> Callable[[Graph, LogicalMesh], dict[int, Any]]:
-    """The baseline's pins on a stage's logical mesh, as {program input tensor id: Spec}
-    (`inter_op.fixed_pipeline`'s `pins`)."""
-    def pins(graph: Graph, lm: LogicalMesh) -> dict[int, Any]:
-        shapes = [graph.tensors[t].shape for t in graph.inputs]
-        by_pattern = baseline_pins(name, lm.host_axes)(graph.input_paths, shapes, lm.mesh)
-        resolved = resolve_pins(by_pattern, graph.input_paths, shapes, lm.mesh, complete=True)
-        return {graph.inputs[i]: spec for i, spec in resolved.items()}
-    return pins
 
 
 def evaluate_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], name: str, num_stages: int, *,

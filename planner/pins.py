@@ -65,8 +65,48 @@ def display_path(path: str) -> str:
 
 def matches(pattern: str, path: str) -> bool:
     """Whether glob `pattern` matches one of the leaf's names whole or at a `/` boundary."""
-    pattern = pattern.strip().strip("/")
-    return any(fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(n, "*/" + pattern) for n in leaf_names(path))
+    return _matches_names(pattern.strip().strip("/"), leaf_names(path))
+
+
+def _matches_names(pattern: str, names: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(n, "*/" + pattern) for n in names)
+
+
+_ESCAPED = re.compile(r"\[([*?[])\]")  # what `exact_pattern` escapes
+
+
+def _literal(pattern: str) -> str | None:
+    """The one text glob `pattern` matches (`[*]`-style escapes read as their character), or None
+    when it has wildcards or character classes."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern[i] in "*?":
+            return None
+        if pattern[i] == "[":
+            m = _ESCAPED.match(pattern, i)
+            if not m:
+                return None
+            out.append(m.group(1))
+            i = m.end()
+            continue
+        out.append(pattern[i])
+        i += 1
+    return "".join(out)
+
+
+def _first_match(globs: Sequence[tuple[int, str]], literal: Mapping[str, int], names: Sequence[str]) -> int | None:
+    """Index of the first pattern matching a leaf with these `leaf_names`, as `matches` decides it:
+    the wildcard-free patterns by lookup (`literal`: their text -> first index; a name matches at a
+    `/` boundary, so every `/`-suffix of a name is looked up), the others (`globs`: (index, stripped
+    pattern) in order) by glob."""
+    best = min((literal[s] for n in names for parts in (n.split("/"),) for j in range(len(parts))
+                for s in ("/".join(parts[j:]),) if s in literal), default=None)
+    for k, pattern in globs:
+        if best is not None and k >= best:
+            break
+        if _matches_names(pattern, names):
+            return k
+    return best
 
 
 def exact_pattern(path: str) -> str:
@@ -178,6 +218,21 @@ def to_spec(pspec: PartitionSpec, shape: Shape, mesh: MeshSpec, path: str, patte
     return tuple(out)
 
 
+def first_matches(patterns: Sequence[str], paths: Sequence[str]) -> list[int | None]:
+    """Per path, the index of the first of `patterns` that `matches` it (None: none does), without
+    globbing every pattern against every path: wildcard-free patterns are looked up."""
+    stripped = [str(p).strip().strip("/") for p in patterns]
+    literal: dict[str, int] = {}
+    globs = []
+    for k, pattern in enumerate(stripped):
+        text = _literal(pattern)
+        if text is None:
+            globs.append((k, pattern))
+        else:
+            literal.setdefault(text, k)
+    return [_first_match(globs, literal, leaf_names(path)) for path in paths]
+
+
 def resolve(pins: Pins | None, paths: Sequence[str], shapes: Sequence[Shape], mesh: MeshSpec,
             complete: bool = False) -> dict[int, Spec]:
     """Argument position -> pinned Spec for every leaf some pattern matches (first match wins).
@@ -200,15 +255,13 @@ def resolve(pins: Pins | None, paths: Sequence[str], shapes: Sequence[Shape], me
     items = [(str(p), as_partition_spec(v, mesh, f"pin {p!r}")) for p, v in pins.items()]
     out: dict[int, Spec] = {}
     used = set()
-    for i, (path, shape) in enumerate(zip(paths, shapes)):
-        for k, (pattern, pspec) in enumerate(items):
-            if matches(pattern, path):
-                used.add(k)
-                out[i] = to_spec(pspec, tuple(shape), mesh, path, pattern)
-                break
-        else:
-            if complete:
-                out[i] = ((),) * len(shape)
+    for i, (path, shape, k) in enumerate(zip(paths, shapes, first_matches([p for p, _ in items], paths))):
+        if k is not None:
+            pattern, pspec = items[k]
+            used.add(k)
+            out[i] = to_spec(pspec, tuple(shape), mesh, path, pattern)
+        elif complete:
+            out[i] = ((),) * len(shape)
     for k, (pattern, _) in enumerate(items):
         if k not in used and not any(matches(pattern, p) for p in paths):
             examples = ", ".join(display_path(p) for p in paths[:3])

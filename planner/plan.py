@@ -109,6 +109,14 @@ def _decision_from_json(x: dict) -> Decision:
 LEVER_NAMES = ("accumulation", "remat", "offload")
 
 
+def stage_way(stage: Mapping[str, Any]) -> str:
+    """How a pipeline stage (its `to_dict` form) runs: the hand layout its layers were planned in
+    when not their own plans ("megatron-tp:"), its state layout, "+remat" when it recomputes."""
+    plans = stage.get("layer_plans") or "planned"
+    return ("" if plans == "planned" else f"{plans}:") + (stage.get("state_layout") or "-") + \
+        ("+remat" if stage.get("remat") else "")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
     """How to run one program on one mesh.
@@ -249,7 +257,7 @@ class Plan:
                 names = layers[0] if len(layers) == 1 else f"{layers[0]}..{layers[-1]} ({len(layers)})" if layers else ""
                 devices = list(st.get("devices", ())) or ["?"]
                 lines.append(f"    stage {k}: {names:<28} submesh {'x'.join(map(str, st.get('submesh', ())))} "
-                             f"mesh {mesh:<5} devices {devices[0]}-{devices[-1]}")
+                             f"mesh {mesh:<5} devices {devices[0]}-{devices[-1]}  {stage_way(st)}")
         if self.stages:
             lines.append("  inputs: sharded per stage, on each stage's own mesh (stages[i]['shardings'])")
             return "\n".join(lines)

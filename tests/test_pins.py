@@ -36,6 +36,26 @@ def test_patterns_match_paths_as_tables_print_them():
     assert not matches("te/embedding", PARAM)  # whole path components only
 
 
+def test_first_matches_picks_the_first_pattern_matches_accepts():
+    """`resolve` looks wildcard-free patterns up instead of globbing each against each leaf
+    (`first_matches`); per leaf it picks the first pattern `matches` accepts, for literal, escaped
+    and glob patterns mixed in any order."""
+    import random
+
+    from planner.pins import exact_pattern, first_matches
+    b = get_model("gpt-tiny")
+    paths = trace(b.train_step, b.abstract_state(), b.abstract_batch()).input_paths
+    patterns = ["wte/embedding", "mu/*", "blocks_0/*/kernel", exact_pattern(PARAM), "params/wte/embedding",
+                "/blocks_1/ln_1/scale/", "bl?cks_0/ln_1/scale", "0/params/wpe/embedding", "[ab]c",
+                "wte/emb[*]dding", "nope"]
+    rng = random.Random(0)
+    for _ in range(100):
+        order = rng.sample(patterns, len(patterns))
+        expected = [next((k for k, p in enumerate(order) if matches(p, path)), None) for path in paths]
+        assert first_matches(order, paths) == expected
+    assert len(paths) > 20
+
+
 def _mlp():
     b = get_model("mlp-tiny")
     return b, b.abstract_state(), b.abstract_batch()

@@ -162,3 +162,46 @@ def test_pipeline_search_pinned_to_a_baseline_predicts_what_the_baseline_predict
     assert [(s.layer_range, s.submesh) for s in fixed.stages] == [((0, 1), (1, 2)), ((2, 3), (1, 2))]
     assert [s.time_s for s in fixed.stages] == [s.time_s for s in searched.stages]
     assert fixed.step_time_s == searched.step_time_s
+
+
+def test_pipeline_search_holds_the_hand_layouts_as_points():
+    """The stage tables hold each layer planned in the megatron-tp and fsdp layouts beside its own
+    (fastest) plan, so a `NAME+ppN` baseline is one of the pipelines the search prices: under a
+    budget where the fastest per-layer plans only fit with recomputation or sharded state (or not
+    at all: at 1.0 MB the search without those layouts found no pipeline for fsdp+pp2's two
+    microbatches), the search's best pipeline at the baseline's microbatch count is no slower than
+    the baseline, and it names the hand layout a stage's layers run in."""
+    b = get_model("gpt-tiny")
+    args, hw = _abstract(b), "2x4:a100-80gb"
+    cluster = make_cluster(2, 4, "a100-80gb")
+    graph = trace(b.train_step, *args)
+    ways = set()
+    for budget, name in ((1.0e6, "fsdp"), (1.0e6, "megatron-tp"), (1.6e6, "megatron-tp")):
+        base = evaluate(b.train_step, *args, baseline=f"{name}+pp2", cluster=hw, memory_budget=budget)
+        assert dict(base.pipeline["planning"]).get("fits_memory", True)
+        B = base.pipeline["num_microbatches"]
+        searched = plan_pipeline(b.train_step, args, cluster,
+                                 PlanOptions(pipeline=True, num_microbatches=B, memory_budget=budget), full_graph=graph)
+        assert searched.step_time_s <= base.prediction.step_time_s * (1 + 1e-9), (budget, name)
+        assert max(s.memory_bytes for s in searched.stages) <= budget
+        ways |= {s.layer_plans for s in searched.stages}
+    assert ways & {"megatron-tp", "fsdp"}
+
+
+def test_a_stage_in_a_hand_layout_runs_equal_to_the_unsharded_step():
+    """A pipeline whose stages run their layers in the megatron-tp layout (the search's choice
+    under a 1.6 MB budget on 2 hosts x 4 devices) lowers, runs and matches the unsharded step."""
+    skip_if_fewer_devices(8)
+    from planner.stages import pipelinable
+    b = get_model("gpt-tiny")
+    opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
+    state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
+    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
+    step = planner.plan_parallel(pipelinable(b.loss_fn, opt), mesh=(2, 4), inter_host_axes=(0,),
+                                 hardware="a100-80gb", pipeline=True, num_microbatches=2, memory_budget=1.6e6)
+    plan = step.plan(state, batch)
+    assert "megatron-tp" in {st["layer_plans"] for st in plan.stages}
+    assert "megatron-tp:" in plan.summary()
+    new_state, metrics = step(state, batch)
+    assert_first_step_close(b.loss_fn, opt, state, batch, new_state, metrics, ref_state, ref_metrics,
+                            train_step=b.train_step)

@@ -16,7 +16,7 @@ from planner.cost_model import peak_flops
 from planner.errors import InvalidArgumentError
 from planner.layer_index import split_indexed
 from planner.present.logical_axes import Axes, AxisRules, Leaf, classify, infer_rules, path_tokens
-from planner.plan import Plan, solver_quality as _solver_quality
+from planner.plan import Plan, solver_quality as _solver_quality, stage_way
 from planner.stages.clustering import stacked_note
 from planner.units import format_bytes
 
@@ -429,10 +429,10 @@ def format_stages(view: PlanView) -> str:
         mesh_text = ", ".join(f"{n}={s}" + ("*" if n in host else "") for n, s in mesh.items()) or "-"
         sub = st.get("submesh") or ()
         devices = st.get("devices") or []
-        layout = (st.get("state_layout") or "-") + ("+remat" if st.get("remat") else "")
+        layout = stage_way(st)
         rows.append((k, names, "x".join(map(str, sub)) or "-", mesh_text, _ranges(devices) if devices else "-",
                      layout, fmt_time(st.get("time_per_microbatch_s")), fmt_bytes(st.get("memory_bytes_per_device"))))
-    out = [table(("stage", "layers", "submesh", "mesh", "devices", "state", "time/microbatch", "memory/dev"),
+    out = [table(("stage", "layers", "submesh", "mesh", "devices", "layout", "time/microbatch", "memory/dev"),
                  rows, "rllllrrr")]
     out.append(f"  schedule {pipe.get('schedule', '-')}, {pipe.get('num_microbatches', '-')} microbatches, "
                f"bubble {fmt_pct(pipe.get('bubble_fraction'))}, pipeline time {fmt_time(pipe.get('pipeline_time_s'))}")

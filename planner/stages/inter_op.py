@@ -23,18 +23,21 @@ from typing import Any
 import jax
 import numpy as np
 
+from planner.baselines import layer_variant_pins
 from planner.cost_model import Cluster
 from planner.errors import InfeasiblePlanError, InvalidArgumentError, PlannerError
 from planner.units import format_bytes
 from planner.graph import Graph, trace
 from planner.mesh import MeshSpec
 from planner.options import PlanOptions
+from planner.plan import stage_way
 from planner.planning import make_plan
 from planner.search import candidate_meshes, search_meshes
 from planner.sharding import Spec
 from planner.stages.clustering import Layers, cluster_layers, stacked_inputs, stacked_note
 from planner.stages.dp import DPResult, StageChoice, bubble_fraction, pipeline_dp, pipeline_latency
 from planner.stages.stage_cost import (
+    LAYER_VARIANTS,
     LayerCostTable,
     StageOption,
     boundary_bytes,
@@ -70,6 +73,9 @@ class StagePlan:
       state_layout: "plan" (parameters as the intra-op plan shards them) or "sharded-state"
         (parameters, gradients and optimizer state split over all the stage's devices).
       remat: the backward recomputes the stage's forward (only the stage input is kept).
+      layer_plans: "planned" (each layer's own fastest plan) or the hand layout its layers were
+        planned in (a `stage_cost.LAYER_VARIANTS` name: parameters, optimizer state and batch pinned
+        as that baseline lays them out, the rest planned).
       time_s: forward + backward latency of one microbatch, with the boundary transfers (without the
         data-parallel gradient reduction: gradients accumulate per replica over the microbatches).
       apply_s: the optimizer update, once per step.
@@ -98,6 +104,12 @@ class StagePlan:
     comm_s: float = 0.0
     hidden_s: float = 0.0
     data_axes: frozenset[str] = frozenset()
+    layer_plans: str = "planned"
+
+    @property
+    def name(self) -> str:
+        """How the stage runs, e.g. "plan", "fsdp:sharded-state+remat" (layer plans, state layout, remat)."""
+        return stage_way({"layer_plans": self.layer_plans, "state_layout": self.state_layout, "remat": self.remat})
 
     def to_dict(self) -> dict:
         names = self.mesh.axis_names
@@ -110,6 +122,7 @@ class StagePlan:
             "devices": list(self.devices),
             "state_layout": self.state_layout,
             "remat": self.remat,
+            "layer_plans": self.layer_plans,
             "time_per_microbatch_s": self.time_s,
             "apply_time_s": self.apply_s,
             "grad_sync_time_s": self.grad_sync_s,
@@ -217,7 +230,7 @@ class PipelinePlan:
             names = st.layers[0] if len(st.layers) == 1 else f"{st.layers[0]}..{st.layers[-1]} ({len(st.layers)})"
             lines.append(
                 f"  stage {k}: {names:<28} submesh {st.submesh[0]}x{st.submesh[1]} mesh {st.mesh} "
-                f"{st.state_layout + ('+remat' if st.remat else ''):<19} {st.time_s * 1e3:9.3f} ms/microbatch, "
+                f"{st.name:<19} {st.time_s * 1e3:9.3f} ms/microbatch, "
                 f"{format_bytes(st.memory_bytes):>9}/device, devices {_ranges(st.devices)}")
         return "\n".join(lines)
 
@@ -294,7 +307,7 @@ def _stage_specs(graph: Graph, layers: Layers, table: LayerCostTable, first: int
     path_of = dict(zip(graph.inputs, graph.input_paths))
     out: dict[str, Spec] = {}
     for l in range(first, last + 1):
-        cost = table.cost(l, opt.mesh_index)
+        cost = table.cost(l, opt.mesh_index, opt.variant)
         ext = external_inputs(graph, table.facts[l].ops)
         specs = cost.zero_specs if opt.layout == "sharded-state" else cost.input_specs
         for j, t in enumerate(ext):
@@ -313,7 +326,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
                   microbatch_limit: int | None = None, rel_gap: float = 0.0, num_layers: int | None = None,
                   full_graph: Graph | None = None,
                   pins: Callable[[Graph, LogicalMesh], Mapping[int, Any]] | None = None,
-                  devices: Sequence[Any] = ()) -> PipelinePlan:
+                  devices: Sequence[Any] = (), layer_variants: Sequence[str] = LAYER_VARIANTS) -> PipelinePlan:
     """Plans pipeline stages for `fn(*args)` on `cluster`.
 
     Args:
@@ -337,6 +350,8 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
       devices: the devices the plan will run on (none: planned abstractly). The single-stage plan
         of `pipeline="auto"` is made for the first `cluster.num_devices` of them, so that
         `planned.plan_stages` can return it as it is when one stage wins.
+      layer_variants: the hand layouts each layer is also planned in (`stage_cost.LAYER_VARIANTS`;
+        none with `pins`, which fix the layout themselves).
 
     Raises:
       InfeasiblePlanError: no stage assignment fits the memory budget.
@@ -370,30 +385,62 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
         layers = cluster_layers(graph, num_layers)
         timings["trace_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()
+        # The hand layouts as per-layer plan variants (`stage_cost.LAYER_VARIANTS`), unless pins fix the layout.
+        variants = {} if pins is not None else {
+            name: (lambda m, g=graph, f=layer_variant_pins(name): f(g, m)) for name in layer_variants}
         table = LayerCostTable(graph, layers, tuple(meshes), cluster, options, cache,
-                               pins=None if pins is None else (lambda m, g=graph: pins(g, m)))
+                               pins=None if pins is None else (lambda m, g=graph: pins(g, m)), variants=variants)
         return graph, layers, table, t0
 
-    candidates: list[_Candidate] = []
-    stacked: tuple[str, ...] = ()
-    for B in counts:
-        graph, layers, table, t0 = build(B)
-        if B == counts[0]:
-            stacked = tuple(graph.input_paths[i] for i in stacked_inputs(graph, layers))
-            if stacked:
-                log.warning("%s", stacked_note(stacked))
-        st = stage_times(table, shapes, per_submesh, B, options.schedule, budget, boundary_bytes(graph, layers))
+    def price(B: int, table: LayerCostTable, boundary: np.ndarray, variants: Sequence[str]):
+        t0 = time.perf_counter()
+        st = stage_times(table, shapes, per_submesh, B, options.schedule, budget, boundary, variants=variants)
         timings["layer_costs_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         dp = pipeline_dp(st.times, sizes, cluster.num_devices, B, min_stages=min_stages, rel_gap=rel_gap)
         timings["dp_s"] += time.perf_counter() - t0
-        step = math.inf
+        step = math.inf if dp is None else dp.objective_s + _once_per_step_max(table, st, dp.stages)
+        return st, dp, step
+
+    candidates: list[_Candidate] = []
+    stacked: tuple[str, ...] = ()
+    for B in counts:
+        graph, layers, table, _ = build(B)
+        if B == counts[0]:
+            stacked = tuple(graph.input_paths[i] for i in stacked_inputs(graph, layers))
+            if stacked:
+                log.warning("%s", stacked_note(stacked))
+        st, dp, step = price(B, table, boundary_bytes(graph, layers), ("",))
         if dp is not None:
             evaluations += dp.evaluations
-            step = dp.objective_s + _once_per_step_max(table, st, dp.stages)
         log.info("B=%d: %s", B, "no pipeline of the per-layer plans fits the budget" if dp is None else
                  f"{len(dp.stages)} stages, predicted {step:.4g} s/step")
         candidates.append(_Candidate(B, graph, layers, table, st, dp, step))
+
+    # The hand layouts (`LayerCostTable.variants`) only help where memory binds: a layer's own plan is
+    # the fastest, so a count B whose pipeline of the layers' own plans ignoring memory is no faster
+    # than the best pipeline found is not planned in them (a pruning rule, not a proof: a hand
+    # layout's layers are never faster, but their gradient reduction, charged once per step, may be).
+    for k, c in enumerate(candidates):
+        if not c.table.variants:
+            break
+        best_step = min(x.step_s for x in candidates)
+        boundary = boundary_bytes(c.graph, c.layers)
+        if math.isfinite(best_step):
+            t0 = time.perf_counter()
+            free = stage_times(c.table, shapes, per_submesh, c.B, options.schedule, math.inf, boundary,
+                               variants=("",))
+            bound = pipeline_dp(free.times, sizes, cluster.num_devices, c.B, min_stages=min_stages, rel_gap=rel_gap)
+            timings["dp_s"] += time.perf_counter() - t0
+            if bound is None or bound.objective_s >= best_step or c.step_s <= bound.objective_s * (1 + 1e-9):
+                continue
+        st, dp, step = price(c.B, c.table, boundary, ("", *c.table.variants))
+        if dp is not None:
+            evaluations += dp.evaluations
+        if step < c.step_s:
+            log.info("B=%d with the %s layouts: %d stages, predicted %.4g s/step", c.B, "/".join(c.table.variants),
+                     len(dp.stages), step)
+            candidates[k] = _Candidate(c.B, c.graph, c.layers, c.table, st, dp, step)
 
     # The single-stage plan: the whole cluster, the whole batch at once.
     single = single_free = whole = None
@@ -406,7 +453,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
         st1 = stage_times(table, shapes[full:], [per_submesh[full]], 1, options.schedule, budget,
                           boundary_bytes(graph, layers))
         free = stage_times(table, shapes[full:], [per_submesh[full]], 1, options.schedule, math.inf,
-                           boundary_bytes(graph, layers))
+                           boundary_bytes(graph, layers), variants=("",))  # the hand layouts are memory levers
         timings["layer_costs_s"] += time.perf_counter() - t0
         L = layers.num_layers
         single = float(st1.times[0, 0, L - 1, 0])
@@ -430,13 +477,15 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
                 single = math.inf
             timings["single_stage_s"] = time.perf_counter() - t0
         # The tables view the whole cluster as one logical mesh (hosts x devices); the other mesh
-        # shapes of its devices (as `planner plan --pipeline off` searches them) may be faster, or fit
-        # where that one does not. Searched too when the single stage can compete on time (its table
-        # price ignoring memory is below the best pipeline's: GPT-39B on V100 16 GB, 17x slower
-        # single, skips a search of minutes), each mesh pruned by its bound against the best so far.
+        # shapes of its devices (as `planner plan --pipeline off` searches them) may be faster.
+        # Searched too when the single stage can compete on time (its table price ignoring memory is
+        # below the best pipeline's) and fits as the tables price it (with recomputation, sharded
+        # state or a hand layout if need be: GPT-39B on V100 16 GB fits in none of them, and a search
+        # of minutes finds no plan either), each mesh pruned by its bound against the best so far.
         best_pp = min((c.step_s for c in candidates), default=math.inf)
         held = st1
-        mesh_search = pins is None and len(shapes) > 1 and single_free < best_pp
+        mesh_search = pins is None and len(shapes) > 1 and single_free < best_pp and \
+            math.isfinite(st1.times[0, 0, L - 1, 0])
         if mesh_search:
             t0 = time.perf_counter()
             found = _single_stage_search(graph, cluster, options, budget, devices, min(single, best_pp))
@@ -454,8 +503,9 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
 
     feasible = [c for c in candidates if c.dp is not None and math.isfinite(c.step_s)]
     if not feasible:
+        hand = f" and in the {', '.join(layer_variants)} layouts" if layer_variants and pins is None else ""
         raise InfeasiblePlanError(
-            f"no pipeline of {cluster} built from the per-layer plans (each layer's fastest plan on each mesh, "
+            f"no pipeline of {cluster} built from the per-layer plans (each layer's fastest plan on each mesh{hand}, "
             f"with or without recomputation and sharded state) fits the memory budget of {format_bytes(budget)} "
             f"per device for any of "
             f"{list(counts)} microbatches; raise memory_budget, use more devices or more microbatches")
@@ -561,7 +611,7 @@ def _option(st, stage: StageChoice, position: int) -> StageOption:
 
 def _once_per_step(table: LayerCostTable, opt: StageOption, first: int, last: int) -> tuple[float, float]:
     """(data-parallel gradient reduction, optimizer update) of the stage of layers first..last."""
-    costs = [table.cost(l, opt.mesh_index) for l in range(first, last + 1)]
+    costs = [table.cost(l, opt.mesh_index, opt.variant) for l in range(first, last + 1)]
     return sum(c.sync_s for c in costs), sum(c.apply_s for c in costs)
 
 
@@ -590,7 +640,7 @@ def _stage_plans(best: _Candidate, shapes, meshes: Sequence[LogicalMesh], cluste
         lm = meshes[opt.mesh_index]
         comm, hidden = stage_communication(best.table, stage.first, stage.last, opt, sizes[stage.submesh],
                                            best.st.boundary, link)
-        data = frozenset().union(*(best.table.cost(l, opt.mesh_index).data_axes
+        data = frozenset().union(*(best.table.cost(l, opt.mesh_index, opt.variant).data_axes
                                    for l in range(stage.first, stage.last + 1)))
         out.append(StagePlan(
             layers=best.layers.names[stage.first: stage.last + 1],
@@ -601,6 +651,7 @@ def _stage_plans(best: _Candidate, shapes, meshes: Sequence[LogicalMesh], cluste
             devices=placed[k],
             state_layout=opt.layout,
             remat=opt.remat,
+            layer_plans=opt.variant or "planned",
             time_s=stage.time_s,
             apply_s=_once_per_step(best.table, opt, stage.first, stage.last)[1],
             grad_sync_s=_once_per_step(best.table, opt, stage.first, stage.last)[0],

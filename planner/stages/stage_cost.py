@@ -44,6 +44,17 @@ intra-op ILP plans each layer for time alone; it has no stage-level view of memo
   remat False  activations kept from each microbatch's forward to its backward;
         True   only the stage's input kept; the backward recomputes the stage's forward first
                (extra time: the forward's share of the FLOPs, times the layer's time).
+
+The per-layer ILP plans for time alone, so each layer's plan is the fastest and, where memory
+binds, often not the leanest: a stage of Megatron-style tensor-parallel layers, or of fully
+sharded (ZeRO-3) ones, can fit where the fastest plans only fit with recomputation or more stages.
+So the tables hold, besides each layer's own plan, *variants*: the layer planned again with the
+program inputs it reads (parameters, optimizer state, the batch) pinned to a hand layout
+(`LayerCostTable.variants`, `LAYER_VARIANTS`: the named baselines `megatron-tp` and `fsdp`,
+`planner.baselines`), everything else still chosen by the ILP. Every variant of a stage runs in
+the four ways above, and the DP picks among all of them (`StageOption.variant`). Those hand
+layouts are then points of the search: a `NAME+ppN` baseline (`inter_op.fixed_pipeline`) is one
+of the pipelines the DP prices.
 """
 from __future__ import annotations
 
@@ -110,6 +121,8 @@ class LayerCost:
     data_axes: frozenset[str] = frozenset()
 
 
+# The hand layouts each layer is also planned in (`LayerCostTable.variants`; see the module docstring).
+LAYER_VARIANTS = ("megatron-tp", "fsdp")
 INFEASIBLE = LayerCost(math.inf, math.inf, math.inf, math.inf, math.inf, 0.0, (), math.inf, math.inf, math.inf, (),
                        math.inf)
 LAYOUTS = ("plan", "sharded-state")
@@ -399,6 +412,11 @@ class LayerCostTable:
     pinned inputs it reads fixed, so a stage holding a pinned parameter keeps it as pinned; an
     exception in place of a Spec (a pin that mesh cannot take) makes the layers reading that input
     infeasible on that mesh.
+
+    `variants` names further per-layer plans: name -> `pins(logical_mesh)` in the form above,
+    each layer on that mesh planned again with the inputs it reads pinned so (`cost(layer, mesh_index,
+    variant)`; "" is the layer's own plan, pinned by `pins` only). A variant whose pins map is empty on
+    a mesh is not planned there (`has_variant`).
     """
 
     graph: Graph
@@ -410,6 +428,7 @@ class LayerCostTable:
     facts: tuple[LayerFacts, ...] = ()
     solves: int = 0
     pins: Callable[[LogicalMesh], Mapping[int, Spec]] | None = None
+    variants: Mapping[str, Callable[[LogicalMesh], Mapping[int, Spec]]] = dataclasses.field(default_factory=dict)
     _pinned: dict = dataclasses.field(default_factory=dict)
     _inner: dict = dataclasses.field(default_factory=dict)
     _edges: tuple | None = None
@@ -418,7 +437,7 @@ class LayerCostTable:
         if not self.facts:
             self.facts = layer_facts(self.graph, self.layers)
 
-    def inner(self, mesh_index: int) -> np.ndarray:
+    def inner(self, mesh_index: int, variant: str = "") -> np.ndarray:
         """`out[k, i]`: seconds per microbatch spent resharding values passed between layers k..i
         when they run in one stage on that mesh (meaningful for i >= k).
 
@@ -428,15 +447,15 @@ class LayerCostTable:
         other way) in the backward: twice `reshard_cost` of the value on the stage's logical mesh
         (the one pricing of resharding the intra-op ILP uses). Values crossing a stage boundary are
         the send's business (`stage_ranges`)."""
-        if mesh_index in self._inner:
-            return self._inner[mesh_index]
+        if (mesh_index, variant) in self._inner:
+            return self._inner[mesh_index, variant]
         if self._edges is None:
             self._edges = layer_edges(self.graph, self.layers, self.facts)
         L = self.layers.num_layers
         pair = np.zeros((L, L))
         cost = self.meshes[mesh_index].cost_model(effective_hardware(self.cluster))
         for l, key, c, j, t in self._edges:
-            made, read = self.cost(l, mesh_index), self.cost(c, mesh_index)
+            made, read = self.cost(l, mesh_index, variant), self.cost(c, mesh_index, variant)
             src = made.produced_specs.get(key)
             dst = read.input_specs[j] if j < len(read.input_specs) else None
             if src is None or dst is None or src == dst:
@@ -444,49 +463,62 @@ class LayerCostTable:
             pair[l, c] += 2 * reshard_cost(self.graph.tensors[t], src, dst, cost)[1]
         # out[k, i] = sum over k <= l < c <= i of pair[l, c]
         out = np.flip(np.cumsum(np.flip(np.cumsum(pair, axis=1), axis=0), axis=0), axis=0)
-        self._inner[mesh_index] = out
+        self._inner[mesh_index, variant] = out
         return out
 
-    def pinned(self, layer: int, mesh_index: int) -> tuple[Mapping[int, Spec], tuple]:
+    def _pins_on(self, mesh_index: int, variant: str) -> Mapping[int, Spec]:
+        if (variant, mesh_index) not in self._pinned:
+            source = self.pins if not variant else self.variants[variant]
+            self._pinned[variant, mesh_index] = {} if source is None else dict(source(self.meshes[mesh_index]))
+        return self._pinned[variant, mesh_index]
+
+    def has_variant(self, variant: str, mesh_index: int) -> bool:
+        """Whether the variant is planned on that mesh ("": always; a named one: its pins say something)."""
+        return not variant or bool(self._pins_on(mesh_index, variant))
+
+    def pinned(self, layer: int, mesh_index: int, variant: str = "") -> tuple[Mapping[int, Spec], tuple]:
         """The pinned inputs the layer reads on that mesh ({tensor id: Spec}) and their specs in the
         layer's input order (part of the cache key: identical layers pinned alike share a plan)."""
-        if self.pins is None:
+        if self.pins is None and not variant:
             return {}, ()
-        if mesh_index not in self._pinned:
-            self._pinned[mesh_index] = dict(self.pins(self.meshes[mesh_index]))
-        by_tensor = self._pinned[mesh_index]
+        by_tensor = self._pins_on(mesh_index, variant)
         ext = external_inputs(self.graph, self.facts[layer].ops)
-        return by_tensor, tuple(str(v) if isinstance(v, Exception) else by_tensor.get(t)
-                                for t in ext for v in (by_tensor.get(t),))
+        key = tuple(str(v) if isinstance(v, Exception) else by_tensor.get(t)
+                    for t in ext for v in (by_tensor.get(t),))
+        return by_tensor, (() if all(k is None for k in key) else key)
 
-    def _key(self, layer: int, mesh_index: int) -> tuple[tuple, Mapping[int, Spec]]:
+    def _key(self, layer: int, mesh_index: int, variant: str = "") -> tuple[tuple, Mapping[int, Spec]]:
         lm = self.meshes[mesh_index]
-        pinned, pin_key = self.pinned(layer, mesh_index)
+        pinned, pin_key = self.pinned(layer, mesh_index, variant)
         return (self.layers.keys[layer], lm.mesh.shape, lm.links, self.cluster.hardware.name, pin_key), pinned
 
     def _solve(self, layer: int, mesh_index: int, pinned: Mapping[int, Spec]) -> LayerCost:
         return _layer_cost(self.graph, self.layers, self.facts[layer], layer, self.meshes[mesh_index],
                            effective_hardware(self.cluster), self.options, pinned)
 
-    def cost(self, layer: int, mesh_index: int) -> LayerCost:
-        key, pinned = self._key(layer, mesh_index)
+    def cost(self, layer: int, mesh_index: int, variant: str = "") -> LayerCost:
+        key, pinned = self._key(layer, mesh_index, variant)
         hit = self.cache.get(key)
         if hit is None:
             hit = self.cache[key] = self._solve(layer, mesh_index, pinned)
             self.solves += 1
         return hit
 
-    def fill(self, mesh_indices: Sequence[int], threads: int | None = None) -> None:
-        """Plans every distinct layer on each of `mesh_indices` not planned yet, `threads` at once
+    def fill(self, mesh_indices: Sequence[int], threads: int | None = None, variants: Sequence[str] = ("",)) -> None:
+        """Plans every distinct layer on each of `mesh_indices` (in each of `variants` the mesh has,
+        `has_variant`) not planned yet, `threads` at once
         (None: the idle cores, `search.idle_cores`, divided by `options.solver_workers`). CP-SAT
         releases the GIL while it searches, so the solves run side by side; each is planned alone (one
         CP-SAT worker, deterministic limits), so the table is the one `cost` fills one by one."""
         todo: dict[tuple, tuple[int, int, Mapping[int, Spec]]] = {}
-        for mi in mesh_indices:
-            for layer in range(self.layers.num_layers):
-                key, pinned = self._key(layer, mi)
-                if key not in self.cache and key not in todo:
-                    todo[key] = (layer, mi, pinned)
+        for variant in variants:
+            for mi in mesh_indices:
+                if not self.has_variant(variant, mi):
+                    continue
+                for layer in range(self.layers.num_layers):
+                    key, pinned = self._key(layer, mi, variant)
+                    if key not in self.cache and key not in todo:
+                        todo[key] = (layer, mi, pinned)
         if threads is None:
             threads = idle_cores() // max(1, self.options.solver_workers)
         threads = max(1, min(threads, len(todo)))
@@ -544,15 +576,17 @@ def boundary_bytes(graph: Graph, layers: Layers) -> np.ndarray:
 @dataclasses.dataclass(frozen=True, slots=True)
 class StageOption:
     """One way to run a stage on a submesh: a logical mesh (index into the table's meshes), a state
-    layout ("plan" or "sharded-state") and whether the backward recomputes the forward."""
+    layout ("plan" or "sharded-state"), whether the backward recomputes the forward, and which
+    per-layer plans it runs ("": each layer's own; else a `LayerCostTable.variants` name)."""
 
     mesh_index: int
     layout: str
     remat: bool
+    variant: str = ""
 
     @property
     def name(self) -> str:
-        return self.layout + ("+remat" if self.remat else "")
+        return (f"{self.variant}:" if self.variant else "") + self.layout + ("+remat" if self.remat else "")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -595,12 +629,12 @@ def _range_max(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _columns(table: LayerCostTable, mesh_index: int, layout: str) -> dict[str, np.ndarray]:
-    """Per layer on that mesh and state layout: its time per microbatch ("time") and the exposed
-    communication inside it ("comm"), each with what remat's recomputed forward adds
+def _columns(table: LayerCostTable, option: StageOption) -> dict[str, np.ndarray]:
+    """Per layer on the option's mesh, variant and state layout: its time per microbatch ("time")
+    and the exposed communication inside it ("comm"), each with what remat's recomputed forward adds
     ("..._recompute"); its state, activation and working bytes."""
-    rows = [table.cost(l, mesh_index) for l in range(table.layers.num_layers)]
-    sharded = layout == "sharded-state"
+    rows = [table.cost(l, option.mesh_index, option.variant) for l in range(table.layers.num_layers)]
+    sharded = option.layout == "sharded-state"
     gathers = [r.zero_extra_s if sharded else 0.0 for r in rows]  # the sharded state's all-gathers
     return {
         "time": np.array([r.time_s + g for r, g in zip(rows, gathers)]),
@@ -622,8 +656,8 @@ def stage_ranges(table: LayerCostTable, mesh_index: int, option: StageOption, de
     resharding of values passed between the range's layers (`LayerCostTable.inner`; once more in
     the recomputed forward under remat).
     """
-    col = _columns(table, mesh_index, option.layout)
-    t = _range_seconds(table, col, "time", mesh_index, option.remat, boundary, link, devices)
+    col = _columns(table, option)
+    t = _range_seconds(table, col, "time", option, boundary, link, devices)
     state, act, work = _range_sums(col["state"]), _range_sums(col["act"]), _range_max(col["work"])
     if not option.remat:
         return t, state + work, act
@@ -642,16 +676,16 @@ def _sends(boundary: np.ndarray, link, devices: int) -> tuple[np.ndarray, np.nda
     return fwd_send, bwd_send
 
 
-def _range_seconds(table: LayerCostTable, col: dict[str, np.ndarray], kind: str, mesh_index: int, remat: bool,
+def _range_seconds(table: LayerCostTable, col: dict[str, np.ndarray], kind: str, option: StageOption,
                    boundary: np.ndarray, link, devices: int) -> np.ndarray:
     """`out[k, i]`: seconds per microbatch of layers k..i as one stage, from the per-layer column
     `kind` of `_columns` ("time", or "comm" for the communication inside it): the layers' sum, the
     resharding between them (`LayerCostTable.inner`), the boundary sends; under remat the
     recomputed forward's share of the layers and of the resharding."""
-    inner = table.inner(mesh_index)
+    inner = table.inner(option.mesh_index, option.variant)
     fwd_send, bwd_send = _sends(boundary, link, devices)
     out = _range_sums(col[kind]) + inner + fwd_send[None, :] + bwd_send[:, None]
-    if remat:
+    if option.remat:
         out = out + _range_sums(col[f"{kind}_recompute"]) + inner / 2
     return out
 
@@ -660,25 +694,28 @@ def stage_communication(table: LayerCostTable, first: int, last: int, option: St
                         boundary: np.ndarray, link) -> tuple[float, float]:
     """(exposed, hidden) communication per microbatch inside the stage time `stage_ranges` gives for
     layers first..last (`_range_seconds` of the "comm" column)."""
-    col = _columns(table, option.mesh_index, option.layout)
-    exposed = _range_seconds(table, col, "comm", option.mesh_index, option.remat, boundary, link, devices)
-    return float(exposed[first, last]), sum(table.cost(l, option.mesh_index).hidden_s for l in range(first, last + 1))
+    col = _columns(table, option)
+    exposed = _range_seconds(table, col, "comm", option, boundary, link, devices)
+    return float(exposed[first, last]), sum(table.cost(l, option.mesh_index, option.variant).hidden_s
+                                            for l in range(first, last + 1))
 
 
 def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
                 mesh_indices: Sequence[Sequence[int]], num_microbatches: int, schedule: str,
                 memory_budget: float, boundary: np.ndarray, layouts: Sequence[str] = LAYOUTS,
-                remats: Sequence[bool] = (False, True)) -> StageTimes:
+                remats: Sequence[bool] = (False, True), variants: Sequence[str] | None = None) -> StageTimes:
     """The DP's latency table: per (layer range, submesh, in-flight count) the fastest way that fits.
 
     A way fits when `fixed + inflight * per_microbatch <= memory_budget` (see `stage_ranges`), where
     `inflight` is what a stage at that pipeline position holds: under 1F1B min(position from the
     end, B), under GPipe B. `layouts` and `remats` restrict the ways tried (a hand configuration
-    fixes its state layout, and may fix recomputation).
+    fixes its state layout, and may fix recomputation); `variants` the per-layer plans (None: the
+    layers' own and every one of `table.variants`).
     """
     L = table.layers.num_layers
     B = num_microbatches
-    table.fill(sorted({mi for idx in mesh_indices for mi in idx}))
+    variants = ("", *table.variants) if variants is None else tuple(variants)
+    table.fill(sorted({mi for idx in mesh_indices for mi in idx}), variants=variants)
     inflight = tuple(range(1, min(B, L) + 1)) if schedule == "1f1b" else (B,)
     Q, S = len(inflight), len(submeshes)
     times = np.full((Q, L, L, S), np.inf)
@@ -686,8 +723,8 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
     link = boundary_link(table.cluster)
     options: list[tuple[StageOption, ...]] = []
     for m, (n, k) in enumerate(submeshes):
-        opts = tuple(StageOption(mi, layout, remat) for mi in mesh_indices[m] for layout in layouts
-                     for remat in remats)
+        opts = tuple(StageOption(mi, layout, remat, v) for mi in mesh_indices[m] for v in variants
+                     if table.has_variant(v, mi) for layout in layouts for remat in remats)
         options.append(opts)
         for j, opt in enumerate(opts):
             t, fixed, per_mb = stage_ranges(table, opt.mesh_index, opt, n * k, boundary, link)
