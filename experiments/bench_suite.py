@@ -20,7 +20,10 @@ Two kinds of rows (the "mode" column says which):
             once per (model, cluster) and `make_plan` runs per configuration with the baseline's
             pins resolved as `evaluate` resolves them (every argument pinned, unmatched leaves
             replicated). 1x8 / 2x4 are one 8-GPU host; 8x8 / 128x8 are clusters of hosts x devices
-            ("8x8:a100-80gb": the host axis inter-host).
+            ("8x8:a100-80gb": the host axis inter-host). When no single-stage plan fits the budget
+            there, the "planner" row takes the lever the error names first, gradient accumulation
+            (`accumulate="auto"`, `planner.accumulate.plan_accumulation`; the note says so and
+            `microbatches` is its k): the baselines are costed without it.
 
 On the clusters of several hosts (8x8, 128x8) the abstract rows add pipelines:
   planner         the pipeline-auto plan, as `planner plan --cluster 8x8:a100-80gb --pipeline auto`
@@ -38,7 +41,9 @@ On the clusters of several hosts (8x8, 128x8) the abstract rows add pipelines:
                   (fits=no when none fits: costed ignoring memory, the note says so).
 The summary also checks the pipeline search against its own points: for each fitting `NAME+ppN`
 row, the search's best candidate at that row's microbatch count (`pp_candidates`, "B:step_s:stages"
-per count the search tried, B=1 the single stage as the stage DP costs it) must be no slower.
+per count the search tried, B=1 the single stage as the stage DP costs it; ":own" when the search
+did not price the stage tables' hand layouts for that count, pruned by its bound against the best
+plan) must be no slower; for a pruned count, the planner's plan must be.
 Pipeline rows' `bytes_moved` count each stage's collectives once per microbatch, its data-parallel
 gradient reduction once per step (planner/stages/planned.py `pipeline_collectives`), per device: the
 most of any stage with the transfers it sends (`pipeline_bytes_per_device`; rows written before
@@ -97,7 +102,8 @@ import jax  # noqa: E402
 import planner  # noqa: E402
 from planner.baselines import NAMES, baseline_pins, parse_baseline  # noqa: E402
 from planner.cost_model import Cluster, get_hardware  # noqa: E402
-from planner.errors import PlannerError  # noqa: E402
+from planner.accumulate import micro_options, plan_accumulation  # noqa: E402
+from planner.errors import InfeasiblePlanError, PlannerError  # noqa: E402
 from planner.evaluation import pipeline_baseline  # noqa: E402
 from planner.graph import trace  # noqa: E402
 from planner.mesh import MeshSpec  # noqa: E402
@@ -251,6 +257,7 @@ def _pipeline_fields(plan, wall: float, ilp: _ILPTimes, fits_memory: bool = True
     pr = plan.prediction
     multi = bool(plan.stages)
     trace_s, dp_s = float(info.get("trace_s", 0.0)), float(info.get("dp_s", 0.0))
+    pruned = set(dict(info.get("hand_layout_counts") or {}).get("pruned", ()))
     note = (f"{ilp.solves} ILPs solved ({info.get('distinct_layers', '?')} distinct layers x "
             f"{info.get('logical_meshes', '?')} logical meshes x microbatch sizes, then the chosen stages' plans)")
     if not fits_memory:
@@ -267,6 +274,7 @@ def _pipeline_fields(plan, wall: float, ilp: _ILPTimes, fits_memory: bool = True
         "distinct": "" if multi else plan.solver.get("variables_shared", ""),
         "solver": "pipeline" if multi else plan.solver.get("status", ""),
         "pp_candidates": ";".join(f"{c['num_microbatches']}:{c['step_time_s']:.6g}:{c['stages']}"
+                                  + (":own" if c["num_microbatches"] in pruned else "")
                                   for c in pipe.get("candidates", ()) if c.get("step_time_s") is not None),
         "note": note,
     }
@@ -317,12 +325,25 @@ def run_abstract(model: str, cluster: str, time_limit: float, configs: tuple[str
                 opts = PlanOptions(hardware=hardware, solver_time_limit=time_limit)
                 pins = resolve_pins(baseline_pins(config)(graph.input_paths, shapes, mesh), graph.input_paths,
                                     shapes, mesh, complete=True)
-            plan = make_plan(graph, mesh, check_options(opts), pins=pins)
+            accumulated = None
+            try:
+                plan = make_plan(graph, mesh, check_options(opts), pins=pins)
+            except InfeasiblePlanError as e:
+                if config != "planner":
+                    raise
+                # As the error advises (`--accumulate auto`): the planner's own lever when nothing fits.
+                acc = plan_accumulation(b.train_step, graph, "auto", BUDGET,
+                                        lambda g, budget: make_plan(g, mesh, micro_options(check_options(opts), budget)),
+                                        mesh)
+                plan, accumulated = acc.plan, (acc.k, str(e).splitlines()[0])
         except PlannerError as e:
             rows.append({**row, "note": f"not planned: {str(e).splitlines()[0]}"})
             continue
         rows.append(row | _prediction(plan) | _timing(plan, time.perf_counter() - t, trace_s)
-                    | ({"stages": 1, "microbatches": 1} if pipelined else {}))
+                    | ({"stages": 1, "microbatches": 1} if pipelined else {})
+                    | ({"microbatches": accumulated[0],
+                        "note": f"gradient accumulation over {accumulated[0]} microbatches (accumulate='auto'): "
+                                f"without it {accumulated[1]}"} if accumulated else {}))
     if rows:
         print(f"  {rows[-1]['config']}: {rows[-1].get('plan_s') or '-'} s", file=sys.stderr, flush=True)
     return rows
@@ -367,14 +388,14 @@ def summarize(rows: list[dict]) -> tuple[list[str], list[dict]]:
         rec["vs_single"] = None if single is None or pt is None else pt <= single * (1 + 1e-9)
         cands = {}
         for item in filter(None, (plan.get("pp_candidates") or "").split(";") if plan else ()):
-            b, t, n = item.split(":")
-            cands[int(b)] = (float(t), int(n))
+            b, t, n, *own = item.split(":")
+            cands[int(b)] = (float(t), int(n), bool(own))
         rec["pp_checks"] = []
         for r in fitting:
             if "+pp" in r["config"] and cands and str(r.get("microbatches", "")).isdigit():
                 c = cands.get(int(r["microbatches"]))
                 rec["pp_checks"].append((r["config"], int(r["microbatches"]), float(r["step_time_s"]),
-                                         None if c is None else c[0]))
+                                         None if c is None else c[0], c is not None and c[2]))
         recs.append(rec)
     n = len(recs)
     comp = [r for r in recs if r["dominated_by"] is not None]
@@ -392,7 +413,12 @@ def summarize(rows: list[dict]) -> tuple[list[str], list[dict]]:
     ]
     piped = [r for r in recs if r["vs_single"] is not None]
     checks = [(r, c) for r in recs for c in r["pp_checks"]]
-    bad = [(r, c) for r, c in checks if c[3] is None or c[3] > c[2] * (1 + 1e-9)]
+    slower = [(r, c) for r, c in checks if c[3] is None or c[3] > c[2] * (1 + 1e-9)]
+    # A count the hand-layout pass pruned (its candidate is of the layers' own plans) was pruned
+    # because its memory-free bound was above the best plan: what the check asks is then whether
+    # the planner's plan beats the baseline.
+    pruned = [(r, c) for r, c in slower if c[4] and r["plan_s"] is not None and r["plan_s"] <= c[2] * (1 + 1e-9)]
+    bad = [x for x in slower if x not in pruned]
     lines += [
         f"- Clusters of several hosts (`planner` = the pipeline-auto plan): planner no slower than its own "
         f"single-stage plan (`planner-1stage`) in {sum(r['vs_single'] for r in piped)} of {len(piped)} groups"
@@ -400,6 +426,9 @@ def summarize(rows: list[dict]) -> tuple[list[str], list[dict]]:
                   for r in piped if not r["vs_single"]) + ".",
         f"- Pipeline search vs the fitting `NAME+ppN` baselines (its best candidate at the baseline's microbatch "
         f"count, any stages): no slower in {len(checks) - len(bad)} of {len(checks)}"
+        + (f" ({len(pruned)} of them counts the hand-layout pass pruned, whose baselines the planner's plan "
+           f"beats: " + ", ".join(f"{r['model']} {r['cluster']} {c[0]} {c[2]:.4g} s vs plan {r['plan_s']:.4g} s"
+                                  for r, c in pruned) + ")" if pruned else "")
         + "".join(f"; {r['model']} {r['cluster']} {c[0]} (B={c[1]}): {c[2]:.4g} s, search "
                   + ("no candidate" if c[3] is None else f"{c[3]:.4g} s") for r, c in bad) + ".",
         "", "| model | cluster | mode | plan step s | best fitting baseline | its step s | baseline / plan | "

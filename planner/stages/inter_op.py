@@ -158,7 +158,9 @@ class PipelinePlan:
       cluster: the cluster in words.
       layer_names: every layer, in order.
       candidates: (B, predicted step time, number of stages) of each microbatch count tried.
-      planning: timings and counts of the planning run.
+      planning: timings and counts of the planning run; `hand_layout_counts` says for which
+        microbatch counts the stage tables' hand layouts were priced ("priced") and for which the
+        pruning rule skipped them ("pruned": their candidate is of the layers' own plans only).
     """
 
     stages: tuple[StagePlan, ...]
@@ -421,6 +423,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
     # the fastest, so a count B whose pipeline of the layers' own plans ignoring memory is no faster
     # than the best pipeline found is not planned in them (a pruning rule, not a proof: a hand
     # layout's layers are never faster, but their gradient reduction, charged once per step, may be).
+    hand: dict[str, list[int]] = {"priced": [], "pruned": []}  # microbatch counts, for `planning`
     for k, c in enumerate(candidates):
         if not c.table.variants:
             break
@@ -433,7 +436,9 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
             bound = pipeline_dp(free.times, sizes, cluster.num_devices, c.B, min_stages=min_stages, rel_gap=rel_gap)
             timings["dp_s"] += time.perf_counter() - t0
             if bound is None or bound.objective_s >= best_step or c.step_s <= bound.objective_s * (1 + 1e-9):
+                hand["pruned"].append(c.B)
                 continue
+        hand["priced"].append(c.B)
         st, dp, step = price(c.B, c.table, boundary, ("", *c.table.variants))
         if dp is not None:
             evaluations += dp.evaluations
@@ -515,6 +520,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
                         tuple((c.B, c.step_s, len(c.dp.stages) if c.dp else 0) for c in candidates),
                         {"dp_evaluations": evaluations, "logical_meshes": len(meshes),
                          **({"stacked_params": list(stacked)} if stacked else {}),
+                         **({"hand_layout_counts": hand} if layer_variants and pins is None else {}),
                          **({"single_stage_mesh_search": mesh_search} if options.pipeline == "auto" else {})})
     if whole is None or pp.num_stages > 1:
         return pp
