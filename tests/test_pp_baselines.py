@@ -184,8 +184,14 @@ def test_pipeline_search_holds_the_hand_layouts_as_points():
                                  PlanOptions(pipeline=True, num_microbatches=B, memory_budget=budget), full_graph=graph)
         assert searched.step_time_s <= base.prediction.step_time_s * (1 + 1e-9), (budget, name)
         assert max(s.memory_bytes for s in searched.stages) <= budget
+        assert searched.planning["hand_layout_counts"] == {"priced": [B], "pruned": []}  # memory binds
         ways |= {s.layer_plans for s in searched.stages}
     assert ways & {"megatron-tp", "fsdp"}
+    # Where memory does not bind, the layers' own plans are the fastest: the hand layouts are not priced.
+    roomy = plan_pipeline(b.train_step, args, cluster, PlanOptions(pipeline=True, num_microbatches=2,
+                                                                   memory_budget=1e9), full_graph=graph)
+    assert roomy.planning["hand_layout_counts"] == {"priced": [], "pruned": [2]}
+    assert {s.layer_plans for s in roomy.stages} == {"planned"}
 
 
 def test_a_stage_in_a_hand_layout_runs_equal_to_the_unsharded_step():

@@ -435,7 +435,10 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
                                variants=("",))
             bound = pipeline_dp(free.times, sizes, cluster.num_devices, c.B, min_stages=min_stages, rel_gap=rel_gap)
             timings["dp_s"] += time.perf_counter() - t0
-            if bound is None or bound.objective_s >= best_step or c.step_s <= bound.objective_s * (1 + 1e-9):
+            # Memory binds when the count's pipeline is slower than the same ignoring memory.
+            free_step = math.inf if bound is None else \
+                bound.objective_s + _once_per_step_max(c.table, free, bound.stages)
+            if bound is None or bound.objective_s >= best_step or c.step_s <= free_step * (1 + 1e-9):
                 hand["pruned"].append(c.B)
                 continue
         hand["priced"].append(c.B)
@@ -482,15 +485,14 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
                 single = math.inf
             timings["single_stage_s"] = time.perf_counter() - t0
         # The tables view the whole cluster as one logical mesh (hosts x devices); the other mesh
-        # shapes of its devices (as `planner plan --pipeline off` searches them) may be faster.
-        # Searched too when the single stage can compete on time (its table price ignoring memory is
-        # below the best pipeline's) and fits as the tables price it (with recomputation, sharded
-        # state or a hand layout if need be: GPT-39B on V100 16 GB fits in none of them, and a search
-        # of minutes finds no plan either), each mesh pruned by its bound against the best so far.
+        # shapes of its devices (as `planner plan --pipeline off` searches them) may be faster, or fit
+        # where that one does not. Searched too when the single stage can compete on time (its table
+        # price ignoring memory, of the layers' own plans, is below the best pipeline's: GPT-39B on
+        # V100 16 GB, 17x slower single, skips a search of minutes; the hand layouts are memory
+        # levers, not counted there), each mesh pruned by its bound against the best so far.
         best_pp = min((c.step_s for c in candidates), default=math.inf)
         held = st1
-        mesh_search = pins is None and len(shapes) > 1 and single_free < best_pp and \
-            math.isfinite(st1.times[0, 0, L - 1, 0])
+        mesh_search = pins is None and len(shapes) > 1 and single_free < best_pp
         if mesh_search:
             t0 = time.perf_counter()
             found = _single_stage_search(graph, cluster, options, budget, devices, min(single, best_pp))
