@@ -324,7 +324,8 @@ def plot(results: list[dict], path: pathlib.Path) -> bool:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", help="comma-separated row names (default: all), e.g. 1.7B,39.1B")
+    p.add_argument("--rows", help="comma-separated row names (default: all), e.g. 1.7B,39.1B; the other rows of "
+                   "an existing published.json are kept")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--microbatch-size", type=int, default=1,
                    help="sequences per data-parallel rank in one microbatch of the published configuration")
@@ -344,6 +345,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
+    # With --rows, the other rows of an existing published.json are kept (the table and plot show all).
+    kept = json.loads((out / "published.json").read_text()) if wanted and (out / "published.json").exists() else []
+    order = [r.name for r in ROWS]
+
+    def merged() -> list[dict]:
+        done = {r["row"]: r for r in results}
+        return sorted([r for r in kept if r["row"] not in done] + results, key=lambda r: order.index(r["row"]))
+
     for row in rows:
         print(f"[{len(results) + 1}/{len(rows)}] {row.name}: TP {row.tp} PP {row.pp} DP {row.dp} on {row.gpus} GPUs, "
               f"batch {row.batch} ...", flush=True)
@@ -352,11 +361,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"    measured {row.measured_tflops:.0f}; published config predicted "
               f"{_fmt(r['published'].get('tflops_per_gpu'))} ({r['published'].get('error', 'ok')}); planner "
               f"{_fmt(r['planner'].get('tflops_per_gpu'))} TFLOP/s per GPU", flush=True)
-        (out / "published.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-        (out / "published.md").write_text(write_table(results))
-    plot(results, out / "published.png")
-    print(write_table(results))
-    return results
+        (out / "published.json").write_text(json.dumps(merged(), indent=1, default=str) + "\n")
+        (out / "published.md").write_text(write_table(merged()))
+    plot(merged(), out / "published.png")
+    print(write_table(merged()))
+    return merged()
 
 
 if __name__ == "__main__":

@@ -131,9 +131,11 @@ def test_layer_subgraph_and_boundaries(tiny_graphs):
 def test_submesh_shapes_and_placement():
     assert submesh_shapes(8, 8) == ((1, 1), (1, 2), (1, 4), (1, 8)) + tuple((n, 8) for n in range(2, 9))
     assert submesh_shapes(1, 6) == ((1, 1), (1, 2), (1, 4), (1, 6))
-    # Many hosts: whole hosts, 2^k of them or all (the whole cluster last).
-    assert submesh_shapes(24, 8) == ((1, 8), (2, 8), (4, 8), (8, 8), (16, 8), (24, 8))
+    # Many hosts: whole hosts, 2^k of them or a divisor of the host count (even stages; the whole
+    # cluster last).
+    assert submesh_shapes(24, 8) == tuple((n, 8) for n in (1, 2, 3, 4, 6, 8, 12, 16, 24))
     assert submesh_shapes(128, 8) == tuple((2 ** k, 8) for k in range(8))
+    assert (24, 8) in submesh_shapes(192, 8)  # Megatron-LM's 145.6B run: 8 stages of 24 hosts
     cluster = make_cluster(4, 4, "a100", inter_host_gbit=100)
     placed = place_submeshes([(1, 2), (2, 4), (1, 1), (1, 1), (1, 4)], cluster)
     assert placed[1] == tuple(range(0, 8))          # whole hosts first

@@ -68,14 +68,18 @@ class LogicalMesh:
 # 1025 device counts on 128 x 8, minutes per DP pass); whole hosts in powers of two keep it to log2(N)
 # shapes over N host counts. A pipeline of at most L stages on so many hosts gives each stage more than
 # a host on average, and a stage on part of a host would need other part-host stages to fill it.
+# The divisors of N are kept too: N / S hosts per stage is how S equal stages split the cluster
+# (Megatron-LM's PP = S on 192 hosts: 24 hosts per stage), so even pipelines stay in the space.
 WHOLE_HOSTS_ABOVE = 16
 
 
 def submesh_shapes(num_hosts: int, devices_per_host: int) -> tuple[Shape, ...]:
     """Alpa's submesh shapes: (1, 2^k) up to (1, M), then (n, M) for n = 2..N; on clusters of more
-    than `WHOLE_HOSTS_ABOVE` hosts (n, M) for n = 2^k and N only. The whole cluster comes last."""
+    than `WHOLE_HOSTS_ABOVE` hosts (n, M) for n = 2^k and the divisors of N only. The whole cluster
+    comes last."""
     if num_hosts > WHOLE_HOSTS_ABOVE:
-        hosts = sorted({2 ** k for k in range(num_hosts.bit_length()) if 2 ** k <= num_hosts} | {num_hosts})
+        hosts = sorted({2 ** k for k in range(num_hosts.bit_length()) if 2 ** k <= num_hosts}
+                       | {n for n in range(1, num_hosts + 1) if num_hosts % n == 0})
         return tuple((n, devices_per_host) for n in hosts)
     out: list[Shape] = []
     m = 1
