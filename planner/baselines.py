@@ -248,6 +248,19 @@ def baseline_pins(name: str, host_axes: Sequence[int] = ()) -> Callable[[Sequenc
     return pins
 
 
+def _stage_pins(name: str, graph: Any, lm: Any, param_split: bool) -> dict[int, Any]:
+    """{program input tensor id: Spec} of the baseline on a stage's logical mesh, every argument leaf
+    pinned; {} when `param_split` and the baseline splits no parameter there."""
+    paths = graph.input_paths
+    shapes = [tuple(graph.tensors[t].shape) for t in graph.inputs]
+    specs = baseline_specs(name, paths, shapes, lm.mesh, lm.host_axes)
+    roles = _roles(paths, shapes) if param_split else ()
+    if param_split and not any(role == "param" and tuple(spec) for (role, _), spec in zip(roles, specs)):
+        return {}
+    resolved = resolve({exact_pattern(p): s for p, s in zip(paths, specs)}, paths, shapes, lm.mesh, complete=True)
+    return {graph.inputs[i]: spec for i, spec in resolved.items()}
+
+
 def stage_baseline_pins(name: str) -> Callable[[Any, Any], dict[int, Any]]:
     """The baseline's pins on a pipeline stage's logical mesh (`planner.stages.submesh.LogicalMesh`),
     as `(graph, logical mesh) -> {program input tensor id: Spec}`, every argument leaf pinned
@@ -259,29 +272,18 @@ def stage_baseline_pins(name: str) -> Callable[[Any, Any], dict[int, Any]]:
     """
     if name not in NAMES:
         raise InvalidArgumentError(f"unknown baseline {name!r}; known: {', '.join(NAMES)}")
-
-    def pins(graph: Any, lm: Any) -> dict[int, Any]:
-        shapes = [tuple(graph.tensors[t].shape) for t in graph.inputs]
-        by_pattern = baseline_pins(name, lm.host_axes)(graph.input_paths, shapes, lm.mesh)
-        resolved = resolve(by_pattern, graph.input_paths, shapes, lm.mesh, complete=True)
-        return {graph.inputs[i]: spec for i, spec in resolved.items()}
-
-    return pins
+    return lambda graph, lm: _stage_pins(name, graph, lm, False)
 
 
 def layer_variant_pins(name: str) -> Callable[[Any, Any], dict[int, Any]]:
     """`stage_baseline_pins(name)` as a per-layer plan variant of the pipeline's cost tables
     (`planner.stages.stage_cost.LayerCostTable.variants`): empty (no variant) on a mesh where the
     baseline splits no parameter, since then it is no hand layout of the model's weights (a model
-    whose parameter keys Megatron's table does not name, or a mesh it cannot divide)."""
-    full = stage_baseline_pins(name)
+    whose parameter keys Megatron's table does not name, or a mesh it cannot divide).
 
-    def pins(graph: Any, lm: Any) -> dict[int, Any]:
-        shapes = [tuple(graph.tensors[t].shape) for t in graph.inputs]
-        specs = baseline_specs(name, graph.input_paths, shapes, lm.mesh, lm.host_axes)
-        roles = _roles(graph.input_paths, shapes)
-        if not any(role == "param" and tuple(spec) for (role, _), spec in zip(roles, specs)):
-            return {}
-        return full(graph, lm)
-
-    return pins
+    Raises:
+      InvalidArgumentError: an unknown baseline name.
+    """
+    if name not in NAMES:
+        raise InvalidArgumentError(f"unknown baseline {name!r}; known: {', '.join(NAMES)}")
+    return lambda graph, lm: _stage_pins(name, graph, lm, True)

@@ -428,7 +428,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
         if not c.table.variants:
             break
         best_step = min(x.step_s for x in candidates)
-        boundary = boundary_bytes(c.graph, c.layers)
+        boundary = c.st.boundary
         if math.isfinite(best_step):
             t0 = time.perf_counter()
             free = stage_times(c.table, shapes, per_submesh, c.B, options.schedule, math.inf, boundary,
@@ -512,7 +512,8 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
     if not feasible:
         hand = f" and in the {', '.join(layer_variants)} layouts" if layer_variants and pins is None else ""
         raise InfeasiblePlanError(
-            f"no pipeline of {cluster} built from the per-layer plans (each layer's fastest plan on each mesh{hand}, "
+            f"no pipeline of {cluster} built from the per-layer plans (each layer's fastest plan on each "
+            f"mesh{hand}, "
             f"with or without recomputation and sharded state) fits the memory budget of {format_bytes(budget)} "
             f"per device for any of "
             f"{list(counts)} microbatches; raise memory_budget, use more devices or more microbatches")

@@ -432,6 +432,7 @@ class LayerCostTable:
     _pinned: dict = dataclasses.field(default_factory=dict)
     _inner: dict = dataclasses.field(default_factory=dict)
     _edges: tuple | None = None
+    _inputs: dict = dataclasses.field(default_factory=dict)  # layer -> its `external_inputs`
 
     def __post_init__(self):
         if not self.facts:
@@ -482,7 +483,9 @@ class LayerCostTable:
         if self.pins is None and not variant:
             return {}, ()
         by_tensor = self._pins_on(mesh_index, variant)
-        ext = external_inputs(self.graph, self.facts[layer].ops)
+        ext = self._inputs.get(layer)
+        if ext is None:  # looked up on every `cost` of a pinned or variant layer
+            ext = self._inputs[layer] = external_inputs(self.graph, self.facts[layer].ops)
         key = tuple(str(v) if isinstance(v, Exception) else by_tensor.get(t)
                     for t in ext for v in (by_tensor.get(t),))
         return by_tensor, (() if all(k is None for k in key) else key)
