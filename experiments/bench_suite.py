@@ -589,7 +589,8 @@ def main(argv=None) -> int:
             rows += run_abstract(model, cluster, args.time_limit, configs)
         print(f"{model} {cluster}: {time.perf_counter() - t:.1f} s (total {time.perf_counter() - start:.0f} s)",
               file=sys.stderr, flush=True)
-        write(rows, header + f"\n\nWall time so far: {time.perf_counter() - start:.0f} s.", out)
+        write(rows, header + f"\n\nWall time of this run so far ({len(cases)} group(s)): "
+              f"{time.perf_counter() - start:.0f} s.", out)
     if args.render:
         write(rows, header, out)
     summary, _ = summarize(rows)
