@@ -142,3 +142,33 @@ def test_lower_bound_never_exceeds_any_choice(hardware):
         pick = [rng.randrange(node.size) if node.size else 0 for node in problem.nodes]
         choice = [pick[problem.rep[n]] for n in range(len(problem.nodes))]
         assert (memory_profile(problem, choice) >= bound).all()
+
+
+@pytest.mark.parametrize("hardware", ["cpu", "h100"])
+def test_strategies_ruled_out_by_the_bound_never_fit(hardware):
+    """`over_budget_strategies` is sound: random choices taking a strategy it rules out for a
+    budget all peak over that budget; and under a budget a little above the bound it rules out
+    some (else it would not narrow the search)."""
+    import random
+
+    from planner.ilp.solver import over_budget_strategies
+    from zoo import get_model
+
+    bundle = get_model("mlp-tiny")
+    graph = trace(bundle.train_step, bundle.abstract_state(), bundle.abstract_batch())
+    problem = build_problem(graph, CostModel.build(MeshSpec((8,), ("x",)), hardware, (), None))
+    rng = random.Random(0)
+    choices = []
+    for _ in range(60):
+        pick = [rng.randrange(node.size) if node.size else 0 for node in problem.nodes]
+        choices.append([pick[problem.rep[n]] for n in range(len(problem.nodes))])
+    low = memory_lower_bound(problem).max()
+    checked = 0
+    for budget in (low * 1.05, low * 1.5):
+        ruled = set(over_budget_strategies(problem, budget))
+        assert ruled
+        for choice in choices:
+            if any((problem.rep[n], choice[n]) in ruled for n in range(len(problem.nodes))):
+                checked += 1
+                assert memory_profile(problem, choice).max() > budget
+    assert checked > 0

@@ -898,6 +898,13 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
             raise _infeasible(problem, memory_budget, time_limit, workers, bound, min_peak_search)
     model = _Model(problem)
     model.m.Minimize(model.objective)
+    if memory_budget is not None:
+        excluded = over_budget_strategies(problem, memory_budget)
+        for r, i in excluded:
+            model.m.Add(model.x[r][i] == 0)
+        if excluded:
+            log.info("memory budget: %d of %d strategies ruled out by the lower bound", len(excluded),
+                     sum(len(v) for r, v in enumerate(model.x) if problem.rep[r] == r))
     points: set[int] = set()
     fallback = greedy(problem)
     if _ties_hold(problem, fallback):
@@ -1057,7 +1064,10 @@ def memory_lower_bound(problem: Problem) -> np.ndarray:
     return found.copy()
 
 
-def _memory_lower_bound(problem: Problem) -> np.ndarray:
+def _bound_parts(problem: Problem) -> tuple[dict, np.ndarray, int]:
+    """The terms of `memory_lower_bound`: per representative decision, its (bytes per strategy,
+    first point, point after the last) spans; the per-point steps of the terms no decision sets
+    (copies that exist only when resharded, at their least); and XLA:CPU's reserved bytes."""
     n = len(problem.graph.ops)
     mesh = problem.cost.mesh
     rep = problem.rep
@@ -1110,6 +1120,26 @@ def _memory_lower_bound(problem: Problem) -> np.ndarray:
             continue
         spans[rep[e.dst]].append((np.array([nbytes(e.tensor, spec) for spec in e.dst_specs], dtype=np.int64), at,
                                   at + 1))
+    reserved = sum(int(np.min(v)) for v in reserved_of.values()) if cpu else 0
+    return spans, delta, reserved
+
+
+def _decision_table(items: list[tuple[np.ndarray, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(points, bytes): one decision's spans as the bytes each strategy keeps live from each of the
+    points on (row per strategy; the last point's column is zero)."""
+    points = np.unique(np.array([p for _, a, b in items for p in (a, b)]))
+    where = {int(p): k for k, p in enumerate(points)}
+    table = np.zeros((len(items[0][0]), len(points)), dtype=np.int64)
+    for v, a, b in items:
+        table[:, where[a]] += v
+        table[:, where[b]] -= v
+    return points, np.cumsum(table, axis=1)
+
+
+def _memory_lower_bound(problem: Problem) -> np.ndarray:
+    n = len(problem.graph.ops)
+    spans, delta, reserved = _bound_parts(problem)
+    delta = delta.copy()
     for items in spans.values():
         if len(items) == 1 or all(len(v) == 1 for v, _, _ in items):
             for v, a, b in items:
@@ -1117,18 +1147,42 @@ def _memory_lower_bound(problem: Problem) -> np.ndarray:
                 delta[a] += m
                 delta[b] -= m
             continue
-        points = np.unique(np.array([p for _, a, b in items for p in (a, b)]))
-        where = {int(p): k for k, p in enumerate(points)}
-        table = np.zeros((len(items[0][0]), len(points)), dtype=np.int64)
-        for v, a, b in items:
-            table[:, where[a]] += v
-            table[:, where[b]] -= v
-        least = np.cumsum(table, axis=1).min(axis=0)  # the decision's least bytes from each point on
+        points, held = _decision_table(items)
+        least = held.min(axis=0)  # the decision's least bytes from each point on
         steps = np.diff(least, prepend=0)
         np.add.at(delta, points, steps)
     profile = np.cumsum(delta)[: n + 2]
-    reserved = sum(int(np.min(v)) for v in reserved_of.values()) if cpu else 0
     return np.append(profile, reserved)
+
+
+def over_budget_strategies(problem: Problem, budget: float) -> list[tuple[int, int]]:
+    """(decision, strategy) pairs no plan under `budget` can take: with that strategy fixed, the
+    memory lower bound already exceeds the budget somewhere. `memory_lower_bound` counts each
+    decision's bytes at its least over its strategies, point by point; taking strategy i adds its
+    excess over that least where it holds more, and the other decisions' terms stay lower bounds, so
+    the bound plus that excess is a lower bound on the peak of every plan taking i. Sound (nothing
+    that fits is excluded); `solve` fixes these to 0 before searching, so a budget near the bound
+    leaves CP-SAT a far smaller search (GPT-39B single stage on 64 V100 16 GB: WORKSPACE.md)."""
+    n = len(problem.graph.ops)
+    found = problem._bounds.get("over_budget")
+    if found is not None and found[0] == budget:
+        return list(found[1])
+    bound = memory_lower_bound(problem)[: n + 2]
+    ext = np.append(bound, 0)  # a point after the last, so each span's end indexes it
+    spans, _, _ = _bound_parts(problem)
+    out = []
+    for r, items in spans.items():
+        if len(items[0][0]) < 2:
+            continue
+        points, held = _decision_table(items)
+        excess = held - held.min(axis=0)
+        top = np.maximum.reduceat(ext, points)[:-1]  # the bound's highest point in each span
+        over = ((top + excess[:, :-1]) > budget).any(axis=1)
+        out += [(r, int(i)) for i in np.flatnonzero(over)]
+    problem._bounds["over_budget"] = (budget, tuple(out))
+    return out
+
+
 
 
 def _min_bytes_choice(problem: Problem) -> tuple[int, ...]:
