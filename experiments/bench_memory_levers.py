@@ -30,6 +30,7 @@ from planner.cost_model import Cluster  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
 from planner.graph import trace  # noqa: E402
 from planner.mesh import MeshSpec  # noqa: E402
+from planner.offload import streamed  # noqa: E402
 from planner.options import PlanOptions  # noqa: E402
 from planner.planning import make_plan  # noqa: E402
 from planner.search import inter_host_axes  # noqa: E402
@@ -65,6 +66,8 @@ def run(model: str, cluster: str, layers: int | None, levers: str, time_limit: f
                       "remat+offload": "sharding + remat + offload auto"}[levers],
            "budget": format_bytes(budget)}
     graph = trace(b.train_step, b.abstract_state(), b.abstract_batch())
+    if options.offload != "off":  # a streamed optimizer update, as `planner plan --offload` plans it
+        graph = streamed(graph)
     try:
         if accumulate:
             def plan_micro(g, inner):
@@ -73,7 +76,8 @@ def run(model: str, cluster: str, layers: int | None, levers: str, time_limit: f
             plan = plan_accumulation(b.train_step, graph, accumulate, budget, plan_micro, mesh).plan
         elif levers == "remat+offload" and not own_remat:  # unrolled layers: the planner's own recomputation
             _, plan, policy = plan_remat(graph, "auto", budget,
-                                         lambda g, search: make_plan(g, mesh, options, min_peak_search=search),
+                                         lambda g, search: make_plan(streamed(g), mesh, options,
+                                                                     min_peak_search=search),
                                          lambda p: p)
             row["remat"] = policy
         else:
@@ -100,6 +104,8 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--levers", default=",".join(LEVER_SETS), help=f"comma-separated from {LEVER_SETS}")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary override (Llama 3: 128256)")
+    ap.add_argument("--unrolled", action="store_true",
+                    help="layers as a Python loop (scan_layers=False), not one scan over stacked leaves")
     ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "memory_levers.json"))
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -107,7 +113,8 @@ def main() -> None:
     for model in a.models.split(","):
         for cluster in a.clusters.split(","):
             for levers in a.levers.split(","):
-                row = run(model, cluster, a.layers, levers, a.time_limit, {"vocab": a.vocab} if a.vocab else None)
+                over = {**({"vocab": a.vocab} if a.vocab else {}), **({"scan_layers": False} if a.unrolled else {})}
+                row = run(model, cluster, a.layers, levers, a.time_limit, over or None)
                 rows.append(row)
                 print(f"{row['model']:<10} L={row['layers']:<3} {row['cluster']:<9} {row['levers']:<38} "
                       f"fits={row['fits']!s:<5} memory={row['memory']:<10} "

@@ -95,6 +95,8 @@ class PlannedFunction:
             self._cache[key] = self._accumulated(graph, args)
             return self._cache[key]
         def plan_graph(g: Graph, search: bool) -> Plan:
+            if self.options.offload != "off":  # a streamed optimizer update (`offload.streamed`)
+                g = offload.streamed(g)
             if self._mesh_spec is not None:
                 return make_plan(g, self._mesh_spec, self.options, self._jax_mesh, pins=pinned, min_peak_search=search)
             return self._choose_mesh(g)
@@ -104,6 +106,7 @@ class PlannedFunction:
                                          lambda p: p)
         if self.options.remat != "off":
             plan = remat_record(plan, traced, graph, policy)
+        graph = offload.graph_for(graph, plan)
         plan = _record_user_constraints(graph, plan)
         entry = (graph, plan, jit_planned(graph, plan, self.donate_argnums))
         self._cache[key] = entry

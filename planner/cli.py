@@ -47,6 +47,7 @@ from planner.accumulate import micro_options, plan_accumulation
 from planner.baselines import NAMES as BASELINES, baseline_pins, parse_baseline
 from planner.evaluation import labelled, pipeline_baseline
 from planner.pins import parse_spec_text, resolve as resolve_pins
+from planner.offload import streamed as offload_streamed
 from planner.planning import make_plan
 from planner.present.compare import comparison_record, format_record
 from planner.present.diff import diff
@@ -436,6 +437,8 @@ def cmd_plan(args, out) -> int:
         ranked = mesh_ranking(results, flops, hardware)
     else:
         def search(g, smallest_peak: bool):
+            if options.offload != "off":  # a streamed optimizer update (`offload.streamed`)
+                g = offload_streamed(g)
             found = search_meshes(g, meshes, options, cluster.devices_per_host if cluster else None,
                                   min_peak_search=smallest_peak)
             if found[0].plan is None:
@@ -447,6 +450,8 @@ def cmd_plan(args, out) -> int:
         if options.remat != "off":
             results = [dataclasses.replace(r, plan=remat_record(r.plan, traced, graph, policy)) if r.plan else r
                        for r in results]
+        if options.offload != "off":
+            graph = offload_streamed(graph)
         ranked = mesh_ranking(results, flops, hardware)
         log.info("planned %d mesh shape(s) in %.1fs", len(meshes), time.perf_counter() - t0)
     view = plan_view(ranked, graph, label, num_devices, cluster, hardware, budget, flops, time.perf_counter() - t0)

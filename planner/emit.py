@@ -28,11 +28,15 @@ def constrained_function(graph: Graph, plan: Plan) -> Callable[..., Any]:
     if (plan.levers.get("remat") or {}).get("recomputed_ops") and not graph.recompute:
         raise InvalidArgumentError("this plan recomputes layers: emit it on the graph it was made for, "
                                    "planner.remat.graph_for(trace(fn, *args), plan)")
+    if (plan.levers.get("offload") or {}).get("streamed") and not graph.update_groups:
+        raise InvalidArgumentError("this plan streams the optimizer update: emit it on the graph it was made for, "
+                                   "planner.offload.graph_for(trace(fn, *args), plan)")
     before_op, after_op = constraint_hooks(plan, plan._mesh(), graph)
-    before_op, to_host = offload.emission_hooks(graph, plan, before_op)  # host-offloaded state (`planner.offload`)
 
     def fn(*args):
-        outs = to_host(graph.evaluate(jax.tree_util.tree_leaves(args), after_op, before_op))
+        # host-offloaded state (`planner.offload`): hooks made per trace (they hold its values)
+        before, after, to_host = offload.emission_hooks(graph, plan, before_op, after_op)
+        outs = to_host(graph.evaluate(jax.tree_util.tree_leaves(args), after, before))
         return jax.tree_util.tree_unflatten(graph.out_tree, outs)
 
     return fn

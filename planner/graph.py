@@ -154,6 +154,8 @@ class Graph:
       user_constraints: "pin" (the user's sharding constraints fix their results' sharding) or
         "hint" (the planner may choose another); read by the constraint's rule.
       recompute: recomputation groups by the index of their first op (see `Recompute`).
+      update_groups: [start, end) op ranges of a streamed optimizer update, one per group of
+        optimizer-state leaves updated together (`planner.offload.streamed`); empty otherwise.
     """
 
     tensors: tuple[Tensor, ...]
@@ -169,6 +171,7 @@ class Graph:
     loop_ties: tuple[tuple[int, int], ...] = ()
     user_constraints: str = "pin"
     recompute: Mapping[int, Recompute] = dataclasses.field(default_factory=dict)
+    update_groups: tuple[tuple[int, int], ...] = ()  # streamed optimizer update: op ranges (`offload.streamed`)
 
     def producers(self) -> dict[int, tuple[int, int]]:
         """tensor id -> (op index, output position)."""

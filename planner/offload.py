@@ -13,6 +13,15 @@ does not. The memory model sees it through the problem's live ranges
 and the reported peak); the cost through `ilp.objective` (copies in at the host link's bandwidth,
 `Hardware.host_bandwidth`, hidden behind the compute before the update; copies back exposed).
 
+The update is streamed (`streamed`): the traced update's ops are put in an order where the state
+leaves updated together (a parameter's moments, its update and its new value) form one contiguous
+group, groups one after the other, and the emitted program holds each group's copies to the device
+until the previous group's new values exist (`jax.lax.optimization_barrier`), so one group's state
+is on the device at a time, as the liveness model (computed on that order) counts it. Without it
+optax updates every leaf's first moment, then every second moment, so every offloaded leaf would be
+on the device at once. The copies in are then exposed, not hidden behind earlier compute: only the
+first group's could be.
+
 Where the devices have no host memory space, or the hardware no host link figure, the option is a
 one-line error, never silently dropped. Not offloaded: master parameters (the forward reads them)
 and saved activations.
@@ -31,7 +40,7 @@ import numpy as np
 from planner.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.graph import Graph
 from planner.ilp.objective import offload_hidden, offload_transfer
-from planner.ilp.problem import Problem, live_ranges, offloaded_live_ranges
+from planner.ilp.problem import Problem, combinable_ops, live_ranges, offloaded_live_ranges
 from planner.ilp.solver import Solution, memory_lower_bound
 from planner.ilp.strategies import shard_bytes
 
@@ -65,6 +74,83 @@ def state_pairs(problem: Problem) -> tuple[tuple[int, int], ...]:
         if (tin, tout) in ties or tout in problem.pinned_outputs:
             out.append((tin, tout))
     return tuple(out)
+
+
+def _state_inputs(graph: Graph) -> list[int]:
+    """Input tensor ids `state_pairs` may offload, from the graph alone: floating-point arrays read
+    only by ops that feed no matmul, whose new value is an output of the same path and type."""
+    combinable = combinable_ops(graph)
+    readers: dict[int, list[int]] = defaultdict(list)
+    for op in graph.ops:
+        for x in op.tensor_inputs:
+            readers[x].append(op.index)
+    outputs = {p: t for p, t in zip(graph.output_paths, graph.outputs) if isinstance(t, int)}
+    out = []
+    for tin, path in zip(graph.inputs, graph.input_paths):
+        t, tout = graph.tensors[tin], outputs.get(path)
+        if (t.shape and np.issubdtype(np.dtype(t.dtype), np.floating) and tout is not None and tout != tin
+                and graph.tensors[tout] == t and readers.get(tin) and all(o in combinable for o in readers[tin])):
+            out.append(tin)
+    return out
+
+
+def streamed(graph: Graph) -> Graph:
+    """`graph` with its optimizer update in streaming order, `Graph.update_groups` set.
+
+    From the first op that reads optimizer state (`_state_inputs`) on, each op belongs to the
+    state leaves it depends on; leaves that meet in one op (a parameter's two Adam moments, in its
+    update) form one group. The ops that depend on no state leaf come first, then each group's
+    ops, groups in the order of their first op, each in program order: a topological order (an
+    op's operands are in its own group or earlier). `graph` itself when fewer than two groups
+    form, or when control flow or recomputation reaches into that range."""
+    if graph.update_groups:
+        return graph
+    inputs = _state_inputs(graph)
+    first = {}
+    for op in graph.ops:
+        for x in op.tensor_inputs:
+            first.setdefault(x, op.index)
+    if len(inputs) < 2:
+        return graph
+    start = min(first[t] for t in inputs)
+    if (any(r.end > start for rs in graph.regions.values() for r in rs)
+            or any(g.end > start for g in graph.recompute.values())):
+        return graph
+    parent = {t: t for t in inputs}
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    leaf_of = {t: t for t in inputs}  # tensor -> a state leaf it depends on
+    for op in graph.ops[start:]:
+        roots = {find(leaf_of[x]) for x in op.tensor_inputs if x in leaf_of}
+        if roots:
+            r = min(roots)
+            for other in roots:
+                parent[other] = r
+            for t in op.outputs:
+                leaf_of[t] = r
+    free, groups = [], defaultdict(list)
+    for op in graph.ops[start:]:
+        owner = next((leaf_of[t] for t in op.outputs if t in leaf_of), None)
+        (free if owner is None else groups[find(owner)]).append(op)
+    if len(groups) < 2:
+        return graph
+    order = list(graph.ops[:start]) + free
+    ranges = []
+    for ops in groups.values():  # insertion order: the order of each group's first op
+        ranges.append((len(order), len(order) + len(ops)))
+        order += ops
+    ops = tuple(dataclasses.replace(op, index=k) for k, op in enumerate(order))
+    return dataclasses.replace(graph, ops=ops, update_groups=tuple(ranges))
+
+
+def graph_for(graph: Graph, plan) -> Graph:
+    """The graph `plan` was made for, from the step's trace: `streamed` when the plan offloads."""
+    return streamed(graph) if (plan.levers.get("offload") or {}).get("streamed") else graph
 
 
 def unavailable(hardware, devices: Sequence[Any] = ()) -> str | None:
@@ -159,6 +245,7 @@ def record(problem: Problem, choice: Sequence[int], mode: str) -> dict:
                for t, _ in problem.offloaded)
     return {
         "mode": mode,
+        "streamed": bool(graph.update_groups),
         "inputs": sorted(in_pos[t] for t, _ in problem.offloaded),
         "outputs": sorted(out_pos[o] for _, o in problem.offloaded if o in out_pos),
         "paths": [graph.input_paths[in_pos[t]] for t, _ in problem.offloaded],
@@ -204,27 +291,49 @@ def _is_sharding(x) -> bool:
     return x is None or isinstance(x, jax.sharding.Sharding)
 
 
-def emission_hooks(graph: Graph, plan, before_op):
-    """(before_op, finish) for `Graph.evaluate` inside the planned jit: `before_op` first copies an
-    offloaded argument to device memory where an op reads it (in its planned layout), then
-    applies the plan's own `before_op`; `finish(outputs)` sends the offloaded new values back to
-    host memory. Identity when the plan offloads nothing."""
+def emission_hooks(graph: Graph, plan, before_op, after_op):
+    """(before_op, after_op, finish) for one `Graph.evaluate` inside the planned jit (make them per
+    trace: they hold that trace's values): `before_op` copies an offloaded argument to device
+    memory where an op first reads it (in its planned layout), in a streamed update
+    (`Graph.update_groups`) only once the previous group's new values exist, then applies the plan's
+    own `before_op`; `after_op` applies the plan's and notes each group's new values;
+    `finish(outputs)` sends the offloaded new values back to host memory. The plan's hooks
+    unchanged when it offloads nothing."""
     ins, outs = positions(plan)
     if not ins:
-        return before_op, lambda values: values
+        return before_op, after_op, lambda values: values
     shardings = _leaves(plan.in_shardings)
     device = {graph.inputs[i]: shardings[i].with_memory_kind(DEVICE) for i in ins}
     host = {i: s.with_memory_kind(HOST) for i, s in enumerate(_leaves(plan.out_shardings)) if i in outs}
+    group_of = {i: g for g, (a, b) in enumerate(graph.update_groups) for i in range(a, b)}
+    results = {t for t in graph.outputs if isinstance(t, int)}
+    done: dict[int, list] = defaultdict(list)  # group -> its new values (program outputs) so far
+    moved: dict[int, Any] = {}  # offloaded argument -> its copy on the device
 
     def before(op, operands):
-        values = [jax.device_put(v, device[x]) if isinstance(x, int) and x in device else v
-                  for x, v in zip(op.inputs, operands)]
+        values = []
+        for x, v in zip(op.inputs, operands):
+            if isinstance(x, int) and x in device:
+                if x not in moved:
+                    g = group_of.get(op.index)
+                    if g and done.get(g - 1):  # one group's state on the device at a time
+                        v = jax.lax.optimization_barrier([v, *done[g - 1]])[0]
+                    moved[x] = jax.device_put(v, device[x])
+                v = moved[x]
+            values.append(v)
         return before_op(op, values) if before_op is not None else values
+
+    def after(op, values):
+        values = after_op(op, values) if after_op is not None else values
+        g = group_of.get(op.index)
+        if g is not None:
+            done[g].extend(v for t, v in zip(op.outputs, values) if t in results)
+        return values
 
     def finish(values):
         return [jax.device_put(v, host[i]) if i in host else v for i, v in enumerate(values)]
 
-    return before, finish
+    return before, after, finish
 
 
 def abstract_args(plan, args):

@@ -28,6 +28,7 @@ import pytest
 import planner
 from planner.cost_model import PRESETS
 from planner.emit import jit_planned
+from planner.errors import InvalidArgumentError
 from planner.offload import unavailable
 from tests.helpers import assert_bundle_step_close, assert_first_step_close, concrete
 from xla_hooks.inspect import memory_stats
@@ -101,8 +102,13 @@ def test_offloaded_state_runs_equal_on_the_host_as_predicted(devices8):
     assert kinds == {"pinned_host"}
     assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(new_state["params"])} == {"device"}
 
+    # The update is streamed: each group's copies to the device wait on the previous group.
+    assert record["streamed"] and step.graph(state, batch).update_groups
+    lowered = step.lower(state, batch)
+    assert "optimization_barrier" in lowered.as_text()
+
     # Host bytes as predicted; device bytes drop by them against the same plan without offload.
-    compiled = step.lower(state, batch).compile()
+    compiled = lowered.compile()
     host_args, _, host_outs, _ = _entry_bytes(compiled)
     assert host_args == host_outs == record["host_bytes_per_device"]
     plain_plan = dataclasses.replace(plan, levers={k: v for k, v in plan.levers.items() if k != "offload"})
@@ -194,3 +200,74 @@ def test_offload_is_unavailable_in_one_line():
     assert unavailable(PRESETS["cpu"], jax.devices()[:1]) is None  # XLA:CPU has pinned_host
     with pytest.raises(planner.InvalidArgumentError, match="single-stage"):
         planner.plan_parallel(b.train_step, mesh=(2, 4), offload="auto", pipeline="auto")
+
+
+def test_streamed_update_groups_each_parameters_state():
+    """`offload.streamed`: one contiguous group per parameter (its two Adam moments meet in its
+    update), the ops a topological permutation of the traced ones, the results bit-identical."""
+    from planner.graph import trace
+    from planner.offload import streamed
+
+    state, batch = _mlp_args()
+    graph = trace(_mlp_step, state, batch)
+    s = streamed(graph)
+    assert sorted(op.name for op in s.ops) == sorted(op.name for op in graph.ops)
+    seen = set(s.inputs) | set(s.consts)
+    for k, op in enumerate(s.ops):
+        assert op.index == k and all(x in seen for x in op.tensor_inputs)
+        seen.update(op.outputs)
+    paths = dict(zip(s.inputs, s.input_paths))
+    assert len(s.update_groups) == len(state["params"])
+    for a, b in s.update_groups:
+        read = {paths[x] for op in s.ops[a:b] for x in op.tensor_inputs if ".mu[" in paths.get(x, "")
+                or ".nu[" in paths.get(x, "")}
+        names = {p.split("[")[-1] for p in read}
+        assert len(read) == 2 and len(names) == 1  # mu[w] and nu[w] of one parameter
+    leaves = jax.tree.leaves((state, batch))
+    for x, y in zip(jax.jit(graph.evaluate)(leaves), jax.jit(s.evaluate)(leaves)):
+        assert (np.asarray(x) == np.asarray(y)).all()
+    with pytest.raises(InvalidArgumentError, match="graph_for"):
+        plan = planner.plan(_mlp_step, state, batch, mesh="1x8", offload="opt-state")
+        jit_planned(graph, plan)
+
+
+def test_streamed_offload_keeps_one_groups_state_on_the_device():
+    """A step whose memory is its state (wide layers no axis of 8 divides, batch 8), planned for
+    H100s: with every moment offloaded, the unstreamed order holds every leaf's new first moment
+    until the second moments' pass reads it (half the host bytes at once); the streamed order one
+    group's. So the streamed peak is lower by at least that half less the largest leaf's moment,
+    and its copies in are exposed (each group waits for the one before)."""
+    from planner.graph import trace
+    from planner.mesh import MeshSpec
+    from planner.offload import streamed
+    from planner.options import PlanOptions
+    from planner.planning import make_plan
+
+    dims = (36, 180, 180, 180, 36)
+    rng = np.random.default_rng(0)
+    params = {f"w{i}": jnp.asarray(rng.standard_normal((dims[i], dims[i + 1])), jnp.float32) for i in range(4)}
+
+    def loss(params, batch):
+        x = batch["x"]
+        for i in range(4):
+            x = jnp.tanh(x @ params[f"w{i}"])
+        return jnp.mean((x - batch["y"]) ** 2)
+
+    def step(state, batch):
+        value, grads = jax.value_and_grad(loss)(state["params"], batch)
+        updates, opt_state = _OPT.update(grads, state["opt_state"], state["params"])
+        return {"params": jax.tree.map(jnp.add, state["params"], updates), "opt_state": opt_state}, value
+
+    state = {"params": params, "opt_state": _OPT.init(params)}
+    batch = {"x": jnp.ones((8, dims[0])), "y": jnp.zeros((8, dims[-1]))}
+    graph = trace(step, state, batch)
+    options = PlanOptions(hardware="h100", offload="opt-state", donate_argnums=(0,))
+    mesh = MeshSpec((1, 8), ("x", "y"))
+    plain, stream = make_plan(graph, mesh, options), make_plan(streamed(graph), mesh, options)
+    rec = stream.levers["offload"]
+    assert rec["streamed"] and not plain.levers["offload"]["streamed"]
+    assert rec["host_bytes_per_device"] == plain.levers["offload"]["host_bytes_per_device"]
+    largest = max(w.size for w in params.values()) * 4
+    drop = plain.prediction.memory_bytes_per_device - stream.prediction.memory_bytes_per_device
+    assert drop >= rec["host_bytes_per_device"] / 2 - largest
+    assert rec["hidden_s"] == 0 < plain.levers["offload"]["hidden_s"]

@@ -165,9 +165,9 @@ def offload_transfer(problem: Problem, choice: Sequence[int]) -> tuple[float, fl
 
 def offload_hidden(problem: Problem, choice: Sequence[int]) -> float:
     """Seconds of the host-offload copies in hidden behind the compute before `offload_start`
-    (with overlap; the copies back are exposed)."""
-    if not (problem.overlap and problem.offloaded):
-        return 0.0
+    (with overlap and an update that is not streamed; the copies back are exposed)."""
+    if not (problem.overlap and problem.offloaded) or problem.graph.update_groups:
+        return 0.0  # streamed (`offload.streamed`): each group's copies wait for the group before
     start = offload_start(problem)
     before = 0.0
     for node in overlap_order(problem):

@@ -233,7 +233,7 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
                           [], ["" for _ in specs]))
         owner[tid] = len(nodes) - 1
 
-    combinable = _combinable_ops(graph)
+    combinable = combinable_ops(graph)
     memory_traffic = fusions(graph, cost.hardware.platform)
     # Repeated layers repeat the same (signature, types, spec) questions: each is answered once.
     followed: dict[tuple, tuple] = {}
@@ -439,7 +439,7 @@ def _groups(comms: Sequence[Comm]) -> frozenset[tuple[str, tuple[int, ...]]]:
     return frozenset((kind, tuple(sorted(axes))) for kind, axes, _ in comms)
 
 
-def _combinable_ops(graph: Graph) -> set[int]:
+def combinable_ops(graph: Graph) -> set[int]:
     """Ops whose results feed no matmul: their reductions (gradient reductions, in a train step)
     are independent of each other and get merged by XLA's combiner passes."""
     feeds_heavy = [False] * len(graph.tensors)

@@ -418,7 +418,7 @@ class _Model:
                 copy_in[(node.index, i)] += ticks
                 if tout >= 0:
                     self._add_ticks((self.x[node.index][i],), ticks)
-        if not p.overlap:
+        if not p.overlap or p.graph.update_groups:  # streamed: exposed (`objective.offload_hidden`)
             for (n, i), ticks in copy_in.items():
                 self._add_ticks((self.x[n][i],), ticks)
             return
