@@ -10,8 +10,9 @@ part that overflows (DeepCompile's adaptive offloading): when no plan fits `memo
 largest leaves go to the host until the memory lower bound fits, more if the solved plan still
 does not. The memory model sees it through the problem's live ranges
 (`problem.offloaded_live_ranges`: one liveness for the ILP's budget constraints, `memory_profile`
-and the reported peak); the cost through `ilp.objective` (copies in at the host link's bandwidth,
-`Hardware.host_bandwidth`, hidden behind the compute before the update; copies back exposed).
+and the reported peak); the cost through `ilp.objective` (copies in and back at the host link's
+bandwidth, `Hardware.host_bandwidth`; copies back exposed; copies in exposed too in a streamed
+update, else hidden behind the compute before the update).
 
 The update is streamed (`streamed`): the traced update's ops are put in an order where the state
 leaves updated together (a parameter's moments, its update and its new value) form one contiguous
