@@ -185,6 +185,12 @@ def batch_ways(name: str, mesh: MeshSpec, host_axes: Sequence[int] = ()) -> int:
     return math.prod(mesh.shape[mesh.axis_names.index(a)] for a in data)
 
 
+def check_name(name: str) -> None:
+    """Raises `InvalidArgumentError` (one line, naming the known ones) unless `name` is a baseline."""
+    if name not in NAMES:
+        raise InvalidArgumentError(f"unknown baseline {name!r}; known: {', '.join(NAMES)}")
+
+
 def baseline_specs(name: str, paths: Sequence[str], shapes: Sequence[Shape], mesh: MeshSpec,
                    host_axes: Sequence[int] = ()) -> list[PartitionSpec]:
     """The baseline's PartitionSpec of every argument leaf (see the module docstring).
@@ -196,8 +202,7 @@ def baseline_specs(name: str, paths: Sequence[str], shapes: Sequence[Shape], mes
     Raises:
       InvalidArgumentError: an unknown baseline name.
     """
-    if name not in NAMES:
-        raise InvalidArgumentError(f"unknown baseline {name!r}; known: {', '.join(NAMES)}")
+    check_name(name)
     every = _axes(mesh)
     data, model = _roles_axes(name, mesh, host_axes)
     megatron_dp = name in ("megatron-tp", "megatron-tp-sp") and data != every
@@ -237,8 +242,7 @@ def baseline_pins(name: str, host_axes: Sequence[int] = ()) -> Callable[[Sequenc
     Raises:
       InvalidArgumentError: an unknown baseline name.
     """
-    if name not in NAMES:
-        raise InvalidArgumentError(f"unknown baseline {name!r}; known: {', '.join(NAMES)}")
+    check_name(name)
 
     def pins(paths: Sequence[str], shapes: Sequence[Shape], mesh: MeshSpec) -> dict[str, PartitionSpec]:
         specs = baseline_specs(name, paths, shapes, mesh, host_axes)
@@ -270,8 +274,7 @@ def stage_baseline_pins(name: str) -> Callable[[Any, Any], dict[int, Any]]:
     Raises:
       InvalidArgumentError: an unknown baseline name.
     """
-    if name not in NAMES:
-        raise InvalidArgumentError(f"unknown baseline {name!r}; known: {', '.join(NAMES)}")
+    check_name(name)
     return lambda graph, lm: _stage_pins(name, graph, lm, False)
 
 
@@ -284,6 +287,5 @@ def layer_variant_pins(name: str) -> Callable[[Any, Any], dict[int, Any]]:
     Raises:
       InvalidArgumentError: an unknown baseline name.
     """
-    if name not in NAMES:
-        raise InvalidArgumentError(f"unknown baseline {name!r}; known: {', '.join(NAMES)}")
+    check_name(name)
     return lambda graph, lm: _stage_pins(name, graph, lm, True)

@@ -17,7 +17,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from planner.api import PlannedFunction
-from planner.baselines import APPROXIMATIONS, NAMES, baseline_pins, batch_ways, parse_baseline
+from planner.baselines import APPROXIMATIONS, NAMES, baseline_pins, batch_ways, check_name, parse_baseline
 from planner.baselines import stage_baseline_pins as pipeline_baseline_pins
 from planner.cost_model import Cluster
 from planner.errors import InfeasiblePlanError, InvalidArgumentError, PlannerError
@@ -174,8 +174,7 @@ def evaluate_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], name: str, 
                       mesh: Any = None, cluster: Cluster | str | None = None, remat: bool | None = None,
                       graph: Graph | None = None, tensor_parallel: int | None = None, **options: Any) -> Plan:
     """The baseline `name` in `num_stages` hand-chosen even pipeline stages (see `evaluate`)."""
-    if name not in NAMES:
-        raise InvalidArgumentError(f"unknown baseline {name!r}; known: {', '.join(NAMES)}")
+    check_name(name)
     options = {k: v for k, v in options.items() if k not in ("pipeline",)}
     opts = check_options(PlanOptions.from_kwargs({**options, "pipeline": True}))
     if isinstance(cluster, str):
@@ -201,8 +200,7 @@ def pipeline_baseline(fn: Callable[..., Any], args: tuple[Any, ...], graph: Grap
                       tensor_parallel: int | None = None) -> tuple[Plan, Any]:
     """(Plan, `PipelinePlan`) of the baseline `name` in `num_stages` even stages on `cluster` (the
     code path of `evaluate(..., baseline="NAME+ppN")` and `planner plan/compare --baseline`)."""
-    if name not in NAMES:
-        raise InvalidArgumentError(f"unknown baseline {name!r}; known: {', '.join(NAMES)}")
+    check_name(name)
     plan, pp = plan_fixed_stages(fn, tuple(args), graph, cluster, dataclasses.replace(options, pipeline=True),
                                  num_stages, pins=pipeline_baseline_pins(name),
                                  batch_ways=lambda lm: batch_ways(name, lm.mesh, lm.host_axes), remat=remat,

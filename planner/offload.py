@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from typing import Any
 
 import jax
@@ -56,31 +56,15 @@ def state_pairs(problem: Problem) -> tuple[tuple[int, int], ...]:
     array argument read only by the optimizer update (ops whose results feed no matmul,
     `Problem.combinable`) whose new value is the output of the same path and type (tied, or handed
     back in its pinned layout), so both can share one host layout."""
-    graph = problem.graph
-    readers: dict[int, list[int]] = defaultdict(list)
-    for op in graph.ops:
-        for x in op.inputs:
-            if isinstance(x, int):
-                readers[x].append(op.index)
-    outputs = {p: t for p, t in zip(graph.output_paths, graph.outputs) if isinstance(t, int)}
     ties = set(problem.ties)
-    out = []
-    for tin, path in zip(graph.inputs, graph.input_paths):
-        t = graph.tensors[tin]
-        tout = outputs.get(path)
-        if (not t.shape or not np.issubdtype(np.dtype(t.dtype), np.floating) or tout is None or tout == tin
-                or graph.tensors[tout] != t or not readers.get(tin)
-                or not all(o in problem.combinable for o in readers[tin])):
-            continue
-        if (tin, tout) in ties or tout in problem.pinned_outputs:
-            out.append((tin, tout))
-    return tuple(out)
+    return tuple((tin, tout) for tin, tout in _state_inputs(problem.graph, problem.combinable)
+                 if (tin, tout) in ties or tout in problem.pinned_outputs)
 
 
-def _state_inputs(graph: Graph) -> list[int]:
-    """Input tensor ids `state_pairs` may offload, from the graph alone: floating-point arrays read
-    only by ops that feed no matmul, whose new value is an output of the same path and type."""
-    combinable = combinable_ops(graph)
+def _state_inputs(graph: Graph, combinable: Set[int]) -> list[tuple[int, int]]:
+    """(argument, new value) tensor pairs `state_pairs` chooses from, from the graph alone: a
+    floating-point array argument read only by ops in `combinable` (`problem.combinable_ops`), whose
+    new value is an output of the same path and type."""
     readers: dict[int, list[int]] = defaultdict(list)
     for op in graph.ops:
         for x in op.tensor_inputs:
@@ -91,7 +75,7 @@ def _state_inputs(graph: Graph) -> list[int]:
         t, tout = graph.tensors[tin], outputs.get(path)
         if (t.shape and np.issubdtype(np.dtype(t.dtype), np.floating) and tout is not None and tout != tin
                 and graph.tensors[tout] == t and readers.get(tin) and all(o in combinable for o in readers[tin])):
-            out.append(tin)
+            out.append((tin, tout))
     return out
 
 
@@ -106,14 +90,11 @@ def streamed(graph: Graph) -> Graph:
     form, or when control flow or recomputation reaches into that range."""
     if graph.update_groups:
         return graph
-    inputs = _state_inputs(graph)
-    first = {}
-    for op in graph.ops:
-        for x in op.tensor_inputs:
-            first.setdefault(x, op.index)
+    inputs = [t for t, _ in _state_inputs(graph, combinable_ops(graph))]
     if len(inputs) < 2:
         return graph
-    start = min(first[t] for t in inputs)
+    wanted = set(inputs)
+    start = next(op.index for op in graph.ops if wanted.intersection(op.tensor_inputs))
     if (any(r.end > start for rs in graph.regions.values() for r in rs)
             or any(g.end > start for g in graph.recompute.values())):
         return graph

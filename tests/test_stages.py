@@ -261,7 +261,7 @@ def test_resharding_between_layers_of_one_stage_is_costed():
         inner = table.inner(0)
         assert inner[0, 1] == pytest.approx(expected) and inner[0, 0] == inner[1, 1] == 0
         boundary = boundary_bytes(graph, layers)
-        t_range, _, _ = stage_ranges(table, 0, StageOption(0, "plan", False), 8, boundary, boundary_link(cluster))
+        t_range, _, _ = stage_ranges(table, StageOption(0, "plan", False), 8, boundary, boundary_link(cluster))
         layer_sum = table.cost(0, 0).time_s + table.cost(1, 0).time_s
         assert t_range[0, 1] == pytest.approx(layer_sum + expected)
 

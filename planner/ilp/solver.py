@@ -1067,7 +1067,15 @@ def memory_lower_bound(problem: Problem) -> np.ndarray:
 def _bound_parts(problem: Problem) -> tuple[dict, np.ndarray, int]:
     """The terms of `memory_lower_bound`: per representative decision, its (bytes per strategy,
     first point, point after the last) spans; the per-point steps of the terms no decision sets
-    (copies that exist only when resharded, at their least); and XLA:CPU's reserved bytes."""
+    (copies that exist only when resharded, at their least); and XLA:CPU's reserved bytes. Computed
+    once per problem (the bound and `over_budget_strategies` both read them; treat as read-only)."""
+    found = problem._bounds.get("parts")
+    if found is None:
+        found = problem._bounds["parts"] = _compute_bound_parts(problem)
+    return found
+
+
+def _compute_bound_parts(problem: Problem) -> tuple[dict, np.ndarray, int]:
     n = len(problem.graph.ops)
     mesh = problem.cost.mesh
     rep = problem.rep
@@ -1181,8 +1189,6 @@ def over_budget_strategies(problem: Problem, budget: float) -> list[tuple[int, i
         out += [(r, int(i)) for i in np.flatnonzero(over)]
     problem._bounds["over_budget"] = (budget, tuple(out))
     return out
-
-
 
 
 def _min_bytes_choice(problem: Problem) -> tuple[int, ...]:

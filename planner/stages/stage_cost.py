@@ -73,6 +73,7 @@ from planner.graph import Graph, Op
 from planner.ilp.rules import OpSig, signature
 from planner.ilp.strategies import rate_dtypes, reshard_cost, shard_bytes
 from planner.options import PlanOptions
+from planner.plan import stage_way
 from planner.planning import make_plan
 from planner.search import idle_cores
 from planner.sharding import Spec, active_axes, replicated
@@ -589,7 +590,8 @@ class StageOption:
 
     @property
     def name(self) -> str:
-        return (f"{self.variant}:" if self.variant else "") + self.layout + ("+remat" if self.remat else "")
+        """As `plan.stage_way` writes a stage, e.g. "fsdp:sharded-state+remat"."""
+        return stage_way({"layer_plans": self.variant or "planned", "state_layout": self.layout, "remat": self.remat})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -650,7 +652,7 @@ def _columns(table: LayerCostTable, option: StageOption) -> dict[str, np.ndarray
     }
 
 
-def stage_ranges(table: LayerCostTable, mesh_index: int, option: StageOption, devices: int,
+def stage_ranges(table: LayerCostTable, option: StageOption, devices: int,
                  boundary: np.ndarray, link) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For every layer range k..i: (latency per microbatch, fixed memory, memory per in-flight microbatch).
 
@@ -730,7 +732,7 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
                      if table.has_variant(v, mi) for layout in layouts for remat in remats)
         options.append(opts)
         for j, opt in enumerate(opts):
-            t, fixed, per_mb = stage_ranges(table, opt.mesh_index, opt, n * k, boundary, link)
+            t, fixed, per_mb = stage_ranges(table, opt, n * k, boundary, link)
             for q, f in enumerate(inflight):
                 ok = np.isfinite(t) & (fixed + f * per_mb <= memory_budget)
                 cand = np.where(ok, t, np.inf)
@@ -743,5 +745,5 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
 def stage_memory(table: LayerCostTable, first: int, last: int, opt: StageOption, devices: int,
                  boundary: np.ndarray, inflight: int) -> float:
     """Predicted per-device memory of one stage holding `inflight` microbatches."""
-    _, fixed, per_mb = stage_ranges(table, opt.mesh_index, opt, devices, boundary, boundary_link(table.cluster))
+    _, fixed, per_mb = stage_ranges(table, opt, devices, boundary, boundary_link(table.cluster))
     return float(fixed[first, last] + inflight * per_mb[first, last])
