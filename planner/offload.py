@@ -41,7 +41,7 @@ import numpy as np
 from planner.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.graph import Graph
 from planner.ilp.objective import offload_hidden, offload_transfer
-from planner.ilp.problem import Problem, combinable_ops, live_ranges, offloaded_live_ranges
+from planner.ilp.problem import Problem, combinable_ops, fused_away, live_ranges, offloaded_live_ranges
 from planner.ilp.solver import Solution, memory_lower_bound
 from planner.ilp.strategies import shard_bytes
 
@@ -153,8 +153,10 @@ def unavailable(hardware, devices: Sequence[Any] = ()) -> str | None:
 def with_offload(problem: Problem, pairs: Sequence[tuple[int, int]]) -> Problem:
     """`problem` with `pairs` kept on the host: their device live ranges and transfer costs."""
     pairs = tuple(pairs)
-    base = live_ranges(problem.graph, problem.donated) if problem.offloaded else problem.live
-    return dataclasses.replace(problem, offloaded=pairs, live=offloaded_live_ranges(problem.graph, base, pairs))
+    fused = fused_away(problem.graph, problem.unwritten, problem.combinable)
+    base = live_ranges(problem.graph, problem.donated, fused) if problem.offloaded else problem.live
+    return dataclasses.replace(problem, offloaded=pairs, live=offloaded_live_ranges(
+        problem.graph, base, pairs, fused, copied=problem.memory_platform != "cpu"))
 
 
 def _smallest_bytes(problem: Problem, tid: int) -> int:

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -145,6 +145,11 @@ class Problem:
     _edge_times_by_id: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
     # `solver.memory_lower_bound` once computed (the mesh search bounds a mesh, then its solve checks it)
     _bounds: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def memory_platform(self) -> str:
+        """The XLA backend whose memory the plan lives in: the devices', or the preset's without devices."""
+        return self.device_platform or self.cost.hardware.platform
 
     def edge_time(self, tensor: int, src: Spec, dst: Spec) -> float:
         """`strategies.edge_time` of tensor id `tensor` from `src` to `dst`, computed once per distinct question."""
@@ -356,17 +361,18 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     rep = tuple(range(len(nodes)))
     # time is the preset's, memory the devices' the program compiles for: their XLA fuses the update
     # (which values it never writes) by its own rules
-    memory_platform = device_platform or cost.hardware.platform
+    memory_platform = device_platform or cost.hardware.platform  # as `Problem.memory_platform`
     unwritten_by = memory_traffic if memory_platform == cost.hardware.platform else fusions(graph, memory_platform)
     if share_layers:
         rep = layer_representatives(nodes, graph)
         if len(set(rep)) == len(rep):  # no repeated layers by name: find them by structure
             rep = structural_representatives(nodes, graph, edges)
-    return Problem(graph, cost, tuple(nodes), tuple(edges), owner, tuple(ties), live_ranges(graph, donated),
+    unwritten = frozenset(t for op in graph.ops for t, w in zip(op.outputs, unwritten_by[op.index].writes) if not w)
+    live = live_ranges(graph, donated, fused_away(graph, unwritten, combinable))
+    return Problem(graph, cost, tuple(nodes), tuple(edges), owner, tuple(ties), live,
                    tuple(sorted(fallback)), frozenset(free), rep, frozenset(combinable),
-                   pinned_outputs=pinned_outputs, donated=tuple(donated),
-                   unwritten=frozenset(t for op in graph.ops for t, w in zip(op.outputs, unwritten_by[op.index].writes)
-                                       if not w), device_platform=device_platform)
+                   pinned_outputs=pinned_outputs, donated=tuple(donated), unwritten=unwritten,
+                   device_platform=device_platform)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -613,7 +619,33 @@ def tandem_runs(seq: np.ndarray, weight: np.ndarray | None = None, min_weight: i
     return out
 
 
-def live_ranges(graph: Graph, donated: Sequence[tuple[int, int]] = ()) -> tuple[tuple[int, int], ...]:
+def fused_away(graph: Graph, unwritten: Collection[int], combinable: Collection[int]) -> frozenset[int]:
+    """Values the memory model gives no buffer (`ilp.solver._materialised`): those of the optimizer
+    update (the combinable tail) that XLA computes inside the fusion reading them and never writes."""
+    return frozenset(t for op in graph.ops if op.index in combinable for t in op.outputs if t in unwritten)
+
+
+def last_reads(graph: Graph, fused: Collection[int] = ()) -> list[int]:
+    """Per tensor, the last op that reads it (-1: none), where a read of a `fused` value is a read
+    of that value's operands: XLA recomputes the value inside each fusion that consumes it, so its
+    operands stay in memory until then (a bf16 gradient converted to float32 for the update is read
+    by the update, not by the convert right after the backward)."""
+    last = [-1] * len(graph.tensors)
+    for op in graph.ops:
+        for x in op.inputs:
+            if isinstance(x, int):
+                last[x] = max(last[x], op.index)
+    for op in reversed(graph.ops):  # a fused value's readers come later: its last read is final here
+        reach = max((last[t] for t in op.outputs if t in fused), default=-1)
+        if reach > op.index:
+            for x in op.inputs:
+                if isinstance(x, int):
+                    last[x] = max(last[x], reach)
+    return last
+
+
+def live_ranges(graph: Graph, donated: Sequence[tuple[int, int]] = (),
+                fused: Collection[int] = ()) -> tuple[tuple[int, int], ...]:
     """(first, last) op index during which each tensor occupies memory.
 
     Arguments and constants live for the whole program, except a donated argument (`donated`:
@@ -623,17 +655,17 @@ def live_ranges(graph: Graph, donated: Sequence[tuple[int, int]] = ()) -> tuple[
     their producer to their last use, or to the end when they are program outputs. A result that
     never leaves its fusion (`planner.fusion`) still counts from its producer to its last use: XLA
     keeps it in registers, but dropping such values under-predicted XLA:CPU's compiled peak of the
-    conv net with batch norm (wresnet-tiny, 0.68x; experiments/check_memory.py).
+    conv net with batch norm (wresnet-tiny, 0.68x; experiments/check_memory.py). The `fused` values
+    of the optimizer update (`fused_away`) take no memory; their operands are read where they are
+    (`last_reads`).
     """
     end = len(graph.ops)
     first = [-1] * len(graph.tensors)
-    last = [-1] * len(graph.tensors)
+    last = last_reads(graph, fused)
     for op in graph.ops:
         for t in op.outputs:
-            first[t] = last[t] = op.index
-        for x in op.inputs:
-            if isinstance(x, int):
-                last[x] = max(last[x], op.index)
+            first[t] = op.index
+            last[t] = max(op.index, last[t])
     used = {tin: last[tin] for tin, _ in donated}
     for t in list(graph.inputs) + list(graph.consts):
         first[t], last[t] = -1, end
@@ -645,23 +677,34 @@ def live_ranges(graph: Graph, donated: Sequence[tuple[int, int]] = ()) -> tuple[
     return tuple(zip(first, last))
 
 
-def offloaded_live_ranges(graph: Graph, live: Sequence[tuple[int, int]],
-                          offloaded: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """`live` with the device ranges of host-offloaded values (`planner.offload`): an argument kept
-    on the host is on the device only from its first consumer to its last (it is copied in for the
-    optimizer update), and its new value from its producer to its last consumer inside the step
-    (then it is copied out); neither is held to the end of the step."""
-    consumers: dict[int, list[int]] = defaultdict(list)
-    for op in graph.ops:
+def offloaded_live_ranges(graph: Graph, live: Sequence[tuple[int, int]], offloaded: Sequence[tuple[int, int]],
+                          fused: Collection[int] = (), copied: bool = True) -> tuple[tuple[int, int], ...]:
+    """`live` with the device ranges of host-offloaded values (`planner.offload`).
+
+    `copied` (XLA:GPU, TPU): the update runs on device copies: an argument kept on the host is on
+    the device from its first consumer to its last read (it is copied in for the optimizer update),
+    and its new value from its producer to its last read inside the step (then it is copied out);
+    neither is held to the end of the step. Reads as `last_reads`. Not `copied` (XLA:CPU): the
+    update's fusions read and write the host buffers in place, so neither is ever on the device (the
+    compiled HLO has memory space S(5) only in its entry layout and no copies, and its temporary
+    bytes do not change when leaves move to the host; tests/test_offload.py)."""
+    first_use = [-1] * len(graph.tensors)
+    for op in reversed(graph.ops):
         for x in op.inputs:
             if isinstance(x, int):
-                consumers[x].append(op.index)
+                first_use[x] = op.index
+    last = last_reads(graph, fused)
     out = list(live)
+    nowhere = (-1, -2)
     for tin, tout in offloaded:
-        uses = consumers.get(tin)
-        if uses:
-            out[tin] = (min(uses), max(uses))
+        if not copied:
+            out[tin] = nowhere
+            if tout >= 0:
+                out[tout] = nowhere
+            continue
+        if first_use[tin] >= 0:
+            out[tin] = (first_use[tin], last[tin])
         if tout >= 0:
             first = live[tout][0]
-            out[tout] = (first, max(consumers.get(tout, ()), default=first))
+            out[tout] = (first, max(last[tout], first))
     return tuple(out)

@@ -181,7 +181,7 @@ def _reserved_point(problem: Problem) -> int:
 def _xla_cpu(problem: Problem) -> bool:
     """The plan compiles for XLA:CPU: the mesh's devices are CPUs, or (planning without devices)
     the hardware preset is a CPU."""
-    return (problem.device_platform or problem.cost.hardware.platform) == "cpu"
+    return problem.memory_platform == "cpu"
 
 
 def _combined_point(problem: Problem) -> int:
