@@ -35,6 +35,7 @@ MODELS = ("mlp-tiny", "gpt-tiny", "gpt-small-test", "llama-tiny", "llama-small-t
           "wresnet-tiny", "plain-mlp-tiny")
 
 
+NOTES = "## Notes"  # memory.md's heading of the analysis kept across runs
 BUDGET_FRACTION = 0.6  # of hand-written data parallelism's peak: below it the planner must shard
 
 
@@ -85,7 +86,10 @@ def main() -> None:
             budget = "-" if r["budget_bytes"] is None else f"{r['budget_bytes'] / 2**20:.2f}"
             lines.append(f"| {r['model']} | {r['mesh']} | {budget} | {r['predicted_bytes'] / 2**20:.2f} | "
                          f"{r['compiled_bytes'] / 2**20:.2f} | {r['ratio']:.3f} |")
-    (RESULTS / "memory.md").write_text("\n".join(lines) + "\n")
+    # The analysis below the table (written by hand, from the buffer assignments) is kept across runs.
+    path = RESULTS / "memory.md"
+    notes = path.read_text().partition(NOTES)[2] if path.exists() else ""
+    path.write_text("\n".join(lines) + "\n" + (f"\n{NOTES}{notes}" if notes else ""))
 
 
 if __name__ == "__main__":
