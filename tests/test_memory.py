@@ -27,6 +27,13 @@ def test_budget_below_data_parallel_is_met_as_measured(devices8):
     plan = step.plan(state, batch)
     predicted = plan.prediction.memory_bytes_per_device
     assert predicted <= budget
+    # The budget bound the solve: what it cost is recorded and printed with the levers not used.
+    first = plan.solver["unbudgeted"]
+    assert first["peak_bytes"] > budget and first["step_time_s"] <= plan.prediction.step_time_s * (1 + 1e-9)
+    from planner.present.report import format_levers
+    text = format_levers(plan)
+    assert text.startswith("Memory budget: it binds.") and "--remat auto" in text and "--donate 0" in text
+    assert "\n" not in text
     measured = memory_stats(step.lower(state, batch).compile()).peak_bytes
     # Issue 11's goal: the prediction within 10% of XLA's compiled peak, for this sharded plan too
     # (on XLA:CPU: its reduction buffers, `solver._reduction_buffers`). The measured peak may then

@@ -62,6 +62,8 @@ class Solution:
       deterministic_time: CP-SAT deterministic time spent, all rounds together.
       limit: which limit stopped the search: None, "deterministic" or "wall-clock" (the plan then
         depends on the machine's load).
+      unbudgeted: when the budget bound (rounds > 1), (step seconds, peak bytes) of the first
+        round's plan, found before any memory constraint: what the budget costs in time.
     """
 
     choice: tuple[int, ...]
@@ -74,6 +76,7 @@ class Solution:
     gap: float | None = None
     deterministic_time: float = 0.0
     limit: str | None = None
+    unbudgeted: tuple[float, int] | None = None
 
 
 def memory_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
@@ -920,6 +923,7 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
     det_used = 0.0
     limit = None
     run = None
+    unbudgeted = None
     for rounds in range(1, max_rounds + 1):
         det_left = time_limit - det_used
         wall_left = wall_cap - (time.perf_counter() - start)
@@ -959,6 +963,8 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
                 # after 6 units; 24 more from that plan returned 223 s/step)
                 choice, profile = fallback, memory_profile(problem, fallback)
             break
+        if rounds == 1:
+            unbudgeted = (plan_cost(problem, choice), int(profile.max()))
         for p in new:
             model.m.Add(model.memory_expr(p) <= int(memory_budget // _MEM_UNIT))
             points.add(p)
@@ -988,7 +994,7 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
         log.warning("solver %s limit reached: returning the best plan found, not proven optimal (gap %s to the "
                     "best bound)", limit, "unknown" if gap is None else f"{gap:.2%}")
     return Solution(tuple(choice), plan_cost(problem, choice), status_name, elapsed, int(profile.max()), rounds,
-                    status_name == "optimal", gap, det_used, limit)
+                    status_name == "optimal", gap, det_used, limit, unbudgeted if rounds > 1 else None)
 
 
 def _undecided(problem: Problem, budget: float, time_limit: float, peak: float) -> InfeasiblePlanError:

@@ -325,10 +325,39 @@ def format_ranking(rows: Sequence[Mapping[str, Any]], budget: float | None, top:
     return out
 
 
+# Levers a plan whose budget binds does not use, as the CLI / API turn them on: (name, plan.levers key
+# or "donate" for the options' donate_argnums, how). Pipeline stages are a different search (`--pipeline`).
+_UNUSED_LEVERS = (("recomputation", "remat", "remat='auto' (--remat auto)"),
+                  ("host offload", "offload", "offload='auto' (--offload auto)"),
+                  ("gradient accumulation", "accumulation", "accumulate='auto' (--accumulate auto)"),
+                  ("donating the train state", "donate", "plan_parallel(donate_argnums=0) (--donate 0)"))
+
+
+def format_budget_cost(plan) -> str:
+    """What fitting the memory budget cost, when it bound the solve: the first solver round's plan
+    (found before any memory constraint: its step time and peak) against the plan, and the levers
+    the plan does not use; empty otherwise."""
+    record = plan.solver.get("unbudgeted")
+    if not record:
+        return ""
+    used = {k for k, v in plan.levers.items() if v and not (k == "offload" and not v.get("inputs"))}
+    if (plan.options or {}).get("donate_argnums"):
+        used.add("donate")
+    step = plan.prediction.step_time_s
+    text = (f"Memory budget: it binds. Before any memory constraint the solver's plan took "
+            f"{fmt_time(record['step_time_s'])}/step with a {fmt_bytes(record['peak_bytes'])} peak; fitting the "
+            f"budget makes the step {step / record['step_time_s']:.3g}x that ({fmt_time(step)}).")
+    unused = [f"{name}: {how}" for name, key, how in _UNUSED_LEVERS if key not in used]
+    if unused:
+        text += f" Levers this plan does not use: {'; '.join(unused)}."
+    return text
+
+
 def format_levers(plan) -> str:
     """The memory levers the plan uses (gradient accumulation and selective unsharding,
-    recomputation, host offload), a paragraph each; empty when it uses none."""
-    paras = []
+    recomputation, host offload), a paragraph each, after what the budget cost when it bound
+    (`format_budget_cost`); empty when neither applies."""
+    paras = [cost] if (cost := format_budget_cost(plan)) else []
     record = plan.levers.get("accumulation")
     if record and record.get("microbatches", 1) > 1:
         lines = [f"Gradient accumulation: {record['microbatches']} microbatches of {record['microbatch_rows']} rows "
