@@ -14,6 +14,7 @@ from typing import Any
 
 from planner.cost_model import peak_flops
 from planner.errors import InvalidArgumentError
+from planner.ilp.solver import LEVERS
 from planner.layer_index import split_indexed
 from planner.present.logical_axes import Axes, AxisRules, Leaf, classify, infer_rules, path_tokens
 from planner.plan import Plan, solver_quality as _solver_quality, stage_way
@@ -325,31 +326,28 @@ def format_ranking(rows: Sequence[Mapping[str, Any]], budget: float | None, top:
     return out
 
 
-# Levers a plan whose budget binds does not use, as the CLI / API turn them on: (name, plan.levers key
-# or "donate" for the options' donate_argnums, how). Pipeline stages are a different search (`--pipeline`).
-_UNUSED_LEVERS = (("recomputation", "remat", "remat='auto' (--remat auto)"),
-                  ("host offload", "offload", "offload='auto' (--offload auto)"),
-                  ("gradient accumulation", "accumulation", "accumulate='auto' (--accumulate auto)"),
-                  ("donating the train state", "donate", "plan_parallel(donate_argnums=0) (--donate 0)"))
+# The single-stage levers (`ilp.solver.LEVERS`) by their plan.levers key ("donate": the options'
+# donate_argnums); pipeline stages are another search (`--pipeline`).
+_LEVER_KEYS = {"rematerialisation": "remat", "host offload": "offload", "gradient accumulation": "accumulation",
+               "donating the train state": "donate"}
 
 
 def format_budget_cost(plan) -> str:
     """What fitting the memory budget cost, when it bound the solve: the first solver round's plan
     (found before any memory constraint: its step time and peak) against the plan, and the levers
-    the plan does not use; empty otherwise."""
+    not tried (a lever with a record in `plan.levers` was, whether or not the plan uses it); empty
+    otherwise."""
     record = plan.solver.get("unbudgeted")
     if not record:
         return ""
-    used = {k for k, v in plan.levers.items() if v and not (k == "offload" and not v.get("inputs"))}
-    if (plan.options or {}).get("donate_argnums"):
-        used.add("donate")
+    tried = set(plan.levers) | ({"donate"} if (plan.options or {}).get("donate_argnums") else set())
     step = plan.prediction.step_time_s
     text = (f"Memory budget: it binds. Before any memory constraint the solver's plan took "
             f"{fmt_time(record['step_time_s'])}/step with a {fmt_bytes(record['peak_bytes'])} peak; fitting the "
             f"budget makes the step {step / record['step_time_s']:.3g}x that ({fmt_time(step)}).")
-    unused = [f"{name}: {how}" for name, key, how in _UNUSED_LEVERS if key not in used]
-    if unused:
-        text += f" Levers this plan does not use: {'; '.join(unused)}."
+    untried = [f"{v.name}: {v.how}" for v in LEVERS if v.name in _LEVER_KEYS and _LEVER_KEYS[v.name] not in tried]
+    if untried:
+        text += f" Levers not tried: {'; '.join(untried)}."
     return text
 
 
