@@ -10,7 +10,8 @@ part that overflows (DeepCompile's adaptive offloading): when no plan fits `memo
 largest leaves go to the host until the memory lower bound fits, more if the solved plan still
 does not. The memory model sees it through the problem's live ranges
 (`problem.offloaded_live_ranges`: one liveness for the ILP's budget constraints, `memory_profile`
-and the reported peak); the cost through `ilp.objective` (copies in and back at the host link's
+and the reported peak; on XLA:CPU, whose update fusions read and write the host buffers in place,
+an offloaded value is never on the device); the cost through `ilp.objective` (copies in and back at the host link's
 bandwidth, `Hardware.host_bandwidth`; copies back exposed; copies in exposed too in a streamed
 update, else hidden behind the compute before the update).
 
