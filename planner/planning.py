@@ -310,7 +310,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
         "limit": sol.limit,
     }
     if sol.unbudgeted is not None:  # what fitting the budget cost (`present.report.format_budget_cost`)
-        solver_info["unbudgeted"] = {"step_time_s": sol.unbudgeted[0], "peak_bytes": sol.unbudgeted[1]}
+        solver_info["unbudgeted"] = dict(zip(("step_time_s", "peak_bytes", "strategies_ruled_out"), sol.unbudgeted))
     if pins:
         solver_info["pinned_inputs"] = len(pins)
     solver_info["step_parts"] = step_parts(problem, sol.choice)

@@ -62,8 +62,10 @@ class Solution:
       deterministic_time: CP-SAT deterministic time spent, all rounds together.
       limit: which limit stopped the search: None, "deterministic" or "wall-clock" (the plan then
         depends on the machine's load).
-      unbudgeted: when the budget bound (rounds > 1), (step seconds, peak bytes) of the first
-        round's plan, found before any memory constraint: what the budget costs in time.
+      unbudgeted: when the budget bound (rounds > 1), (step seconds, peak bytes, strategies ruled
+        out) of the first round's plan, found with no constraint on live memory but without the
+        strategies the memory bound rules out (`over_budget_strategies`; their count is the third
+        item): what the budget's constraints cost in time.
     """
 
     choice: tuple[int, ...]
@@ -76,7 +78,7 @@ class Solution:
     gap: float | None = None
     deterministic_time: float = 0.0
     limit: str | None = None
-    unbudgeted: tuple[float, int] | None = None
+    unbudgeted: tuple[float, int, int] | None = None
 
 
 def memory_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
@@ -964,7 +966,7 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
                 choice, profile = fallback, memory_profile(problem, fallback)
             break
         if rounds == 1:
-            unbudgeted = (plan_cost(problem, choice), int(profile.max()))
+            unbudgeted = (plan_cost(problem, choice), int(profile.max()), len(excluded))
         for p in new:
             model.m.Add(model.memory_expr(p) <= int(memory_budget // _MEM_UNIT))
             points.add(p)

@@ -334,17 +334,20 @@ _LEVER_KEYS = {"rematerialisation": "remat", "host offload": "offload", "gradien
 
 def format_budget_cost(plan) -> str:
     """What fitting the memory budget cost, when it bound the solve: the first solver round's plan
-    (found before any memory constraint: its step time and peak) against the plan, and the levers
-    not tried (a lever with a record in `plan.levers` was, whether or not the plan uses it); empty
-    otherwise."""
+    (no constraint on live memory, though without the strategies the memory bound rules out, said
+    when there are some: its step time and peak) against the plan, and the levers not tried (a
+    lever with a record in `plan.levers` was, whether or not the plan uses it); empty otherwise."""
     record = plan.solver.get("unbudgeted")
     if not record:
         return ""
     tried = set(plan.levers) | ({"donate"} if (plan.options or {}).get("donate_argnums") else set())
     step = plan.prediction.step_time_s
-    text = (f"Memory budget: it binds. Before any memory constraint the solver's plan took "
-            f"{fmt_time(record['step_time_s'])}/step with a {fmt_bytes(record['peak_bytes'])} peak; fitting the "
-            f"budget makes the step {step / record['step_time_s']:.3g}x that ({fmt_time(step)}).")
+    ruled_out = record.get("strategies_ruled_out", 0)
+    before = (f"With the {ruled_out} strategies that cannot fit it ruled out (the memory lower bound) but no "
+              "constraint on live memory yet" if ruled_out else "Before any memory constraint")
+    text = (f"Memory budget: it binds. {before}, the solver's plan took {fmt_time(record['step_time_s'])}/step "
+            f"with a {fmt_bytes(record['peak_bytes'])} peak; fitting the budget makes the step "
+            f"{step / record['step_time_s']:.3g}x that ({fmt_time(step)}).")
     untried = [f"{v.name}: {v.how}" for v in LEVERS if v.name in _LEVER_KEYS and _LEVER_KEYS[v.name] not in tried]
     if untried:
         text += f" Levers not tried: {'; '.join(untried)}."
