@@ -62,10 +62,10 @@ class Solution:
       deterministic_time: CP-SAT deterministic time spent, all rounds together.
       limit: which limit stopped the search: None, "deterministic" or "wall-clock" (the plan then
         depends on the machine's load).
-      unbudgeted: when the budget bound (rounds > 1), (step seconds, peak bytes, strategies ruled
-        out) of the first round's plan, found with no constraint on live memory but without the
-        strategies the memory bound rules out (`over_budget_strategies`; their count is the third
-        item): what the budget's constraints cost in time.
+      unbudgeted: when the budget bound (the first round's plan broke it), (step seconds, peak
+        bytes, strategies ruled out) of that plan, found with no constraint on live memory but
+        without the strategies the memory bound rules out (`over_budget_strategies`, their count):
+        what the budget's constraints cost in time.
     """
 
     choice: tuple[int, ...]
@@ -996,7 +996,7 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
         log.warning("solver %s limit reached: returning the best plan found, not proven optimal (gap %s to the "
                     "best bound)", limit, "unknown" if gap is None else f"{gap:.2%}")
     return Solution(tuple(choice), plan_cost(problem, choice), status_name, elapsed, int(profile.max()), rounds,
-                    status_name == "optimal", gap, det_used, limit, unbudgeted if rounds > 1 else None)
+                    status_name == "optimal", gap, det_used, limit, unbudgeted)
 
 
 def _undecided(problem: Problem, budget: float, time_limit: float, peak: float) -> InfeasiblePlanError:
