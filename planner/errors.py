@@ -42,5 +42,22 @@ class InfeasiblePlanError(PlannerError, ValueError):
                                    deterministic_time=self.deterministic_time)
 
 
+class OutboundError(PlannerError):
+    """The solver proved, while searching, that no plan of this problem beats a step time found
+    elsewhere (`ilp.solver.solve`'s `beat`): its objective bound reached that time, so the search
+    stopped. Not a failure of the input: the mesh search reports the mesh as pruned.
+
+    Attributes:
+      bound_s: the proven lower bound on this problem's step time (seconds).
+      beat_s: the step time it could not beat.
+      deterministic_time: CP-SAT deterministic units spent before stopping.
+    """
+
+    def __init__(self, bound_s: float, beat_s: float, deterministic_time: float):
+        super().__init__(f"no plan faster than {beat_s:.4g} s/step: the solver proved every plan takes at least "
+                         f"{bound_s:.4g} s/step")
+        self.bound_s, self.beat_s, self.deterministic_time = bound_s, beat_s, deterministic_time
+
+
 class ProfileError(PlannerError, ValueError):
     """A profile database that cannot be used (corrupt, wrong version, other hardware)."""

@@ -5,7 +5,7 @@ import dataclasses
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
 import jax
@@ -236,13 +236,17 @@ def plan_problem(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: j
 
 def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None = None,
               pins: Mapping[int, Spec] | None = None, problem: Problem | None = None,
-              min_peak_search: bool = True, start: Sequence[int] | None = None, lp_level: int = 1) -> Plan:
+              min_peak_search: bool = True, start: Sequence[int] | None = None, lp_level: int = 1,
+              beat: Callable[[], float] | None = None) -> Plan:
     """Plans `graph` on `mesh`; `pins` (input position -> spec, `planner.pins.resolve`) fix those
     inputs' shardings and the ILP plans the rest. `problem`: `plan_problem`'s answer for the same
     arguments, when the caller built it already. `min_peak_search=False`: an infeasible budget is
     reported without searching for the smallest peak (the mesh search runs that search once, on
     its most promising mesh). `start`: a choice for `problem` to start the solver from
     (`ilp.solver.solve`). `lp_level`: the solver's LP relaxation level (`ilp.solver.solve`).
+    `beat`: a step time found elsewhere, read as the solver goes (`ilp.solver.solve`); the solve
+    stops with `OutboundError` once it proves no plan beats it. Without host offload only (with it,
+    the offload variants tried may differ in time either way).
 
     Raises:
       MeshError: a mesh axis that can split nothing.
@@ -256,7 +260,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
         list(jax_mesh.devices.flat) if isinstance(jax_mesh, jax.sharding.Mesh) else [],
         lambda p, search: solve(p, options.memory_budget, options.solver_time_limit, options.solver_workers,
                                 min_peak_search=min_peak_search and search, begin=start if p is problem else None,
-                                lp_level=lp_level))
+                                lp_level=lp_level, beat=beat if options.offload == "off" else None))
     log.info("solved: %s in %.2fs, predicted %.4g s/step, peak %s/device", sol.status, sol.solve_time_s,
              sol.objective_s, format_bytes(sol.peak_memory_bytes))
     producers = graph.producers()

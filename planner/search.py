@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from planner.cost_model import Cluster
-from planner.errors import InfeasiblePlanError, MeshError, PlannerError
+from planner.errors import InfeasiblePlanError, MeshError, OutboundError, PlannerError
 from planner.graph import Graph
 from planner.ilp.problem import Problem
 from planner.ilp.solver import (LEVERS, MIN_MEMORY_LIMIT, Lever, levers_of, levers_text, liveness_floor,
@@ -343,7 +343,13 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
         jax_mesh = cand.mesh.to_jax_mesh(devices) if devices is not None else None
         try:
             plan = make_plan(graph, cand.mesh, cand.options, jax_mesh, problem=cand.problem, min_peak_search=False,
-                             start=start)
+                             start=start, beat=(lambda: best) if prune else None)
+        except OutboundError as e:  # proven no faster than a plan another mesh found meanwhile
+            reason = (f"not solved to the end: the solver proved its step time is at least {e.bound_s:.4g} s, over "
+                      f"the {e.beat_s:.4g} s of a plan found")
+            log.info("mesh %s: %s (%.3g deterministic units)", cand.mesh, reason, e.deterministic_time)
+            return MeshResult(cand.mesh, None, None, cand.inter, cand.build_s + time.perf_counter() - t0,
+                              pruned=reason, time_bound_s=cand.time_bound, deterministic_time=e.deterministic_time)
         except (MeshError, PlannerError) as e:
             spent = e.deterministic_time if isinstance(e, InfeasiblePlanError) else None
             log.info("mesh %s: %s (%s deterministic units, %.1fs)", cand.mesh,

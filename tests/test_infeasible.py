@@ -194,8 +194,9 @@ def test_limit_never_returns_a_plan_slower_than_a_fitting_start(monkeypatch):
     assert plan_cost(problem, slower) > plan_cost(problem, start)
     script = [free.choice, slower]
 
-    def scripted(self, det_limit, wall_limit, workers, hint, lp_level=1):
+    def scripted(self, det_limit, wall_limit, workers, hint, lp_level=1, cutoff=None):
         choice = script.pop(0)
+        self.cut = None
         self.last = solver_module._Run(False, plan_cost(problem, choice) * solver_module._NS, 0.0, 0.1, 0.0)
         return tuple(choice), cp_model.FEASIBLE
 
@@ -203,3 +204,23 @@ def test_limit_never_returns_a_plan_slower_than_a_fitting_start(monkeypatch):
     answer = solve(problem, memory_budget=budget, time_limit=1.0, begin=start)
     assert not script and answer.choice == tuple(start) and answer.status == "feasible"
     assert answer.objective_s == plan_cost(problem, start) and answer.gap is not None
+
+
+def test_a_bound_over_the_time_to_beat_stops_the_search():
+    """`solve(beat=...)`: once CP-SAT's bound proves no plan beats a step time found elsewhere, the
+    search stops (`OutboundError`, with the bound, which the optimum respects); a time above the
+    optimum leaves the answer as it was. Under a budget the first round's bound counts too."""
+    from planner.errors import OutboundError
+
+    problem = _mlp_grad_problem(layers=6)
+    best = solve(problem)
+    with pytest.raises(OutboundError) as caught:
+        solve(problem, beat=lambda: best.objective_s * 0.5)
+    assert best.objective_s * 0.5 < caught.value.bound_s <= best.objective_s * (1 + 1e-6)
+    assert caught.value.beat_s == pytest.approx(best.objective_s * 0.5)
+    again = solve(problem, beat=lambda: best.objective_s * 2)
+    assert again.choice == best.choice
+    budget = solve(problem).peak_memory_bytes * 0.7
+    under = solve(problem, memory_budget=budget)
+    with pytest.raises(OutboundError):
+        solve(problem, memory_budget=budget, beat=lambda: under.objective_s * 0.5)

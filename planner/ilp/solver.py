@@ -23,12 +23,12 @@ import dataclasses
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from ortools.sat.python import cp_model
 
-from planner.errors import InfeasiblePlanError, PlannerError
+from planner.errors import InfeasiblePlanError, OutboundError, PlannerError
 from planner.graph import Graph
 from planner.ilp.objective import offload_start, overlap_order, prefetched, step_time
 from planner.ilp.problem import Problem, tandem_runs
@@ -42,6 +42,9 @@ _MEM_UNIT = 1  # memory constraint unit: bytes (KiB rounding made a plan at the 
 WALL_CAP_FACTOR = 4.0  # wall-clock safety cap: this multiple of the deterministic limit ...
 WALL_CAP_FLOOR_S = 10.0  # ... plus this many seconds (short limits are not left to scheduling noise)
 MIN_MEMORY_LIMIT = 10.0  # deterministic units the minimum-memory search may spend at most
+# `solve(beat=...)` stops only when the bound exceeds the time to beat by this fraction: the objective
+# sums terms rounded to whole ticks, so it and `plan_cost` may differ by a few ticks per term.
+_BEAT_MARGIN = 1e-6
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -659,11 +662,22 @@ class _Model:
         return self.copies[key]
 
     def solve(self, det_limit: float, wall_limit: float, workers: int, hint: Sequence[int] | None,
-              lp_level: int = 1):
+              lp_level: int = 1, cutoff: Callable[[], float] | None = None):
         """One CP-SAT run limited to `det_limit` deterministic units (and `wall_limit` seconds);
         returns (choice or None, status) and leaves the run's figures in `self.last`. `lp_level`:
-        CP-SAT's `linearization_level` (see `solve`)."""
+        CP-SAT's `linearization_level` (see `solve`). `cutoff`: objective units, read whenever the
+        solver's bound improves; once the bound exceeds it the run stops and `self.cut` holds
+        (bound, cutoff)."""
         solver = cp_model.CpSolver()
+        self.cut = None
+        if cutoff is not None:
+            def on_bound(bound: float) -> None:
+                limit = cutoff()
+                if bound > limit and self.cut is None:
+                    self.cut = (bound, limit)
+                    solver.StopSearch()
+
+            solver.best_bound_callback = on_bound
         solver.parameters.max_deterministic_time = max(0.01, det_limit)
         solver.parameters.max_time_in_seconds = max(0.1, wall_limit)
         solver.parameters.num_workers = workers
@@ -870,7 +884,8 @@ def _violations(profile: np.ndarray, limit: float, have: set[int], k: int = 4) -
 
 def solve(problem: Problem, memory_budget: float | None = None, time_limit: float = 30.0,
           workers: int = 1, max_rounds: int = 30, min_peak_search: bool = True,
-          begin: Sequence[int] | None = None, lp_level: int = 1) -> Solution:
+          begin: Sequence[int] | None = None, lp_level: int = 1,
+          beat: Callable[[], float] | None = None) -> Solution:
     """Solves the ILP; with a budget, adds memory constraints until the plan's peak fits.
 
     `time_limit` is in CP-SAT deterministic units for all rounds together (about one second of one
@@ -879,6 +894,11 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
 
     `begin`: a choice to start from (the hint and the fallback) when it beats the greedy one: it
     fits the budget and the greedy does not, or both do (or neither) and it is faster.
+
+    `beat`: the step time (seconds) of a plan found elsewhere, read as the search goes (the mesh
+    search's best so far, which other threads lower): once CP-SAT's objective bound in any round
+    exceeds it, no plan of this problem can beat that plan (each round's bound holds for the final
+    problem: rounds only add constraints), so the search stops with `OutboundError`.
 
     `lp_level`: CP-SAT's `linearization_level`: 1 (its default) adds the linear constraints to its
     LP relaxation lazily; 2 adds them all with cuts. 2 pays on small ILPs whose overlap term (the
@@ -929,9 +949,14 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
     for rounds in range(1, max_rounds + 1):
         det_left = time_limit - det_used
         wall_left = wall_cap - (time.perf_counter() - start)
-        choice, status = model.solve(det_left, wall_left, workers, hint, lp_level)
+        choice, status = model.solve(det_left, wall_left, workers, hint, lp_level,
+                                     None if beat is None else lambda: beat() * _NS * (1 + _BEAT_MARGIN))
         run = model.last
         det_used += run.deterministic_time
+        if model.cut is not None:
+            log.info("solver bound %.4g s/step is over the %.4g s/step of a plan found elsewhere: stopped",
+                     model.cut[0] / _NS, beat())
+            raise OutboundError(model.cut[0] / _NS, model.cut[1] / _NS / (1 + _BEAT_MARGIN), det_used)
         if not run.optimal and status != cp_model.INFEASIBLE:
             limit = "deterministic" if det_used >= time_limit * 0.999 else "wall-clock"
         if choice is None:
