@@ -142,3 +142,24 @@ def test_pipeline_auto_single_stage_is_the_mesh_search_best():
     assert pp.num_stages == 1 and pp.stages[0].mesh == best.mesh
     assert pp.step_time_s == pytest.approx(best.plan.prediction.step_time_s, rel=1e-9)
     assert pp.single_stage_plan[0].mesh == pp.stages[0].mesh
+
+
+def test_microbatch_counts_the_step_cannot_run_are_skipped_in_one_line(caplog):
+    """A step that does not trace on small microbatches (an MoE routing tokens in groups longer than
+    a microbatch: 8 tokens per row, groups of 16) loses those counts, with a warning, instead of
+    stopping the search with a traceback from inside the model; a fixed count it cannot run is a
+    one-line error."""
+    import logging
+
+    b = get_model("moe-tiny", batch=4, seq=8, group_size=16)
+    args = (b.abstract_state(), b.abstract_batch())
+    with caplog.at_level(logging.WARNING, logger="planner"):
+        pp = plan_pipeline(b.train_step, args, make_cluster(1, 2, "cpu"), PlanOptions(pipeline=True),
+                           max_mesh_ndim=1)
+    assert pp.num_microbatches == 2 and [c[0] for c in pp.candidates] == [2]
+    assert any("B=4: the step does not trace on 4 microbatches of 1 rows (TypeError" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(InvalidArgumentError, match=r"^the step does not trace on 4 microbatches of 1 rows "
+                                                   r"\(TypeError: [^\n]*\); no microbatch count tried traces \(4\)$"):
+        plan_pipeline(b.train_step, args, make_cluster(1, 2, "cpu"), PlanOptions(pipeline=True, num_microbatches=4),
+                      max_mesh_ndim=1)

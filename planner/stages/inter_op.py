@@ -272,6 +272,26 @@ def microbatch_args(args: tuple[Any, ...], microbatch: int,
     return tuple(out)
 
 
+class _Untraceable(PlannerError):
+    """The step does not trace on microbatches of some size (`_trace_microbatch`)."""
+
+
+def _trace_microbatch(fn: Callable, args: Sequence[Any], count: int, rows: int) -> Graph:
+    """`fn` traced on one microbatch; a step that cannot run on `rows` rows (it traced on the whole
+    batch: the caller's graph) raises `_Untraceable` with the step's own error in one line, so the
+    pipeline search drops that microbatch count instead of stopping. Found on gshard-moe-1.3b at
+    1024 microbatches: one 1024-token sequence per microbatch, and its experts route tokens in
+    groups of 2048 (a reshape to (0, 2048, 768))."""
+    try:
+        return trace(fn, *args)
+    except PlannerError:
+        raise
+    except Exception as e:  # the user's step, not the planner: its message, first line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise _Untraceable(f"the step does not trace on {count} microbatches of {rows} rows "
+                           f"({type(e).__name__}: {first})") from None
+
+
 def microbatch_counts(batch: int, requested: int | None, limit: int | None = None) -> tuple[int, ...]:
     """Microbatch counts to try: the requested one, else every count >= 2 dividing the batch, largest
     first; with a `limit`, that many of them spread evenly in log scale from the largest count
@@ -383,7 +403,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
         if B == 1 and full_graph is not None:
             graph = full_graph
         else:
-            graph = trace(fn, *microbatch_args(args, batch // B, batch_argnum))
+            graph = _trace_microbatch(fn, microbatch_args(args, batch // B, batch_argnum), B, batch // B)
         layers = cluster_layers(graph, num_layers)
         timings["trace_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -406,8 +426,14 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
 
     candidates: list[_Candidate] = []
     stacked: tuple[str, ...] = ()
+    untraceable: list[str] = []
     for B in counts:
-        graph, layers, table, _ = build(B)
+        try:
+            graph, layers, table, _ = build(B)
+        except _Untraceable as e:  # e.g. an MoE step whose token groups are longer than a microbatch
+            log.warning("B=%d: %s; not a candidate", B, e)
+            untraceable.append(str(e))
+            continue
         if B == counts[0]:
             stacked = tuple(graph.input_paths[i] for i in stacked_inputs(graph, layers))
             if stacked:
@@ -418,6 +444,8 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
         log.info("B=%d: %s", B, "no pipeline of the per-layer plans fits the budget" if dp is None else
                  f"{len(dp.stages)} stages, predicted {step:.4g} s/step")
         candidates.append(_Candidate(B, graph, layers, table, st, dp, step))
+    if not candidates and untraceable and options.pipeline != "auto":  # "auto" still has the single stage
+        raise InvalidArgumentError(f"{untraceable[0]}; no microbatch count tried traces ({', '.join(map(str, counts))})")
 
     # The hand layouts (`LayerCostTable.variants`) only help where memory binds: a layer's own plan is
     # the fastest, so a count B whose pipeline of the layers' own plans ignoring memory is no faster
@@ -769,10 +797,16 @@ def fixed_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Clust
     timings = {"trace_s": 0.0, "layer_costs_s": 0.0}
     candidates: list[_Candidate] = []
     fits = {}
+    untraceable: list[str] = []
     for B in counts:
         t0 = time.perf_counter()
-        graph = full_graph if B == 1 and full_graph is not None else \
-            trace(fn, *microbatch_args(args, batch // B, batch_argnum))
+        try:
+            graph = full_graph if B == 1 and full_graph is not None else \
+                _trace_microbatch(fn, microbatch_args(args, batch // B, batch_argnum), B, batch // B)
+        except _Untraceable as e:
+            log.warning("B=%d: %s; not a candidate", B, e)
+            untraceable.append(str(e))
+            continue
         layers = cluster_layers(graph, num_layers)
         ranges = even_stage_ranges(layers, S)
         timings["trace_s"] += time.perf_counter() - t0
@@ -801,6 +835,8 @@ def fixed_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Clust
             step = latency + _once_per_step_max(table, st, chosen)
         log.info("B=%d: %d even stages, predicted %.4g s/step%s", B, S, step, "" if fits[B] else " (does not fit)")
         candidates.append(_Candidate(B, graph, layers, table, st, dp, step))
+    if not candidates and untraceable:
+        raise InvalidArgumentError(f"{untraceable[0]}; no microbatch count tried traces ({', '.join(map(str, counts))})")
     feasible = [c for c in candidates if c.dp is not None]
     if not feasible:
         raise InfeasiblePlanError(f"no layer of this configuration can be planned on the stage mesh {lm.mesh}")
