@@ -276,6 +276,12 @@ class _Untraceable(PlannerError):
     """The step does not trace on microbatches of some size (`_trace_microbatch`)."""
 
 
+class UntraceableMicrobatches(InvalidArgumentError):
+    """No microbatch count tried traces (`plan_pipeline`, `fixed_pipeline`): the first count's
+    reason, in one line. A caller that knows why the step cannot be split (`stages.derived`) says
+    that instead (`planned.plan_with_stages`)."""
+
+
 def _trace_microbatch(fn: Callable, args: Sequence[Any], count: int, rows: int) -> Graph:
     """`fn` traced on one microbatch; a step that cannot run on `rows` rows (it traced on the whole
     batch: the caller's graph) raises `_Untraceable` with the step's own error in one line, so the
@@ -445,7 +451,8 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
                  f"{len(dp.stages)} stages, predicted {step:.4g} s/step")
         candidates.append(_Candidate(B, graph, layers, table, st, dp, step))
     if not candidates and untraceable and options.pipeline != "auto":  # "auto" still has the single stage
-        raise InvalidArgumentError(f"{untraceable[0]}; no microbatch count tried traces ({', '.join(map(str, counts))})")
+        raise UntraceableMicrobatches(f"{untraceable[0]}; no microbatch count tried traces "
+                                      f"({', '.join(map(str, counts))})")
 
     # The hand layouts (`LayerCostTable.variants`) only help where memory binds: a layer's own plan is
     # the fastest, so a count B whose pipeline of the layers' own plans ignoring memory is no faster
@@ -836,7 +843,8 @@ def fixed_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Clust
         log.info("B=%d: %d even stages, predicted %.4g s/step%s", B, S, step, "" if fits[B] else " (does not fit)")
         candidates.append(_Candidate(B, graph, layers, table, st, dp, step))
     if not candidates and untraceable:
-        raise InvalidArgumentError(f"{untraceable[0]}; no microbatch count tried traces ({', '.join(map(str, counts))})")
+        raise UntraceableMicrobatches(f"{untraceable[0]}; no microbatch count tried traces "
+                                      f"({', '.join(map(str, counts))})")
     feasible = [c for c in candidates if c.dp is not None]
     if not feasible:
         raise InfeasiblePlanError(f"no layer of this configuration can be planned on the stage mesh {lm.mesh}")

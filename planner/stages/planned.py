@@ -35,7 +35,7 @@ from planner.plan import Plan, PredictedCollective, Prediction
 from planner.planning import make_plan
 from planner.sharding import replicated
 from planner.stages.derived import DerivedStep
-from planner.stages.inter_op import PipelinePlan, fixed_pipeline, input_pins, plan_pipeline
+from planner.stages.inter_op import PipelinePlan, UntraceableMicrobatches, fixed_pipeline, input_pins, plan_pipeline
 from planner.stages.runtime import PipelinedStep, StageLowered, plain_record
 from planner.stages.submesh import LogicalMesh, effective_hardware, make_cluster
 
@@ -333,6 +333,10 @@ def plan_with_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph
         kwargs["batch_argnum"] = derived.batch_argnums()
     try:
         plan, pp = plan_stages(fn, args, graph, cluster, options, devices, **kwargs)
+    except UntraceableMicrobatches as e:  # as below, caught by the search: say what the step lacks
+        if isinstance(derived, InvalidArgumentError):
+            raise derived from e
+        raise
     except PlannerError:
         raise
     except (ValueError, TypeError) as e:
