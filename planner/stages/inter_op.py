@@ -272,30 +272,33 @@ def microbatch_args(args: tuple[Any, ...], microbatch: int,
     return tuple(out)
 
 
-class _Untraceable(PlannerError):
-    """The step does not trace on microbatches of some size (`_trace_microbatch`)."""
-
-
 class UntraceableMicrobatches(InvalidArgumentError):
-    """No microbatch count tried traces (`plan_pipeline`, `fixed_pipeline`): the first count's
-    reason, in one line. A caller that knows why the step cannot be split (`stages.derived`) says
-    that instead (`planned.plan_with_stages`)."""
+    """The step does not trace on microbatches of some size (`_trace_microbatch`); out of
+    `plan_pipeline` / `fixed_pipeline` when no count tried traces (`_none_traces`). A caller that
+    knows why the step cannot be split (`stages.derived`) says that instead
+    (`planned.plan_with_stages`)."""
+
+
+def _none_traces(untraceable: Sequence[str], counts: Sequence[int]) -> UntraceableMicrobatches:
+    """The one-line error when no microbatch count traces: the first count's reason."""
+    return UntraceableMicrobatches(f"{untraceable[0]}; no microbatch count tried traces "
+                                   f"({', '.join(map(str, counts))})")
 
 
 def _trace_microbatch(fn: Callable, args: Sequence[Any], count: int, rows: int) -> Graph:
     """`fn` traced on one microbatch; a step that cannot run on `rows` rows (it traced on the whole
-    batch: the caller's graph) raises `_Untraceable` with the step's own error in one line, so the
-    pipeline search drops that microbatch count instead of stopping. Found on gshard-moe-1.3b at
-    1024 microbatches: one 1024-token sequence per microbatch, and its experts route tokens in
-    groups of 2048 (a reshape to (0, 2048, 768))."""
+    batch: the caller's graph) raises `UntraceableMicrobatches` with the step's own error in one
+    line, so the pipeline search drops that microbatch count instead of stopping. Found on
+    gshard-moe-1.3b at 1024 microbatches: one 1024-token sequence per microbatch, and its experts
+    route tokens in groups of 2048 (a reshape to (0, 2048, 768))."""
     try:
         return trace(fn, *args)
     except PlannerError:
         raise
     except Exception as e:  # the user's step, not the planner: its message, first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise _Untraceable(f"the step does not trace on {count} microbatches of {rows} rows "
-                           f"({type(e).__name__}: {first})") from None
+        raise UntraceableMicrobatches(f"the step does not trace on {count} microbatches of {rows} rows "
+                                      f"({type(e).__name__}: {first})") from None
 
 
 def microbatch_counts(batch: int, requested: int | None, limit: int | None = None) -> tuple[int, ...]:
@@ -436,7 +439,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
     for B in counts:
         try:
             graph, layers, table, _ = build(B)
-        except _Untraceable as e:  # e.g. an MoE step whose token groups are longer than a microbatch
+        except UntraceableMicrobatches as e:  # e.g. an MoE step whose token groups are longer than a microbatch
             log.warning("B=%d: %s; not a candidate", B, e)
             untraceable.append(str(e))
             continue
@@ -451,8 +454,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
                  f"{len(dp.stages)} stages, predicted {step:.4g} s/step")
         candidates.append(_Candidate(B, graph, layers, table, st, dp, step))
     if not candidates and untraceable and options.pipeline != "auto":  # "auto" still has the single stage
-        raise UntraceableMicrobatches(f"{untraceable[0]}; no microbatch count tried traces "
-                                      f"({', '.join(map(str, counts))})")
+        raise _none_traces(untraceable, counts)
 
     # The hand layouts (`LayerCostTable.variants`) only help where memory binds: a layer's own plan is
     # the fastest, so a count B whose pipeline of the layers' own plans ignoring memory is no faster
@@ -810,7 +812,7 @@ def fixed_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Clust
         try:
             graph = full_graph if B == 1 and full_graph is not None else \
                 _trace_microbatch(fn, microbatch_args(args, batch // B, batch_argnum), B, batch // B)
-        except _Untraceable as e:
+        except UntraceableMicrobatches as e:
             log.warning("B=%d: %s; not a candidate", B, e)
             untraceable.append(str(e))
             continue
@@ -843,8 +845,7 @@ def fixed_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Clust
         log.info("B=%d: %d even stages, predicted %.4g s/step%s", B, S, step, "" if fits[B] else " (does not fit)")
         candidates.append(_Candidate(B, graph, layers, table, st, dp, step))
     if not candidates and untraceable:
-        raise UntraceableMicrobatches(f"{untraceable[0]}; no microbatch count tried traces "
-                                      f"({', '.join(map(str, counts))})")
+        raise _none_traces(untraceable, counts)
     feasible = [c for c in candidates if c.dp is not None]
     if not feasible:
         raise InfeasiblePlanError(f"no layer of this configuration can be planned on the stage mesh {lm.mesh}")
