@@ -67,3 +67,14 @@ def bind(primitive: jcore.Primitive, params: Mapping[str, Any], operands: Sequen
                            axis_names=set(params.get("newly_manual_axes", ())))
         return list(fn(*operands))
     return primitive.bind(*operands, **_plain_params(params))
+
+
+def scan_counts(params: Mapping[str, Any]) -> tuple[int, int]:
+    """(constants, carries) among a `scan` equation's operands, in that order before the scanned
+    inputs. jax 0.10 states them as the `num_consts` / `num_carry` parameters; jax 0.11 replaced
+    those with `ft_in`, a flat tree packing (constants, carries, scanned inputs) whose parts count
+    their leaves with `len`."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)

@@ -58,6 +58,13 @@ _LAYOUT = frozenset({
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                          "argmax", "argmin", "reduce_precision_sum"})
 _FUSIBLE = _ELEMENTWISE | _LAYOUT | _REDUCTIONS
+# XLA:GPU fuses gathers like the other index ops (a gather reads its operand inside the consumer's
+# loop: the float32 convert of a language model's logits runs inside the fusion that picks each
+# target's logit) and makes scatters fusion roots whose operand and updates fuse in (the zeros a
+# gradient of an indexing op scatters into are never written); compiled HLO of the zoo's GPT on
+# an H100, experiments/check_gpu.py.
+_GPU_INDEXING = frozenset({"gather"})
+_GPU_ROOTS = frozenset({"scatter-add", "scatter"})
 
 # XLA's InstructionFusion::IsExpensive (xla/service/instruction_fusion.cc), by the HLO each JAX
 # primitive lowers to: transcendental ops (exp, log, tanh, erf, logistic, power, sqrt, rsqrt, cbrt,
@@ -108,14 +115,19 @@ class Traffic:
         return self.fusions[0]
 
 
-def fusible(name: str) -> bool:
-    """Whether XLA fuses ops of this primitive into loop / input fusions."""
-    return name in _FUSIBLE
+def fusible(name: str, platform: str = "cpu") -> bool:
+    """Whether XLA on `platform` fuses ops of this primitive into loop / input fusions."""
+    return name in _FUSIBLE or (platform == "gpu" and name in _GPU_INDEXING | _GPU_ROOTS)
+
+
+def _root(name: str, platform: str) -> bool:
+    """Whether ops of this primitive end their fusion: producers fuse into them, their result is written."""
+    return name in _REDUCTIONS or (platform == "gpu" and name in _GPU_ROOTS)
 
 
 def expensive(name: str, dtype, platform: str = "cpu") -> bool:
     """Whether XLA on `platform` counts an op as too expensive to duplicate into several fusions."""
-    if name in _REDUCTIONS:
+    if _root(name, platform):
         return True
     if platform == "gpu" and name in _CHEAP_ON_GPU and dtype in _GPU_CHEAP_DTYPES:
         return False
@@ -133,13 +145,13 @@ def fusions(graph: Graph, platform: str = "cpu") -> Mapping[int, Traffic]:
     for op in reversed(graph.ops):
         own = frozenset((op.index,))
         runs_in[op.index] = own
-        if not fusible(op.name) or op.name in _REDUCTIONS:
+        if not fusible(op.name, platform) or _root(op.name, platform):
             continue
         users = {c for t in op.outputs for c, _ in consumers.get(t, ())}
         outputs = any(t in program_outputs for t in op.outputs)
         if not users:
             continue
-        into = [c for c in users if fusible(graph.ops[c].name)]
+        into = [c for c in users if fusible(graph.ops[c].name, platform)]
         targets = frozenset().union(*(runs_in[c] for c in into))
         dtype = graph.tensors[op.outputs[0]].dtype if op.outputs else None
         if duplicate and not expensive(op.name, dtype, platform) and len(targets) > 1:

@@ -16,7 +16,7 @@ import jax.numpy  # noqa: F401  (jax.numpy.stack in unroll_scan)
 import numpy as np
 from jax.extend import core as jcore
 
-from planner.compat import JIT_BOUNDARY, bind
+from planner.compat import JIT_BOUNDARY, bind, scan_counts
 from planner.errors import InvalidArgumentError
 
 Shape = tuple[int, ...]
@@ -256,7 +256,7 @@ class Graph:
         p = region.params
         vals = [_read(env, x) for x in region.operands]
         if region.kind == "scan":
-            nc, nk = p["num_consts"], p["num_carry"]
+            nc, nk = scan_counts(p)
             body = self._body_fn(region.bodies[0], env, before_op, after_op, active)
 
             def step(carry, x):
@@ -450,7 +450,7 @@ class _Builder:
         across iterations and stacked weights are split on their non-layer dims only.
         """
         p = eqn.params
-        length, nc, nk = p["length"], p["num_consts"], p["num_carry"]
+        length, (nc, nk) = p["length"], scan_counts(p)
         body = p["jaxpr"]
         consts, carry, xs = operands[:nc], self.materialize(operands[nc:nc + nk]), operands[nc + nk:]
         ys: dict[int, list[int | Literal]] = {}

@@ -132,3 +132,29 @@ def test_gpu_duplicates_a_producer_only_where_it_saves_memory_traffic():
 
     assert _bytes(exp2, "gpu") == (B + V) + (B + V)  # float32 exp is cheap there: recomputed
     assert _bytes(exp2, "cpu") == (B + B) + (B + V) + (B + V)
+
+
+def test_gpu_fuses_gathers_and_scatters_take_their_producers():
+    """A language model's loss picks each target's logit from the float32 logits (a gather) and its
+    gradient scatters into zeros. XLA:GPU runs the gather inside the fusion that converts the bf16
+    logits (the float32 copy is never written) and fuses the zeros into the scatter (compiled HLO
+    of the zoo's GPT on an H100: `loop_add_subtract_fusion` reads the bf16 logits and the targets,
+    `input_scatter_fusion` writes the gradient); the CPU rules write both."""
+    logits = jax.ShapeDtypeStruct((ROWS, COLS), jnp.bfloat16)
+    targets = jax.ShapeDtypeStruct((ROWS, 1), jnp.int32)
+
+    def pick(z, t):
+        return jnp.take_along_axis(z.astype(jnp.float32), t, axis=-1)
+
+    graph = trace(pick, logits, targets)
+    convert = next(op for op in graph.ops if op.name == "convert_element_type")
+    assert fusions(graph, "gpu")[convert.index].writes == (False,)
+    assert fusions(graph, "cpu")[convert.index].writes == (True,)
+
+    def grad_of_pick(z, t):
+        return jax.grad(lambda z: pick(z, t).sum())(z)
+
+    graph = trace(grad_of_pick, logits, targets)
+    zeros = [op for op in graph.ops if op.name == "broadcast_in_dim" and graph.tensors[op.outputs[0]].shape == (ROWS, COLS)]
+    assert zeros and all(fusions(graph, "gpu")[op.index].writes == (False,) for op in zeros)
+    assert any(fusions(graph, "cpu")[op.index].writes == (True,) for op in zeros)

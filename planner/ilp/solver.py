@@ -31,7 +31,7 @@ from ortools.sat.python import cp_model
 from planner.errors import InfeasiblePlanError, OutboundError, PlannerError
 from planner.graph import Graph
 from planner.ilp.objective import offload_start, overlap_order, prefetched, step_time
-from planner.ilp.problem import Problem, tandem_runs
+from planner.ilp.problem import KEEPS_FUSED_VALUES_IN_REGISTERS, Problem, tandem_runs
 from planner.ilp.strategies import edge_parts, edge_time, part_key, part_time, shard_bytes
 from planner.units import format_bytes
 
@@ -138,15 +138,19 @@ def _materialised(problem: Problem, tid: int, first: int) -> bool:
     elementwise update into one loop and never writes them (counting them put gpt-tiny's and
     moe-tiny's data-parallel predictions at 1.12-1.13x of the compiled peak). Elsewhere values kept
     inside fusions still count: dropping them everywhere gave wresnet-tiny 0.68x."""
-    return tid in problem.owner and not (tid in problem.unwritten and first in problem.combinable)
+    return tid in problem.owner and not (tid in problem.unwritten and (
+        first in problem.combinable or problem.memory_platform in KEEPS_FUSED_VALUES_IN_REGISTERS))
 
 
 def _copied_only_if_resharded(problem: Problem, e) -> bool:
     """Edges whose operand copy exists only when the layouts differ: a pinned output resharded at
     the end, and the operands of the optimizer update (the combinable tail): XLA reads an update
     operand already in its layout in place. (Counting every update operand as a copy predicted
-    1.6-1.9x of XLA's compiled peak on the zoo models.)"""
-    return e.op < 0 or e.op in problem.combinable
+    1.6-1.9x of XLA's compiled peak on the zoo models.) On XLA:GPU every edge: an operand read in its
+    layout is read in place (counting a copy at every consumer put the unsharded gpt2-small at 1.13x
+    of the peak XLA compiled for an H100, the 1.65 GB logits gradient counted twice;
+    experiments/check_gpu.py)."""
+    return e.op < 0 or e.op in problem.combinable or problem.memory_platform in KEEPS_FUSED_VALUES_IN_REGISTERS
 
 
 def _transient_point(problem: Problem, e) -> int:
