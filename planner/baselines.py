@@ -278,6 +278,24 @@ def stage_baseline_pins(name: str) -> Callable[[Any, Any], dict[int, Any]]:
     return lambda graph, lm: _stage_pins(name, graph, lm, False)
 
 
+def replica_ways(name: str, graph: Any, lm: Any) -> int:
+    """How many data-parallel replicas of a pipeline stage on the logical mesh `lm` accumulate their
+    own gradients, so that the pipeline runtime traces the step on one replica's share of a
+    microbatch (`planner.stages.runtime.PipelinedStep._replicas`): `batch_ways`, or 1 where the
+    baseline splits a parameter of `graph`'s inputs over a data axis (fsdp), as the runtime then
+    reduces gradients in every microbatch's backward instead."""
+    ways = batch_ways(name, lm.mesh, lm.host_axes)
+    if ways <= 1:
+        return ways
+    data = {lm.mesh.axis_names.index(a) for a in _roles_axes(name, lm.mesh, lm.host_axes)[0]}
+    pins = _stage_pins(name, graph, lm, False)
+    roles = _roles(graph.input_paths, [tuple(graph.tensors[t].shape) for t in graph.inputs])
+    if any(role == "param" and any(data & set(dims) for dims in pins.get(t, ()))
+           for (role, _), t in zip(roles, graph.inputs)):
+        return 1
+    return ways
+
+
 def layer_variant_pins(name: str) -> Callable[[Any, Any], dict[int, Any]]:
     """`stage_baseline_pins(name)` as a per-layer plan variant of the pipeline's cost tables
     (`planner.stages.stage_cost.LayerCostTable.variants`): empty (no variant) on a mesh where the

@@ -17,7 +17,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from planner.api import PlannedFunction
-from planner.baselines import APPROXIMATIONS, NAMES, baseline_pins, batch_ways, check_name, parse_baseline
+from planner.baselines import APPROXIMATIONS, NAMES, baseline_pins, batch_ways, check_name, parse_baseline, replica_ways
 from planner.baselines import stage_baseline_pins as pipeline_baseline_pins
 from planner.cost_model import Cluster
 from planner.errors import InfeasiblePlanError, InvalidArgumentError, PlannerError
@@ -203,7 +203,8 @@ def pipeline_baseline(fn: Callable[..., Any], args: tuple[Any, ...], graph: Grap
     check_name(name)
     plan, pp = plan_fixed_stages(fn, tuple(args), graph, cluster, dataclasses.replace(options, pipeline=True),
                                  num_stages, pins=pipeline_baseline_pins(name),
-                                 batch_ways=lambda lm: batch_ways(name, lm.mesh, lm.host_axes), remat=remat,
+                                 batch_ways=lambda lm: batch_ways(name, lm.mesh, lm.host_axes),
+                                 replica_ways=lambda g, lm: replica_ways(name, g, lm), remat=remat,
                                  tensor_parallel=tensor_parallel)
     tp = f" (tensor parallel {tensor_parallel})" if tensor_parallel else ""
     return labelled(plan, f"baseline {name}+pp{num_stages}{tp}"), pp

@@ -95,6 +95,32 @@ def test_pipeline_baseline_errors_are_one_line(kwargs, message):
     assert parse_baseline("megatron-tp-sp+pp4") == ("megatron-tp-sp", 4)
 
 
+def test_counts_whose_replica_share_does_not_trace_are_skipped(caplog):
+    """megatron-tp+pp2 on 4 hosts x 2 devices splits each microbatch over 2 hosts; an MoE routing
+    groups of 16 tokens (2 rows of 8) traces on 4 microbatches of 2 rows but not on one replica's
+    share of 1 row, which the stage plans trace to accumulate gradients per replica (gshard-moe-1.3b
+    on 128x8 stopped there with a traceback from inside the model): that count is skipped with a
+    warning, and where no count is left (a fixed count; dp+pp2, 4 replicas) it is a one-line error.
+    fsdp+pp2's replicas reduce gradients per microbatch (parameters split over the data axes): not
+    traced per replica, its count stays."""
+    import logging
+
+    b = get_model("moe-tiny", batch=8, seq=8, group_size=16)
+    with caplog.at_level(logging.WARNING, logger="planner"):
+        plan = evaluate(b.train_step, *_abstract(b), baseline="megatron-tp+pp2", cluster="4x2:cpu")
+    assert plan.pipeline["num_microbatches"] == 2
+    assert [c["num_microbatches"] for c in plan.pipeline["candidates"]] == [2]
+    assert any("B=4: the step does not trace on 4 microbatches of 2 rows split 2 ways (1 per data-parallel "
+               "replica) (TypeError" in r.getMessage() for r in caplog.records)
+    for base, B, message in (("megatron-tp+pp2", 4, "4 microbatches of 2 rows split 2 ways"),
+                             ("dp+pp2", None, "2 microbatches of 4 rows split 4 ways")):
+        with pytest.raises(planner.InvalidArgumentError, match=rf"^the step does not trace on {message} .*; "
+                                                               rf"no microbatch count tried traces \({B or 2}\)$"):
+            evaluate(b.train_step, *_abstract(b), baseline=base, cluster="4x2:cpu", num_microbatches=B)
+    fsdp = evaluate(b.train_step, *_abstract(b), baseline="fsdp+pp2", cluster="4x2:cpu")
+    assert fsdp.pipeline["num_microbatches"] == 2 and fsdp.prediction.step_time_s > 0
+
+
 def test_tensor_parallel_degree_lays_stages_out_as_megatron():
     """tensor_parallel=T views each stage as a (devices / T, T) mesh, T inside a host; a degree that
     does not divide a host is a one-line error."""

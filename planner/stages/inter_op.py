@@ -285,20 +285,34 @@ def _none_traces(untraceable: Sequence[str], counts: Sequence[int]) -> Untraceab
                                    f"({', '.join(map(str, counts))})")
 
 
-def _trace_microbatch(fn: Callable, args: Sequence[Any], count: int, rows: int) -> Graph:
-    """`fn` traced on one microbatch; a step that cannot run on `rows` rows (it traced on the whole
-    batch: the caller's graph) raises `UntraceableMicrobatches` with the step's own error in one
-    line, so the pipeline search drops that microbatch count instead of stopping. Found on
-    gshard-moe-1.3b at 1024 microbatches: one 1024-token sequence per microbatch, and its experts
-    route tokens in groups of 2048 (a reshape to (0, 2048, 768))."""
+def _trace_microbatch(fn: Callable, args: Sequence[Any], count: int, rows: int, replicas: int = 1) -> Graph:
+    """`fn` traced on one microbatch (`args` cut to `rows // replicas` rows: one of `replicas`
+    data-parallel replicas' share of it when more than one); a step that cannot run on them (it
+    traced on the whole batch: the caller's graph) raises `UntraceableMicrobatches` with the step's
+    own error in one line, so the pipeline search drops that microbatch count instead of stopping.
+    Found on gshard-moe-1.3b at 1024 microbatches: one 1024-token sequence per microbatch, and its
+    experts route tokens in groups of 2048 (a reshape to (0, 2048, 768))."""
     try:
         return trace(fn, *args)
     except PlannerError:
         raise
     except Exception as e:  # the user's step, not the planner: its message, first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UntraceableMicrobatches(f"the step does not trace on {count} microbatches of {rows} rows "
+        share = f" split {replicas} ways ({rows // replicas} per data-parallel replica)" if replicas > 1 else ""
+        raise UntraceableMicrobatches(f"the step does not trace on {count} microbatches of {rows} rows{share} "
                                       f"({type(e).__name__}: {first})") from None
+
+
+def _trace_replica(fn: Callable, args: tuple[Any, ...], count: int, rows: int, replicas: int,
+                   batch_argnum: int | tuple[int, ...] = -1) -> None:
+    """Raises `UntraceableMicrobatches` (`_trace_microbatch`) unless `fn` traces on one of
+    `replicas` data-parallel replicas' share of a microbatch of `rows` rows, as the pipeline runtime
+    traces the loss to accumulate gradients per replica (`runtime.PipelinedStep._replicas`). The
+    whole microbatch tracing does not imply it: gshard-moe-1.3b as megatron-tp+pp2 on 128x8 at 16
+    microbatches of 64 rows has one 1024-token row per replica of 64, under its 2048-token routing
+    groups."""
+    if replicas > 1 and rows % replicas == 0:
+        _trace_microbatch(fn, microbatch_args(args, rows // replicas, batch_argnum), count, rows, replicas)
 
 
 def microbatch_counts(batch: int, requested: int | None, limit: int | None = None) -> tuple[int, ...]:
@@ -753,7 +767,8 @@ def even_submesh(cluster: Cluster, num_stages: int) -> tuple[int, int]:
 
 def fixed_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster, options: PlanOptions,
                    num_stages: int, *, pins: Callable[[Graph, LogicalMesh], Mapping[int, Spec]] | None = None,
-                   batch_ways: Callable[[LogicalMesh], int] | None = None, remat: bool | None = None,
+                   batch_ways: Callable[[LogicalMesh], int] | None = None,
+                   replica_ways: Callable[[Graph, LogicalMesh], int] | None = None, remat: bool | None = None,
                    batch_argnum: int | tuple[int, ...] = -1, max_mesh_ndim: int = 2,
                    num_layers: int | None = None, full_graph: Graph | None = None,
                    tensor_parallel: int | None = None) -> PipelinePlan:
@@ -769,12 +784,16 @@ def fixed_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Clust
 
     Args:
       options: `num_microbatches` (None: every count dividing the batch for which `batch_ways`
-        divides the microbatch, the fastest kept, as the pipeline search picks it), `schedule`,
+        divides the microbatch and the step traces on it and on one of its `replica_ways` shares,
+        the fastest kept, as the pipeline search picks it), `schedule`,
         `memory_budget` (default: the device memory; it decides recomputation when `remat` is
         None; a configuration that fits nowhere is costed ignoring memory and says so in
         `planning["fits_memory"]`).
       pins: program input tensor id -> Spec on the stage's logical mesh.
       batch_ways: how many ways the configuration splits the batch dim on that mesh.
+      replica_ways: `(microbatch graph, that mesh) ->` how many data-parallel replicas accumulate
+        their own gradients there (the pipeline runtime traces the step on each one's share of a
+        microbatch, `_trace_replica`); None: none do.
       remat: True / False: every stage recomputes (or keeps) its activations; None: the faster
         that fits.
       tensor_parallel: view each stage's submesh as Megatron-LM's (data, tensor) mesh with this
@@ -783,7 +802,8 @@ def fixed_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Clust
 
     Raises:
       InvalidArgumentError: layers or devices that do not split evenly, a microbatch count that
-        does not divide the batch or that the configuration cannot split.
+        does not divide the batch or that the configuration cannot split; `UntraceableMicrobatches`
+        when the step traces on no count's microbatch or replica's share of one.
     """
     t_start = time.perf_counter()
     S = num_stages
@@ -812,6 +832,7 @@ def fixed_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Clust
         try:
             graph = full_graph if B == 1 and full_graph is not None else \
                 _trace_microbatch(fn, microbatch_args(args, batch // B, batch_argnum), B, batch // B)
+            _trace_replica(fn, args, B, batch // B, replica_ways(graph, lm) if replica_ways else 1, batch_argnum)
         except UntraceableMicrobatches as e:
             log.warning("B=%d: %s; not a candidate", B, e)
             untraceable.append(str(e))
