@@ -20,6 +20,7 @@ Results: DIR/gpu_check.json and gpu_check.md (default experiments/results/).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import pathlib
 import re
@@ -188,12 +189,58 @@ def predict(row: dict, hardware: str, profile: str | None) -> dict:
     return out
 
 
+def trace_summary(path: pathlib.Path, steps: int = 3) -> dict:
+    """Per step, from a profiler trace (`--trace`) of `steps` steps: the device's busy time and its
+    split by kernel kind (library GEMMs, XLA's fusions by kind, copies)."""
+    events = json.loads(gzip.open(path).read())["traceEvents"]
+    device = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+              and str(e.get("args", {}).get("name", "")).startswith("/device:")}
+    kinds: dict[str, float] = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in device:
+            continue
+        name = e["name"]
+        low = name.lower()
+        if any(k in low for k in ("nvjet", "cutlass", "sm90", "gemm", "xmma", "cublas")):
+            kind = "gemm"
+        elif low.startswith(("loop_", "input_", "fusion", "wrapped_", "triton")):
+            kind = name.split("_")[0] if "_" in name else "fusion"
+        elif "memcpy" in low or "memset" in low or low.startswith("copy"):
+            kind = "copy"
+        else:
+            kind = "other"
+        kinds[kind] = kinds.get(kind, 0.0) + e["dur"] * 1e-6 / steps
+    return {"busy_s": sum(kinds.values()), "by_kind_s": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}
+
+
+def _fmt_trace(r: dict) -> str:
+    t = r.get("trace")
+    if not t:
+        return ""
+    return f" (busy {t['busy_s'] * 1e3:.1f}, GEMMs {t['by_kind_s'].get('gemm', 0.0) * 1e3:.1f})"
+
+
 def _fmt_kernels(d: dict[str, int]) -> str:
     return " ".join(f"{k}={v}" for k, v in d.items())
 
 
+HEADER = """# The cost model against one device (experiments/check_gpu.py)
+
+Unsharded train steps (bf16 compute, float32 master weights, AdamW, state donated) measured on the
+device named in each row; predictions made afterwards without devices (the platform's rules).
+Columns: measured step time (median of 10 after 3 warm-ups; busy: the device's kernel time per step
+in the profiler trace, and its library GEMMs); predicted step time with the hardware preset and with
+the profile measured on that device (`planner profile`), each with its ratio to the measured time;
+TFLOP/s: XLA's FLOP count over the measured time; bytes: the fusion grouping's memory traffic (this
+platform's rules, and the other platform's) over XLA's `bytes accessed`; memory: the predicted peak
+over `memory_analysis()`; kernels: the grouping's fusions and unfused ops, and the compiled program's
+top-level kernels by kind.
+
+"""
+
+
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | device | measured s/step | preset pred. (ratio) | profiled pred. (ratio) | TFLOP/s | "
+    lines = [HEADER.rstrip("\n"), "","| model | device | measured s/step | preset pred. (ratio) | profiled pred. (ratio) | TFLOP/s | "
              "bytes pred./XLA | other rules/XLA | memory pred./XLA | kernels pred. | kernels XLA |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -206,7 +253,7 @@ def markdown(rows: list[dict]) -> str:
         xla_bytes = r["compiled_bytes"] or float("nan")
         mem = r["compiled_memory_bytes"] or float("nan")
         lines.append(
-            f"| {r['model']} | {r['device']} | {r['measured_step_s'] * 1e3:.1f} ms | "
+            f"| {r['model']} | {r['device']} | {r['measured_step_s'] * 1e3:.1f} ms{_fmt_trace(r)} | "
             f"{r['preset_step_s'] * 1e3:.1f} ms ({r['preset_ratio']:.2f}) | {prof} | {r.get('measured_tflops', '-')} | "
             f"{r['predicted_bytes'] / xla_bytes:.2f} | {r[other] / xla_bytes:.2f} | "
             f"{r['preset_memory_bytes'] / mem:.2f} | {_fmt_kernels(r['predicted_kernels'])} | "
@@ -226,6 +273,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", default=None, help="write a profiler trace of 3 steps per model to this folder")
     ap.add_argument("--measure-only", action="store_true",
                     help="only measure on this device (predict later, on any machine, with --predict-from)")
+    ap.add_argument("--traces", default=None,
+                    help="with --predict-from: a folder of MODEL.json.gz traces to summarise in the rows")
     ap.add_argument("--predict-from", default=None,
                     help="a gpu_check.json measured earlier: add the planner's predictions to its rows")
     args = ap.parse_args(argv)
@@ -254,6 +303,9 @@ def main(argv=None) -> int:
             if "error" not in row:
                 hardware = args.hardware or ("h100" if row.get("platform", "gpu") == "gpu" else "cpu")
                 row.update(predict(row, hardware, args.profile))
+                found = pathlib.Path(args.traces or "/nonexistent") / f"{row['model']}.json.gz"
+                if found.exists():
+                    row["trace"] = trace_summary(found)
         (out / "gpu_check.json").write_text(json.dumps(rows, indent=1))
         (out / "gpu_check.md").write_text(markdown(rows))
         print(markdown(rows))
