@@ -240,7 +240,8 @@ top-level kernels by kind.
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = [HEADER.rstrip("\n"), "","| model | device | measured s/step | preset pred. (ratio) | profiled pred. (ratio) | TFLOP/s | "
+    lines = [HEADER.rstrip("\n"), "",
+             "| model | device | measured s/step | preset pred. (ratio) | profiled pred. (ratio) | TFLOP/s | "
              "bytes pred./XLA | other rules/XLA | memory pred./XLA | kernels pred. | kernels XLA |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

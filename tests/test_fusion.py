@@ -155,6 +155,7 @@ def test_gpu_fuses_gathers_and_scatters_take_their_producers():
         return jax.grad(lambda z: pick(z, t).sum())(z)
 
     graph = trace(grad_of_pick, logits, targets)
-    zeros = [op for op in graph.ops if op.name == "broadcast_in_dim" and graph.tensors[op.outputs[0]].shape == (ROWS, COLS)]
+    zeros = [op for op in graph.ops
+             if op.name == "broadcast_in_dim" and graph.tensors[op.outputs[0]].shape == (ROWS, COLS)]
     assert zeros and all(fusions(graph, "gpu")[op.index].writes == (False,) for op in zeros)
     assert any(fusions(graph, "cpu")[op.index].writes == (True,) for op in zeros)

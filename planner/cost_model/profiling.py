@@ -228,8 +228,9 @@ def measure_matmul(mesh: jax.sharding.Mesh, dtype: str, max_bytes: int, repeats:
 def measure_memory(mesh: jax.sharding.Mesh, max_bytes: int, repeats: int = 3, warmup: int = 1,
                    overhead: float = 0.0) -> tuple[float, list[dict]]:
     """Streaming bandwidth per device (bytes read + written per second), all devices at once, of the
-    largest buffer measured (smaller ones may sit in caches): one pass of a k-iteration loop that scales a buffer in place (`_per_op_seconds`; a loop, as
-    XLA fuses a chain of elementwise ops into one pass; `overhead` is unused, kept for callers)."""
+    largest buffer measured (smaller ones may sit in caches): one pass of a k-iteration loop that
+    scales a buffer in place (`_per_op_seconds`; a loop, as XLA fuses a chain of elementwise ops
+    into one pass; `overhead` is unused, kept for callers)."""
     del overhead
     best, samples = 0.0, []
     for nbytes in geometric_sizes(1 << 20, max(max_bytes, 1 << 20), 4):
