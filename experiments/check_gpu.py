@@ -28,7 +28,6 @@ import argparse
 import gzip
 import json
 import pathlib
-import re
 import statistics
 import sys
 import time
@@ -43,7 +42,7 @@ from planner.graph import trace  # noqa: E402
 from planner.mesh import MeshSpec  # noqa: E402
 from planner.options import PlanOptions  # noqa: E402
 from planner.planning import make_plan  # noqa: E402
-from xla_hooks.inspect import report  # noqa: E402
+from xla_hooks.inspect import kernels, report  # noqa: E402
 from zoo import get_model  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -61,63 +60,9 @@ GPU_MODELS = {
 }
 CPU_MODELS = {"gpt-tiny": _BF16, "llama-tiny": _BF16}
 
-# Top-level HLO instructions that launch no kernel of their own.
-_NO_KERNEL = frozenset({
-    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call", "after-all",
-    "partition-id", "replica-id", "opt-barrier", "add-dependency", "copy-start", "copy-done", "domain",
-})
-_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][a-z0-9\-]*)\((.*)$")
-_CALLED = re.compile(r"\b(?:body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_FUSION_KIND = re.compile(r"\bkind=(k\w+)")
-
-
-def compiled_kernels(text: str) -> dict[str, int]:
-    """Kernels of a compiled program's HLO text: the instructions of the entry computation and of
-    the computations it runs as control flow (while bodies, branches), not inside fusions, that
-    launch work. Keys: "fusion:kLoop" etc., "custom-call", or the opcode."""
-    bodies: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in text.splitlines():
-        m = _COMPUTATION.match(line)
-        if m:
-            current = m.group(2)
-            bodies[current] = []
-            if m.group(1):
-                entry = current
-            continue
-        if current is not None:
-            bodies[current].append(line)
-    counts: dict[str, int] = {}
-    seen, todo = set(), [entry] if entry else []
-    while todo:
-        name = todo.pop()
-        if name in seen or name not in bodies:
-            continue
-        seen.add(name)
-        for line in bodies[name]:
-            m = _INSTRUCTION.match(line)
-            if not m:
-                continue
-            op, rest = m.group(1), m.group(2)
-            if op in ("while", "conditional", "call"):
-                todo.extend(_CALLED.findall(rest))
-                for b in _BRANCHES.findall(rest):
-                    todo.extend(x.strip().lstrip("%") for x in b.split(","))
-            if op in _NO_KERNEL:
-                continue
-            if op == "fusion":
-                kind = _FUSION_KIND.search(rest)
-                op = f"fusion:{kind.group(1) if kind else '?'}"
-            counts[op] = counts.get(op, 0) + 1
-    return dict(sorted(counts.items()))
-
-
-def predicted_kernels(graph, platform: str) -> dict[str, int]:
-    """The grouping's kernels: fusions of fusible ops, and each other op (dots, convolutions,
-    gathers, ...) as a kernel of its own."""
-    traffic = fusions(graph, platform)
+def predicted_kernels(graph, platform: str, traffic) -> dict[str, int]:
+    """The grouping's kernels (`traffic`: `fusions(graph, platform)`): fusions of fusible ops, and
+    each other op (dots, convolutions, ...) as a kernel of its own."""
     fused, other = set(), 0
     for i, op in enumerate(graph.ops):
         if fusible(op.name, platform):
@@ -155,7 +100,7 @@ def measure(name: str, overrides: dict, warmup: int, repeats: int, dump_hlo: str
     if dump_hlo:
         pathlib.Path(dump_hlo).mkdir(parents=True, exist_ok=True)
         (pathlib.Path(dump_hlo) / f"{name}.hlo.txt").write_text(text)
-    row["compiled_kernels"] = compiled_kernels(text)
+    row["compiled_kernels"] = kernels(text)
     row["compiled_bytes"] = rep.bytes_accessed
     row["compiled_flops"] = rep.flops
     row["compiled_memory_bytes"] = rep.memory.peak_bytes if rep.memory else None
@@ -176,8 +121,9 @@ def predict(row: dict, hardware: str, profile: str | None) -> dict:
     other = "cpu" if platform == "gpu" else "gpu"
     b = get_model(row["model"], **row["overrides"])
     graph = trace(b.train_step, b.abstract_state(), b.abstract_batch())
-    out = {"predicted_kernels": predicted_kernels(graph, platform),
-           "predicted_bytes": memory_traffic_bytes(graph, fusions(graph, platform)),
+    traffic = fusions(graph, platform)
+    out = {"predicted_kernels": predicted_kernels(graph, platform, traffic),
+           "predicted_bytes": memory_traffic_bytes(graph, traffic),
            f"predicted_bytes_{other}_rules": memory_traffic_bytes(graph, fusions(graph, other))}
     mesh = MeshSpec((1,), ("x",))
     plans = {"preset": make_plan(graph, mesh, PlanOptions(hardware=hardware, donate_argnums=(0,)))}

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from xla_hooks.inspect import Collective, HloReport, MemoryStats, collectives, memory_stats, report
+from xla_hooks.inspect import (Collective, HloParseError, HloReport, MemoryStats, collectives, kernels, memory_stats,
+                               report)
 
 F32 = 4
 ROWS = ((0, 1, 2, 3), (4, 5, 6, 7))  # the 'y' groups of a 2x4 ('x', 'y') mesh
@@ -230,3 +231,48 @@ def test_unreadable_collective_raises_value_error():
         _one("%ar = f32[8]{0} all-reduce(%p), replica_groups=nonsense, to_apply=%add", "all-reduce")
     with pytest.raises(ValueError, match="element type"):
         _one("%ar = q7[8]{0} all-reduce(%p), replica_groups={}, to_apply=%add", "all-reduce")
+
+
+_KERNEL_HLO = """HloModule jit_step, entry_computation_layout={(f32[8]{0})->f32[8]{0}}
+
+%fused_computation (param_0: f32[8]) -> f32[8] {
+  %param_0 = f32[8]{0} parameter(0)
+  %exponential.1 = f32[8]{0} exponential(%param_0)
+  ROOT %add.1 = f32[8]{0} add(%exponential.1, %param_0)
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %red = f32[] fusion(%x), kind=kInput, calls=%fused_computation
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %x)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %f = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_computation
+  %g = (f32[8]{0}, s8[64]{0}) custom-call(%f, %f), custom_call_target="__cublas$lt$matmul"
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body
+  ROOT %c = f32[8]{0} copy(%f)
+}
+"""
+
+
+def test_kernels_counts_top_level_work_through_control_flow():
+    """Kernels are the entry's and the while loop's instructions that launch work (fusions by kind,
+    library calls, copies, the loop condition's compare), never the instructions inside a fusion."""
+    assert kernels(_KERNEL_HLO) == {"compare": 1, "copy": 1, "custom-call": 1, "fusion:kInput": 1, "fusion:kLoop": 1}
+    with pytest.raises(HloParseError):
+        kernels("not hlo at all")
+
+
+def test_kernels_of_a_compiled_cpu_program(mesh):
+    """A compiled elementwise chain is one loop fusion on XLA:CPU."""
+    compiled = jax.jit(lambda x: jnp.sin(x) * 2.0 + 1.0).lower(jnp.ones((64, 64))).compile()
+    found = kernels(compiled)
+    assert sum(v for k, v in found.items() if k.startswith("fusion")) == 1, found

@@ -242,6 +242,60 @@ def _text(compiled_or_text: Any) -> str:
     )
 
 
+# Top-level instructions that launch no kernel of their own (`kernels`).
+_NO_KERNEL = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call", "after-all",
+    "partition-id", "replica-id", "opt-barrier", "add-dependency", "copy-start", "copy-done", "domain",
+})
+_CONTROL = ("while", "conditional", "call")
+_CALLED = re.compile(r"\b(?:body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_FUSION_KIND = re.compile(r"\bkind=(k\w+)")
+
+
+def kernels(compiled_or_text: Any) -> dict[str, int]:
+    """Kernels a compiled program launches, by kind: the instructions of the entry computation and
+    of the computations it runs as control flow (while bodies and conditions, branches, calls), not
+    those inside fusions. Keys: "fusion:kLoop" (the fusion's kind), "custom-call" (library calls:
+    GEMMs, convolutions), or the opcode; control flow, tuples, parameters and bitcasts launch none."""
+    text = _text(compiled_or_text)
+    bodies: dict[str, list[tuple[str, str]]] = {}
+    entry, current = None, None
+    for raw in text.splitlines():
+        line = _COMMENT.sub("", raw)
+        m = _INSTR.match(line)
+        if m is None:
+            if c := _COMPUTATION.match(line):
+                current = c["name"]
+                bodies[current] = []
+                if line.lstrip().startswith("ENTRY"):
+                    entry = current
+            continue
+        if current is not None:
+            bodies[current].append((m["op"], m["rest"]))
+    if entry is None:
+        raise HloParseError(f"No ENTRY computation in the HLO text: {text[:80]!r}")
+    counts: dict[str, int] = {}
+    seen, todo = set(), [entry]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in bodies:
+            continue
+        seen.add(name)
+        for op, rest in bodies[name]:
+            if op in _CONTROL:
+                todo.extend(_CALLED.findall(rest))
+                for branches in _BRANCHES.findall(rest):
+                    todo.extend(b.strip().lstrip("%") for b in branches.split(","))
+            if op in _NO_KERNEL:
+                continue
+            if op == "fusion":
+                kind = _FUSION_KIND.search(rest)
+                op = f"fusion:{kind.group(1) if kind else '?'}"
+            counts[op] = counts.get(op, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def collectives(compiled_or_text: Any, *, num_devices: int | None = None) -> tuple[Collective, ...]:
     """Lists the collectives of a compiled program in program order.
 

@@ -151,20 +151,20 @@ def measure_overhead(mesh: jax.sharding.Mesh, repeats: int = 10, warmup: int = 2
 def measure_kernel_launch(mesh: jax.sharding.Mesh, kernels: int = 129, repeats: int = 20, warmup: int = 2) -> float:
     """Seconds one kernel of a compiled program takes at least: a chain of `kernels` dependent tiny
     matmuls (16x16: the work is negligible; dots are never fused together, so each is one kernel)
-    against a chain of one, the difference per extra kernel. The program's own launch cancels out."""
-    def chain(k: int):
-        def body(x):
-            m = x.reshape(16, 16)
+    against a chain of one, the difference per extra kernel (`_per_op_seconds`). The program's own
+    launch cancels out."""
+    x = _input(mesh, 256)
+
+    def program(k: int) -> Callable[[], jax.Array]:
+        def body(v):
+            m = v.reshape(16, 16)
             for _ in range(k):
                 m = m @ m * (1.0 / 16.0)
             return m.reshape(-1)
-        return _spmd(mesh, body)
+        fn = _spmd(mesh, body)
+        return lambda: fn(x)
 
-    x = _input(mesh, 256)
-    one, many = chain(1), chain(kernels)
-    t1 = float(np.median(_time_calls(lambda: one(x), repeats, warmup)))
-    tk = float(np.median(_time_calls(lambda: many(x), repeats, warmup)))
-    return max(0.0, (tk - t1) / (kernels - 1))
+    return _per_op_seconds(program, repeats, warmup, chain=kernels, max_chain=kernels)[0]
 
 
 def device_memory_bytes(device: jax.Device) -> float | None:
@@ -193,12 +193,11 @@ def _per_op_seconds(program: Callable[[int], Callable[[], jax.Array]], repeats: 
         chain = min(4 * chain - 3, max_chain)
 
 
-def measure_matmul(mesh: jax.sharding.Mesh, dtype: str, max_bytes: int, repeats: int = 3, warmup: int = 1,
-                   overhead: float = 0.0) -> tuple[float, list[dict]]:
+def measure_matmul(mesh: jax.sharding.Mesh, dtype: str, max_bytes: int, repeats: int = 3,
+                   warmup: int = 1) -> tuple[float, list[dict]]:
     """Best matmul FLOP/s per device with every device multiplying its own square matrices at once,
     each size timed as one matmul of a dependent chain inside one program (`_per_op_seconds`: the
-    program's launch does not count; `overhead` is unused, kept for callers)."""
-    del overhead
+    program's launch does not count)."""
     best, samples = 0.0, []
     for size in _MATMUL_SIZES:
         if 3 * size * size * jnp.dtype(dtype).itemsize > max_bytes:
@@ -225,14 +224,13 @@ def measure_matmul(mesh: jax.sharding.Mesh, dtype: str, max_bytes: int, repeats:
     return best, samples
 
 
-def measure_memory(mesh: jax.sharding.Mesh, max_bytes: int, repeats: int = 3, warmup: int = 1,
-                   overhead: float = 0.0) -> tuple[float, list[dict]]:
+def measure_memory(mesh: jax.sharding.Mesh, max_bytes: int, repeats: int = 3,
+                   warmup: int = 1) -> tuple[float, list[dict]]:
     """Streaming bandwidth per device (bytes read + written per second), all devices at once, of the
     largest buffer measured (smaller ones may sit in caches): one pass of a k-iteration loop that
     scales a buffer in place (`_per_op_seconds`; a loop, as XLA fuses a chain of elementwise ops
-    into one pass; `overhead` is unused, kept for callers)."""
-    del overhead
-    best, samples = 0.0, []
+    into one pass)."""
+    streaming, samples = 0.0, []
     for nbytes in geometric_sizes(1 << 20, max(max_bytes, 1 << 20), 4):
         x = _input(mesh, nbytes // 4)
 
@@ -244,10 +242,10 @@ def measure_memory(mesh: jax.sharding.Mesh, max_bytes: int, repeats: int = 3, wa
         bw = 2.0 * nbytes / max(t, 1e-12)
         samples.append({"kind": "memory", "nbytes": nbytes, "seconds": t, "program_seconds": whole,
                         "bytes_per_s": bw})
-        best = bw
+        streaming = bw
         if t > _LONG_ENOUGH_S:
             break
-    return best, samples
+    return streaming, samples
 
 
 def profile(mesh: jax.sharding.Mesh, sizes: Sequence[int], repeats: int = 5, warmup: int = 2,
@@ -289,11 +287,11 @@ def profile(mesh: jax.sharding.Mesh, sizes: Sequence[int], repeats: int = 5, war
         launch = measure_kernel_launch(mesh)
         max_bytes = max(sizes)
         for dtype in _MATMUL_DTYPES:
-            matmul[dtype], s = measure_matmul(mesh, dtype, max(max_bytes, 3 * 128 * 128 * 4), overhead=overhead)
+            matmul[dtype], s = measure_matmul(mesh, dtype, max(max_bytes, 3 * 128 * 128 * 4))
             compute_samples += s
             if progress is not None:
                 progress.step(f"matmul {dtype}")
-        memory, s = measure_memory(mesh, max_bytes, overhead=overhead)
+        memory, s = measure_memory(mesh, max_bytes)
         compute_samples += s
         if progress is not None:
             progress.step("memory bandwidth")

@@ -626,14 +626,19 @@ def tandem_runs(seq: np.ndarray, weight: np.ndarray | None = None, min_weight: i
 KEEPS_FUSED_VALUES_IN_REGISTERS = frozenset({"gpu"})
 
 
+def kept_in_fusion(tid: int, producer: int, unwritten: Collection[int], combinable: Collection[int],
+                   platform: str) -> bool:
+    """Whether the memory model gives value `tid` (made by op `producer`) no buffer: XLA computes it
+    inside the fusion reading it and never writes it (`unwritten`); on `platform`s outside
+    `KEEPS_FUSED_VALUES_IN_REGISTERS`, only a value of the optimizer update (the combinable tail)."""
+    return tid in unwritten and (platform in KEEPS_FUSED_VALUES_IN_REGISTERS or producer in combinable)
+
+
 def fused_away(graph: Graph, unwritten: Collection[int], combinable: Collection[int],
                platform: str = "cpu") -> frozenset[int]:
-    """Values the memory model gives no buffer (`ilp.solver._materialised`): those XLA computes
-    inside the fusion reading them and never writes; on `platform`s outside
-    `KEEPS_FUSED_VALUES_IN_REGISTERS`, only those of the optimizer update (the combinable tail)."""
-    if platform in KEEPS_FUSED_VALUES_IN_REGISTERS:
-        return frozenset(unwritten)
-    return frozenset(t for op in graph.ops if op.index in combinable for t in op.outputs if t in unwritten)
+    """Values the memory model gives no buffer (`kept_in_fusion`; `ilp.solver._materialised`)."""
+    return frozenset(t for op in graph.ops for t in op.outputs
+                     if kept_in_fusion(t, op.index, unwritten, combinable, platform))
 
 
 def last_reads(graph: Graph, fused: Collection[int] = ()) -> list[int]:

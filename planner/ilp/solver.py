@@ -31,7 +31,7 @@ from ortools.sat.python import cp_model
 from planner.errors import InfeasiblePlanError, OutboundError, PlannerError
 from planner.graph import Graph
 from planner.ilp.objective import offload_start, overlap_order, prefetched, step_time
-from planner.ilp.problem import KEEPS_FUSED_VALUES_IN_REGISTERS, Problem, tandem_runs
+from planner.ilp.problem import KEEPS_FUSED_VALUES_IN_REGISTERS, Problem, kept_in_fusion, tandem_runs
 from planner.ilp.strategies import edge_parts, edge_time, part_key, part_time, shard_bytes
 from planner.units import format_bytes
 
@@ -132,14 +132,15 @@ def memory_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
 
 def _materialised(problem: Problem, tid: int, first: int) -> bool:
     """Whether tensor `tid` (made by op `first`) takes memory of its own: a decided tensor, unless
-    the optimizer update (the combinable tail) makes and uses it inside one fusion. optax computes
+    XLA keeps it inside a fusion (`problem.kept_in_fusion`): on XLA:GPU any such value, on XLA:CPU
+    only the optimizer update's (the combinable tail). optax computes
     each step of the update for every leaf before the next step (all m-hat, then all v-hat, ...),
     so in program order such values of every leaf are live at once, while XLA fuses each leaf's
     elementwise update into one loop and never writes them (counting them put gpt-tiny's and
-    moe-tiny's data-parallel predictions at 1.12-1.13x of the compiled peak). Elsewhere values kept
-    inside fusions still count: dropping them everywhere gave wresnet-tiny 0.68x."""
-    return tid in problem.owner and not (tid in problem.unwritten and (
-        first in problem.combinable or problem.memory_platform in KEEPS_FUSED_VALUES_IN_REGISTERS))
+    moe-tiny's data-parallel predictions at 1.12-1.13x of the compiled peak). Elsewhere on XLA:CPU
+    values kept inside fusions still count: dropping them everywhere gave wresnet-tiny 0.68x."""
+    return tid in problem.owner and not kept_in_fusion(tid, first, problem.unwritten, problem.combinable,
+                                                         problem.memory_platform)
 
 
 def _copied_only_if_resharded(problem: Problem, e) -> bool:
