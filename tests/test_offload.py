@@ -271,3 +271,33 @@ def test_streamed_offload_keeps_one_groups_state_on_the_device():
     drop = plain.prediction.memory_bytes_per_device - stream.prediction.memory_bytes_per_device
     assert drop >= rec["host_bytes_per_device"] / 2 - largest
     assert rec["hidden_s"] == 0 < plain.levers["offload"]["hidden_s"]
+
+
+def test_auto_narrows_the_doubling_to_the_fewest_leaves_that_fit():
+    """"auto" offloads the fewest leaves (largest first) whose solved plan fits: from the lower
+    bound's count it doubles until a plan fits, then halves the overshoot. Scripted solves: a plan
+    fits with 5 or more leaves on the host; the doubling (1, 2, 4: no; 8: fits) stops at 8, the
+    halvings find 6 and then 5 (it once kept 8: Llama-70B on 1x8 H100 kept 824 leaves where 463 fit)."""
+    from planner.cost_model import CostModel
+    from planner.errors import InfeasiblePlanError
+    from planner.graph import trace
+    from planner.ilp.problem import build_problem
+    from planner.ilp.solver import Solution
+    from planner.mesh import MeshSpec
+    from planner.offload import plan_offload, state_pairs
+
+    state, batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _mlp_args())
+    problem = build_problem(trace(_mlp_step, state, batch), CostModel.build(MeshSpec((1, 8), ("x", "y")), "h100-sxm"))
+    assert len(state_pairs(problem)) >= 8
+    tried = []
+
+    def solve(p, search):
+        tried.append(len(p.offloaded))
+        if len(p.offloaded) < 5:
+            raise InfeasiblePlanError("does not fit")
+        return Solution(choice=(), objective_s=float(len(p.offloaded)), status="optimal", solve_time_s=0.0,
+                        peak_memory_bytes=0, rounds=1)
+
+    offloaded, solution = plan_offload(problem, "auto", budget=1e15, devices=(), solve=solve)
+    assert tried == [0, 1, 2, 4, 8, 6, 5]
+    assert len(offloaded.offloaded) == 5 and solution.objective_s == 5.0
