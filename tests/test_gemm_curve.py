@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import math
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -13,6 +14,9 @@ from planner.cost_model import CostModel, ProfileDB, get_hardware, profiled_hard
 from planner.cost_model.collectives import AxisLink
 from planner.cost_model.hardware import Hardware, matmul_rate, rate_class
 from planner.cost_model.model import matmul_curve
+from planner.graph import trace
+from planner.ilp.rules import signature
+from planner.ilp.strategies import enumerate_strategies
 from planner.mesh import MeshSpec
 
 MESH = MeshSpec((2, 4), ("x", "y"))
@@ -76,3 +80,75 @@ def test_bad_curves_are_rejected():
     with pytest.raises(ValueError, match="matmul_efficiency"):
         dataclasses.replace(base, matmul_efficiency=1.5)
     assert isinstance(dataclasses.replace(base, matmul_curve=(("16bit", ((1.0, 2.0),)),)), Hardware)
+
+
+# --- attention shapes: batched narrow GEMMs (issue 11, item 1) ------------------------------------
+
+
+def _attention_sample(d, seq, g, rate, dtype="bfloat16"):
+    return {"kind": "attention", "dtype": dtype, "batch": g, "seq": seq, "head_dim": d,
+            "seconds": 4.0 * g * seq * seq * d / rate, "flops_per_s": rate}
+
+
+def test_attention_curve_is_read_per_head_dimension():
+    db = _profile([_sample(1024, 4e10, "bfloat16"), _attention_sample(64, 128, 8, 1e9),
+                   _attention_sample(64, 1024, 8, 5e9), _attention_sample(128, 128, 8, 2e9),
+                   _attention_sample(64, 1024, 8, 4e9)])
+    hw = profiled_hardware(db)
+    f64, f1024 = 2.0 * 8 * 128**2 * 64, 2.0 * 8 * 1024**2 * 64
+    assert hw.attention_curve == (("16bit", 64, ((f64, 1e9), (f1024, 5e9))),  # best rate per point
+                                  ("16bit", 128, ((2.0 * 8 * 128**2 * 128, 2e9),)))
+    bf16 = ("bfloat16",)
+    assert matmul_rate(hw, bf16, math.sqrt(f64 * f1024), narrow=64) == pytest.approx(3e9)  # log-FLOPs midpoint
+    assert matmul_rate(hw, bf16, f64, narrow=48) == pytest.approx(1e9)  # nearest d in log scale: 64
+    assert matmul_rate(hw, bf16, f64, narrow=100) == pytest.approx(2e9)  # 128
+    assert matmul_rate(hw, bf16, f64, narrow=256) == pytest.approx(2e9)
+    # not narrow, not batched, or no curve for the dtype class: the square GEMM curve or the peak
+    assert matmul_rate(hw, bf16, f64, narrow=512) == matmul_rate(hw, bf16, f64) == pytest.approx(4e10)
+    assert matmul_rate(hw, F32, f64, narrow=64) == pytest.approx(4e10)
+
+
+def test_profile_without_attention_curve_keeps_the_square_curve(caplog):
+    with caplog.at_level(logging.INFO, logger="planner"):
+        hw = profiled_hardware(_profile([_sample(128, 1e10), _sample(1024, 4e10)]))
+    assert hw.attention_curve == ()
+    assert sum("no attention-shape curve" in r.getMessage() for r in caplog.records) == 1
+    assert matmul_rate(hw, F32, 2.0 * 128**3, narrow=64) == pytest.approx(1e10)
+    with pytest.raises(ValueError, match="attention_curve"):
+        dataclasses.replace(hw, attention_curve=(("16bit", 0, ((1.0, 1.0),)),))
+    with pytest.raises(ValueError, match="attention_curve"):
+        dataclasses.replace(hw, attention_curve=(("8bit", 64, ((1.0, 1.0),)),))
+
+
+def _dot_strategies(fn, shapes, hw, mesh):
+    g = trace(fn, *(jnp.ones(s, jnp.bfloat16) for s in shapes))
+    op = next(o for o in g.ops if o.name == "dot_general")
+    sig = signature(op, g)
+    strategies = enumerate_strategies(sig, [g.tensors[x] for x in op.inputs], [g.tensors[op.outputs[0]]],
+                                      CostModel.default(mesh, hw))
+    return sig, strategies
+
+
+def _scores(q, k):
+    return jnp.einsum("gsd,gtd->gst", q, k)
+
+
+def test_attention_shaped_dots_run_at_the_attention_curve_per_device_share():
+    """Scores q k^T of 4 slices x 128 tokens x head dimension 64: the narrowest side is d = 64, or
+    its 32-element share when d (contracted) is split over 2 devices; a batch split keeps 64."""
+    hw = dataclasses.replace(get_hardware("h100"), memory_bandwidth=1e30, kernel_launch_s=0.0,
+                             matmul_curve=(("16bit", ((1.0, 7e12),)),),
+                             attention_curve=(("16bit", 32, ((1.0, 1e12),)), ("16bit", 64, ((1.0, 2e12),))))
+    sig, (only,) = _dot_strategies(_scores, [(4, 128, 64)] * 2, hw, MeshSpec((1,), ("x",)))
+    assert only.compute_time == pytest.approx(sig.flops / 2e12)
+    sig, strategies = _dot_strategies(_scores, [(4, 128, 64)] * 2, hw, MeshSpec((2,), ("x",)))
+    (contracted,) = sig.sum_labels
+    (batch,) = set(sig.inputs[0]) & set(sig.inputs[1]) & set(sig.outputs[0])
+    split = {l: [s for s in strategies if dict(s.assignment).get(l)] for l in (contracted, batch)}
+    assert split[contracted] and all(s.compute_time == pytest.approx(sig.flops / 2 / 1e12) for s in split[contracted])
+    assert split[batch] and all(s.compute_time == pytest.approx(sig.flops / 2 / 2e12) for s in split[batch])
+    # unbatched, or batched with every side wider than NARROW_GEMM_DIM: the square curve
+    sig, (only,) = _dot_strategies(lambda a, b: a @ b, [(64, 512), (512, 64)], hw, MeshSpec((1,), ("x",)))
+    assert only.compute_time == pytest.approx(sig.flops / 7e12)
+    sig, (only,) = _dot_strategies(_scores, [(2, 512, 512)] * 2, hw, MeshSpec((1,), ("x",)))
+    assert only.compute_time == pytest.approx(sig.flops / 7e12)

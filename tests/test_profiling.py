@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.cost_model.model import matmul_curve
+from planner.cost_model.model import attention_curve, matmul_curve
 from planner.cost_model import COLLECTIVES, CostModel, ProfileDB
 from planner.cost_model import profiling
 from planner.mesh import MeshSpec
@@ -79,6 +79,9 @@ def test_in_process_run_writes_a_usable_database(tmp_path, single_process):
     assert all(len(e.nbytes) == 2 and all(len(r) == 2 for r in e.seconds) for e in db.collectives)
     assert dict(db.matmul_flops).keys() == {"float32", "bfloat16"} and db.memory_bandwidth > 0
     assert dict(matmul_curve(db)).keys() == {"float32", "16bit"}  # the swept GEMMs: a measured curve
+    # attention's batched matmuls, per dtype class and head dimension (64 and 128)
+    assert {(cls, d) for cls, d, _ in attention_curve(db)} == {(c, d) for c in ("float32", "16bit") for d in (64, 128)}
+    assert "attention 16bit    d=64" in profiling.summary(db)
     cm = CostModel.from_profile(MeshSpec((2, 4), ("x", "y")), out)
     assert cm.algorithm("all-reduce", 2048, (1,)) == "measured"
     assert cm.collective_time("all-reduce", 2048, (1,)) > 0

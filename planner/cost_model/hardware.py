@@ -54,6 +54,12 @@ class Hardware:
       matmul_curve: measured matmul rates, `((dtype class, ((flops per kernel, FLOP/s), ...)), ...)`
         with dtype class "16bit" or "float32" and points sorted by FLOPs; filled from a profile
         database (`planner profile` sweeps square GEMMs), empty for presets.
+      attention_curve: measured rates of batched narrow GEMMs, the shapes of attention's two
+        matmuls (`[g, s, d] x [g, s, d] -> [g, s, s]` and `[g, s, s] x [g, s, d] -> [g, s, d]`, head
+        dimension d): `((dtype class, d, ((flops per kernel, FLOP/s), ...)), ...)`, points sorted
+        by FLOPs. A batched contraction whose narrowest dimension is at most `NARROW_GEMM_DIM` runs
+        at the curve of the nearest measured d (`matmul_rate`); empty for presets and for profiles
+        made before `planner profile` swept these shapes (the square curve then applies).
       host_bandwidth: one direction of one device's link to its host's memory (bytes/s): what
         host offload (`planner.offload`) moves optimizer state over (PCIe, NVLink-C2C); None where
         no figure is known, which makes host offload unavailable on that hardware.
@@ -75,6 +81,7 @@ class Hardware:
     platform: str = "gpu"
     matmul_efficiency: float = 1.0
     matmul_curve: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
+    attention_curve: tuple[tuple[str, int, tuple[tuple[float, float], ...]], ...] = ()
     host_bandwidth: float | None = None
 
     def __post_init__(self):
@@ -93,10 +100,16 @@ class Hardware:
         e = self.matmul_efficiency
         if isinstance(e, bool) or not (isinstance(e, (int, float)) and 0 < e <= 1):
             raise ValueError(f"hardware {self.name}: matmul_efficiency={e!r} must be in (0, 1]")
-        for cls, points in self.matmul_curve:
+        curves = [("matmul_curve", cls, points) for cls, points in self.matmul_curve]
+        for cls, d, points in self.attention_curve:
+            if isinstance(d, bool) or not (isinstance(d, int) and d > 0):
+                raise ValueError(f"hardware {self.name}: attention_curve[{cls!r}] head dimension {d!r} must be an "
+                                 "int > 0")
+            curves.append(("attention_curve", cls, points))
+        for field, cls, points in curves:
             if cls not in ("16bit", "float32") or not points or any(
                     not (f > 0 and r > 0) for f, r in points) or list(points) != sorted(points):
-                raise ValueError(f"hardware {self.name}: matmul_curve[{cls!r}] must be FLOPs-sorted positive "
+                raise ValueError(f"hardware {self.name}: {field}[{cls!r}] must be FLOPs-sorted positive "
                                  "(flops, FLOP/s) points of class '16bit' or 'float32'")
         h = self.host_bandwidth
         if h is not None and (isinstance(h, bool) or not (isinstance(h, (int, float)) and h > 0)):
@@ -303,16 +316,33 @@ def rate_class(dtypes: Iterable[Any]) -> str:
     return "16bit" if sizes and max(sizes) <= 2 else "float32"
 
 
-def matmul_rate(hardware: Hardware, dtypes: Iterable[Any], flops: float) -> float:
+# A batched contraction whose narrowest dimension (rows, columns or contracted length of one batch
+# element) is at most this runs at the attention curve (`Hardware.attention_curve`): attention's head
+# dimensions are 64-128, and a GEMM with so short a side reuses each loaded tile too little to run at
+# the square GEMMs' rate.
+NARROW_GEMM_DIM = 256
+
+
+def matmul_rate(hardware: Hardware, dtypes: Iterable[Any], flops: float, narrow: int | None = None) -> float:
     """FLOP/s of one contraction (dot, convolution) of `flops` FLOPs on operands of `dtypes`.
 
-    With a measured curve for the dtype class (`Hardware.matmul_curve`, from `planner profile`):
-    the rate interpolated linearly in log(FLOPs) between the measured points, held at the end
-    points outside them (a measured small matmul's rate already includes its launch time).
-    Otherwise `peak_flops x matmul_efficiency`.
+    `narrow`: for a batched contraction, its narrowest dimension (`gemm_narrow_dim`); None otherwise.
+    With a measured attention curve for the dtype class (`Hardware.attention_curve`) and `narrow`
+    at most `NARROW_GEMM_DIM`: the curve of the measured head dimension nearest to `narrow` (in
+    log scale). Otherwise, with a measured square-GEMM curve for the class (`Hardware.matmul_curve`):
+    that curve. A curve's rate is interpolated linearly in log(FLOPs) between the measured points,
+    held at the end points outside them (a measured small matmul's rate already includes its
+    launch time). Without either: `peak_flops x matmul_efficiency`.
     """
     dtypes = tuple(dtypes)
-    curve = dict(hardware.matmul_curve).get(rate_class(dtypes))
+    cls = rate_class(dtypes)
+    curve = None
+    if narrow is not None and narrow <= NARROW_GEMM_DIM:
+        heads = [(d, points) for c, d, points in hardware.attention_curve if c == cls]
+        if heads:
+            curve = min(heads, key=lambda h: (abs(np.log2(h[0]) - np.log2(max(narrow, 1))), h[0]))[1]
+    if curve is None:
+        curve = dict(hardware.matmul_curve).get(cls)
     if not curve:
         return peak_flops(hardware, dtypes) * hardware.matmul_efficiency
     xs = np.log([f for f, _ in curve])

@@ -47,9 +47,14 @@ def profiled_hardware(profile: Any, hardware: str | Hardware | None = None) -> H
     if not curve:
         log.info("profile %s has no GEMM curve (no matmul samples): contractions run at the %s preset's "
                  "rate", db.name, base.name)
+    heads = attention_curve(db)
+    if curve and not heads:
+        log.info("profile %s has no attention-shape curve (made before `planner profile` swept them): "
+                 "batched narrow GEMMs run at the square GEMM curve", db.name)
     return dataclasses.replace(
         base,
         matmul_curve=curve or base.matmul_curve,
+        attention_curve=heads or base.attention_curve,
         # measured peaks are achieved rates already
         matmul_efficiency=1.0 if flops else base.matmul_efficiency,
         flops_f32=flops.get("float32", base.flops_f32),
@@ -76,6 +81,26 @@ def matmul_curve(db: ProfileDB) -> tuple[tuple[str, tuple[tuple[float, float], .
             by_flops = points.setdefault(rate_class((dtype,)), {})
             by_flops[2 * n**3] = max(rate, by_flops.get(2 * n**3, 0.0))
     return tuple((cls, tuple(sorted(p.items()))) for cls, p in sorted(points.items()))
+
+
+def attention_curve(db: ProfileDB) -> tuple[tuple[str, int, tuple[tuple[float, float], ...]], ...]:
+    """The measured attention-shape rates of a profile (`Hardware.attention_curve`): per dtype class
+    and head dimension d, the FLOPs of one of the two swept matmuls (2 g s^2 d) and its FLOP/s; the
+    best rate where two samples share a point."""
+    points: dict[tuple[str, int], dict[float, float]] = {}
+    for s in db.compute_samples:
+        if s.get("kind") != "attention":
+            continue
+        try:
+            g, seq, d = int(s["batch"]), int(s["seq"]), int(s["head_dim"])
+            rate, dtype = float(s["flops_per_s"]), str(s["dtype"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if min(g, seq, d) > 0 and rate > 0 and np.isfinite(rate):
+            flops = 2.0 * g * seq * seq * d
+            by_flops = points.setdefault((rate_class((dtype,)), d), {})
+            by_flops[flops] = max(rate, by_flops.get(flops, 0.0))
+    return tuple((cls, d, tuple(sorted(p.items()))) for (cls, d), p in sorted(points.items()))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -223,7 +248,8 @@ class CostModel:
         return best_time(kind, nbytes, n, group_link(axes, self.links))[1] if n > 1 else "ring"
 
     def compute_time(self, flops: float, bytes_accessed: float,
-                     dtypes: np.dtype | Iterable[np.dtype] | None = None, kernels: int = 0) -> float:
+                     dtypes: np.dtype | Iterable[np.dtype] | None = None, kernels: int = 0,
+                     narrow: int | None = None) -> float:
         """Roofline with a launch floor: the largest of FLOP time, memory time and `kernels` times
         the hardware's `kernel_launch_s`, on one device.
 
@@ -233,12 +259,14 @@ class CostModel:
         fuses with each other; 0 for ops that may fuse into a neighbour's kernel). A contraction
         (kernels > 0) runs at the achieved matmul rate (`hardware.matmul_rate`: a profiled curve,
         or the peak times the preset's cited `matmul_efficiency`); other ops' FLOPs at the peak.
+        `narrow`: a batched contraction's narrowest dimension (`hardware.matmul_rate`), which picks
+        the measured attention-shape curve where the profile has one.
         """
         if dtypes is None:
             dtypes = ()
         elif isinstance(dtypes, (np.dtype, str, type)):
             dtypes = (dtypes,)
-        rate = (matmul_rate(self.hardware, dtypes, flops / kernels) if kernels > 0
+        rate = (matmul_rate(self.hardware, dtypes, flops / kernels, narrow) if kernels > 0
                 else peak_flops(self.hardware, dtypes))
         return max(flops / rate, bytes_accessed / self.hardware.memory_bandwidth,
                    kernels * self.hardware.kernel_launch_s)

@@ -2,7 +2,7 @@
 
 Measures, on the devices it runs on, every collective of `COLLECTIVES` over every mesh axis and
 axis group for message sizes from `--min-bytes` to `--max-bytes`, with warm-up and repetitions,
-plus matmul throughput and memory bandwidth; fits alpha-beta per (collective, axis group) and
+plus matmul throughput (square GEMMs and attention's batched matmuls) and memory bandwidth; fits alpha-beta per (collective, axis group) and
 writes everything (raw samples included) to a versioned JSON file, atomically, from process 0.
 
 Multi-host: run one copy per host under `jax.distributed` (`--coordinator HOST:PORT
@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from planner.cost_model.cluster import group_offsets
 from planner.cost_model.collectives import COLLECTIVES
 from planner.cost_model.fit import Curve, geometric_sizes
-from planner.cost_model.model import matmul_curve
+from planner.cost_model.model import attention_curve, matmul_curve
 from planner.cost_model.profile_db import CollectiveSamples, ProfileDB, axis_groups, utc_now
 from planner.errors import InvalidArgumentError, PlannerError, ProfileError
 from planner.mesh import MeshSpec, default_axis_names, parse_mesh
@@ -39,6 +39,12 @@ from planner.units import parse_bytes
 _CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "OMPI_MCA_orte_hnp_uri", "TPU_WORKER_HOSTNAMES")
 _MATMUL_DTYPES = ("float32", "bfloat16")
 _MATMUL_SIZES = (128, 256, 512, 1024, 2048, 4096, 8192)
+# Attention shapes swept (`measure_attention`): head dimensions and sequence lengths of common
+# transformers (GPT-2/3, BERT, Llama: d = 64 or 128; sequences 128 to 8192), and the most
+# (batch x heads) slices per matmul, as in a training step's microbatch of 8 sequences x 16 heads.
+_HEAD_DIMS = (64, 128)
+_ATTENTION_SEQS = (128, 256, 512, 1024, 2048, 4096, 8192)
+_ATTENTION_SLICES = 128
 # Stop growing a compute benchmark once one call takes this long: it is then out of the noise.
 _LONG_ENOUGH_S = 0.05
 
@@ -224,6 +230,45 @@ def measure_matmul(mesh: jax.sharding.Mesh, dtype: str, max_bytes: int, repeats:
     return best, samples
 
 
+def measure_attention(mesh: jax.sharding.Mesh, dtype: str, max_bytes: int, repeats: int = 3,
+                      warmup: int = 1) -> list[dict]:
+    """The rates of attention's two batched matmuls per device, every device at once: for each head
+    dimension d of `_HEAD_DIMS` and sequence length s, g slices (batch x heads; `_ATTENTION_SLICES`,
+    fewer where the [g, s, s] scores would pass `max_bytes`) of scores = q k^T ([g, s, d] x [g, s, d]
+    -> [g, s, s]) then out = scores v ([g, s, s] x [g, s, d] -> [g, s, d]), the pair timed as one
+    link of a dependent chain inside one program (`_per_op_seconds`). Each matmul does 2 g s^2 d
+    FLOPs; a sample's rate is the pair's (4 g s^2 d FLOPs over its time). Stops growing s for a d
+    once one pair takes `_LONG_ENOUGH_S`."""
+    itemsize = jnp.dtype(dtype).itemsize
+    samples = []
+    for d in _HEAD_DIMS:
+        for seq in _ATTENTION_SEQS:
+            g = min(_ATTENTION_SLICES, max_bytes // (seq * seq * itemsize))
+            if g < 1:
+                break
+            x = _input(mesh, g * seq * d, jnp.dtype(dtype))
+
+            def program(k: int, g: int = g, s: int = seq, d: int = d, x: jax.Array = x) -> Callable[[], jax.Array]:
+                def body(v):
+                    q = v.reshape(g, s, d)
+                    # ones: k = ones / d makes every score 1, v = ones / s every output 1 again
+                    keys, values = q * (1.0 / d), q * (1.0 / s)
+                    for _ in range(k):
+                        scores = jnp.einsum("gsd,gtd->gst", q, keys)
+                        q = jnp.einsum("gst,gtd->gsd", scores, values)
+                    return q.reshape(-1)
+                fn = _spmd(mesh, body)
+                return lambda: fn(x)
+
+            t, whole = _per_op_seconds(program, repeats, warmup)
+            samples.append({"kind": "attention", "dtype": dtype, "batch": g, "seq": seq, "head_dim": d,
+                            "seconds": t, "program_seconds": whole,
+                            "flops_per_s": 4.0 * g * seq * seq * d / max(t, 1e-12)})
+            if t > _LONG_ENOUGH_S:
+                break
+    return samples
+
+
 def measure_memory(mesh: jax.sharding.Mesh, max_bytes: int, repeats: int = 3,
                    warmup: int = 1) -> tuple[float, list[dict]]:
     """Streaming bandwidth per device (bytes read + written per second), all devices at once, of the
@@ -259,7 +304,7 @@ def profile(mesh: jax.sharding.Mesh, sizes: Sequence[int], repeats: int = 5, war
       sizes: buffer sizes in bytes (see `collectives` for what a collective's size means).
       repeats / warmup: timed and untimed calls per point.
       collectives: which kinds to measure.
-      compute: also measure matmul throughput and memory bandwidth.
+      compute: also measure matmul throughput (square GEMMs, attention shapes) and memory bandwidth.
       progress: advanced once per measured point.
       settings: recorded in the database as the job's options.
     """
@@ -291,6 +336,9 @@ def profile(mesh: jax.sharding.Mesh, sizes: Sequence[int], repeats: int = 5, war
             compute_samples += s
             if progress is not None:
                 progress.step(f"matmul {dtype}")
+            compute_samples += measure_attention(mesh, dtype, max(max_bytes, 128 * 128 * 4))
+            if progress is not None:
+                progress.step(f"attention matmuls {dtype}")
         memory, s = measure_memory(mesh, max_bytes)
         compute_samples += s
         if progress is not None:
@@ -317,7 +365,7 @@ def profile(mesh: jax.sharding.Mesh, sizes: Sequence[int], repeats: int = 5, war
 
 
 def progress_steps(spec: MeshSpec, sizes: Sequence[int], collectives: Sequence[str], compute: bool) -> int:
-    return len(axis_groups(spec)) * len(collectives) * len(sizes) + (len(_MATMUL_DTYPES) + 1 if compute else 0)
+    return len(axis_groups(spec)) * len(collectives) * len(sizes) + (2 * len(_MATMUL_DTYPES) + 1 if compute else 0)
 
 
 def summary(db: ProfileDB) -> str:
@@ -335,11 +383,21 @@ def summary(db: ProfileDB) -> str:
     for cls, points in matmul_curve(db):
         lines.append(f"  GEMM curve {cls:<8} " + ", ".join(f"{round((f / 2) ** (1 / 3))}^3: {r / 1e9:.1f}"
                                                            for f, r in points) + " GFLOP/s")
+    for cls, d, points in attention_curve(db):
+        lines.append(f"  attention {cls:<8} d={d:<4} " + ", ".join(f"{_fmt_flops(f)}: {r / 1e9:.1f}"
+                                                                 for f, r in points) + " GFLOP/s")
     if db.memory_bandwidth:
         lines.append(f"  memory bandwidth  {db.memory_bandwidth / 1e9:10.2f} GB/s per device")
     if db.kernel_launch_s is not None:
         lines.append(f"  kernel launch     {db.kernel_launch_s * 1e6:10.2f} us per kernel")
     return "\n".join(lines)
+
+
+def _fmt_flops(n: float) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} FLOP"
 
 
 def _fmt_bytes(n: float) -> str:
@@ -384,7 +442,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mesh to measure, e.g. 2x4 (default: processes x local devices, or all devices 1-D)")
     parser.add_argument("--collectives", default=",".join(COLLECTIVES), metavar="LIST",
                         help="comma-separated subset of " + ", ".join(COLLECTIVES))
-    parser.add_argument("--no-compute", action="store_true", help="skip the matmul and memory-bandwidth runs")
+    parser.add_argument("--no-compute", action="store_true", help="skip the matmul, attention and memory-bandwidth runs")
     parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                         help="jax.distributed coordinator address (multi-host runs)")
     parser.add_argument("--num-processes", type=_positive_int, default=None, metavar="N",

@@ -81,6 +81,29 @@ def is_contraction(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tens
     return len(arrays) >= 2 and sig.flops > 0 and sig.flops >= 2 * sum(t.size for t in outs)
 
 
+def gemm_narrow_dim(sig: OpSig, axes_of: dict[str, tuple[int, ...]], mesh: MeshSpec) -> int | None:
+    """The narrowest dimension of one batch element of a batched contraction, per device, for the
+    attention-shape rate (`cost_model.matmul_rate`); None when the op is not a batched contraction.
+
+    Read from the labels alone: labels in both operands and the result are batch dimensions, labels
+    in both operands and contracted are the contracted length K, labels in one operand and the
+    result are that operand's rows M (first operand) or columns N (second). A split label counts its
+    per-device share.
+    """
+    if len(sig.inputs) != 2 or any(l is None for l in sig.inputs) or len(sig.outputs) != 1:
+        return None
+    lhs = {l for l in sig.inputs[0] if l is not None}
+    rhs = {l for l in sig.inputs[1] if l is not None}
+    out = {l for l in sig.outputs[0] if l is not None}
+    if not lhs & rhs & out:
+        return None
+
+    def extent(labels) -> int:
+        return math.prod(sig.sizes[l] // mesh.axis_size(axes_of.get(l, ())) for l in labels)
+
+    return min(extent(lhs & rhs & sig.sum_labels), extent((lhs - rhs) & out), extent((rhs - lhs) & out))
+
+
 def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axes_of: dict[str, tuple[int, ...]],
            cost: CostModel, combined: bool = False, traffic: Traffic | None = None) -> list[Strategy]:
     """Strategies for one label->axes assignment: all-reduce, or reduce-scatter onto a result dim.
@@ -97,8 +120,9 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
     moved = sum(shard_bytes(t, s, mesh) * r for t, s, r in zip(ins, in_specs, reads)
                 if r and t is not None and s is not None)
     moved += sum(shard_bytes(t, s, mesh) for t, s, w in zip(outs, base_out, writes) if w)
-    compute = cost.compute_time(sig.flops / split, moved, rate_dtypes(sig, ins, outs),
-                                kernels=int(is_contraction(sig, ins, outs)))
+    contraction = is_contraction(sig, ins, outs)
+    compute = cost.compute_time(sig.flops / split, moved, rate_dtypes(sig, ins, outs), kernels=int(contraction),
+                                narrow=gemm_narrow_dim(sig, axes_of, mesh) if contraction else None)
     assignment = tuple(sorted(axes_of.items()))
     if not partial:
         return [Strategy(assignment, in_specs, base_out, (), compute, 0.0)]
