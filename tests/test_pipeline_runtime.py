@@ -166,3 +166,30 @@ def test_model_without_module_names_splits_by_balanced_layers():
     n = longest_reduction(jax.value_and_grad(loss_fn), ws, batch)
     assert_loss_close(metrics["loss"], jax.jit(loss_fn)(ws, batch), n)
     assert_sgd_step_close(loss_fn, 0.1, ws, batch, new["params"], n=n)
+
+
+def test_replica_share_that_does_not_trace_reduces_every_microbatch(caplog):
+    """Data-parallel stages accumulate gradients per replica, tracing the loss on one replica's
+    share of a microbatch. An MoE routing 32-token groups traces on a microbatch of 8 rows of 8
+    tokens but not on a quarter of it (2 rows, 16 tokens): the runtime stopped there with the
+    model's own traceback; now those stages reduce gradients every microbatch, with a warning: the
+    step is the one without per-replica accumulation (`replica_grads=False`, checked against the
+    unsharded step elsewhere), bit for bit, and its loss is the unsharded step's."""
+    import logging
+
+    skip_if_fewer_devices(8)
+    b = get_model("moe-tiny", batch=16, seq=8, group_size=32)
+    opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
+    state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
+    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
+    names = layer_names(b.loss_fn, b.abstract_state()["params"], b.abstract_batch())
+    step = PipelinedStep(b.loss_fn, opt, even_layouts(names, jax.devices()[:8], 2), 2, "1f1b")
+    with caplog.at_level(logging.WARNING, logger="planner"):
+        new_state, metrics = step(state, batch)
+    warned = [r.getMessage() for r in caplog.records if "data-parallel replicas' share" in r.getMessage()]
+    assert len(warned) == 1 and "2 of 8 rows" in warned[0] and "every microbatch" in warned[0]
+    plain = PipelinedStep(b.loss_fn, opt, even_layouts(names, jax.devices()[:8], 2), 2, "1f1b", replica_grads=False)
+    want_state, want_metrics = plain(state, batch)
+    for got, want in zip(jax.tree.leaves((new_state, metrics)), jax.tree.leaves((want_state, want_metrics))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert_loss_close(metrics["loss"], ref_metrics["loss"], longest_reduction(b.train_step, state, batch))

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -49,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from planner.errors import InvalidArgumentError, MeshError
+from planner.errors import InvalidArgumentError, MeshError, PlannerError
 from planner.graph import trace
 from planner.ilp.strategies import shard_bytes
 from planner.mesh import MeshSpec
@@ -62,6 +63,8 @@ from planner.stages.opt_state import opt_layouts, opt_shardings
 from planner.stages.partition import partition
 from planner.stages.programs import Replica, build_programs, is_float, replica_sharding, stage_graph
 from planner.stages.schedule import dispatch_order, stage_tasks
+
+log = logging.getLogger("planner")
 
 __all__ = ["PipelinedStep", "StageLayout", "StageLowered", "even_layouts", "layer_names"]
 
@@ -234,8 +237,18 @@ class PipelinedStep:
             if ways not in traced:
                 small = jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb // ways,) + tuple(np.shape(x)[1:]), x.dtype),
                                      batch)
-                g = trace(self.loss_fn, abstract_params, small)
-                same = len(g.ops) == len(graph.ops) and all(
+                try:
+                    g = trace(self.loss_fn, abstract_params, small)
+                except PlannerError:
+                    raise
+                except Exception as e:  # the user's step on fewer rows (an MoE's routing groups): not ours to fix
+                    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                    log.warning("the loss does not trace on one of %d data-parallel replicas' share of a microbatch "
+                                "(%d of %d rows: %s: %s); stages split %d ways reduce their gradients every "
+                                "microbatch instead of once per step", ways, mb // ways, mb, type(e).__name__,
+                                first, ways)
+                    g = None
+                same = g is not None and len(g.ops) == len(graph.ops) and all(
                     a.name == b.name and a.outputs == b.outputs for a, b in zip(g.ops, graph.ops))
                 traced[ways] = g if same else None
             g = traced[ways]
