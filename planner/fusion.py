@@ -46,10 +46,11 @@ _ELEMENTWISE = frozenset({
     "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "ceil",
     "clamp", "convert_element_type", "copy", "copy_p", "cos", "cosh", "digamma", "div", "eq", "erf", "erf_inv",
     "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le", "lgamma", "log",
-    "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or", "pow", "real", "rem",
-    "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "sin",
-    "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh", "xor", "name", "optimization_barrier",
-    "reduce_precision", "bitcast_convert_type", "random_bits", "random_wrap", "random_unwrap", "threefry2x32",
+    "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "one_minus_square", "or",
+    "pow", "real", "rem", "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic",
+    "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh", "xor",
+    "name", "optimization_barrier", "reduce_precision", "bitcast_convert_type", "random_bits", "random_wrap",
+    "random_unwrap", "threefry2x32",
 })
 _LAYOUT = frozenset({
     "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev", "iota", "slice", "dynamic_slice",

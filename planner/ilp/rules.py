@@ -386,6 +386,7 @@ ELEMENTWISE = (
     "conj", "reduce_precision", "copy", "copy_p", "stop_gradient", "select_n", "tan", "polygamma",
     "igamma", "igammac", "bessel_i0e", "bessel_i1e", "random_gamma_grad", "clz", "logaddexp",
     "cosh", "exp2", "sinh", "tanh", "logistic",
+    "one_minus_square",  # jax >= 0.11: 1 - x^2, the tanh derivative in the backward
 )
 
 RULES: Mapping[str, Rule] = MappingProxyType({
