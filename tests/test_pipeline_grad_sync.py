@@ -81,3 +81,24 @@ def test_stage_backward_accumulates_gradients_per_replica():
     per_microbatch = PipelinedStep(b.loss_fn, opt, layouts, 2, "1f1b", stage_plans=[st.plan for st in lowered],
                                    replica_grads=False)
     assert _reductions(per_microbatch.lower(*abstract)[0].backward)
+
+
+def test_runtime_takes_the_plans_data_axes():
+    """The runtime accumulates gradients per replica over the axes the plan priced as data-parallel
+    (`StagePlan.data_axes`, the layers' row-split axes), not only over those splitting the stage's
+    batch leaves: moe-tiny's first stage on 2x4 reads the token ids replicated (beside its
+    vocabulary-split embedding) and splits its activations by rows over x; the runtime took that
+    stage as replicated and reduced its gradients in every microbatch's backward, while the
+    prediction charged them once per step."""
+    skip_if_fewer_devices(8)
+    import planner
+
+    b = get_model("moe-tiny", batch=16, seq=8, group_size=32)
+    state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
+    plan = planner.plan(b.train_step, state, batch, mesh=(2, 4), hardware="cpu", pipeline=True)
+    opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
+    step = PipelinedStep.from_plan(b.loss_fn, opt, plan, jax.devices()[:8])
+    _, stages, *_ = step._layout(state["params"], batch)
+    planned = [tuple(sorted(s["data_axes"])) for s in plan.stages]
+    assert any(planned)  # some stage is data-parallel
+    assert [tuple(st["layout"].mesh.axis_names[a] for a in st["axes"]) for st in stages] == planned

@@ -32,6 +32,9 @@ class StageLayout:
         own arguments); missing leaves: parameters replicated, batch leaves split over the whole
         mesh along axis 0 where it divides.
       remat: recompute the forward in the backward instead of keeping activations.
+      data_axes: axes of `mesh` that split the stage's batch (its data-parallel replicas), as the
+        plan priced them (`inter_op.StagePlan.data_axes`: axes splitting any layer's activations or
+        batch leaves by rows); None: read from the batch specs (`data_axes`).
     """
 
     layers: tuple[str, ...]
@@ -39,6 +42,7 @@ class StageLayout:
     mesh: MeshSpec
     specs: Mapping[str, Spec] = dataclasses.field(default_factory=dict)
     remat: bool = False
+    data_axes: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if len(self.devices) != self.mesh.size:
@@ -83,7 +87,12 @@ def data_spec(shape: tuple[int, ...], axes: tuple[int, ...], mesh: MeshSpec) -> 
 
 
 def data_axes(lay: StageLayout, batch_paths: Sequence[str], abstract_mb) -> tuple[int, ...]:
-    """Mesh axes that split the batch on this stage (from its batch specs; all axes by default)."""
+    """Mesh axes that split the batch on this stage: the layout's own (`StageLayout.data_axes`, the
+    plan's), else those splitting its batch specs' rows, else all axes. The plan's count where they
+    differ: a stage that reads the token ids replicated (beside a vocabulary-split embedding) and
+    splits its activations by rows is priced as data-parallel, accumulating gradients per replica."""
+    if lay.data_axes is not None:
+        return tuple(a for a in lay.data_axes if lay.mesh.shape[a] > 1)
     for path, leaf in zip(batch_paths, jax.tree_util.tree_leaves(abstract_mb)):
         spec = find_spec(lay.specs, path, tuple(leaf.shape), lay.mesh)
         if spec is not None:

@@ -66,6 +66,11 @@ from planner.stages.schedule import dispatch_order, stage_tasks
 
 log = logging.getLogger("planner")
 
+
+def _axis_indices(mesh: MeshSpec, names) -> tuple[int, ...]:
+    """Positions in `mesh` of the axis `names` a plan records (`StagePlan.data_axes`)."""
+    return tuple(sorted(mesh.axis_names.index(a) for a in names))
+
 __all__ = ["PipelinedStep", "StageLayout", "StageLowered", "even_layouts", "layer_names"]
 
 
@@ -146,7 +151,8 @@ class PipelinedStep:
         if hasattr(plan, "num_microbatches") and hasattr(plan, "stages"):
             B, schedule = plan.num_microbatches, plan.schedule
             stages = [StageLayout(tuple(st.layers), tuple(devices[i] for i in st.devices), st.mesh,
-                                  dict(st.specs), st.remat) for st in plan.stages]
+                                  dict(st.specs), st.remat, _axis_indices(st.mesh, st.data_axes))
+                      for st in plan.stages]
         else:
             info = getattr(plan, "pipeline", None) or {}
             if not plan.stages or "devices" not in plan.stages[0]:
@@ -159,7 +165,8 @@ class PipelinedStep:
                 specs = {p: tuple(() if a is None else tuple(names.index(x) for x in a) for a in spec)
                          for p, spec in st.get("shardings", {}).items()}
                 stages.append(StageLayout(tuple(st["layers"]), tuple(devices[i] for i in st["devices"]), mesh,
-                                          specs, bool(st.get("remat", False))))
+                                          specs, bool(st.get("remat", False)),
+                                          _axis_indices(mesh, st["data_axes"]) if "data_axes" in st else None))
             plans = [Plan.from_json(json.dumps(plain_record(st["plan"]))) if st.get("plan") else None
                      for st in plan.stages]
             return cls(loss_fn, optimizer, stages, B, schedule, plans)
