@@ -103,3 +103,33 @@ def test_pipeline_stages_compile_to_their_planned_collectives(gpt):
         else:
             assert not update
     assert any(st.data_axes for st in lowered)
+
+
+def test_pipeline_of_a_step_the_runtime_cannot_split_still_lists_its_communication():
+    """A train step whose stage programs cannot be built (wresnet-tiny returns batch-norm statistics
+    beside the new state) used to predict 0 B moved and no collectives for a 3-stage pipeline:
+    now its prediction lists each stage's layers' planned collectives per microbatch (their
+    data-parallel gradient reductions once per step) and the stage-to-stage transfers of the
+    activations the stage tables priced, forward and back."""
+    b = get_model("wresnet-tiny")
+    args = (b.abstract_state(), b.abstract_batch())
+    graph = trace(b.train_step, *args)
+    options = PlanOptions(hardware="a100-80gb", pipeline=True)
+    cluster = cluster_for(MeshSpec((2, 4), ("host", "device")), 8, options)
+    plan, pp = plan_stages(b.train_step, args, graph, cluster, options)
+    assert len(pp.stages) > 1 and not any(st.get("plan") for st in plan.stages)  # no stage programs
+    B, pred = pp.num_microbatches, plan.prediction
+    per_stage = []
+    for s, st in enumerate(pp.stages):
+        assert st.collectives or st.send_bytes > 0
+        sent = st.send_bytes + (pp.stages[s - 1].send_bytes if s else 0.0)  # activations on, gradients back
+        per_stage.append(sum(ring_bytes(c.kind, c.nbytes, c.group_size)
+                             * (1 if c.reason == "partial sum" and c.axes and set(c.axes) <= st.data_axes else B)
+                             for c in st.collectives) + ring_bytes("collective-permute", int(sent * B), 2))
+    permutes = [c for c in pred.collectives if "->" in c.axes[0]]
+    assert [(c.axes[0], c.nbytes) for c in permutes] == [
+        (f"stage{s}->stage{s + 1}" if k == 0 else f"stage{s + 1}->stage{s}", int(st.send_bytes * B))
+        for s, st in enumerate(pp.stages[:-1]) for k in range(2)]
+    assert len(pred.collectives) == sum(len(st.collectives) for st in pp.stages) + len(permutes)
+    assert pred.bytes_moved_per_device > 0
+    assert pred.bytes_moved_per_device == pytest.approx(max(per_stage))

@@ -85,6 +85,9 @@ class StagePlan:
       memory_bytes: predicted per-device peak with `inflight` microbatches of activations.
       inflight: microbatches whose activations the stage holds at once under the schedule.
       specs: sharding (on `mesh`) of each program input the stage reads: parameters and batch.
+      collectives: its layers' planned collectives per microbatch (`LayerCost.collectives`; the
+        sharded-state layout's parameter gathers are not among them).
+      send_bytes: activation bytes it sends the next stage per microbatch (0 for the last stage).
     """
 
     layers: tuple[str, ...]
@@ -105,6 +108,8 @@ class StagePlan:
     hidden_s: float = 0.0
     data_axes: frozenset[str] = frozenset()
     layer_plans: str = "planned"
+    collectives: tuple = ()
+    send_bytes: float = 0.0
 
     @property
     def name(self) -> str:
@@ -722,6 +727,9 @@ def _stage_plans(best: _Candidate, shapes, meshes: Sequence[LogicalMesh], cluste
             comm_s=comm,
             hidden_s=hidden,
             data_axes=data,
+            collectives=tuple(c for l in range(stage.first, stage.last + 1)
+                              for c in best.table.cost(l, opt.mesh_index, opt.variant).collectives),
+            send_bytes=float(best.st.boundary[stage.last]) if k < S - 1 else 0.0,
         ))
     return tuple(out)
 

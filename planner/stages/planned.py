@@ -95,7 +95,14 @@ def to_plan(pp: PipelinePlan, graph: Graph, cluster: Cluster, options: PlanOptio
     else:
         mesh = MeshSpec((cluster.devices_per_host,), ("device",))
     rank = [len(graph.tensors[t].shape) if isinstance(t, int) else len(t.tensor.shape) for t in graph.outputs]
-    collectives = pipeline_collectives(stage_plans, transfers, pp.num_microbatches, once)
+    if stage_plans:
+        collectives = pipeline_collectives([sp.prediction.collectives for sp in stage_plans], transfers,
+                                           pp.num_microbatches, once)
+    else:  # no stage programs (a step the runtime cannot split): what the stage tables priced
+        collectives = pipeline_collectives(
+            [st.collectives for st in pp.stages],
+            [(s, s + 1, st.send_bytes, True) for s, st in enumerate(pp.stages[:-1]) if st.send_bytes > 0],
+            pp.num_microbatches, [sorted(st.data_axes) for st in pp.stages])
     prediction = Prediction(
         step_time_s=pp.step_time_s,
         compute_time_s=pp.compute_time_s,
@@ -129,11 +136,12 @@ def to_plan(pp: PipelinePlan, graph: Graph, cluster: Cluster, options: PlanOptio
     )
 
 
-def pipeline_collectives(stage_plans: Sequence[Plan], transfers: Sequence[tuple[int, int, float, bool]],
-                         num_microbatches: int,
+def pipeline_collectives(stage_collectives: Sequence[Sequence[PredictedCollective]],
+                         transfers: Sequence[tuple[int, int, float, bool]], num_microbatches: int,
                          once: Sequence[Sequence[str]] = ()) -> tuple[PredictedCollective, ...]:
-    """The collectives of one pipelined step: each stage's (its intra-op plan of one microbatch's
-    forward + backward) repeated per microbatch, so one entry carries `num_microbatches` x the bytes,
+    """The collectives of one pipelined step: each stage's (`stage_collectives[s]`: those of its
+    intra-op plan of one microbatch's forward + backward, or, when the step's stage programs cannot
+    be built, of its layers' plans in the stage tables) repeated per microbatch, so one entry carries `num_microbatches` x the bytes,
     except the data-parallel gradient reduction of a stage that runs it once per step on the
     accumulated gradients (`once[s]`: the axes it reduces over, `PipelinedStep.stage_plan_records`;
     the plan's "partial sum" collectives over only those axes, as `stage_cost.grad_sync` takes them
@@ -142,9 +150,9 @@ def pipeline_collectives(stage_plans: Sequence[Plan], transfers: Sequence[tuple[
     bytes). Axes name the stage ("stage0/data")."""
     B = num_microbatches
     out: list[PredictedCollective] = []
-    for s, sp in enumerate(stage_plans):
+    for s, listed in enumerate(stage_collectives):
         data = set(once[s]) if s < len(once) else set()
-        for c in sp.prediction.collectives:
+        for c in listed:
             per_step = c.reason == "partial sum" and bool(c.axes) and set(c.axes) <= data
             n = 1 if per_step else B
             out.append(dataclasses.replace(c, axes=tuple(f"stage{s}/{a}" for a in c.axes), nbytes=c.nbytes * n,

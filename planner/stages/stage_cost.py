@@ -99,6 +99,8 @@ class LayerCost:
         the part of the gradient reduction taken out to `sync_s`).
       hidden_s: communication the plan hides behind compute, per microbatch.
       data_axes: names of the mesh axes splitting the layer's batch (`batch_axes`).
+      collectives: the layer plan's predicted collectives per microbatch (what a pipeline plan lists
+        for the stage when the stage programs cannot be built, `planned.to_plan`).
       produced_specs: the plan's sharding of each value the layer makes that is used outside it,
         keyed by (position of the making op among the layer's ops, result index), so that identical
         layers key alike (`LayerCostTable.inner`: resharding between layers of one stage).
@@ -120,6 +122,7 @@ class LayerCost:
     comm_s: float = 0.0
     hidden_s: float = 0.0
     data_axes: frozenset[str] = frozenset()
+    collectives: tuple = ()
 
 
 # The hand layouts each layer is also planned in (`LayerCostTable.variants`; see the module docstring).
@@ -374,7 +377,7 @@ def _layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lme
     return LayerCost(pred.step_time_s - exposed, apply_s, state, act, work, facts.fwd_fraction,
                      tuple(spec_of_input.get(t) for t in ext), zero_extra, zero_state, work + param_shard,
                      tuple(zero_specs), sync, produced, max(0.0, pred.communication_time_s - exposed),
-                     pred.hidden_communication_time_s, data)
+                     pred.hidden_communication_time_s, data, tuple(pred.collectives))
 
 
 def batch_axes(specs: Sequence[Spec | None], mesh) -> frozenset[str]:
