@@ -1,9 +1,10 @@
 """`planner profile`: the offline job that measures the cluster and writes the profile database.
 
-Measures, on the devices it runs on, every collective of `COLLECTIVES` over every mesh axis and
-axis group for message sizes from `--min-bytes` to `--max-bytes`, with warm-up and repetitions,
-plus matmul throughput (square GEMMs and attention's batched matmuls) and memory bandwidth; fits alpha-beta per (collective, axis group) and
-writes everything (raw samples included) to a versioned JSON file, atomically, from process 0.
+Measures, on the devices it runs on, every collective of `COLLECTIVES` over every mesh axis and axis
+group for message sizes from `--min-bytes` to `--max-bytes`, with warm-up and repetitions, plus
+matmul throughput (square GEMMs and attention's batched matmuls) and memory bandwidth; fits
+alpha-beta per (collective, axis group) and writes everything (raw samples included) to a versioned
+JSON file, atomically, from process 0.
 
 Multi-host: run one copy per host under `jax.distributed` (`--coordinator HOST:PORT
 --num-processes N --process-id I`, or auto-detected from SLURM / Open MPI / Cloud TPU environment
@@ -442,7 +443,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mesh to measure, e.g. 2x4 (default: processes x local devices, or all devices 1-D)")
     parser.add_argument("--collectives", default=",".join(COLLECTIVES), metavar="LIST",
                         help="comma-separated subset of " + ", ".join(COLLECTIVES))
-    parser.add_argument("--no-compute", action="store_true", help="skip the matmul, attention and memory-bandwidth runs")
+    parser.add_argument("--no-compute", action="store_true",
+                        help="skip the matmul, attention and memory-bandwidth runs")
     parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                         help="jax.distributed coordinator address (multi-host runs)")
     parser.add_argument("--num-processes", type=_positive_int, default=None, metavar="N",

@@ -140,14 +140,14 @@ def pipeline_collectives(stage_collectives: Sequence[Sequence[PredictedCollectiv
                          transfers: Sequence[tuple[int, int, float, bool]], num_microbatches: int,
                          once: Sequence[Sequence[str]] = ()) -> tuple[PredictedCollective, ...]:
     """The collectives of one pipelined step: each stage's (`stage_collectives[s]`: those of its
-    intra-op plan of one microbatch's forward + backward, or, when the step's stage programs cannot
-    be built, of its layers' plans in the stage tables) repeated per microbatch, so one entry carries `num_microbatches` x the bytes,
-    except the data-parallel gradient reduction of a stage that runs it once per step on the
-    accumulated gradients (`once[s]`: the axes it reduces over, `PipelinedStep.stage_plan_records`;
-    the plan's "partial sum" collectives over only those axes, as `stage_cost.grad_sync` takes them
-    out); and per value crossing stages, a collective-permute from the
-    sending to the receiving submesh per microbatch (a float value's cotangent returns as many
-    bytes). Axes name the stage ("stage0/data")."""
+    intra-op plan of one microbatch's forward + backward, or, when the step's stage programs cannot be
+    built, of its layers' plans in the stage tables) repeated per microbatch, so one entry carries
+    `num_microbatches` x the bytes, except the data-parallel gradient reduction of a stage that runs it
+    once per step on the accumulated gradients (`once[s]`: the axes it reduces over,
+    `PipelinedStep.stage_plan_records`; the plan's "partial sum" collectives over only those axes, as
+    `stage_cost.grad_sync` takes them out); and per value crossing stages, a collective-permute from the
+    sending to the receiving submesh per microbatch (a float value's cotangent returns as many bytes).
+    Axes name the stage ("stage0/data")."""
     B = num_microbatches
     out: list[PredictedCollective] = []
     for s, listed in enumerate(stage_collectives):
