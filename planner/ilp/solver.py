@@ -887,6 +887,27 @@ def _violations(profile: np.ndarray, limit: float, have: set[int], k: int = 4) -
     return picked
 
 
+PROBE_UNITS = 1.0  # deterministic units of `probe_bound`'s run
+
+
+def probe_bound(problem: Problem, memory_budget: float, units: float = PROBE_UNITS, workers: int = 1) -> float:
+    """Seconds per step no plan of `problem` under `memory_budget` goes below, from a short CP-SAT run
+    (`units` deterministic units) on the model `solve` starts from: the objective with the strategies
+    the memory lower bound rules out (`over_budget_strategies`). `solve`'s later rounds only add
+    memory constraints, so the run's bound holds for every plan it can return. Where the budget binds
+    this bound is far above `search.step_time_lower_bound` (the per-op cheapest strategies ignore
+    that ruling out a layout makes its neighbours reshard): GPT-39B on 8x8 V100 16 GB, after 1 unit
+    per mesh, 12.9 s/step for 8x8 (its plan 22.58 s), 70.8 to 153.9 s for the other 2-D meshes
+    (0.30 s each without the budget's exclusions), so the mesh search solves 8x8 first and need
+    not solve the others (`search.search_meshes`). 0 when the run finds no bound."""
+    model = _Model(problem)
+    model.m.Minimize(model.objective)
+    for r, i in over_budget_strategies(problem, memory_budget):
+        model.m.Add(model.x[r][i] == 0)
+    model.solve(units, WALL_CAP_FACTOR * units + WALL_CAP_FLOOR_S, workers, None)
+    return max(0.0, model.last.bound / _NS / (1 + _BEAT_MARGIN))
+
+
 def solve(problem: Problem, memory_budget: float | None = None, time_limit: float = 30.0,
           workers: int = 1, max_rounds: int = 30, min_peak_search: bool = True,
           begin: Sequence[int] | None = None, lp_level: int = 1,
