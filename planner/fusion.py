@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from types import MappingProxyType
 
 import numpy as np
 
@@ -137,7 +138,12 @@ def expensive(name: str, dtype, platform: str = "cpu") -> bool:
 
 def fusions(graph: Graph, platform: str = "cpu") -> Mapping[int, Traffic]:
     """The fusions every op of `graph` runs in and its memory traffic, under the fusion rules of
-    XLA on `platform` ("cpu", "gpu" or "tpu"; see the module docstring)."""
+    XLA on `platform` ("cpu", "gpu" or "tpu"; see the module docstring). Computed once per graph and
+    platform (`Graph.cached`; read-only)."""
+    return graph.cached(("fusions", platform), lambda: MappingProxyType(_fusions(graph, platform)))
+
+
+def _fusions(graph: Graph, platform: str) -> dict[int, Traffic]:
     duplicate = platform in DUPLICATING
     consumers = graph.consumers()
     program_outputs = {t for t in graph.outputs if isinstance(t, int)}

@@ -455,7 +455,18 @@ RULES: Mapping[str, Rule] = MappingProxyType({
 
 
 def signature(op: Op, graph: Graph, rules: Mapping[str, Rule] = RULES) -> OpSig:
-    """The op's labels from its rule; the replicated fallback for unknown primitives or rule errors."""
+    """The op's labels from its rule; the replicated fallback for unknown primitives or rule errors.
+    With the default rules, computed once per op of the graph (`Graph.cached`)."""
+    if rules is RULES and 0 <= op.index < len(graph.ops) and graph.ops[op.index] is op:
+        memo = graph.cached("signatures", dict)
+        sig = memo.get(op.index)
+        if sig is None:
+            sig = memo[op.index] = _signature(op, graph, rules)
+        return sig
+    return _signature(op, graph, rules)
+
+
+def _signature(op: Op, graph: Graph, rules: Mapping[str, Rule]) -> OpSig:
     rule = rules.get(op.name)
     if rule is None:
         return replicated_rule(op, graph)
