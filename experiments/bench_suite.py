@@ -394,6 +394,8 @@ def summarize(rows: list[dict]) -> tuple[list[str], list[dict]]:
                     rb, rm = _f(r["compiled_bytes_moved"]), _f(r["compiled_peak_bytes"])
                     if rb <= pb and rm <= pm and (rb < pb or rm < pm):
                         dominated.append(r["config"])
+                        rec.setdefault("dominated_predicted", []).append(
+                            (r["config"], _f(plan["bytes_moved"]), _f(r["bytes_moved"]), rb / pb))
         rec["dominated_by"] = dominated if rs[0]["mode"] == "compiled" else None
         # The pipeline search against its own points: the single-stage plan, and each fitting NAME+ppN
         # baseline against the search's best candidate at the baseline's microbatch count.
@@ -424,7 +426,10 @@ def summarize(rows: list[dict]) -> tuple[list[str], list[dict]]:
         f"{sum(r['best'] is None and r['plan_s'] is not None for r in recs)}; groups with no plan that fits: "
         f"{sum(r['plan_s'] is None for r in recs)}.",
         f"- Compiled groups where the plan is not dominated on (compiled bytes moved, compiled peak memory): "
-        f"{sum(not r['dominated_by'] for r in comp)} of {len(comp)}.",
+        f"{sum(not r['dominated_by'] for r in comp)} of {len(comp)}" + "".join(
+            f"; {r['model']} {r['cluster']} by {cfg}: predicted bytes moved {pbm / 1e6:.3g} (plan) vs "
+            f"{cbm / 1e6:.3g} MB, compiled {ratio:.2f}x the plan's" for r in comp
+            for cfg, pbm, cbm, ratio in r.get("dominated_predicted", ())) + ".",
     ]
     piped = [r for r in recs if r["vs_single"] is not None]
     checks = [(r, c) for r in recs for c in r["pp_checks"]]
