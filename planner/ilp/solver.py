@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -899,13 +900,15 @@ def probe_bound(problem: Problem, memory_budget: float, units: float = PROBE_UNI
     that ruling out a layout makes its neighbours reshard): GPT-39B on 8x8 V100 16 GB, after 1 unit
     per mesh, 12.9 s/step for 8x8 (its plan 22.58 s), 70.8 to 153.9 s for the other 2-D meshes
     (0.30 s each without the budget's exclusions), so the mesh search solves 8x8 first and need
-    not solve the others (`search.search_meshes`). 0 when the run finds no bound."""
+    not solve the others (`search.search_meshes`). 0 when the run finds no finite bound (an
+    infeasible model is left to `solve` to report)."""
     model = _Model(problem)
     model.m.Minimize(model.objective)
     for r, i in over_budget_strategies(problem, memory_budget):
         model.m.Add(model.x[r][i] == 0)
-    model.solve(units, WALL_CAP_FACTOR * units + WALL_CAP_FLOOR_S, workers, None)
-    return max(0.0, model.last.bound / _NS / (1 + _BEAT_MARGIN))
+    _, status = model.solve(units, WALL_CAP_FACTOR * units + WALL_CAP_FLOOR_S, workers, None)
+    bound = model.last.bound / _NS / (1 + _BEAT_MARGIN)
+    return bound if status != cp_model.INFEASIBLE and math.isfinite(bound) and bound > 0 else 0.0
 
 
 def solve(problem: Problem, memory_budget: float | None = None, time_limit: float = 30.0,
