@@ -336,8 +336,8 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
         candidates.append(cand)
     threads = max(1, min(len(candidates), idle_cores() // max(1, options.solver_workers) if threads is None
                          else threads))
-    if prune and budget is not None and options.offload == "off":
-        _probe(candidates, budget, options.solver_workers, threads)
+    probed = (_probe(candidates, budget, options.solver_workers, threads)
+              if prune and budget is not None and options.offload == "off" else frozenset())
     candidates.sort(key=lambda c: (c.time_bound, c.index))
 
     def solve_one(cand: _Candidate, start: tuple[int, ...] | None = None) -> MeshResult:
@@ -472,8 +472,12 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
                 candidates.extend(c for c in deferred if len(c.mesh.shape) == ndim and refine(c))
             queue = sorted((c for c in candidates if len(c.mesh.shape) == ndim), key=lambda c: (c.time_bound, c.index))
             running: dict = {}
+            # After a probe the phase's best-bound mesh runs alone until it is done: under a binding
+            # budget its plan is usually the fastest by far and prunes the rest (GPT-39B: run beside
+            # it, 16x4 spent 26 units before its bound passed 8x8's plan, and 8x8 took 36 s, not 31).
+            alone = ndim in probed
             while queue or running:
-                while queue and len(running) < threads:
+                while queue and len(running) < (1 if alone else threads):
                     cand = queue.pop(0)
                     if prune and cand.time_bound >= best:
                         reason = (f"not solved: its step-time lower bound {cand.time_bound:.4g} s is not below the "
@@ -487,6 +491,7 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
                     break
                 finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
                 for future in finished:
+                    alone = False
                     result = same_as_coarse(running.pop(future), future.result())
                     if result.pruned is not None:
                         pruned.append(result)
@@ -517,16 +522,16 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
     return tuple(planned + mirrors + pruned + failed)
 
 
-def _probe(candidates: list[_Candidate], budget: float, workers: int, threads: int) -> None:
+def _probe(candidates: list[_Candidate], budget: float, workers: int, threads: int) -> frozenset[int]:
     """Raises the step-time bound of each mesh of two or more axes whose memory budget binds (the
     memory lower bound rules strategies out) to `solver.probe_bound`'s, when there are several such
     meshes to order: the search then solves them best bound first and prunes those whose bound is not
     below a plan found (GPT-39B on 8x8 V100 16 GB: 8x8 first, the four other 2-D meshes not solved;
     before, the per-op bounds were equal within 0.5% and the search spent 30 units on each of 32x2
-    and 16x4 first). The probes run `threads` at a time."""
+    and 16x4 first). The probes run `threads` at a time. Returns the axis counts of the meshes probed."""
     binding = [c for c in candidates if len(c.mesh.shape) >= 2 and over_budget_strategies(c.problem, budget)]
     if len(binding) < 2:
-        return
+        return frozenset()
 
     def one(cand: _Candidate) -> float:
         return probe_bound(cand.problem, budget, workers=workers)
@@ -536,6 +541,7 @@ def _probe(candidates: list[_Candidate], budget: float, workers: int, threads: i
             log.info("mesh %s: step time >= %.4g s under the budget (%.3g-unit probe; %.4g s without it)",
                      cand.mesh, bound, PROBE_UNITS, cand.time_bound)
             cand.time_bound = max(cand.time_bound, bound)
+    return frozenset(len(c.mesh.shape) for c in binding)
 
 
 def _search_smallest_peak(failed: list[MeshResult], built: dict[MeshSpec, _Candidate], options: PlanOptions) -> None:
