@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -66,41 +66,46 @@ def profiled_hardware(profile: Any, hardware: str | Hardware | None = None) -> H
     )
 
 
+def _best_rates(db: ProfileDB, kind: str, point: Callable[[Mapping[str, Any]], tuple[Any, float, bool]]
+                ) -> dict[tuple, tuple[tuple[float, float], ...]]:
+    """FLOPs-sorted (flops per kernel, FLOP/s) points of a profile's `kind` samples, per (dtype class,
+    *the sample's key*): `point(sample)` gives (key, FLOPs, whether its sizes are positive); the best
+    rate where two samples share a point. Samples with missing, malformed or non-finite figures are
+    skipped."""
+    points: dict[tuple, dict[float, float]] = {}
+    for s in db.compute_samples:
+        if s.get("kind") != kind:
+            continue
+        try:
+            key, flops, sized = point(s)
+            rate, dtype = float(s["flops_per_s"]), str(s["dtype"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if sized and rate > 0 and np.isfinite(rate):
+            by_flops = points.setdefault((rate_class((dtype,)), *key), {})
+            by_flops[flops] = max(rate, by_flops.get(flops, 0.0))
+    return {k: tuple(sorted(p.items())) for k, p in sorted(points.items())}
+
+
 def matmul_curve(db: ProfileDB) -> tuple[tuple[str, tuple[tuple[float, float], ...]], ...]:
     """The measured matmul rates of a profile (`Hardware.matmul_curve`): FLOPs of each swept square
     GEMM (2 n^3) and its FLOP/s, per dtype class; the best rate where two samples share a size."""
-    points: dict[str, dict[float, float]] = {}
-    for s in db.compute_samples:
-        if s.get("kind") != "matmul":
-            continue
-        try:
-            n, rate, dtype = float(s["n"]), float(s["flops_per_s"]), str(s["dtype"])
-        except (KeyError, TypeError, ValueError):
-            continue
-        if n > 0 and rate > 0 and np.isfinite(rate):
-            by_flops = points.setdefault(rate_class((dtype,)), {})
-            by_flops[2 * n**3] = max(rate, by_flops.get(2 * n**3, 0.0))
-    return tuple((cls, tuple(sorted(p.items()))) for cls, p in sorted(points.items()))
+    def point(s):
+        n = float(s["n"])
+        return (), 2 * n**3, n > 0
+
+    return tuple((cls, p) for (cls,), p in _best_rates(db, "matmul", point).items())
 
 
 def attention_curve(db: ProfileDB) -> tuple[tuple[str, int, tuple[tuple[float, float], ...]], ...]:
     """The measured attention-shape rates of a profile (`Hardware.attention_curve`): per dtype class
     and head dimension d, the FLOPs of one of the two swept matmuls (2 g s^2 d) and its FLOP/s; the
     best rate where two samples share a point."""
-    points: dict[tuple[str, int], dict[float, float]] = {}
-    for s in db.compute_samples:
-        if s.get("kind") != "attention":
-            continue
-        try:
-            g, seq, d = int(s["batch"]), int(s["seq"]), int(s["head_dim"])
-            rate, dtype = float(s["flops_per_s"]), str(s["dtype"])
-        except (KeyError, TypeError, ValueError):
-            continue
-        if min(g, seq, d) > 0 and rate > 0 and np.isfinite(rate):
-            flops = 2.0 * g * seq * seq * d
-            by_flops = points.setdefault((rate_class((dtype,)), d), {})
-            by_flops[flops] = max(rate, by_flops.get(flops, 0.0))
-    return tuple((cls, d, tuple(sorted(p.items()))) for (cls, d), p in sorted(points.items()))
+    def point(s):
+        g, seq, d = int(s["batch"]), int(s["seq"]), int(s["head_dim"])
+        return (d,), 2.0 * g * seq * seq * d, min(g, seq, d) > 0
+
+    return tuple((cls, d, p) for (cls, d), p in _best_rates(db, "attention", point).items())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
