@@ -363,8 +363,11 @@ def _under_ten(recs: list[dict]) -> str:
                    key=lambda r: (r["speedup"], r["model"], r["cluster"]))
     same = [r for r in under if r["speedup"] < 1 + 1e-9]
     close = [r for r in under if r not in same]
-    words = lambda rs: ", ".join(f"{r['model']} {r['cluster']} ({r['best']}" +  # noqa: E731
-                                 (f" {r['speedup']:.3f}x)" if r["speedup"] >= 1 + 1e-9 else ")") for r in rs)
+
+    def words(rs: list[dict]) -> str:
+        return ", ".join(f"{r['model']} {r['cluster']} ({r['best']}"
+                         + (f" {r['speedup']:.3f}x)" if r["speedup"] >= 1 + 1e-9 else ")") for r in rs)
+
     return (f"  - Under 10%: {len(under)} group(s). The best baseline's own layout is the plan's optimum (1.000x) "
             f"in {len(same)}: {words(same) or '-'}; within 1.00-1.10x in {len(close)}: {words(close) or '-'}.")
 
