@@ -39,7 +39,7 @@ from planner.cost_model import (
     hardware_with_links,
     profiled_hardware,
 )
-from planner.errors import InfeasiblePlanError, PlannerError
+from planner.errors import InfeasiblePlanError, PlannerError, first_line
 from planner.graph import matmul_flops, trace
 from planner.mesh import MeshSpec, default_axis_names
 from planner.options import PlanOptions
@@ -411,7 +411,7 @@ def cmd_plan(args, out) -> int:
         if not args.fn:
             raise
         raise CLIError(f"--fn {args.fn!r}: tracing the step raised {type(e).__name__}: "
-                       f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}; fix the step") from None
+                       f"{first_line(e)}; fix the step") from None
     log.info("traced %d ops, %d inputs in %.1fs", len(graph.ops), len(graph.inputs), time.perf_counter() - t0)
     flops = matmul_flops(graph)
     pp_name, pp_stages = _pp_baseline(args)

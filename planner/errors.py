@@ -61,3 +61,10 @@ class OutboundError(PlannerError):
 
 class ProfileError(PlannerError, ValueError):
     """A profile database that cannot be used (corrupt, wrong version, other hardware)."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of `error`'s message ("" when it has none): how a user's own exception (their
+    step failing to trace) is quoted in the planner's one-line errors and warnings."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""

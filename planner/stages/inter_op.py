@@ -25,7 +25,7 @@ import numpy as np
 
 from planner.baselines import layer_variant_pins
 from planner.cost_model import Cluster
-from planner.errors import InfeasiblePlanError, InvalidArgumentError, PlannerError
+from planner.errors import InfeasiblePlanError, InvalidArgumentError, PlannerError, first_line
 from planner.units import format_bytes
 from planner.graph import Graph, trace
 from planner.mesh import MeshSpec
@@ -302,10 +302,9 @@ def _trace_microbatch(fn: Callable, args: Sequence[Any], count: int, rows: int, 
     except PlannerError:
         raise
     except Exception as e:  # the user's step, not the planner: its message, first line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         share = f" split {replicas} ways ({rows // replicas} per data-parallel replica)" if replicas > 1 else ""
         raise UntraceableMicrobatches(f"the step does not trace on {count} microbatches of {rows} rows{share} "
-                                      f"({type(e).__name__}: {first})") from None
+                                      f"({type(e).__name__}: {first_line(e)})") from None
 
 
 def _trace_replica(fn: Callable, args: tuple[Any, ...], count: int, rows: int, replicas: int,

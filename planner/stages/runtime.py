@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from planner.errors import InvalidArgumentError, MeshError, PlannerError
+from planner.errors import InvalidArgumentError, MeshError, PlannerError, first_line
 from planner.graph import trace
 from planner.ilp.strategies import shard_bytes
 from planner.mesh import MeshSpec
@@ -249,11 +249,10 @@ class PipelinedStep:
                 except PlannerError:
                     raise
                 except Exception as e:  # the user's step on fewer rows (an MoE's routing groups): not ours to fix
-                    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                     log.warning("the loss does not trace on one of %d data-parallel replicas' share of a microbatch "
                                 "(%d of %d rows: %s: %s); stages split %d ways reduce their gradients every "
                                 "microbatch instead of once per step", ways, mb // ways, mb, type(e).__name__,
-                                first, ways)
+                                first_line(e), ways)
                     g = None
                 same = g is not None and len(g.ops) == len(graph.ops) and all(
                     a.name == b.name and a.outputs == b.outputs for a, b in zip(g.ops, graph.ops))
