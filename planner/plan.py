@@ -28,8 +28,10 @@ class PredictedCollective:
       nbytes: buffer bytes on one device (see `cost_model.collectives`).
       group_size: devices per group.
       where: the op (name and module path) that causes it.
-      reason: "partial sum" (a split contraction), "reshard" (a producer/consumer mismatch) or
-        "follow" (an op that cannot keep its operand's split).
+      reason: "partial sum" (a split contraction), "reshard" (a producer/consumer mismatch),
+        "follow" (an op that cannot keep its operand's split), "sharded state" (a pipeline stage
+        gathering parameters it stores split over every axis) or, between pipeline stages,
+        "activation" / "gradient".
     """
 
     kind: str

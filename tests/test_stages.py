@@ -314,3 +314,35 @@ def test_layer_tables_filled_in_parallel_equal_the_serial_ones():
     assert all(tables[0].cache[k] == tables[1].cache[k] for k in tables[0].cache)
     solves = tables[1].solves
     assert [tables[1].cost(l, m) for l in range(2) for m in range(len(meshes))] and tables[1].solves == solves
+
+
+def test_sharded_state_stages_list_their_parameter_gathers():
+    """A stage in the sharded-state layout gathers each parameter it stores split over every axis,
+    forward and backward (`LayerCost.zero_extra_s` prices them): the stage's collectives
+    (`stage_cost.stage_collectives`, what a pipeline plan lists) carry those gathers beside its
+    layers' planned collectives, each priced as `zero_extra_s` prices it; the "plan" layout lists
+    the layers' collectives alone."""
+    from planner.options import PlanOptions
+    from planner.stages.stage_cost import LayerCostTable, StageOption, stage_collectives
+    from planner.stages.submesh import effective_hardware
+
+    ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
+    graph = trace(_tanh_chain_step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
+    layers = cluster_layers(graph, num_layers=2)
+    cluster = make_cluster(2, 4, "a100")
+    meshes = logical_meshes((1, 4), cluster, max_ndim=2)
+    table = LayerCostTable(graph, layers, meshes, cluster, PlanOptions(), {})
+    sharded, planned = StageOption(0, "sharded-state", False), StageOption(0, "plan", False)
+    gathers = [c for c in stage_collectives(table, 0, 1, sharded) if c.reason == "sharded state"]
+    assert gathers and all(c.kind == "all-gather" and c.group_size > 1 for c in gathers)
+    assert [c for c in stage_collectives(table, 0, 1, sharded) if c.reason != "sharded state"] == \
+        list(stage_collectives(table, 0, 1, planned))
+    cost = meshes[0].cost_model(effective_hardware(cluster))
+    names = list(meshes[0].mesh.axis_names)
+    for layer in range(2):
+        lc = table.cost(layer, 0)
+        priced = sum(cost.collective_time(c.kind, c.nbytes, tuple(names.index(a) for a in c.axes))
+                     for c in lc.zero_collectives)
+        assert priced == pytest.approx(lc.zero_extra_s, rel=1e-12)
+        wheres = [c.where for c in lc.zero_collectives]
+        assert all(wheres.count(w) == 2 for w in wheres)  # forward and backward

@@ -42,6 +42,7 @@ from planner.stages.stage_cost import (
     StageOption,
     boundary_bytes,
     external_inputs,
+    stage_collectives,
     stage_communication,
     stage_memory,
     stage_times,
@@ -85,8 +86,8 @@ class StagePlan:
       memory_bytes: predicted per-device peak with `inflight` microbatches of activations.
       inflight: microbatches whose activations the stage holds at once under the schedule.
       specs: sharding (on `mesh`) of each program input the stage reads: parameters and batch.
-      collectives: its layers' planned collectives per microbatch (`LayerCost.collectives`; the
-        sharded-state layout's parameter gathers are not among them).
+      collectives: its layers' planned collectives per microbatch, with the sharded-state layout's
+        parameter gathers (`stage_cost.stage_collectives`).
       send_bytes: activation bytes it sends the next stage per microbatch (0 for the last stage).
     """
 
@@ -726,8 +727,7 @@ def _stage_plans(best: _Candidate, shapes, meshes: Sequence[LogicalMesh], cluste
             comm_s=comm,
             hidden_s=hidden,
             data_axes=data,
-            collectives=tuple(c for l in range(stage.first, stage.last + 1)
-                              for c in best.table.cost(l, opt.mesh_index, opt.variant).collectives),
+            collectives=stage_collectives(best.table, stage.first, stage.last, opt),
             send_bytes=float(best.st.boundary[stage.last]) if k < S - 1 else 0.0,
         ))
     return tuple(out)

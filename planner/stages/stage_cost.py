@@ -73,7 +73,7 @@ from planner.graph import Graph, Op
 from planner.ilp.rules import OpSig, signature
 from planner.ilp.strategies import rate_dtypes, reshard_cost, shard_bytes
 from planner.options import PlanOptions
-from planner.plan import stage_way
+from planner.plan import PredictedCollective, stage_way
 from planner.planning import make_plan
 from planner.search import idle_cores
 from planner.sharding import Spec, active_axes, replicated
@@ -101,6 +101,8 @@ class LayerCost:
       data_axes: names of the mesh axes splitting the layer's batch (`batch_axes`).
       collectives: the layer plan's predicted collectives per microbatch (what a pipeline plan lists
         for the stage when the stage programs cannot be built, `planned.to_plan`).
+      zero_collectives: the sharded-state layout's parameter all-gathers per microbatch (each
+        gathered parameter twice: forward and backward), priced as `zero_extra_s` prices them.
       produced_specs: the plan's sharding of each value the layer makes that is used outside it,
         keyed by (position of the making op among the layer's ops, result index), so that identical
         layers key alike (`LayerCostTable.inner`: resharding between layers of one stage).
@@ -123,6 +125,7 @@ class LayerCost:
     hidden_s: float = 0.0
     data_axes: frozenset[str] = frozenset()
     collectives: tuple = ()
+    zero_collectives: tuple = ()
 
 
 # The hand layouts each layer is also planned in (`LayerCostTable.variants`; see the module docstring).
@@ -353,8 +356,8 @@ def _layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lme
     apply_bytes = 2 * facts.state_bytes_total + facts.param_bytes_total
     apply_s = cost.compute_time(facts.apply_flops * ratio, apply_bytes * ratio, facts.apply_dtypes)
     # Sharded-state variant: store each parameter split over all axes, gather the plan's layout twice.
-    zero_specs, zero_extra, zero_param = [], 0.0, 0.0
-    for t in ext:
+    zero_specs, zero_extra, zero_param, zero_gathers = [], 0.0, 0.0, []
+    for j, t in enumerate(ext):
         spec = spec_of_input.get(t)
         if t not in param_set or spec is None:
             zero_specs.append(None)
@@ -365,7 +368,12 @@ def _layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lme
         zero_param += shard_bytes(tensor, z, mesh)
         extra_axes = tuple(sorted({a for axes in z for a in axes} - {a for axes in spec for a in axes}))
         if extra_axes:
-            zero_extra += 2 * cost.collective_time("all-gather", shard_bytes(tensor, spec, mesh), extra_axes)
+            gathered = shard_bytes(tensor, spec, mesh)
+            zero_extra += 2 * cost.collective_time("all-gather", gathered, extra_axes)
+            gather = PredictedCollective("all-gather", tuple(mesh.axis_names[a] for a in extra_axes), gathered,
+                                         mesh.axis_size(extra_axes),
+                                         f"{layers.names[layer]} input {j} (forward and backward)", "sharded state")
+            zero_gathers += [gather, gather]
     zratio = zero_param / facts.param_bytes_total if facts.param_bytes_total else 1.0 / mesh.size
     zero_state = 2 * zero_param + (facts.state_bytes_total - facts.param_bytes_total) * zratio
     data = batch_axes([spec_of_input.get(t) for t in ext if t not in param_set], mesh)
@@ -377,7 +385,7 @@ def _layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lme
     return LayerCost(pred.step_time_s - exposed, apply_s, state, act, work, facts.fwd_fraction,
                      tuple(spec_of_input.get(t) for t in ext), zero_extra, zero_state, work + param_shard,
                      tuple(zero_specs), sync, produced, max(0.0, pred.communication_time_s - exposed),
-                     pred.hidden_communication_time_s, data, tuple(pred.collectives))
+                     pred.hidden_communication_time_s, data, tuple(pred.collectives), tuple(zero_gathers))
 
 
 def batch_axes(specs: Sequence[Spec | None], mesh) -> frozenset[str]:
@@ -595,6 +603,19 @@ class StageOption:
     def name(self) -> str:
         """As `plan.stage_way` writes a stage, e.g. "fsdp:sharded-state+remat"."""
         return stage_way({"layer_plans": self.variant or "planned", "state_layout": self.layout, "remat": self.remat})
+
+
+def stage_collectives(table: LayerCostTable, first: int, last: int, option: StageOption) -> tuple:
+    """The collectives per microbatch of layers first..last run as `option` says: each layer's plan's
+    (`LayerCost.collectives`) and, in the sharded-state layout, its parameter gathers
+    (`LayerCost.zero_collectives`): what `stage_communication` and the stage times price."""
+    out = []
+    for layer in range(first, last + 1):
+        cost = table.cost(layer, option.mesh_index, option.variant)
+        out += cost.collectives
+        if option.layout == "sharded-state":
+            out += cost.zero_collectives
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
