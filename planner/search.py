@@ -272,6 +272,11 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
     deferred: list[_Candidate] = []  # meshes of three or more axes (`refine`)
     floors: dict[int, tuple[int, str]] = {}  # devices -> (bytes no plan goes below, what they are)
     lived: set[int] = set()  # device counts whose `liveness_floor` is known (one built mesh gives it)
+    # The probes (`_probe`) run beside the builds of the next meshes: CP-SAT leaves the GIL to them.
+    probing = prune and budget is not None and options.offload == "off"
+    probe_pool = concurrent.futures.ThreadPoolExecutor(
+        max(1, threads or idle_cores() // max(1, options.solver_workers))) if probing else None
+    probes: list[tuple[_Candidate, concurrent.futures.Future]] = []
     for k, spec in enumerate(meshes):
         inter = inter_host_axes(spec.shape, devices_per_host) if devices_per_host else options.inter_host_axes
         key = mirror_key(spec, inter) if options.profile is None else None
@@ -334,10 +339,12 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
             log.info("mesh %s: needs >= %s/device, over the budget: not solved", spec, format_bytes(cand.memory_bound))
             continue
         candidates.append(cand)
+        if probe_pool is not None and len(spec.shape) >= 2 and over_budget_strategies(cand.problem, budget):
+            probes.append((cand, probe_pool.submit(probe_bound, cand.problem, budget, PROBE_UNITS,
+                                                   options.solver_workers)))
     threads = max(1, min(len(candidates), idle_cores() // max(1, options.solver_workers) if threads is None
                          else threads))
-    probed = (_probe(candidates, budget, options.solver_workers, threads)
-              if prune and budget is not None and options.offload == "off" else frozenset())
+    probed = _probe(probes, probe_pool) if probe_pool is not None else frozenset()
     candidates.sort(key=lambda c: (c.time_bound, c.index))
 
     def solve_one(cand: _Candidate, start: tuple[int, ...] | None = None) -> MeshResult:
@@ -522,26 +529,25 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
     return tuple(planned + mirrors + pruned + failed)
 
 
-def _probe(candidates: list[_Candidate], budget: float, workers: int, threads: int) -> frozenset[int]:
+def _probe(probes: list[tuple[_Candidate, concurrent.futures.Future]],
+           pool: concurrent.futures.ThreadPoolExecutor) -> frozenset[int]:
     """Raises the step-time bound of each mesh of two or more axes whose memory budget binds (the
     memory lower bound rules strategies out) to `solver.probe_bound`'s, when there are several such
     meshes to order: the search then solves them best bound first and prunes those whose bound is not
     below a plan found (GPT-39B on 8x8 V100 16 GB: 8x8 first, the four other 2-D meshes not solved;
     before, the per-op bounds were equal within 0.5% and the search spent 30 units on each of 32x2
-    and 16x4 first). The probes run `threads` at a time. Returns the axis counts of the meshes probed."""
-    binding = [c for c in candidates if len(c.mesh.shape) >= 2 and over_budget_strategies(c.problem, budget)]
-    if len(binding) < 2:
+    and 16x4 first). `probes`: those meshes with their probes, started as each mesh was built
+    (`search_meshes`), so that they ran beside the later builds. Returns the axis counts of the
+    meshes probed."""
+    pool.shutdown(wait=True)
+    if len(probes) < 2:
         return frozenset()
-
-    def one(cand: _Candidate) -> float:
-        return probe_bound(cand.problem, budget, workers=workers)
-
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        for cand, bound in zip(binding, pool.map(one, binding)):
-            log.info("mesh %s: step time >= %.4g s under the budget (%.3g-unit probe; %.4g s without it)",
-                     cand.mesh, bound, PROBE_UNITS, cand.time_bound)
-            cand.time_bound = max(cand.time_bound, bound)
-    return frozenset(len(c.mesh.shape) for c in binding)
+    for cand, future in probes:
+        bound = future.result()
+        log.info("mesh %s: step time >= %.4g s under the budget (%.3g-unit probe; %.4g s without it)",
+                 cand.mesh, bound, PROBE_UNITS, cand.time_bound)
+        cand.time_bound = max(cand.time_bound, bound)
+    return frozenset(len(c.mesh.shape) for c, _ in probes)
 
 
 def _search_smallest_peak(failed: list[MeshResult], built: dict[MeshSpec, _Candidate], options: PlanOptions) -> None:
