@@ -270,9 +270,11 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
                 found = followed[key] = _followed(sig, lead, node.owned[src], ins, outs, cost, combined, traffic,
                                                   others, per_spec, question)
             node.costs[:] = [c + add for c, add in zip(node.costs, found.costs)]
-            node.comm_s[:] = [c + add for c, add in zip(node.comm_s, found.comm_s)]
-            if combined:
+            if any(found.comm_s):  # most followers communicate in no strategy
+                node.comm_s[:] = [c + add for c, add in zip(node.comm_s, found.comm_s)]
+            if combined and any(found.groups):
                 node.combined[:] = [c | g for c, g in zip(node.combined, found.groups)]
+            if combined and any(found.async_s):
                 node.async_s[:] = [c + add for c, add in zip(node.async_s, found.async_s)]
             for i, comms, times in found.comms:
                 node.comms[i].extend(comms)
@@ -301,24 +303,24 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
                 found = [s for s in found if all(a is None or i is None or i in a
                                                  for i, a in zip(s.in_specs, reads))] or found
             enumerated[key] = (found, [s.describe(cost.mesh) for s in found],
-                               [[cost.collective_time(kd, b, a, combined) for kd, a, b in s.comms] for s in found])
-        strategies, descriptions, comm_times = enumerated[key]
+                               [[cost.collective_time(kd, b, a, combined) for kd, a, b in s.comms] for s in found],
+                               [_groups(s.comms) if combined else frozenset() for s in found],
+                               [[s.in_specs[k] for s in found] for k in range(len(op.inputs))])
+        strategies, descriptions, comm_times, groups, in_specs = enumerated[key]
         node = Node(
             index=len(nodes),
             label=f"{op.name} {op.name_stack}".strip(),
             costs=[s.cost for s in strategies],
             comms=[list(s.comms) for s in strategies],
             owned={t: [s.out_specs[j] for s in strategies] for j, t in enumerate(op.outputs)},
-            requires=[(op.inputs[k], [s.in_specs[k] for s in strategies], k) for k in arrays
-                      if op.inputs[k] not in free]
+            requires=[(op.inputs[k], in_specs[k], k) for k in arrays if op.inputs[k] not in free]
             + [(op.inputs[k], [() for _ in strategies], k) for k in scalars if op.inputs[k] not in free],
             ops=[op.index],
             descriptions=list(descriptions),
-            free_requires=[(op.inputs[k], [s.in_specs[k] for s in strategies]) for k in arrays
-                           if op.inputs[k] in free],
+            free_requires=[(op.inputs[k], in_specs[k]) for k in arrays if op.inputs[k] in free],
             comm_s=[s.comm_time for s in strategies],
             comm_times=[list(ts) for ts in comm_times],
-            combined=[_groups(s.comms) if combined else frozenset() for s in strategies],
+            combined=list(groups),
             async_s=[s.comm_time if combined else 0.0 for s in strategies],
         )
         nodes.append(node)
