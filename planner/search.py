@@ -113,9 +113,13 @@ def neighbourhood(graph: Graph, plan: Plan, axes: Sequence[tuple[int, ...]], mes
     made += [(graph.ops[op].outputs[k], spec) for op, k, spec in plan.op_specs]
     read = [(graph.ops[op].inputs[pos], spec) for op, pos, spec in plan.operand_specs]  # where read resharded
     out: dict[int, frozenset] = {}
+    near: dict = {}  # spec -> its neighbourhood (repeated layers repeat their specs)
     for t, spec in made + read:
         if isinstance(t, int):
-            out[t] = out.get(t, frozenset()) | _one_axis_away(fine(spec), mesh)
+            found = near.get(spec)
+            if found is None:
+                found = near[spec] = _one_axis_away(fine(spec), mesh)
+            out[t] = out[t] | found if t in out else found
     return out
 
 

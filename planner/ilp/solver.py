@@ -34,6 +34,7 @@ from planner.graph import Graph
 from planner.ilp.objective import offload_start, overlap_order, prefetched, step_time
 from planner.ilp.problem import KEEPS_FUSED_VALUES_IN_REGISTERS, Problem, kept_in_fusion, tandem_runs
 from planner.ilp.strategies import edge_parts, edge_time, part_key, part_time, shard_bytes
+from planner.sharding import num_shards
 from planner.units import format_bytes
 
 log = logging.getLogger("planner")
@@ -1151,14 +1152,17 @@ def _compute_bound_parts(problem: Problem) -> tuple[dict, np.ndarray, int]:
     rep = problem.rep
     tensors = problem.graph.tensors
     cpu = _xla_cpu(problem)
-    sizes: dict = {}
+    shards: dict = {}  # spec -> devices it splits a tensor over (few distinct specs, many tensors)
+    whole: dict = {}  # tensor id -> its bytes
 
-    def nbytes(tid: int, spec) -> int:
-        key = (tid, spec)  # keyed by id: hashing a `Tensor` costs more than `shard_bytes`
-        b = sizes.get(key)
+    def nbytes(tid: int, spec) -> int:  # `shard_bytes`
+        n = shards.get(spec)
+        if n is None:
+            n = shards[spec] = num_shards(spec, mesh)
+        b = whole.get(tid)
         if b is None:
-            b = sizes[key] = shard_bytes(tensors[tid], spec, mesh)
-        return b
+            b = whole[tid] = tensors[tid].nbytes
+        return b // n
 
     # per decision: (bytes per strategy, first point, point after the last) spans, and its reserved bytes
     spans: dict[int, list[tuple[np.ndarray, int, int]]] = defaultdict(list)
