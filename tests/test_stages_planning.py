@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -163,3 +164,32 @@ def test_microbatch_counts_the_step_cannot_run_are_skipped_in_one_line(caplog):
                                                    r"\(TypeError: [^\n]*\); no microbatch count tried traces \(4\)$"):
         plan_pipeline(b.train_step, args, make_cluster(1, 2, "cpu"), PlanOptions(pipeline=True, num_microbatches=4),
                       max_mesh_ndim=1)
+
+
+def test_pipeline_search_prices_the_runtimes_per_microbatch_reduction(caplog):
+    """The runtime reduces a data-parallel stage's gradients once per step only where the loss
+    traces on one replica's share of a microbatch (`runtime.PipelinedStep._replicas`). An MoE
+    routing 32-token groups traces on 8-row microbatches (64 tokens) but not on a quarter of one:
+    the search's chosen pipeline prices each stage split 4 ways as the runtime runs it, its
+    reduction in every microbatch (in the stage time, none once per step), and says so; the
+    prediction is still the pipeline latency of the stage times plus the once-per-step part."""
+    import logging
+
+    from planner.cost_model.cluster import Cluster
+    from planner.stages.dp import pipeline_latency
+
+    b = get_model("moe-tiny", batch=16, seq=8, group_size=32)
+    args = (b.abstract_state(), b.abstract_batch())
+    with caplog.at_level(logging.WARNING, logger="planner"):
+        pp = plan_pipeline(b.train_step, args, Cluster.parse("2x4:a100"),
+                           PlanOptions(pipeline=True, num_microbatches=2))
+    named = pp.planning["grad_sync_per_microbatch"]
+    assert named and all("split 4 ways" in line for line in named)
+    ways = [math.prod(st.mesh.shape[st.mesh.axis_names.index(a)] for a in st.data_axes) for st in pp.stages]
+    fallback = {int(line.split(":")[0].split()[1]) for line in named}
+    assert fallback == {k for k, w in enumerate(ways) if w == 4}
+    assert all(pp.stages[k].grad_sync_s == 0.0 for k in fallback)
+    assert any(w == 2 and st.grad_sync_s > 0 for w, st in zip(ways, pp.stages))  # a 2-way share traces
+    assert pp.step_time_s == pytest.approx(pipeline_latency([st.time_s for st in pp.stages], 2)
+                                           + max(st.grad_sync_s + st.apply_s for st in pp.stages), rel=1e-12)
+    assert sum("every microbatch" in r.getMessage() for r in caplog.records) == 1

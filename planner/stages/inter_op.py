@@ -574,10 +574,13 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
             f"per device for any of "
             f"{list(counts)} microbatches; raise memory_budget, use more devices or more microbatches")
     best = min(feasible, key=lambda c: (c.step_s, len(c.dp.stages)))
-    pp = _pipeline_plan(best, _stage_plans(best, shapes, meshes, cluster), options, cluster, t_start, timings,
+    stage_plans, best, per_microbatch = _replica_fallback(fn, args, best, _stage_plans(best, shapes, meshes, cluster),
+                                                          batch, batch_argnum)
+    pp = _pipeline_plan(best, stage_plans, options, cluster, t_start, timings,
                         len(cache), single, single_free,
                         tuple((c.B, c.step_s, len(c.dp.stages) if c.dp else 0) for c in candidates),
                         {"dp_evaluations": evaluations, "logical_meshes": len(meshes),
+                         **({"grad_sync_per_microbatch": per_microbatch} if per_microbatch else {}),
                          **({"stacked_params": list(stacked)} if stacked else {}),
                          **({"hand_layout_counts": hand} if layer_variants and pins is None else {}),
                          **({"single_stage_mesh_search": mesh_search} if options.pipeline == "auto" else {})})
@@ -593,6 +596,51 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
             comm_s=pred.communication_time_s, hidden_s=pred.hidden_communication_time_s, data_axes=frozenset())
         pp = dataclasses.replace(pp, stages=(st,))
     return dataclasses.replace(pp, single_stage_plan=(whole, whole_axes))
+
+
+def _replica_fallback(fn: Callable, args: tuple[Any, ...], best: _Candidate, stages: tuple[StagePlan, ...],
+                      batch: int, batch_argnum: int | tuple[int, ...]
+                      ) -> tuple[tuple[StagePlan, ...], _Candidate, list[str]]:
+    """The chosen pipeline priced as the runtime will run it. A data-parallel stage reduces its
+    gradients once per step only when each of its replicas' share of a microbatch is whole rows and
+    the loss traces on it (`runtime.PipelinedStep._replicas`); the stage tables price that once per
+    step. For a stage where it does not hold, the runtime reduces every microbatch: its reduction
+    moves into its per-microbatch time, and the step time follows (the pipeline latency of the new
+    stage times, the once-per-step part without it). Returns the stages, the candidate with that
+    step time and one line per stage so priced. (The runtime also reduces every microbatch where a
+    parameter is split over a data axis; not checked here.)"""
+    rows = batch // best.B
+    traces: dict[int, str | None] = {}  # replica count -> why the share does not trace (None: it does)
+    new, why = [], []
+    for k, st in enumerate(stages):
+        ways = math.prod(st.mesh.shape[st.mesh.axis_names.index(a)] for a in st.data_axes)
+        if ways <= 1 or not st.grad_sync_s:
+            new.append(st)
+            continue
+        if rows % ways:
+            reason = f"{rows} rows per microbatch do not split {ways} ways"
+        else:
+            if ways not in traces:
+                try:
+                    _trace_replica(fn, args, best.B, rows, ways, batch_argnum)
+                    traces[ways] = None
+                except UntraceableMicrobatches as e:
+                    traces[ways] = str(e)
+            reason = traces[ways]
+        if reason is None:
+            new.append(st)
+            continue
+        why.append(f"stage {k}: {reason}")
+        new.append(dataclasses.replace(st, time_s=st.time_s + st.grad_sync_s, comm_s=st.comm_s + st.grad_sync_s,
+                                       grad_sync_s=0.0))
+    if not why:
+        return stages, best, []
+    B = best.B
+    step = (best.step_s + pipeline_latency([s.time_s for s in new], B) - pipeline_latency([s.time_s for s in stages], B)
+            + max(s.grad_sync_s + s.apply_s for s in new) - max(s.grad_sync_s + s.apply_s for s in stages))
+    log.warning("the pipeline's data-parallel stages will reduce gradients every microbatch, not once per step "
+                "(%s): predicted %.4g s/step with that, %.4g s before", "; ".join(why), step, best.step_s)
+    return tuple(new), dataclasses.replace(best, step_s=step), why
 
 
 def _single_stage_search(graph: Graph, cluster: Cluster, options: PlanOptions, budget: float,
