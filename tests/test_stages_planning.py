@@ -193,3 +193,10 @@ def test_pipeline_search_prices_the_runtimes_per_microbatch_reduction(caplog):
     assert pp.step_time_s == pytest.approx(pipeline_latency([st.time_s for st in pp.stages], 2)
                                            + max(st.grad_sync_s + st.apply_s for st in pp.stages), rel=1e-12)
     assert sum("every microbatch" in r.getMessage() for r in caplog.records) == 1
+    # Searching every count, candidates are compared re-priced: the answer is no slower than the
+    # 2-microbatch pipeline as the runtime runs it, and priced as the runtime runs it too.
+    free = plan_pipeline(b.train_step, args, Cluster.parse("2x4:a100"), PlanOptions(pipeline=True),
+                         microbatch_limit=3)  # 16, 8 and 2 microbatches
+    assert free.step_time_s <= pp.step_time_s * (1 + 1e-12)
+    assert free.step_time_s == pytest.approx(pipeline_latency([st.time_s for st in free.stages], free.num_microbatches)
+                                             + max(st.grad_sync_s + st.apply_s for st in free.stages), rel=1e-12)

@@ -573,9 +573,19 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
             f"with or without recomputation and sharded state) fits the memory budget of {format_bytes(budget)} "
             f"per device for any of "
             f"{list(counts)} microbatches; raise memory_budget, use more devices or more microbatches")
-    best = min(feasible, key=lambda c: (c.step_s, len(c.dp.stages)))
-    stage_plans, best, per_microbatch = _replica_fallback(fn, args, best, _stage_plans(best, shapes, meshes, cluster),
-                                                          batch, batch_argnum)
+    # Candidates in price order, each re-priced as the runtime runs it (`_replica_fallback`, which
+    # only adds time) until the next one's price cannot beat the best re-priced one.
+    chosen = None
+    for c in sorted(feasible, key=lambda c: (c.step_s, len(c.dp.stages))):
+        if chosen is not None and (c.step_s, len(c.dp.stages)) >= (chosen[1].step_s, len(chosen[1].dp.stages)):
+            break
+        found = _replica_fallback(fn, args, c, _stage_plans(c, shapes, meshes, cluster), batch, batch_argnum)
+        if chosen is None or (found[1].step_s, len(c.dp.stages)) < (chosen[1].step_s, len(chosen[1].dp.stages)):
+            chosen = found
+    stage_plans, best, per_microbatch = chosen
+    if per_microbatch:
+        log.warning("the pipeline's data-parallel stages will reduce gradients every microbatch, not once per step "
+                    "(%s): predicted %.4g s/step with that", "; ".join(per_microbatch), best.step_s)
     pp = _pipeline_plan(best, stage_plans, options, cluster, t_start, timings,
                         len(cache), single, single_free,
                         tuple((c.B, c.step_s, len(c.dp.stages) if c.dp else 0) for c in candidates),
@@ -607,8 +617,9 @@ def _replica_fallback(fn: Callable, args: tuple[Any, ...], best: _Candidate, sta
     step. For a stage where it does not hold, the runtime reduces every microbatch: its reduction
     moves into its per-microbatch time, and the step time follows (the pipeline latency of the new
     stage times, the once-per-step part without it). Returns the stages, the candidate with that
-    step time and one line per stage so priced. (The runtime also reduces every microbatch where a
-    parameter is split over a data axis; not checked here.)"""
+    step time and one line per stage so priced: never faster than before, so the search re-prices
+    its candidates in price order until the next cannot win (`plan_pipeline`). (The runtime also
+    reduces every microbatch where a parameter is split over a data axis; not checked here.)"""
     rows = batch // best.B
     traces: dict[int, str | None] = {}  # replica count -> why the share does not trace (None: it does)
     new, why = [], []
@@ -638,8 +649,6 @@ def _replica_fallback(fn: Callable, args: tuple[Any, ...], best: _Candidate, sta
     B = best.B
     step = (best.step_s + pipeline_latency([s.time_s for s in new], B) - pipeline_latency([s.time_s for s in stages], B)
             + max(s.grad_sync_s + s.apply_s for s in new) - max(s.grad_sync_s + s.apply_s for s in stages))
-    log.warning("the pipeline's data-parallel stages will reduce gradients every microbatch, not once per step "
-                "(%s): predicted %.4g s/step with that, %.4g s before", "; ".join(why), step, best.step_s)
     return tuple(new), dataclasses.replace(best, step_s=step), why
 
 
