@@ -573,19 +573,9 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
             f"with or without recomputation and sharded state) fits the memory budget of {format_bytes(budget)} "
             f"per device for any of "
             f"{list(counts)} microbatches; raise memory_budget, use more devices or more microbatches")
-    # Candidates in price order, each re-priced as the runtime runs it (`_replica_fallback`, which
-    # only adds time) until the next one's price cannot beat the best re-priced one.
-    chosen = None
-    for c in sorted(feasible, key=lambda c: (c.step_s, len(c.dp.stages))):
-        if chosen is not None and (c.step_s, len(c.dp.stages)) >= (chosen[1].step_s, len(chosen[1].dp.stages)):
-            break
-        found = _replica_fallback(fn, args, c, _stage_plans(c, shapes, meshes, cluster), batch, batch_argnum)
-        if chosen is None or (found[1].step_s, len(c.dp.stages)) < (chosen[1].step_s, len(chosen[1].dp.stages)):
-            chosen = found
-    stage_plans, best, per_microbatch = chosen
-    if per_microbatch:
-        log.warning("the pipeline's data-parallel stages will reduce gradients every microbatch, not once per step "
-                    "(%s): predicted %.4g s/step with that", "; ".join(per_microbatch), best.step_s)
+    stage_plans, best, per_microbatch = _cheapest_as_run(
+        fn, args, feasible, lambda c: (c.step_s, len(c.dp.stages)),
+        lambda c: _stage_plans(c, shapes, meshes, cluster), batch, batch_argnum)
     pp = _pipeline_plan(best, stage_plans, options, cluster, t_start, timings,
                         len(cache), single, single_free,
                         tuple((c.B, c.step_s, len(c.dp.stages) if c.dp else 0) for c in candidates),
@@ -608,27 +598,54 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
     return dataclasses.replace(pp, single_stage_plan=(whole, whole_axes))
 
 
+def _cheapest_as_run(fn: Callable, args: tuple[Any, ...], feasible: Sequence[_Candidate], key: Callable,
+                     stage_plans_of: Callable, batch: int, batch_argnum: int | tuple[int, ...]
+                     ) -> tuple[tuple[StagePlan, ...], _Candidate, list[str]]:
+    """The candidate first by `key` (which grows with `step_s`) once priced as the runtime runs it
+    (`_replica_fallback`, which only adds time): candidates are re-priced in `key` order until the
+    next one cannot beat the best re-priced one. Returns its stage plans, itself re-priced and the
+    stages it re-priced (with a warning when there are any)."""
+    chosen = None
+    for c in sorted(feasible, key=key):
+        if chosen is not None and key(c) >= key(chosen[1]):
+            break
+        found = _replica_fallback(fn, args, c, stage_plans_of(c), batch, batch_argnum)
+        if chosen is None or key(found[1]) < key(chosen[1]):
+            chosen = found
+    if chosen[2]:
+        log.warning("the pipeline's data-parallel stages will reduce gradients every microbatch, not once per step "
+                    "(%s): predicted %.4g s/step with that", "; ".join(chosen[2]), chosen[1].step_s)
+    return chosen
+
+
 def _replica_fallback(fn: Callable, args: tuple[Any, ...], best: _Candidate, stages: tuple[StagePlan, ...],
                       batch: int, batch_argnum: int | tuple[int, ...]
                       ) -> tuple[tuple[StagePlan, ...], _Candidate, list[str]]:
     """The chosen pipeline priced as the runtime will run it. A data-parallel stage reduces its
-    gradients once per step only when each of its replicas' share of a microbatch is whole rows and
-    the loss traces on it (`runtime.PipelinedStep._replicas`); the stage tables price that once per
-    step. For a stage where it does not hold, the runtime reduces every microbatch: its reduction
+    gradients once per step only when each of its replicas' share of a microbatch is whole rows, the
+    loss traces on it and no parameter is split over a data axis (`runtime.PipelinedStep._replicas`);
+    the stage tables price that once per step. For a stage where it does not hold, the runtime reduces every microbatch: its reduction
     moves into its per-microbatch time, and the step time follows (the pipeline latency of the new
     stage times, the once-per-step part without it). Returns the stages, the candidate with that
     step time and one line per stage so priced: never faster than before, so the search re-prices
-    its candidates in price order until the next cannot win (`plan_pipeline`). (The runtime also
-    reduces every microbatch where a parameter is split over a data axis; not checked here.)"""
+    its candidates in price order until the next cannot win (`plan_pipeline`). A stage whose
+    parameters (a program input outside the batch arguments and the optimizer state) are split
+    over a data axis reduces every microbatch in the runtime too."""
     rows = batch // best.B
+    batch_args = tuple(f"[{a % len(args)}]" for a in _argnums(batch_argnum))
     traces: dict[int, str | None] = {}  # replica count -> why the share does not trace (None: it does)
     new, why = [], []
     for k, st in enumerate(stages):
-        ways = math.prod(st.mesh.shape[st.mesh.axis_names.index(a)] for a in st.data_axes)
+        axes = {st.mesh.axis_names.index(a) for a in st.data_axes}
+        ways = st.mesh.axis_size(tuple(axes))
         if ways <= 1 or not st.grad_sync_s:
             new.append(st)
             continue
-        if rows % ways:
+        split = [path for path, spec in st.specs.items() if not path.startswith(batch_args)
+                 and "opt_state" not in path and axes & {a for dim in spec for a in dim}]
+        if split:
+            reason = f"parameter {split[0]} is split over a data axis"
+        elif rows % ways:
             reason = f"{rows} rows per microbatch do not split {ways} ways"
         else:
             if ways not in traces:
@@ -934,8 +951,11 @@ def fixed_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Clust
     feasible = [c for c in candidates if c.dp is not None]
     if not feasible:
         raise InfeasiblePlanError(f"no layer of this configuration can be planned on the stage mesh {lm.mesh}")
-    best = min(feasible, key=lambda c: (not fits[c.B], c.step_s, -c.B))
-    return _pipeline_plan(best, _stage_plans(best, (shape,), (lm,), cluster), options, cluster, t_start, timings,
+    stage_plans, best, per_microbatch = _cheapest_as_run(
+        fn, args, feasible, lambda c: (not fits[c.B], c.step_s, -c.B),
+        lambda c: _stage_plans(c, (shape,), (lm,), cluster), batch, batch_argnum)
+    return _pipeline_plan(best, stage_plans, options, cluster, t_start, timings,
                           len(cache), None, None, tuple((c.B, c.step_s, S) for c in candidates),
                           {"dp_evaluations": 0, "logical_meshes": 1, "stages_chosen": "even (hand-chosen)",
-                           "fits_memory": fits[best.B]})
+                           "fits_memory": fits[best.B],
+                           **({"grad_sync_per_microbatch": per_microbatch} if per_microbatch else {})})
