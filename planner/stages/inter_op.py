@@ -621,16 +621,15 @@ def _cheapest_as_run(fn: Callable, args: tuple[Any, ...], feasible: Sequence[_Ca
 def _replica_fallback(fn: Callable, args: tuple[Any, ...], best: _Candidate, stages: tuple[StagePlan, ...],
                       batch: int, batch_argnum: int | tuple[int, ...]
                       ) -> tuple[tuple[StagePlan, ...], _Candidate, list[str]]:
-    """The chosen pipeline priced as the runtime will run it. A data-parallel stage reduces its
+    """A candidate pipeline priced as the runtime will run it. A data-parallel stage reduces its
     gradients once per step only when each of its replicas' share of a microbatch is whole rows, the
-    loss traces on it and no parameter is split over a data axis (`runtime.PipelinedStep._replicas`);
-    the stage tables price that once per step. For a stage where it does not hold, the runtime reduces every microbatch: its reduction
-    moves into its per-microbatch time, and the step time follows (the pipeline latency of the new
-    stage times, the once-per-step part without it). Returns the stages, the candidate with that
-    step time and one line per stage so priced: never faster than before, so the search re-prices
-    its candidates in price order until the next cannot win (`plan_pipeline`). A stage whose
-    parameters (a program input outside the batch arguments and the optimizer state) are split
-    over a data axis reduces every microbatch in the runtime too."""
+    loss traces on it and no parameter (a program input outside the batch arguments and the
+    optimizer state) is split over a data axis (`runtime.PipelinedStep._replicas`); the stage
+    tables price that once per step. For a stage where it does not hold, the runtime reduces every
+    microbatch: its reduction moves into its per-microbatch time and exposed communication, and the
+    step time follows (the pipeline latency of the new stage times, the once-per-step part without
+    it). Returns the stages, the candidate with that step time and one line per stage so priced;
+    never faster than before (`_cheapest_as_run` relies on it)."""
     rows = batch // best.B
     batch_args = tuple(f"[{a % len(args)}]" for a in _argnums(batch_argnum))
     traces: dict[int, str | None] = {}  # replica count -> why the share does not trace (None: it does)
