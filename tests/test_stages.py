@@ -346,3 +346,31 @@ def test_sharded_state_stages_list_their_parameter_gathers():
         assert priced == pytest.approx(lc.zero_extra_s, rel=1e-12)
         wheres = [c.where for c in lc.zero_collectives]
         assert all(wheres.count(w) == 2 for w in wheres)  # forward and backward
+
+
+def test_sharded_state_stages_reduce_gradients_every_microbatch():
+    """In the sharded-state layout a stage's parameters are split over its data axes too, so the
+    pipeline runtime reduces their gradients every microbatch (`runtime.PipelinedStep._replicas`):
+    the stage tables price that reduction in the stage time per microbatch and not once per step;
+    the "plan" layout keeps it once per step."""
+    from planner.options import PlanOptions
+    from planner.stages.inter_op import _once_per_step
+    from planner.stages.stage_cost import LayerCostTable, StageOption, _columns
+
+    ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
+    graph = trace(_tanh_chain_step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
+    layers = cluster_layers(graph, num_layers=2)
+    cluster = make_cluster(2, 4, "a100")
+    table = LayerCostTable(graph, layers, logical_meshes((1, 4), cluster, max_ndim=2), cluster, PlanOptions(), {})
+    sharded, planned = StageOption(0, "sharded-state", False), StageOption(0, "plan", False)
+    rows = [table.cost(l, 0) for l in range(2)]
+    assert any(r.data_axes and r.sync_s > 0 for r in rows)  # a data-parallel layer: its gradient reduction
+    for option in (sharded, planned):
+        time = _columns(table, option)["time"]
+        every = [option is sharded and bool(r.data_axes) and r.sync_s > 0 for r in rows]
+        for l, r in enumerate(rows):
+            gathers = r.zero_extra_s if option is sharded else 0.0
+            assert time[l] == pytest.approx(r.time_s + gathers + (r.sync_s if every[l] else 0.0), rel=1e-12)
+        once = _once_per_step(table, option, 0, 1)[0]
+        assert once == pytest.approx(sum(r.sync_s for r, e in zip(rows, every) if not e), abs=1e-15)
+        assert (once < sum(r.sync_s for r in rows)) == (option is sharded)

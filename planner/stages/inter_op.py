@@ -44,6 +44,7 @@ from planner.stages.stage_cost import (
     external_inputs,
     stage_collectives,
     stage_communication,
+    sync_every_microbatch,
     stage_memory,
     stage_times,
 )
@@ -750,7 +751,8 @@ def _option(st, stage: StageChoice, position: int) -> StageOption:
 def _once_per_step(table: LayerCostTable, opt: StageOption, first: int, last: int) -> tuple[float, float]:
     """(data-parallel gradient reduction, optimizer update) of the stage of layers first..last."""
     costs = [table.cost(l, opt.mesh_index, opt.variant) for l in range(first, last + 1)]
-    return sum(c.sync_s for c in costs), sum(c.apply_s for c in costs)
+    return (sum(c.sync_s for c in costs if not sync_every_microbatch(c, opt)),  # the rest is in the stage time
+            sum(c.apply_s for c in costs))
 
 
 def _once_per_step_max(table: LayerCostTable, st, stages: Sequence[StageChoice]) -> float:

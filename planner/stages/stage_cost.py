@@ -378,6 +378,11 @@ def _layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lme
     zero_state = 2 * zero_param + (facts.state_bytes_total - facts.param_bytes_total) * zratio
     data = batch_axes([spec_of_input.get(t) for t in ext if t not in param_set], mesh)
     sync, exposed = grad_sync(plan.prediction, data, cost)
+    data_index = {mesh.axis_names.index(a) for a in data}
+    if any(data_index & {a for dim in spec_of_input.get(t) or () for a in dim} for t in ext if t in param_set):
+        # a parameter split over a data axis: the pipeline runtime reduces every microbatch
+        # (`runtime.PipelinedStep._replicas`), as the layer's plan prices it; nothing once per step
+        sync, exposed = 0.0, 0.0
     exported = set(sub.outputs)
     produced = {(op_index, k): spec for op_index, k, spec in plan.op_specs
                 if sub.ops[op_index].outputs[k] in exported}
@@ -658,6 +663,14 @@ def _range_max(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def sync_every_microbatch(cost: LayerCost, option: StageOption) -> bool:
+    """Whether the layer's data-parallel gradient reduction (`LayerCost.sync_s`) runs every
+    microbatch as `option` runs it, not once per step: in the sharded-state layout its parameters
+    are split over the data axes too, and the pipeline runtime then reduces every microbatch
+    (`runtime.PipelinedStep._replicas`)."""
+    return option.layout == "sharded-state" and bool(cost.data_axes) and cost.sync_s > 0
+
+
 def _columns(table: LayerCostTable, option: StageOption) -> dict[str, np.ndarray]:
     """Per layer on the option's mesh, variant and state layout: its time per microbatch ("time")
     and the exposed communication inside it ("comm"), each with what remat's recomputed forward adds
@@ -665,10 +678,11 @@ def _columns(table: LayerCostTable, option: StageOption) -> dict[str, np.ndarray
     rows = [table.cost(l, option.mesh_index, option.variant) for l in range(table.layers.num_layers)]
     sharded = option.layout == "sharded-state"
     gathers = [r.zero_extra_s if sharded else 0.0 for r in rows]  # the sharded state's all-gathers
+    every = [r.sync_s if sync_every_microbatch(r, option) else 0.0 for r in rows]
     return {
-        "time": np.array([r.time_s + g for r, g in zip(rows, gathers)]),
+        "time": np.array([r.time_s + g + e for r, g, e in zip(rows, gathers, every)]),
         "time_recompute": np.array([r.time_s * r.fwd_fraction + g / 2 for r, g in zip(rows, gathers)]),
-        "comm": np.array([r.comm_s + g for r, g in zip(rows, gathers)]),
+        "comm": np.array([r.comm_s + g + e for r, g, e in zip(rows, gathers, every)]),
         "comm_recompute": np.array([r.comm_s * r.fwd_fraction + g / 2 for r, g in zip(rows, gathers)]),
         "state": np.array([r.zero_state_bytes if sharded else r.state_bytes for r in rows]),
         "act": np.array([r.act_bytes for r in rows]),
