@@ -32,6 +32,11 @@ def is_valid(shape: Shape, spec: Spec, mesh: MeshSpec) -> bool:
     return all(d % mesh.axis_size(axes) == 0 for d, axes in zip(shape, spec))
 
 
+def spec_axes(spec: Spec) -> frozenset[int]:
+    """The mesh axes `spec` splits some dimension over."""
+    return frozenset(a for dim in spec for a in dim)
+
+
 def num_shards(spec: Spec, mesh: MeshSpec) -> int:
     return math.prod(mesh.axis_size(axes) for axes in spec)
 

@@ -33,7 +33,7 @@ from planner.options import PlanOptions
 from planner.plan import stage_way
 from planner.planning import make_plan
 from planner.search import candidate_meshes, search_meshes
-from planner.sharding import Spec
+from planner.sharding import Spec, spec_axes
 from planner.stages.clustering import Layers, cluster_layers, stacked_inputs, stacked_note
 from planner.stages.dp import DPResult, StageChoice, bubble_fraction, pipeline_dp, pipeline_latency
 from planner.stages.stage_cost import (
@@ -642,7 +642,7 @@ def _replica_fallback(fn: Callable, args: tuple[Any, ...], best: _Candidate, sta
             new.append(st)
             continue
         split = [path for path, spec in st.specs.items() if not path.startswith(batch_args)
-                 and "opt_state" not in path and axes & {a for dim in spec for a in dim}]
+                 and "opt_state" not in path and axes & spec_axes(spec)]
         if split:
             reason = f"parameter {split[0]} is split over a data axis"
         elif rows % ways:

@@ -57,7 +57,7 @@ from planner.mesh import MeshSpec
 from planner.options import PlanOptions
 from planner.plan import Plan, Prediction
 from planner.planning import make_plan
-from planner.sharding import named_sharding, replicated
+from planner.sharding import named_sharding, replicated, spec_axes
 from planner.stages.layout import StageLayout, data_axes, data_spec, even_layouts, find_spec, layer_names
 from planner.stages.opt_state import opt_layouts, opt_shardings
 from planner.stages.partition import partition
@@ -239,7 +239,7 @@ class PipelinedStep:
         for st in stages:
             lay, axes = st["layout"], tuple(a for a in st["axes"] if st["layout"].mesh.shape[a] > 1)
             ways = lay.mesh.axis_size(axes) if axes else 1
-            if ways <= 1 or mb % ways or any(set(axes) & {a for dims in sp for a in dims} for sp in st["p_spec"]):
+            if ways <= 1 or mb % ways or any(set(axes) & spec_axes(sp) for sp in st["p_spec"]):
                 continue
             if ways not in traced:
                 small = jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb // ways,) + tuple(np.shape(x)[1:]), x.dtype),

@@ -76,7 +76,7 @@ from planner.options import PlanOptions
 from planner.plan import PredictedCollective, stage_way
 from planner.planning import make_plan
 from planner.search import idle_cores
-from planner.sharding import Spec, active_axes, replicated
+from planner.sharding import Spec, active_axes, replicated, spec_axes
 from planner.stages.clustering import APPLY, BACKWARD, FORWARD, Layers
 from planner.stages.submesh import LogicalMesh, boundary_link, effective_hardware
 
@@ -379,7 +379,7 @@ def _layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lme
     data = batch_axes([spec_of_input.get(t) for t in ext if t not in param_set], mesh)
     sync, exposed = grad_sync(plan.prediction, data, cost)
     data_index = {mesh.axis_names.index(a) for a in data}
-    if any(data_index & {a for dim in spec_of_input.get(t) or () for a in dim} for t in ext if t in param_set):
+    if any(data_index & spec_axes(spec_of_input.get(t) or ()) for t in ext if t in param_set):
         # a parameter split over a data axis: the pipeline runtime reduces every microbatch
         # (`runtime.PipelinedStep._replicas`), as the layer's plan prices it; nothing once per step
         sync, exposed = 0.0, 0.0
