@@ -154,7 +154,8 @@ def unavailable(hardware, devices: Sequence[Any] = ()) -> str | None:
 def with_offload(problem: Problem, pairs: Sequence[tuple[int, int]]) -> Problem:
     """`problem` with `pairs` kept on the host: their device live ranges and transfer costs."""
     pairs = tuple(pairs)
-    fused = fused_away(problem.graph, problem.unwritten, problem.combinable, problem.memory_platform)
+    fused = fused_away(problem.graph, problem.unwritten, problem.combinable, problem.memory_platform,
+                       problem.recomputed)
     base = live_ranges(problem.graph, problem.donated, fused) if problem.offloaded else problem.live
     return dataclasses.replace(problem, offloaded=pairs, live=offloaded_live_ranges(
         problem.graph, base, pairs, fused, copied=problem.memory_platform != "cpu"))

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import pytest
 
 from planner.cost_model import CostModel
-from planner.fusion import fusions, memory_traffic_bytes
+from planner.fusion import fusions, memory_traffic_bytes, recomputed
 from planner.graph import trace
-from planner.ilp.problem import TIE_BREAK_S_PER_BYTE
+from planner.ilp.problem import TIE_BREAK_S_PER_BYTE, last_reads
 from planner.mesh import MeshSpec
 from planner.options import PlanOptions
 from planner.planning import make_plan
@@ -159,3 +159,31 @@ def test_gpu_fuses_gathers_and_scatters_take_their_producers():
              if op.name == "broadcast_in_dim" and graph.tensors[op.outputs[0]].shape == (ROWS, COLS)]
     assert zeros and all(fusions(graph, "gpu")[op.index].writes == (False,) for op in zeros)
     assert any(fusions(graph, "cpu")[op.index].writes == (True,) for op in zeros)
+
+
+def test_cpu_recomputes_cheap_residuals_of_the_gelu_in_the_backward():
+    """The tanh GELU, x * 0.5 (1 + tanh(..)): its cdf 0.5 (1 + tanh) is read by the forward's last
+    multiply and by the backward. XLA:CPU writes the matmul's output, the tanh (expensive: never
+    duplicated) and the GELU's output (read by the next matmul), and recomputes the cdf inside the
+    backward's fusion (gpt-tiny's buffer assignment, `fusion.recomputed`). So the memory model gives
+    the cdf and the 1 + tanh it is made from no buffer, and holds the tanh until the backward."""
+    def loss(w1, w2, x):
+        return jnp.sum(jax.nn.gelu(x @ w1, approximate=True) @ w2)
+
+    w1, w2 = jax.ShapeDtypeStruct((COLS, 4 * COLS), jnp.float32), jax.ShapeDtypeStruct((4 * COLS, 1), jnp.float32)
+    x = jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32)
+    graph = trace(jax.grad(loss, argnums=(0, 1)), w1, w2, x)
+    again = recomputed(graph)
+    assert recomputed(graph, "gpu") == frozenset()
+    producer = {t: op for op in graph.ops for t in op.outputs}
+    tanh = next(op for op in graph.ops if op.name == "tanh").outputs[0]
+    first, second = [op for op in graph.ops if op.name == "dot_general"][:2]  # x @ w1, then gelu @ w2
+    dot, gelu = first.outputs[0], next(t for t in second.inputs if t != graph.inputs[1])
+    cdf = next(t for t in producer[gelu].inputs if t != dot)
+    one_plus_tanh = next(t for t in producer[cdf].inputs if isinstance(t, int))
+    assert producer[one_plus_tanh].inputs[1] == tanh
+    assert again == {cdf, one_plus_tanh}
+    readers = {c for c, _ in graph.consumers()[cdf]}
+    assert len(readers) == 2 and max(readers) > producer[gelu].index  # the forward's multiply and the backward
+    last = last_reads(graph, again)
+    assert last[tanh] >= max(readers) and last_reads(graph)[one_plus_tanh] < max(readers)

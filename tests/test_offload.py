@@ -168,13 +168,17 @@ def test_auto_offloads_only_the_overflow_and_fits(devices8):
     compiled = step.lower(state, batch).compile()
     host_args, _, host_outs, _ = _entry_bytes(compiled)
     assert host_args == host_outs == record["host_bytes_per_device"]
-    # The predicted peak falls by the offloaded leaves, in and out; XLA:CPU's device bytes fall by at
-    # least that (jax 0.10: exactly; jax 0.12's buffer assignment also drops a temporary of the update
-    # fusion that reads the host-placed moments: 2880 B more here, the prediction on the safe side).
+    # The predicted peak falls by the offloaded arguments, and by their new values' buffers less what
+    # those buffers held before they were written (`solver._borrowed`: temporaries that fit, which
+    # now count): between once and twice the offloaded bytes. XLA:CPU's device bytes fall by at
+    # least twice that (jax 0.10: exactly; jax 0.12's buffer assignment also drops a temporary of the
+    # update fusion that reads the host-placed moments: 2880 B more here): the prediction is on the
+    # safe side.
     drop = _device_bytes(plain.lower(state, batch).compile()) - _device_bytes(compiled)
     predicted_drop = (plain.plan(state, batch).prediction.memory_bytes_per_device
                       - plan.prediction.memory_bytes_per_device)
-    assert predicted_drop == 2 * record["host_bytes_per_device"] <= drop
+    host = record["host_bytes_per_device"]
+    assert host <= predicted_drop <= 2 * host <= drop
     new_state, metrics = step(state, batch)
     ref_state, ref_metrics = jax.jit(_mlp_step)(state, batch)
     assert_first_step_close(_mlp_loss, _OPT, state, batch, new_state, metrics, ref_state, ref_metrics,

@@ -19,7 +19,7 @@ import numpy as np
 from planner.cost_model import CostModel
 from planner.graph import Graph, Literal, Tensor
 from planner.ilp.rules import ELEMENTWISE, RULES, signature
-from planner.fusion import fusions
+from planner.fusion import fusions, recomputed
 from planner.ilp.strategies import Comm, Strategy, edge_time, enumerate_strategies, follow, shard_bytes
 from planner.layer_index import find_indexed, star_indices
 from planner.sharding import Spec, enumerate_specs
@@ -128,6 +128,9 @@ class Problem:
     # Tensors XLA keeps inside one fusion (`fusion.fusions`: never written to memory); the memory
     # model leaves those of the optimizer update out (`ilp.solver.memory_profile`).
     unwritten: frozenset[int] = frozenset()
+    # Tensors XLA:CPU recomputes in each fusion that reads them (`fusion.recomputed`): no memory of
+    # their own, their operands held until their last reader.
+    recomputed: frozenset[int] = frozenset()
     # The XLA backend the plan compiles for ("cpu", "gpu", "tpu"; "" = the hardware preset's
     # platform): XLA:CPU allocates extra buffers for reductions (`ilp.solver.memory_profile`).
     device_platform: str = ""
@@ -145,6 +148,9 @@ class Problem:
     _edge_times_by_id: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
     # `solver.memory_lower_bound` once computed (the mesh search bounds a mesh, then its solve checks it)
     _bounds: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    # `solver._borrowed` of the last plan asked (memory_profile, the memory rounds' cuts and the ILP
+    # terms ask for the same plan in turn)
+    _borrowed: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def memory_platform(self) -> str:
@@ -370,11 +376,12 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
         if len(set(rep)) == len(rep):  # no repeated layers by name: find them by structure
             rep = structural_representatives(nodes, graph, edges)
     unwritten = frozenset(t for op in graph.ops for t, w in zip(op.outputs, unwritten_by[op.index].writes) if not w)
-    live = live_ranges(graph, donated, fused_away(graph, unwritten, combinable, memory_platform))
+    again = recomputed(graph, memory_platform)
+    live = live_ranges(graph, donated, fused_away(graph, unwritten, combinable, memory_platform, again))
     return Problem(graph, cost, tuple(nodes), tuple(edges), owner, tuple(ties), live,
                    tuple(sorted(fallback)), frozenset(free), rep, frozenset(combinable),
                    pinned_outputs=pinned_outputs, donated=tuple(donated), unwritten=unwritten,
-                   device_platform=device_platform)
+                   recomputed=again, device_platform=device_platform)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -629,18 +636,21 @@ KEEPS_FUSED_VALUES_IN_REGISTERS = frozenset({"gpu"})
 
 
 def kept_in_fusion(tid: int, producer: int, unwritten: Collection[int], combinable: Collection[int],
-                   platform: str) -> bool:
+                   platform: str, recomputed: Collection[int] = ()) -> bool:
     """Whether the memory model gives value `tid` (made by op `producer`) no buffer: XLA computes it
     inside the fusion reading it and never writes it (`unwritten`); on `platform`s outside
-    `KEEPS_FUSED_VALUES_IN_REGISTERS`, only a value of the optimizer update (the combinable tail)."""
+    `KEEPS_FUSED_VALUES_IN_REGISTERS`, only a value of the optimizer update (the combinable tail) and
+    one XLA recomputes in the fusions that read it (`recomputed`, `planner.fusion.recomputed`)."""
+    if tid in recomputed:
+        return True
     return tid in unwritten and (platform in KEEPS_FUSED_VALUES_IN_REGISTERS or producer in combinable)
 
 
 def fused_away(graph: Graph, unwritten: Collection[int], combinable: Collection[int],
-               platform: str = "cpu") -> frozenset[int]:
+               platform: str = "cpu", recomputed: Collection[int] = ()) -> frozenset[int]:
     """Values the memory model gives no buffer (`kept_in_fusion`; `ilp.solver._materialised`)."""
     return frozenset(t for op in graph.ops for t in op.outputs
-                     if kept_in_fusion(t, op.index, unwritten, combinable, platform))
+                     if kept_in_fusion(t, op.index, unwritten, combinable, platform, recomputed))
 
 
 def last_reads(graph: Graph, fused: Collection[int] = ()) -> list[int]:

@@ -32,7 +32,7 @@ from ortools.sat.python import cp_model
 from planner.errors import InfeasiblePlanError, OutboundError, PlannerError
 from planner.graph import Graph
 from planner.ilp.objective import offload_start, overlap_order, prefetched, step_time
-from planner.ilp.problem import KEEPS_FUSED_VALUES_IN_REGISTERS, Problem, kept_in_fusion, tandem_runs
+from planner.ilp.problem import Problem, kept_in_fusion, tandem_runs
 from planner.ilp.strategies import edge_parts, edge_time, part_key, part_time, shard_bytes
 from planner.sharding import num_shards
 from planner.units import format_bytes
@@ -101,10 +101,20 @@ def memory_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
         last point (`_transient_point`);
       - on XLA:CPU, the buffers its reductions allocate (`_reduction_buffers`), and one more point
         after the end (index n+2): XLA's own accounting while the combined gradient reduction runs
-        (`_reserved_point`).
+        (`_reserved_point`);
+      - on XLA:CPU, program outputs not yet written whose buffers hold no temporary (`_borrowed`;
+        the count above, the liveness count, lets any temporary use them).
     Checked against XLA's compiled `memory_analysis()` (experiments/check_memory.py,
     tests/test_memory.py).
     """
+    profile = _liveness_profile(problem, choice)
+    extra = _borrowed(problem, choice, profile)[0]
+    profile[: len(extra)] += extra
+    return profile
+
+
+def _liveness_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
+    """`memory_profile` without XLA:CPU's output buffers (`_borrowed`): the liveness count."""
     n = len(problem.graph.ops)
     delta = np.zeros(n + 3, dtype=np.int64)
     mesh = problem.cost.mesh
@@ -139,10 +149,11 @@ def _materialised(problem: Problem, tid: int, first: int) -> bool:
     each step of the update for every leaf before the next step (all m-hat, then all v-hat, ...),
     so in program order such values of every leaf are live at once, while XLA fuses each leaf's
     elementwise update into one loop and never writes them (counting them put gpt-tiny's and
-    moe-tiny's data-parallel predictions at 1.12-1.13x of the compiled peak). Elsewhere on XLA:CPU
-    values kept inside fusions still count: dropping them everywhere gave wresnet-tiny 0.68x."""
+    moe-tiny's data-parallel predictions at 1.12-1.13x of the compiled peak), and a residual XLA:CPU
+    recomputes in the backward's fusion (`problem.recomputed`, `fusion.recomputed`). Elsewhere on
+    XLA:CPU values kept inside fusions still count: dropping them everywhere gave wresnet-tiny 0.68x."""
     return tid in problem.owner and not kept_in_fusion(tid, first, problem.unwritten, problem.combinable,
-                                                         problem.memory_platform)
+                                                         problem.memory_platform, problem.recomputed)
 
 
 def _copied_only_if_resharded(problem: Problem, e) -> bool:
@@ -153,7 +164,7 @@ def _copied_only_if_resharded(problem: Problem, e) -> bool:
     layout is read in place (counting a copy at every consumer put the unsharded gpt2-small at 1.13x
     of the peak XLA compiled for an H100, the 1.65 GB logits gradient counted twice;
     experiments/check_gpu.py)."""
-    return e.op < 0 or e.op in problem.combinable or problem.memory_platform in KEEPS_FUSED_VALUES_IN_REGISTERS
+    return True
 
 
 def _transient_point(problem: Problem, e) -> int:
@@ -197,6 +208,114 @@ def _xla_cpu(problem: Problem) -> bool:
     """The plan compiles for XLA:CPU: the mesh's devices are CPUs, or (planning without devices)
     the hardware preset is a CPU."""
     return problem.memory_platform == "cpu"
+
+
+def _output_slots(problem: Problem, choice: Sequence[int]) -> tuple[list[tuple[int, int, int, tuple]],
+                                                                    list[tuple[int, int]]]:
+    """XLA:CPU's program-output buffers and the temporaries that may borrow them, under `choice`
+    (`_borrowed`): (temporaries as (first point, last point, bytes, key)), (outputs as (the first
+    point they are written at, bytes)), in `memory_profile`'s points. A key names the term of
+    `_Model.memory_expr` the temporary is: ("t", tensor id), ("e", edge index) or ("r", node,
+    strategy, bytes) for a reduction buffer. Arguments are not temporaries; a donated argument's
+    output is not a free buffer (its argument holds it until its last read, `live_ranges`)."""
+    mesh = problem.cost.mesh
+    n = len(problem.graph.ops)
+    donated_outputs = {tout for _, tout in problem.donated}
+    outputs = {x for x in problem.graph.outputs if isinstance(x, int)}
+    temps: list[tuple[int, int, int, tuple]] = []
+    slots: list[tuple[int, int]] = []
+    for tid, (first, last) in enumerate(problem.live):
+        if first < 0 or not _materialised(problem, tid, first):
+            continue
+        b = shard_bytes(problem.graph.tensors[tid], problem.spec(tid, choice), mesh)
+        if tid in outputs and last == n:
+            if tid not in donated_outputs:
+                slots.append((first + 1, b))
+        elif b:
+            temps.append((first + 1, last + 1, b, ("t", tid)))
+    for k, e in enumerate(problem.edges):
+        if _copied_only_if_resharded(problem, e) and e.src_specs[choice[e.src]] == e.dst_specs[choice[e.dst]]:
+            continue
+        at = _transient_point(problem, e)
+        b = shard_bytes(problem.graph.tensors[e.tensor], e.dst_specs[choice[e.dst]], mesh)
+        if b:
+            temps.append((at, at, b, ("e", k)))
+    combined_at = _combined_point(problem)
+    for node in problem.nodes:
+        i = choice[node.index]
+        for first, last, b in _reduction_buffers(problem, node, i, combined_at):
+            temps.append((first, last, b, ("r", node.index, i, b)))
+    return temps, slots
+
+
+def _borrowed(problem: Problem, choice: Sequence[int],
+              liveness: np.ndarray | None = None) -> tuple[np.ndarray, dict[int, list[tuple]], frozenset[int]]:
+    """What XLA:CPU's output buffers hold before they are written, under `choice`: per point of
+    `memory_profile` (0..n+1) the bytes of unwritten outputs that hold no temporary; per point the
+    keys of the temporaries they hold (`_output_slots`); the points where both were worked out.
+
+    XLA reserves a program output's buffer for the whole program (`memory_analysis()` reports
+    arguments + outputs + temporaries) and places a temporary in it only when the temporary fits,
+    one at a time (buffer assignment's `MaybeAssignBuffer`; read from llama-tiny's buffer
+    assignment with `--xla_dump_to`: a 64 KB output's allocation held 19 temporaries of 0.1-64 KB,
+    each alone at offset 0). The liveness count (`_liveness_profile`) counts an output from its
+    write, so it lets every live temporary use every unwritten output's bytes; this is the rest:
+    at each point the live temporaries, largest first, each take a free unwritten output they fit
+    in (the most bytes any one-per-buffer placement holds), and the unwritten outputs' bytes left
+    over count as well (experiments/check_memory.py: llama-tiny 2x4 0.896 -> 1.003 of the compiled
+    peak, every zoo row within 0.97-1.09).
+
+    Worked out only where it can matter: a point whose liveness count plus all its unwritten
+    outputs' bytes cannot exceed the highest point worked out (or the liveness peak) keeps its
+    liveness count, below the profile's peak (0.44 s -> a fraction for gpt2-small's 6.8k points on
+    2x4). Other platforms: zeros (a GPU's buffer assignment has not been read here)."""
+    n = len(problem.graph.ops)
+    if not _xla_cpu(problem):
+        return np.zeros(n + 2, dtype=np.int64), {}, frozenset()
+    cached = problem._borrowed.get("last")
+    if cached is not None and cached[0] == tuple(choice):
+        return cached[1]
+    if liveness is None:
+        liveness = _liveness_profile(problem, choice)
+    extra = np.zeros(n + 2, dtype=np.int64)
+    held: dict[int, list[tuple]] = {}
+    done: set[int] = set()
+    temps, slots = _output_slots(problem, choice)
+    if slots:
+        write = np.array([w for w, _ in slots], dtype=np.int64)
+        size = np.array([b for _, b in slots], dtype=np.int64)
+        unwritten = np.zeros(n + 3, dtype=np.int64)  # bytes of outputs not written at each point
+        np.add.at(unwritten, np.minimum(write, n + 2), size)
+        unwritten = np.cumsum(unwritten[::-1])[::-1][1:n + 3]
+        first = np.array([f for f, _, _, _ in temps], dtype=np.int64)
+        last = np.array([l for _, l, _, _ in temps], dtype=np.int64)
+        tbytes = np.array([b for _, _, b, _ in temps], dtype=np.int64)
+        order = np.argsort(-tbytes, kind="stable")  # temporaries largest first, once
+        first, last, tbytes = first[order], last[order], tbytes[order]
+        keys = [temps[k][3] for k in order]
+        upper = liveness[: n + 2] + unwritten
+        best = int(liveness.max())
+        for point in np.argsort(-upper, kind="stable"):
+            if upper[point] <= best or not unwritten[point]:
+                break
+            point = int(point)
+            free = np.sort(size[write > point])
+            live = np.nonzero((first <= point) & (last >= point))[0]
+            s = tbytes[live]
+            # fits[i]: outputs at least as large as temporary i; taking temporaries largest first,
+            # the i-th (1-based) finds a free one iff fewer than fits[i] were taken: taken after i is
+            # i + min(0, min over j <= i of (fits[j] - j)) (fits only grows along the order)
+            fits = len(free) - np.searchsorted(free, s, side="left")
+            steps = np.arange(1, len(s) + 1)
+            taken = steps + np.minimum(0, np.minimum.accumulate(fits - steps)) if len(s) else steps
+            took = np.diff(taken, prepend=0) > 0
+            extra[point] = int(free.sum()) - int(s[took].sum())
+            held[point] = [keys[k] for k in live[took]]
+            done.add(point)
+            best = max(best, int(liveness[point]) + int(extra[point]))
+    found = extra, held, frozenset(done)
+    problem._borrowed["last"] = (tuple(choice), found)
+    return found
 
 
 def _combined_point(problem: Problem) -> int:
@@ -599,11 +718,22 @@ class _Model:
                 continue
             self.m.Add(lhs == rhs)
 
-    def memory_expr(self, point: int):
+    def memory_expr(self, point: int, choice: Sequence[int] | None = None):
         """Per-device bytes live at program point `point`, as a linear expression of the choice:
-        `memory_profile`'s count term by term (tests/test_memory.py compares them)."""
+        `memory_profile`'s count term by term (tests/test_memory.py compares them).
+
+        `memory_profile`'s XLA:CPU output buffers (`_borrowed`) depend on which temporaries fit
+        which unwritten output, which no linear expression says; with `choice` (the plan whose peak
+        broke the budget there) the expression counts every output not yet written at `point` and
+        leaves out the temporaries that plan's unwritten outputs hold, so it equals the profile at
+        `choice` and holds those temporaries in those buffers for every other plan. Without it, the
+        liveness count alone (every unwritten output's bytes free for any temporary: a lower bound
+        of the profile, which `memory_lower_bound` also follows)."""
         p = self.problem
         coef: dict[tuple[int, int], int] = defaultdict(int)
+        copies: dict = defaultdict(int)
+        if choice is not None and point < _reserved_point(p) and _xla_cpu(p):
+            self._borrowed_terms(point, choice, coef, copies)
         if point == _reserved_point(p):
             if not _xla_cpu(p):
                 return 0
@@ -623,7 +753,6 @@ class _Model:
             node = p.nodes[p.owner[tid]]
             for i, b in enumerate(self._sizes(tid, tid, node.owned[tid])):
                 coef[(p.rep[node.index], i)] += b
-        copies: dict = defaultdict(int)
         for k, e in enumerate(p.edges):  # operands as the op reads them (a resharded copy is a transient buffer)
             if _transient_point(p, e) == point:
                 for j, b in enumerate(self._sizes(-1 - k, e.tensor, e.dst_specs)):
@@ -638,8 +767,38 @@ class _Model:
         for n, i, first, last, b in self.reductions:  # XLA:CPU's reduction buffers
             if first <= point <= last:
                 coef[(n, i)] += b
-        return (sum(-(-c // _MEM_UNIT) * self.x[n][i] for (n, i), c in coef.items())
-                + sum(-(-c // _MEM_UNIT) * z for z, c in copies.items() if not isinstance(z, int) or z))
+        return (sum(-(-c // _MEM_UNIT) * self.x[n][i] for (n, i), c in coef.items() if c)
+                + sum(-(-c // _MEM_UNIT) * z for z, c in copies.items() if c and (not isinstance(z, int) or z)))
+
+    def _borrowed_terms(self, point: int, choice: Sequence[int], coef: dict, copies: dict) -> None:
+        """Adds to `memory_expr`'s terms at `point` every output not yet written there and takes
+        away the temporaries `choice`'s unwritten outputs hold (`_borrowed`)."""
+        p = self.problem
+        _, held, done = _borrowed(p, choice)
+        if point not in done:
+            return
+        n = len(p.graph.ops)
+        donated_outputs = {tout for _, tout in p.donated}
+        for tid in {x for x in p.graph.outputs if isinstance(x, int)} - donated_outputs:
+            first, last = p.live[tid]
+            if last == n and first + 1 > point and _materialised(p, tid, first):
+                node = p.nodes[p.owner[tid]]
+                for i, b in enumerate(self._sizes(tid, tid, node.owned[tid])):
+                    coef[(p.rep[node.index], i)] += b
+        for key in held.get(point, ()):
+            if key[0] == "t":
+                node = p.nodes[p.owner[key[1]]]
+                for i, b in enumerate(self._sizes(key[1], key[1], node.owned[key[1]])):
+                    coef[(p.rep[node.index], i)] -= b
+            elif key[0] == "e":
+                e = p.edges[key[1]]
+                for j, b in enumerate(self._sizes(-1 - key[1], e.tensor, e.dst_specs)):
+                    if _copied_only_if_resharded(p, e):
+                        copies[self._copy_var(e, j)] -= b
+                    else:
+                        coef[(p.rep[e.dst], j)] -= b
+            else:  # a reduction buffer of node key[1] under its strategy key[2]
+                coef[(p.rep[key[1]], key[2])] -= key[3]
 
     def _sizes(self, key: int, tid: int, specs) -> list[int]:
         """Per-device bytes of tensor `tid` in each of `specs` (`key`: the tensor's id for the specs
@@ -875,6 +1034,18 @@ def _fits(problem: Problem, choice: Sequence[int], budget: float | None) -> bool
     return budget is None or memory_profile(problem, choice).max() <= budget
 
 
+def _cut_key(problem: Problem, choice: Sequence[int], point: int) -> tuple:
+    """What a memory constraint added at `point` from `choice` (`_Model.memory_expr`) stands for:
+    the point and, on XLA:CPU, the temporaries `choice`'s unwritten outputs hold there (`_borrowed`).
+    A later plan over the budget at the same point with other temporaries held needs a new one."""
+    return point, tuple(_borrowed(problem, choice)[1].get(point, ()))
+
+
+def _settled(problem: Problem, choice: Sequence[int], added: set[tuple]) -> set[int]:
+    """The points where a constraint already added covers `choice` (the same `_cut_key`)."""
+    return {p for p, held in added if _cut_key(problem, choice, p)[1] == held}
+
+
 def _violations(profile: np.ndarray, limit: float, have: set[int], k: int = 4) -> list[int]:
     """Up to `k` distinct program points over `limit`, highest first, spread apart."""
     order = np.argsort(-profile, kind="stable")
@@ -960,7 +1131,7 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
         if excluded:
             log.info("memory budget: %d of %d strategies ruled out by the lower bound", len(excluded),
                      sum(len(v) for r, v in enumerate(model.x) if problem.rep[r] == r))
-    points: set[int] = set()
+    points: set[tuple] = set()  # the memory constraints added (`_cut_key`)
     fallback = greedy(problem)
     if _ties_hold(problem, fallback):
         fallback = improve(problem, fallback)
@@ -1010,7 +1181,7 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
         profile = memory_profile(problem, choice)
         if memory_budget is None:
             break
-        new = _violations(profile, memory_budget, points)
+        new = _violations(profile, memory_budget, _settled(problem, choice, points))
         if not new:
             if profile.max() > memory_budget:
                 raise _spent(_infeasible(problem, memory_budget, time_limit, workers, search=min_peak_search),
@@ -1023,8 +1194,8 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
         if rounds == 1:
             unbudgeted = (plan_cost(problem, choice), int(profile.max()), len(excluded))
         for p in new:
-            model.m.Add(model.memory_expr(p) <= int(memory_budget // _MEM_UNIT))
-            points.add(p)
+            model.m.Add(model.memory_expr(p, choice) <= int(memory_budget // _MEM_UNIT))
+            points.add(_cut_key(problem, choice, p))
         # The next round starts from this round's plan (over the budget). Starting it from the start
         # plan when that fits (a fitting plan from the outset) was tried on GPT-39B's 2-D meshes on
         # 8x8 V100 16 GB, 30 units each: better on two (16x4 137 -> 115 s/step), worse on two (8x8
@@ -1386,11 +1557,11 @@ def _min_peak_search(problem: Problem, det_limit: float, workers: int, hint: Seq
     total = sum(t.nbytes for t in problem.graph.tensors) // _MEM_UNIT + 1
     peak = model.m.NewIntVar(0, total, "peak")
     model.m.Minimize(peak)
-    points: set[int] = set()
+    points: set[tuple] = set()  # the constraints added (`_cut_key`)
     if hint is not None:  # start from the hint's highest points, not an unconstrained model
-        for p in _violations(memory_profile(problem, hint), -1, points):
-            model.m.Add(model.memory_expr(p) <= peak)
-            points.add(p)
+        for p in _violations(memory_profile(problem, hint), -1, set()):
+            model.m.Add(model.memory_expr(p, hint) <= peak)
+            points.add(_cut_key(problem, hint, p))
     best = None
     det_used = 0.0
     choice = hint
@@ -1406,8 +1577,8 @@ def _min_peak_search(problem: Problem, det_limit: float, workers: int, hint: Seq
         profile = memory_profile(problem, choice)
         best = int(profile.max()) if best is None else min(best, int(profile.max()))
         top = int(np.argmax(profile))
-        if top in points:
+        if _cut_key(problem, choice, top) in points:
             break  # optimal: the model's minimum; otherwise the limit left no better plan
-        model.m.Add(model.memory_expr(top) <= peak)
-        points.add(top)
+        model.m.Add(model.memory_expr(top, choice) <= peak)
+        points.add(_cut_key(problem, choice, top))
     return best
