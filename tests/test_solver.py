@@ -97,3 +97,34 @@ def test_greedy_plan_keeps_tied_outputs_with_shared_layers(name):
     assert all(better[i] == better[r] for i, r in enumerate(problem.rep))
     assert all(problem.spec(a, better) == problem.spec(b, better) for a, b in problem.ties)
     assert plan_cost(problem, better) <= plan_cost(problem, choice)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_repair_moves_an_over_budget_plan_under_the_budget(name):
+    """`repair` (the start of each memory round after the first) turns the plan the solver found
+    without a budget into one under a budget 10% below its peak (the solver's rounds start a few
+    percent over): the parameters, their new values and the optimizer state are tied decisions, so
+    it changes tied decisions together; the plan keeps every tie and the layer sharing, takes no
+    strategy the budget rules out, and costs no less than the optimum under the budget. Under a
+    budget below every plan's peak it gives up (None). (It is a heuristic: from gpt-tiny's free plan
+    on 2x4 it reaches 2.36 of the 3.24 MB, not the 0.71 MB lower bound; the solver then starts from the
+    over-budget plan as before.)"""
+    from planner.ilp.solver import memory_lower_bound, over_budget_strategies, repair
+    from zoo import get_model
+
+    b = get_model(name)
+    problem = build_problem(trace(b.train_step, b.abstract_state(), b.abstract_batch()),
+                            CostModel.default(MeshSpec((8,), ("x",))), tie_outputs=True, share_layers=True)
+    free = solve(problem)
+    floor = int(memory_lower_bound(problem).max())
+    budget = 0.9 * free.peak_memory_bytes
+    assert budget > floor
+    excluded = over_budget_strategies(problem, budget)
+    assert memory_profile(problem, free.choice).max() > budget
+    fixed = repair(problem, free.choice, budget, excluded)
+    assert fixed is not None and memory_profile(problem, fixed).max() <= budget
+    assert all(fixed[i] == fixed[r] for i, r in enumerate(problem.rep))
+    assert all(problem.spec(a, fixed) == problem.spec(b, fixed) for a, b in problem.ties)
+    assert not {(r, fixed[r]) for r in set(problem.rep)} & set(excluded)
+    assert plan_cost(problem, fixed) >= solve(problem, memory_budget=budget).objective_s * (1 - 1e-9)
+    assert repair(problem, free.choice, 0.5 * floor) is None

@@ -967,63 +967,193 @@ def greedy(problem: Problem) -> tuple[int, ...]:
     return _in_program_order(problem, cheapest)
 
 
-def improve(problem: Problem, choice: Sequence[int], sweeps: int = 3) -> tuple[int, ...]:
-    """Coordinate descent from `choice`: per distinct decision in turn, the strategy with the lowest
-    local cost (its nodes' own costs plus the resharding of every edge touching them, the others
-    fixed) that keeps its ties, for up to `sweeps` passes; returned only if the whole objective
-    (`plan_cost`, with the latency groups and the overlap the local cost leaves out) does not get
-    worse. Makes the solver's hint and its answer of last resort better: on three remat-wrapped
-    attention blocks on 2x4 it reaches the optimum from a greedy plan 2.6x above it (0.05 s)."""
-    current = list(choice)
-    members: dict[int, list[int]] = defaultdict(list)
-    for node in problem.nodes:
-        members[problem.rep[node.index]].append(node.index)
-    touching: dict[int, list] = defaultdict(list)
-    for e in problem.edges:
-        touching[problem.rep[e.src]].append(e)
-        if problem.rep[e.dst] != problem.rep[e.src]:
-            touching[problem.rep[e.dst]].append(e)
-    tied: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for a, b in problem.ties:
-        tied[problem.rep[problem.owner[a]]].append((a, b))
-        if problem.rep[problem.owner[b]] != problem.rep[problem.owner[a]]:
-            tied[problem.rep[problem.owner[b]]].append((a, b))
+class _Local:
+    """Per distinct decision of `problem`: its nodes, the edges touching them and the ties it takes
+    part in, for the local cost of changing it alone (`improve`, `repair`)."""
 
-    def local(r: int, i: int) -> float | None:
-        """The local cost of decision `r` taking strategy `i` (None: it breaks a tie)."""
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self.members: dict[int, list[int]] = defaultdict(list)
+        for node in problem.nodes:
+            self.members[problem.rep[node.index]].append(node.index)
+        self.touching: dict[int, list] = defaultdict(list)
+        for e in problem.edges:
+            self.touching[problem.rep[e.src]].append(e)
+            if problem.rep[e.dst] != problem.rep[e.src]:
+                self.touching[problem.rep[e.dst]].append(e)
+        self.tied: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for a, b in problem.ties:
+            self.tied[problem.rep[problem.owner[a]]].append((a, b))
+            if problem.rep[problem.owner[b]] != problem.rep[problem.owner[a]]:
+                self.tied[problem.rep[problem.owner[b]]].append((a, b))
+
+    def cost(self, current: list[int], r: int, i: int) -> float | None:
+        """The local cost of decision `r` taking strategy `i` in `current` (its nodes' own costs plus
+        the resharding of every edge touching them, the others fixed); None: it breaks a tie."""
+        problem = self.problem
         old = current[r]
-        for m in members[r]:
+        for m in self.members[r]:
             current[m] = i
-        ok = all(problem.spec(a, current) == problem.spec(b, current) for a, b in tied[r])
+        ok = all(problem.spec(a, current) == problem.spec(b, current) for a, b in self.tied[r])
         cost = None
         if ok:
-            cost = sum(problem.nodes[m].costs[i] for m in members[r]) + sum(
+            cost = sum(problem.nodes[m].costs[i] for m in self.members[r]) + sum(
                 problem.edge_time(e.tensor, e.src_specs[current[e.src]], e.dst_specs[current[e.dst]])
-                for e in touching[r])
-        for m in members[r]:
+                for e in self.touching[r])
+        for m in self.members[r]:
             current[m] = old
         return cost
 
+    def take(self, current: list[int], r: int, i: int) -> None:
+        for m in self.members[r]:
+            current[m] = i
+
+    def together(self, current: list[int], r: int, i: int) -> dict[int, int] | None:
+        """Decision `r` taking strategy `i` with the decisions tied to it following so that every tie
+        holds (each tied decision its cheapest strategy matching `r`'s layout, by `cost` with `r`
+        changed): {decision: strategy}, or None when a tie cannot hold. One level: a follower's
+        other ties must already hold."""
+        problem = self.problem
+        moves = {r: i}
+        old = current[r]
+        self.take(current, r, i)
+        try:
+            for a, b in self.tied[r]:
+                if problem.spec(a, current) == problem.spec(b, current):
+                    continue
+                other = problem.rep[problem.owner[b] if problem.rep[problem.owner[a]] == r else problem.owner[a]]
+                if other in moves:
+                    return None
+                best = None
+                for j in range(problem.nodes[other].size):
+                    c = self.cost(current, other, j)
+                    if c is not None and (best is None or c < best[0]):
+                        best = (c, j)
+                if best is None:
+                    return None
+                moves[other] = best[1]
+            return moves
+        finally:
+            self.take(current, r, old)
+
+    def joint_cost(self, current: list[int], moves: dict[int, int]) -> float:
+        """The local cost of the decisions in `moves` taking their strategies together: their nodes'
+        own costs and every edge touching any of them, once."""
+        problem = self.problem
+        old = {r: current[r] for r in moves}
+        for r, i in moves.items():
+            self.take(current, r, i)
+        edges = {id(e): e for r in moves for e in self.touching[r]}
+        cost = sum(problem.nodes[m].costs[current[m]] for r in moves for m in self.members[r]) + sum(
+            problem.edge_time(e.tensor, e.src_specs[current[e.src]], e.dst_specs[current[e.dst]])
+            for e in edges.values())
+        for r, i in old.items():
+            self.take(current, r, i)
+        return cost
+
+
+def improve(problem: Problem, choice: Sequence[int], sweeps: int = 3) -> tuple[int, ...]:
+    """Coordinate descent from `choice`: per distinct decision in turn, the strategy with the lowest
+    local cost (`_Local.cost`: its nodes' own costs plus the resharding of every edge touching them,
+    the others fixed) that keeps its ties, for up to `sweeps` passes; returned only if the whole
+    objective (`plan_cost`, with the latency groups and the overlap the local cost leaves out) does
+    not get worse. Makes the solver's hint and its answer of last resort better: on three
+    remat-wrapped attention blocks on 2x4 it reaches the optimum from a greedy plan 2.6x above it
+    (0.05 s)."""
+    current = list(choice)
+    local = _Local(problem)
     for _ in range(sweeps):
         moved = False
-        for r, nodes in members.items():
+        for r in local.members:
             if problem.nodes[r].size <= 1:
                 continue
-            best_i, best = current[r], local(r, current[r])
+            best_i, best = current[r], local.cost(current, r, current[r])
             if best is None:
                 continue
             for i in range(problem.nodes[r].size):
-                c = local(r, i) if i != best_i else None
+                c = local.cost(current, r, i) if i != best_i else None
                 if c is not None and c < best * (1 - 1e-12) - 1e-18:
                     best_i, best = i, c
             if best_i != current[r]:
-                for m in nodes:
-                    current[m] = best_i
+                local.take(current, r, best_i)
                 moved = True
         if not moved:
             break
     better = tuple(current)
     return better if plan_cost(problem, better) <= plan_cost(problem, choice) else tuple(choice)
+
+
+REPAIR_ROUNDS = 8  # most passes of `repair` (each re-profiles the plan) before giving up
+
+
+def repair(problem: Problem, choice: Sequence[int], budget: float,
+           excluded: Sequence[tuple[int, int]] = ()) -> tuple[int, ...] | None:
+    """A plan under `budget` near `choice`, which is over it; None when none is found within
+    `REPAIR_ROUNDS` passes. Each pass works on the highest point of the memory profile: per decision
+    holding tensors live there, its strategy (not in `excluded`, keeping its ties) adding the least
+    local cost (`_Local.cost`) per byte it takes off that point; those changes, cheapest per byte
+    first, until they take off the excess (greedy knapsack cover; decisions are changed alone, so
+    the next pass re-profiles the plan).
+
+    `solve` starts each memory round after the first from it: the previous round's plan is over the
+    budget by a few percent, and CP-SAT spends most of the round finding any plan under the new
+    constraint from it. GPT-39B single stage on 8x8 V100 16 GB, the second round's CP-SAT model
+    (one worker): 23 s to its optimum from the over-budget plan (the first plan under the budget
+    after 9 s), 6 s to prove the same optimum from that optimum."""
+    local = _Local(problem)
+    banned = set(excluded)
+    mesh = problem.cost.mesh
+    decided: dict[int, list[int]] = defaultdict(list)  # decision -> the tensors it lays out that take memory
+    for tid, node in problem.owner.items():
+        if _materialised(problem, tid, problem.live[tid][0]):
+            decided[problem.rep[node]].append(tid)
+    current = list(choice)
+
+    def held(tids: list[int], i: int) -> int:
+        return sum(shard_bytes(problem.graph.tensors[t], problem.nodes[problem.owner[t]].owned[t][i], mesh)
+                   for t in tids)
+
+    for _ in range(REPAIR_ROUNDS):
+        profile = memory_profile(problem, current)
+        point = int(np.argmax(profile))
+        excess = int(profile[point]) - budget
+        if excess <= 0:
+            return tuple(current)
+        here = {r: [t for t in tids if problem.live[t][0] + 1 <= point <= problem.live[t][1] + 1]
+                for r, tids in decided.items()}
+        moves, seen = [], set()
+        for r, tids in here.items():
+            if not tids or problem.nodes[r].size <= 1 or r in seen:
+                continue
+            best = None
+            for i in range(problem.nodes[r].size):
+                if i == current[r]:
+                    continue
+                group = local.together(current, r, i)
+                if group is None or any((d, j) in banned for d, j in group.items()):
+                    continue
+                saved = sum(held(here.get(d, []), current[d]) - held(here.get(d, []), j) for d, j in group.items())
+                if saved <= 0:
+                    continue
+                extra = local.joint_cost(current, group) - local.joint_cost(current, {d: current[d] for d in group})
+                if best is None or extra / saved < best[0]:
+                    best = (extra / saved, saved, tuple(sorted(group.items())))
+            if best is not None:
+                moves.append(best)
+                seen.update(d for d, _ in best[2])
+        if not moves:
+            return None
+        taken: set[int] = set()
+        for _, saved, group in sorted(moves):
+            if any(d in taken for d, _ in group):
+                continue
+            for d, j in group:
+                local.take(current, d, j)
+                taken.add(d)
+            excess -= saved
+            if excess <= 0:
+                break
+    return None
 
 
 def _ties_hold(problem: Problem, choice: Sequence[int]) -> bool:
@@ -1196,17 +1326,25 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
         for p in new:
             model.m.Add(model.memory_expr(p, choice) <= int(memory_budget // _MEM_UNIT))
             points.add(_cut_key(problem, choice, p))
-        # The next round starts from this round's plan (over the budget). Starting it from the start
-        # plan when that fits (a fitting plan from the outset) was tried on GPT-39B's 2-D meshes on
-        # 8x8 V100 16 GB, 30 units each: better on two (16x4 137 -> 115 s/step), worse on two (8x8
-        # stayed near its start: 442 s/step, 62 from this round's plan), one the same.
+        # The next round starts from this round's plan (over the budget), repaired to fit it when
+        # `repair` can: a fitting plan next to it. Starting from the start plan when that fits (a
+        # fitting plan far from it) was tried on GPT-39B's 2-D meshes on 8x8 V100 16 GB, 30 units
+        # each: better on two (16x4 137 -> 115 s/step), worse on two (8x8 stayed near its start: 442
+        # s/step, 62 from this round's plan), one the same.
         hint = choice
-        log.info("memory round %d: peak %.3g B over budget %.3g B, %d constraints", rounds, profile.max(),
-                 memory_budget, len(points))
+        fixed = repair(problem, choice, memory_budget, excluded)
+        if fixed is not None:  # a plan under the budget next to this one: the next round starts there
+            hint = fixed
+            if not start_fits or plan_cost(problem, fixed) < plan_cost(problem, fallback):
+                fallback, start_fits = fixed, True
+        log.info("memory round %d: peak %.3g B over budget %.3g B, %d constraints%s", rounds, profile.max(),
+                 memory_budget, len(points), "" if fixed is None else
+                 f"; next round from a plan under it ({plan_cost(problem, fixed):.4g} s/step)")
         if det_used >= time_limit * 0.999 or time.perf_counter() - start >= wall_cap:
             if start_fits:  # the limit came before a solver plan under the budget, but the start fits: use it
                 log.warning("solver found no plan under the budget within its limit (%.3g deterministic units): "
-                            "using its start plan, which fits (raise solver_time_limit for a better one)", time_limit)
+                            "using the best plan under the budget it had (raise solver_time_limit for a better one)",
+                            time_limit)
                 choice, status_name = fallback, "heuristic"
                 profile = memory_profile(problem, choice)
                 break
