@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import pathlib
 import re
+import tempfile
 from typing import Any
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -342,6 +344,27 @@ def collectives(compiled_or_text: Any, *, num_devices: int | None = None) -> tup
     if not seen_hlo:
         raise HloParseError(f"Input does not look like HLO text: {text[:80]!r}")
     return tuple(_collective(r, shapes, num_devices) for r in found)
+
+
+# The first XLA:CPU pass that widens 16-bit collectives to float32 (float-normalization-bf16 does the
+# same when it is off): XLA:CPU's collectives have no 16-bit reductions.
+_WIDENING_PASS = "all-reduce-promotion"
+
+
+def program_collectives(lowered: Any) -> tuple[Collective, ...]:
+    """The collectives of `lowered` (a `jax.stages.Lowered`) as the partitioned program has them,
+    before XLA:CPU runs every 16-bit collective in float32: it is compiled once more with the module
+    dumped just before `_WIDENING_PASS` (compiler options `xla_dump_to`, `xla_dump_hlo_pass_re`),
+    after SPMD partitioning and the passes before it. On XLA:CPU a bf16 program's collectives move
+    twice the bytes in the compiled program that they move on a GPU (whose NCCL reduces bf16);
+    these are the GPU's. Raises HloParseError when the backend dumped no such module (it has no
+    such pass)."""
+    with tempfile.TemporaryDirectory() as out:
+        lowered.compile({"xla_dump_to": out, "xla_dump_hlo_pass_re": _WIDENING_PASS})
+        found = sorted(pathlib.Path(out).glob(f"*before_{_WIDENING_PASS}.txt"))
+        if not found:
+            raise HloParseError(f"no module was dumped before the {_WIDENING_PASS!r} pass (not XLA:CPU?)")
+        return collectives(found[-1].read_text())
 
 
 def _collective(rec: dict[str, Any], shapes: dict[str, str], num_devices: int) -> Collective:
