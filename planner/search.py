@@ -281,42 +281,6 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
     probe_pool = concurrent.futures.ThreadPoolExecutor(
         max(1, threads or idle_cores() // max(1, options.solver_workers))) if probing else None
     probes: list[tuple[_Candidate, concurrent.futures.Future]] = []
-    # The one-axis mesh is solved as soon as it is built, beside the builds and probes of the others:
-    # its phase comes first whatever the bounds say, and nothing planned before it can prune it.
-    early_pool = concurrent.futures.ThreadPoolExecutor(1)
-    early: dict[MeshSpec, concurrent.futures.Future] = {}
-    best = beat
-
-    def solve_one(cand: _Candidate, start: tuple[int, ...] | None = None) -> MeshResult:
-        log.info("planning mesh %s (step time >= %.4g s%s) ...", cand.mesh, cand.time_bound,
-                 "" if start is None else
-                 f", a coarser mesh's plan offered as its start, {cand.options.solver_time_limit:.3g} units")
-        t0 = time.perf_counter()
-        jax_mesh = cand.mesh.to_jax_mesh(devices) if devices is not None else None
-        try:
-            plan = make_plan(graph, cand.mesh, cand.options, jax_mesh, problem=cand.problem, min_peak_search=False,
-                             start=start, beat=(lambda: best) if prune else None)
-        except OutboundError as e:  # proven no faster than a plan another mesh found meanwhile
-            reason = (f"not solved to the end: the solver proved its step time is at least {e.bound_s:.4g} s, over "
-                      f"the {e.beat_s:.4g} s of a plan found")
-            log.info("mesh %s: %s (%.3g deterministic units)", cand.mesh, reason, e.deterministic_time)
-            return MeshResult(cand.mesh, None, None, cand.inter, cand.build_s + time.perf_counter() - t0,
-                              pruned=reason, time_bound_s=cand.time_bound, deterministic_time=e.deterministic_time)
-        except (MeshError, PlannerError) as e:
-            spent = e.deterministic_time if isinstance(e, InfeasiblePlanError) else None
-            log.info("mesh %s: %s (%s deterministic units, %.1fs)", cand.mesh,
-                     e if not isinstance(e, InfeasiblePlanError) else "no plan fits the budget"
-                     if e.proven else "not decided within the solver limit",
-                     "?" if spent is None else f"{spent:.3g}", time.perf_counter() - t0)
-            return MeshResult(cand.mesh, None, e, cand.inter, cand.build_s + time.perf_counter() - t0,
-                              time_bound_s=cand.time_bound, deterministic_time=spent)
-        spent = plan.solver.get("deterministic_time")
-        log.info("mesh %s: %.4g s/step, %s/device, planned in %.1fs (%s deterministic units)", cand.mesh,
-                 plan.prediction.step_time_s, format_bytes(plan.prediction.memory_bytes_per_device),
-                 time.perf_counter() - t0, spent)
-        return MeshResult(cand.mesh, plan, None, cand.inter, cand.build_s + time.perf_counter() - t0,
-                          time_bound_s=cand.time_bound, deterministic_time=spent)
-
     for k, spec in enumerate(meshes):
         inter = inter_host_axes(spec.shape, devices_per_host) if devices_per_host else options.inter_host_axes
         key = mirror_key(spec, inter) if options.profile is None else None
@@ -379,8 +343,6 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
             log.info("mesh %s: needs >= %s/device, over the budget: not solved", spec, format_bytes(cand.memory_bound))
             continue
         candidates.append(cand)
-        if len(spec.shape) == 1 and not (prune and cand.time_bound >= best):
-            early[spec] = early_pool.submit(solve_one, cand, None)
         if probe_pool is not None and len(spec.shape) >= 2 and over_budget_strategies(cand.problem, budget):
             probes.append((cand, probe_pool.submit(probe_bound, cand.problem, budget, PROBE_UNITS,
                                                    options.solver_workers)))
@@ -388,6 +350,36 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
                          else threads))
     probed = _probe(probes, probe_pool) if probe_pool is not None else frozenset()
     candidates.sort(key=lambda c: (c.time_bound, c.index))
+
+    def solve_one(cand: _Candidate, start: tuple[int, ...] | None = None) -> MeshResult:
+        log.info("planning mesh %s (step time >= %.4g s%s) ...", cand.mesh, cand.time_bound,
+                 "" if start is None else
+                 f", a coarser mesh's plan offered as its start, {cand.options.solver_time_limit:.3g} units")
+        t0 = time.perf_counter()
+        jax_mesh = cand.mesh.to_jax_mesh(devices) if devices is not None else None
+        try:
+            plan = make_plan(graph, cand.mesh, cand.options, jax_mesh, problem=cand.problem, min_peak_search=False,
+                             start=start, beat=(lambda: best) if prune else None)
+        except OutboundError as e:  # proven no faster than a plan another mesh found meanwhile
+            reason = (f"not solved to the end: the solver proved its step time is at least {e.bound_s:.4g} s, over "
+                      f"the {e.beat_s:.4g} s of a plan found")
+            log.info("mesh %s: %s (%.3g deterministic units)", cand.mesh, reason, e.deterministic_time)
+            return MeshResult(cand.mesh, None, None, cand.inter, cand.build_s + time.perf_counter() - t0,
+                              pruned=reason, time_bound_s=cand.time_bound, deterministic_time=e.deterministic_time)
+        except (MeshError, PlannerError) as e:
+            spent = e.deterministic_time if isinstance(e, InfeasiblePlanError) else None
+            log.info("mesh %s: %s (%s deterministic units, %.1fs)", cand.mesh,
+                     e if not isinstance(e, InfeasiblePlanError) else "no plan fits the budget"
+                     if e.proven else "not decided within the solver limit",
+                     "?" if spent is None else f"{spent:.3g}", time.perf_counter() - t0)
+            return MeshResult(cand.mesh, None, e, cand.inter, cand.build_s + time.perf_counter() - t0,
+                              time_bound_s=cand.time_bound, deterministic_time=spent)
+        spent = plan.solver.get("deterministic_time")
+        log.info("mesh %s: %.4g s/step, %s/device, planned in %.1fs (%s deterministic units)", cand.mesh,
+                 plan.prediction.step_time_s, format_bytes(plan.prediction.memory_bytes_per_device),
+                 time.perf_counter() - t0, spent)
+        return MeshResult(cand.mesh, plan, None, cand.inter, cand.build_s + time.perf_counter() - t0,
+                          time_bound_s=cand.time_bound, deterministic_time=spent)
 
     # Meshes are solved by `threads` workers (CP-SAT releases the GIL while it searches, so threads
     # run solves side by side), in phases of one axis count, fewest first; within a phase each is
@@ -406,6 +398,7 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
     # scratch, gpt2-small's whole 2x2x2 ILP took 4.3 s to build and spent the 30-unit limit, 2.8%
     # slower than the 2x4 plan it contains; near the 2x4 plan it builds in 1.9 s and is solved in
     # 0.5 units (its answer: the 2x4 plan).
+    best = beat
 
     def start_of(cand: _Candidate) -> tuple[int, ...] | None:
         if cand.refines is not None:  # searched near that plan (`refine`): it starts there, within REFINE_UNITS
@@ -504,10 +497,7 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
                                                  time_bound_s=cand.time_bound))
                         log.info("mesh %s: %s", cand.mesh, reason)
                         continue
-                    future = early.pop(cand.mesh, None)
-                    if future is None:
-                        future = pool.submit(solve_one, cand, start_of(cand) if ndim > 1 else None)
-                    running[future] = cand
+                    running[pool.submit(solve_one, cand, start_of(cand) if ndim > 1 else None)] = cand
                 if not running:
                     break
                 finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
@@ -521,7 +511,6 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
                         best = min(best, result.plan.prediction.step_time_s)
                     else:
                         failed.append(result)
-    early_pool.shutdown(wait=True)
     if not planned and min_peak_search:
         _search_smallest_peak(failed, built, options)
     by_mesh = {r.mesh: r for r in planned + failed + pruned}
