@@ -293,3 +293,18 @@ def test_program_collectives_read_bf16_traffic_before_xla_cpu_widens_it(mesh):
         assert compiled.dtype == "f32" and compiled.result_bytes == 16 * 32 * F32
         assert (program.dtype, program.result_bytes) == (name, 16 * 32 * width)
         assert (program.group_size, program.groups) == (compiled.group_size, compiled.groups) == (4, ROWS)
+
+
+def test_collectives_in_a_scan_run_once_per_iteration(mesh):
+    """A psum inside a 3-step scan is one instruction of the loop body that runs three times: its
+    `trips` is the loop's known trip count, and the executed bytes are three times the static."""
+    def f(x):
+        def body(c, _):
+            return jax.lax.psum(c * 2.0, "y"), None
+        return jax.lax.scan(body, x, None, length=3)[0]
+
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    r = report(g.lower(jnp.ones((16, 32))).compile())
+    c = _only(r.collectives, "all-reduce")
+    assert c.trips == 3 and c.computation != "main"
+    assert r.executed_bytes_moved_per_device() == pytest.approx(3 * r.bytes_moved_per_device())

@@ -61,6 +61,9 @@ class Collective:
     num_groups: int
     groups: tuple[tuple[int, ...], ...]
     computation: str  # enclosing HLO computation (e.g. a while body)
+    # times it runs per program run: the product of the known trip counts of the while loops around
+    # it (XLA annotates `known_trip_count` on loops it can count; 1 where it cannot)
+    trips: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -117,6 +120,11 @@ class HloReport:
     def bytes_moved_per_device(self) -> float:
         """Total ring-model bytes each device sends (each static instruction counted once)."""
         return sum(c.bytes_moved_per_device for c in self.collectives)
+
+    def executed_bytes_moved_per_device(self) -> float:
+        """Total ring-model bytes each device sends per run: each collective times its loops' known
+        trip counts (`Collective.trips`; a scanned model's per-layer collectives run once per layer)."""
+        return sum(c.bytes_moved_per_device * c.trips for c in self.collectives)
 
     def summary(self) -> str:
         """A fixed-width table for logs and experiment reports."""
@@ -298,6 +306,63 @@ def kernels(compiled_or_text: Any) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+_TRIP_COUNT = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+
+
+def _base_name(computation: str) -> str:
+    """A computation's name without the prefixes and suffixes XLA's passes add to the clones they
+    make of it ("wide." from loop widening, ".clone" from cloning): the name it had after SPMD
+    partitioning, so loops of the final module can be matched with an earlier dump's."""
+    while computation.startswith("wide."):
+        computation = computation[len("wide."):]
+    while computation.endswith(".clone"):
+        computation = computation[:-len(".clone")]
+    return computation
+
+
+def trip_counts(compiled_or_text: Any) -> dict[str, int]:
+    """Per computation of a compiled module, how many times it runs per program run: the product of
+    the known trip counts (`backend_config` `known_trip_count`) of the while loops whose bodies
+    contain it, through nested loops, calls and branches; computations not listed run once. Keys
+    are `_base_name`s as well as the names themselves."""
+    text = _text(compiled_or_text)
+    parent: dict[str, tuple[str, int]] = {}
+    current = ""
+    for raw in text.splitlines():
+        line = _COMMENT.sub("", raw)
+        m = _INSTR.match(line)
+        if m is None:
+            if c := _COMPUTATION.match(line):
+                current = c["name"]
+            continue
+        if m["op"] == "while":
+            body = _BODY.search(m["rest"])
+            count = _TRIP_COUNT.search(raw)
+            if body is not None:
+                parent[body.group(1)] = (current, int(count.group(1)) if count else 1)
+        elif m["op"] in ("call", "conditional"):
+            for callee in _CALLED.findall(m["rest"]):
+                parent.setdefault(callee, (current, 1))
+            for branches in _BRANCHES.findall(m["rest"]):
+                for b in branches.split(","):
+                    parent.setdefault(b.strip().lstrip("%"), (current, 1))
+    out: dict[str, int] = {}
+
+    def trips(name: str, seen: frozenset = frozenset()) -> int:
+        if name in out:
+            return out[name]
+        up, k = parent.get(name, ("", 1))
+        n = k * (trips(up, seen | {name}) if up and up not in seen else 1)
+        out[name] = n
+        return n
+
+    for name in list(parent):
+        trips(name)
+    out.update({_base_name(k): v for k, v in list(out.items()) if _base_name(k) not in out})
+    return {k: v for k, v in out.items() if v != 1}
+
+
 def collectives(compiled_or_text: Any, *, num_devices: int | None = None) -> tuple[Collective, ...]:
     """Lists the collectives of a compiled program in program order.
 
@@ -343,7 +408,9 @@ def collectives(compiled_or_text: Any, *, num_devices: int | None = None) -> tup
             starts[name] = rec
     if not seen_hlo:
         raise HloParseError(f"Input does not look like HLO text: {text[:80]!r}")
-    return tuple(_collective(r, shapes, num_devices) for r in found)
+    loops = trip_counts(text)
+    return tuple(dataclasses.replace(c, trips=loops.get(c.computation, 1))
+                 for c in (_collective(r, shapes, num_devices) for r in found))
 
 
 # The first XLA:CPU pass that widens 16-bit collectives to float32 (float-normalization-bf16 does the
@@ -357,14 +424,17 @@ def program_collectives(lowered: Any) -> tuple[Collective, ...]:
     dumped just before `_WIDENING_PASS` (compiler options `xla_dump_to`, `xla_dump_hlo_pass_re`),
     after SPMD partitioning and the passes before it. On XLA:CPU a bf16 program's collectives move
     twice the bytes in the compiled program that they move on a GPU (whose NCCL reduces bf16);
-    these are the GPU's. Raises HloParseError when the backend dumped no such module (it has no
-    such pass)."""
+    these are the GPU's. Their `trips` come from the compiled module's loop annotations, matched by
+    the loop bodies' names (`_base_name`). Raises HloParseError when the backend dumped no such
+    module (it has no such pass)."""
     with tempfile.TemporaryDirectory() as out:
-        lowered.compile({"xla_dump_to": out, "xla_dump_hlo_pass_re": _WIDENING_PASS})
+        compiled = lowered.compile({"xla_dump_to": out, "xla_dump_hlo_pass_re": _WIDENING_PASS})
         found = sorted(pathlib.Path(out).glob(f"*before_{_WIDENING_PASS}.txt"))
         if not found:
             raise HloParseError(f"no module was dumped before the {_WIDENING_PASS!r} pass (not XLA:CPU?)")
-        return collectives(found[-1].read_text())
+        early = collectives(found[-1].read_text())
+    loops = trip_counts(compiled)  # annotated by the later passes: matched by the loop bodies' names
+    return tuple(dataclasses.replace(c, trips=loops.get(_base_name(c.computation), c.trips)) for c in early)
 
 
 def _collective(rec: dict[str, Any], shapes: dict[str, str], num_devices: int) -> Collective:
