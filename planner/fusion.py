@@ -239,7 +239,8 @@ def recomputed(graph: Graph, platform: str = "cpu") -> frozenset[int]:
     else it reads from them; per batch-norm layer of wresnet-tiny it writes the convolution's and
     the relu's outputs and recomputes the normalisation in between.
 
-    A value is recomputed when its op is cheap and elementwise, it is not a program output, every
+    A value is recomputed when its op is cheap and elementwise (not a conversion, `_KEPT_ON_CPU`), it
+    is not a program output, every
     op reading it is elementwise, its readers lie in more than one fusion of the non-duplicating
     grouping (`fusions`) and its operands (broadcasts and iotas aside, `_operand_bytes`) are no
     larger than it; then the cheap elementwise values it is made from are recomputed along with it.
