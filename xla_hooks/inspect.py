@@ -263,13 +263,10 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _FUSION_KIND = re.compile(r"\bkind=(k\w+)")
 
 
-def kernels(compiled_or_text: Any) -> dict[str, int]:
-    """Kernels a compiled program launches, by kind: the instructions of the entry computation and
-    of the computations it runs as control flow (while bodies and conditions, branches, calls), not
-    those inside fusions. Keys: "fusion:kLoop" (the fusion's kind), "custom-call" (library calls:
-    GEMMs, convolutions), or the opcode; control flow, tuples, parameters and bitcasts launch none."""
-    text = _text(compiled_or_text)
-    bodies: dict[str, list[tuple[str, str]]] = {}
+def _computations(text: str) -> tuple[str | None, dict[str, list[tuple[str, str, str]]]]:
+    """The ENTRY computation's name (None: none) and, per computation, its instructions in order as
+    (opcode, the text after the opening parenthesis, the raw line)."""
+    bodies: dict[str, list[tuple[str, str, str]]] = {}
     entry, current = None, None
     for raw in text.splitlines():
         line = _COMMENT.sub("", raw)
@@ -282,7 +279,23 @@ def kernels(compiled_or_text: Any) -> dict[str, int]:
                     entry = current
             continue
         if current is not None:
-            bodies[current].append((m["op"], m["rest"]))
+            bodies[current].append((m["op"], m["rest"], raw))
+    return entry, bodies
+
+
+def _callees(rest: str) -> list[str]:
+    """The computations a control-flow instruction runs (loop bodies and conditions, branches, calls)."""
+    return _CALLED.findall(rest) + [b.strip().lstrip("%") for branches in _BRANCHES.findall(rest)
+                                    for b in branches.split(",")]
+
+
+def kernels(compiled_or_text: Any) -> dict[str, int]:
+    """Kernels a compiled program launches, by kind: the instructions of the entry computation and
+    of the computations it runs as control flow (while bodies and conditions, branches, calls), not
+    those inside fusions. Keys: "fusion:kLoop" (the fusion's kind), "custom-call" (library calls:
+    GEMMs, convolutions), or the opcode; control flow, tuples, parameters and bitcasts launch none."""
+    text = _text(compiled_or_text)
+    entry, bodies = _computations(text)
     if entry is None:
         raise HloParseError(f"No ENTRY computation in the HLO text: {text[:80]!r}")
     counts: dict[str, int] = {}
@@ -292,11 +305,9 @@ def kernels(compiled_or_text: Any) -> dict[str, int]:
         if name in seen or name not in bodies:
             continue
         seen.add(name)
-        for op, rest in bodies[name]:
+        for op, rest, _ in bodies[name]:
             if op in _CONTROL:
-                todo.extend(_CALLED.findall(rest))
-                for branches in _BRANCHES.findall(rest):
-                    todo.extend(b.strip().lstrip("%") for b in branches.split(","))
+                todo.extend(_callees(rest))
             if op in _NO_KERNEL:
                 continue
             if op == "fusion":
@@ -326,27 +337,17 @@ def trip_counts(compiled_or_text: Any) -> dict[str, int]:
     the known trip counts (`backend_config` `known_trip_count`) of the while loops whose bodies
     contain it, through nested loops, calls and branches; computations not listed run once. Keys
     are `_base_name`s as well as the names themselves."""
-    text = _text(compiled_or_text)
     parent: dict[str, tuple[str, int]] = {}
-    current = ""
-    for raw in text.splitlines():
-        line = _COMMENT.sub("", raw)
-        m = _INSTR.match(line)
-        if m is None:
-            if c := _COMPUTATION.match(line):
-                current = c["name"]
-            continue
-        if m["op"] == "while":
-            body = _BODY.search(m["rest"])
-            count = _TRIP_COUNT.search(raw)
-            if body is not None:
-                parent[body.group(1)] = (current, int(count.group(1)) if count else 1)
-        elif m["op"] in ("call", "conditional"):
-            for callee in _CALLED.findall(m["rest"]):
-                parent.setdefault(callee, (current, 1))
-            for branches in _BRANCHES.findall(m["rest"]):
-                for b in branches.split(","):
-                    parent.setdefault(b.strip().lstrip("%"), (current, 1))
+    for current, instructions in _computations(_text(compiled_or_text))[1].items():
+        for op, rest, raw in instructions:
+            if op == "while":
+                body = _BODY.search(rest)
+                count = _TRIP_COUNT.search(raw)
+                if body is not None:
+                    parent[body.group(1)] = (current, int(count.group(1)) if count else 1)
+            elif op in ("call", "conditional"):
+                for callee in _callees(rest):
+                    parent.setdefault(callee, (current, 1))
     out: dict[str, int] = {}
 
     def trips(name: str, seen: frozenset = frozenset()) -> int:
