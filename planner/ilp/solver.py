@@ -992,17 +992,17 @@ class _Local:
         the resharding of every edge touching them, the others fixed); None: it breaks a tie."""
         problem = self.problem
         old = current[r]
-        for m in self.members[r]:
-            current[m] = i
+        self.take(current, r, i)
         ok = all(problem.spec(a, current) == problem.spec(b, current) for a, b in self.tied[r])
-        cost = None
-        if ok:
-            cost = sum(problem.nodes[m].costs[i] for m in self.members[r]) + sum(
-                problem.edge_time(e.tensor, e.src_specs[current[e.src]], e.dst_specs[current[e.dst]])
-                for e in self.touching[r])
-        for m in self.members[r]:
-            current[m] = old
+        cost = self._local_sum(current, (r,), self.touching[r]) if ok else None
+        self.take(current, r, old)
         return cost
+
+    def _local_sum(self, current: list[int], decisions, edges) -> float:
+        """The own costs of `decisions`' nodes plus the resharding of `edges`, as `current` lays them out."""
+        problem = self.problem
+        return sum(problem.nodes[m].costs[current[m]] for r in decisions for m in self.members[r]) + sum(
+            problem.edge_time(e.tensor, e.src_specs[current[e.src]], e.dst_specs[current[e.dst]]) for e in edges)
 
     def take(self, current: list[int], r: int, i: int) -> None:
         for m in self.members[r]:
@@ -1039,14 +1039,11 @@ class _Local:
     def joint_cost(self, current: list[int], moves: dict[int, int]) -> float:
         """The local cost of the decisions in `moves` taking their strategies together: their nodes'
         own costs and every edge touching any of them, once."""
-        problem = self.problem
         old = {r: current[r] for r in moves}
         for r, i in moves.items():
             self.take(current, r, i)
         edges = {id(e): e for r in moves for e in self.touching[r]}
-        cost = sum(problem.nodes[m].costs[current[m]] for r in moves for m in self.members[r]) + sum(
-            problem.edge_time(e.tensor, e.src_specs[current[e.src]], e.dst_specs[current[e.dst]])
-            for e in edges.values())
+        cost = self._local_sum(current, moves, edges.values())
         for r, i in old.items():
             self.take(current, r, i)
         return cost
