@@ -11,7 +11,7 @@ program's compiled bytes are up to twice what it moves on the GPU the prediction
 reduces bf16). That does not cancel between configurations: one whose traffic is float32 (master
 parameters, batch-norm statistics) is not widened, one whose traffic is bf16 activations and
 gradients is. So `compiled_bytes_moved_program` reads the collectives as the partitioned program has
-them, before that widening (`xla_hooks.inspect.program_collectives`: the module XLA dumps before
+them, before that widening (`xla_hooks.inspect.compile_with_program_collectives`: the module XLA dumps before
 the pass), and the dominance check compares those (wresnet-tiny 1x8, 2026-11-26: the plan 1.549 MB
 compiled, 0.774 MB before widening, equal to its prediction; fsdp 1.522 and 0.762 MB, predicted
 1.034 MB). Both columns count each collective as often as it runs: a loop body's times the loop's
@@ -118,7 +118,7 @@ from planner.options import PlanOptions  # noqa: E402
 from planner.pins import resolve as resolve_pins  # noqa: E402
 from planner.planning import check_options, make_plan  # noqa: E402
 from planner.stages import plan_stages  # noqa: E402
-from xla_hooks.inspect import program_collectives, report  # noqa: E402
+from xla_hooks.inspect import compile_with_program_collectives, report  # noqa: E402
 from zoo import get_model  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -214,12 +214,11 @@ def run_compiled(model: str, cluster: str, time_limit: float, configs: tuple[str
             rows.append({**row, "note": f"not planned: {str(e).splitlines()[0]}"})
             continue
         row |= _prediction(plan) | _timing(plan, time.perf_counter() - t, None)
-        lowered = pf.lower(*args)
-        compiled = lowered.compile()  # run below as compiled (calling `pf` would compile again)
+        # one compile, run below (calling `pf` would compile again), with the program's collectives
+        compiled, program = compile_with_program_collectives(pf.lower(*args))
         r = report(compiled)
         row["compiled_bytes_moved"] = int(r.executed_bytes_moved_per_device())
-        row["compiled_bytes_moved_program"] = int(sum(c.bytes_moved_per_device * c.trips
-                                                      for c in program_collectives(lowered)))
+        row["compiled_bytes_moved_program"] = int(sum(c.bytes_moved_per_device * c.trips for c in program))
         row["compiled_peak_bytes"] = r.memory.peak_bytes if r.memory is not None else ""
         _, metrics = compiled(*jax.device_put(concrete, plan.in_shardings))
         loss = float(jax.device_get(metrics["loss"]))

@@ -280,16 +280,16 @@ def test_kernels_of_a_compiled_cpu_program(mesh):
 
 def test_program_collectives_read_bf16_traffic_before_xla_cpu_widens_it(mesh):
     """XLA:CPU has no 16-bit collectives: a bf16 psum compiles to a float32 all-reduce (twice the
-    bytes a GPU's NCCL moves). `program_collectives` reads the partitioned program before that pass:
-    the same all-reduce, in bf16. A float32 one is the same in both."""
-    from xla_hooks.inspect import program_collectives
+    bytes a GPU's NCCL moves). `compile_with_program_collectives` reads the partitioned program
+    before that pass: the same all-reduce, in bf16. A float32 one is the same in both."""
+    from xla_hooks.inspect import compile_with_program_collectives
 
     g = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "y"), mesh=mesh, in_specs=P(), out_specs=P(),
                               check_vma=False))
     for dtype, name, width in ((jnp.bfloat16, "bf16", 2), (jnp.float32, "f32", 4)):
-        lowered = g.lower(jnp.ones((16, 32), dtype))
-        compiled = _only(collectives(lowered.compile()), "all-reduce")
-        program = _only(program_collectives(lowered), "all-reduce")
+        executable, program = compile_with_program_collectives(g.lower(jnp.ones((16, 32), dtype)))
+        compiled = _only(collectives(executable), "all-reduce")
+        program = _only(program, "all-reduce")
         assert compiled.dtype == "f32" and compiled.result_bytes == 16 * 32 * F32
         assert (program.dtype, program.result_bytes) == (name, 16 * 32 * width)
         assert (program.group_size, program.groups) == (compiled.group_size, compiled.groups) == (4, ROWS)

@@ -419,15 +419,15 @@ def collectives(compiled_or_text: Any, *, num_devices: int | None = None) -> tup
 _WIDENING_PASS = "all-reduce-promotion"
 
 
-def program_collectives(lowered: Any) -> tuple[Collective, ...]:
-    """The collectives of `lowered` (a `jax.stages.Lowered`) as the partitioned program has them,
-    before XLA:CPU runs every 16-bit collective in float32: it is compiled once more with the module
-    dumped just before `_WIDENING_PASS` (compiler options `xla_dump_to`, `xla_dump_hlo_pass_re`),
-    after SPMD partitioning and the passes before it. On XLA:CPU a bf16 program's collectives move
-    twice the bytes in the compiled program that they move on a GPU (whose NCCL reduces bf16);
-    these are the GPU's. Their `trips` come from the compiled module's loop annotations, matched by
-    the loop bodies' names (`_base_name`). Raises HloParseError when the backend dumped no such
-    module (it has no such pass)."""
+def compile_with_program_collectives(lowered: Any) -> tuple[Any, tuple[Collective, ...]]:
+    """Compiles `lowered` (a `jax.stages.Lowered`) once and returns the executable with the
+    collectives as the partitioned program has them, before XLA:CPU runs every 16-bit collective in
+    float32: the module is dumped just before `_WIDENING_PASS` (compiler options `xla_dump_to`,
+    `xla_dump_hlo_pass_re`), after SPMD partitioning and the passes before it. On XLA:CPU a bf16
+    program's collectives move twice the bytes in the compiled program that they move on a GPU
+    (whose NCCL reduces bf16); these are the GPU's. Their `trips` come from the compiled module's
+    loop annotations, matched by the loop bodies' names (`_base_name`). Raises HloParseError when
+    the backend dumped no such module (it has no such pass)."""
     with tempfile.TemporaryDirectory() as out:
         compiled = lowered.compile({"xla_dump_to": out, "xla_dump_hlo_pass_re": _WIDENING_PASS})
         found = sorted(pathlib.Path(out).glob(f"*before_{_WIDENING_PASS}.txt"))
@@ -435,7 +435,8 @@ def program_collectives(lowered: Any) -> tuple[Collective, ...]:
             raise HloParseError(f"no module was dumped before the {_WIDENING_PASS!r} pass (not XLA:CPU?)")
         early = collectives(found[-1].read_text())
     loops = trip_counts(compiled)  # annotated by the later passes: matched by the loop bodies' names
-    return tuple(dataclasses.replace(c, trips=loops.get(_base_name(c.computation), c.trips)) for c in early)
+    return compiled, tuple(dataclasses.replace(c, trips=loops.get(_base_name(c.computation), c.trips))
+                           for c in early)
 
 
 def _collective(rec: dict[str, Any], shapes: dict[str, str], num_devices: int) -> Collective:
