@@ -114,6 +114,9 @@ def test_profiled_hardware_comes_from_the_profile():
     # without a measured figure: the preset of the device kind; no preset: its kind as the name
     assert profiled_hardware(_profile()).memory_bytes == PRESETS["cpu"].memory_bytes
     assert profiled_hardware(_profile(device_kind="Imaginary X1")).name == "imaginary x1"
+    # the host link: measured where the profile has it (GPU), else the preset's figure
+    assert profiled_hardware(_profile(host_bandwidth=4e10)).host_bandwidth == 4e10
+    assert profiled_hardware(_profile()).host_bandwidth == PRESETS["cpu"].host_bandwidth
 
 
 def test_cli_plans_for_the_profiled_devices(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """The profile database: JSON round trip, atomic writes, and clear errors for unusable files."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -25,7 +26,7 @@ def small_db(**kw) -> ProfileDB:
 
 
 def test_round_trip_through_a_file(tmp_path):
-    db = small_db()
+    db = dataclasses.replace(small_db(), host_bandwidth=5.3e10)
     path = tmp_path / "profile.json"
     db.save(path)
     back = ProfileDB.load(path)
@@ -40,6 +41,7 @@ def test_round_trip_through_a_file(tmp_path):
     assert load_profile(str(path)).to_json() == db.to_json()
     assert load_profile(data).to_json() == db.to_json()
     assert load_profile(db) is db
+    assert back.host_bandwidth == 5.3e10 and data["compute"]["host_bandwidth"] == 5.3e10
 
 
 def test_atomic_write_leaves_the_old_file_when_interrupted(tmp_path):
@@ -86,6 +88,9 @@ def test_corrupt_files_give_profile_errors_naming_file_and_problem(tmp_path):
     data = json.loads(good)
     data["num_devices"] = 4
     assert "num_devices=4" in _corrupt(tmp_path, json.dumps(data))
+    data = json.loads(good)
+    data["compute"]["host_bandwidth"] = 0
+    assert "compute.host_bandwidth=0" in _corrupt(tmp_path, json.dumps(data))
     data = json.loads(good)
     data["collectives"][0]["fit"]["beta"] = -1.0
     assert "beta=-1.0" in _corrupt(tmp_path, json.dumps(data))

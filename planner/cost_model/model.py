@@ -62,6 +62,7 @@ def profiled_hardware(profile: Any, hardware: str | Hardware | None = None) -> H
         memory_bandwidth=db.memory_bandwidth or base.memory_bandwidth,
         memory_bytes=db.device_memory_bytes or base.memory_bytes,
         kernel_launch_s=base.kernel_launch_s if db.kernel_launch_s is None else db.kernel_launch_s,
+        host_bandwidth=db.host_bandwidth or base.host_bandwidth,
         platform=db.platform if db.platform in ("gpu", "tpu", "cpu") else base.platform,
     )
 

@@ -82,6 +82,8 @@ class ProfileDB:
       path: file the database was read from (None when built in memory).
       kernel_launch_s: measured least time of one kernel inside a program (None: not measured).
       device_memory_bytes: memory one device can allocate (None: the backend does not say).
+      host_bandwidth: measured bytes/s of one direction of a device's link to its host's pinned
+        memory, as the planned program copies (None: not measured, or no host memory space).
     """
 
     device_kind: str
@@ -101,6 +103,7 @@ class ProfileDB:
     path: str | None = None
     kernel_launch_s: float | None = None
     device_memory_bytes: float | None = None
+    host_bandwidth: float | None = None
 
     @property
     def name(self) -> str:
@@ -151,6 +154,7 @@ class ProfileDB:
                 "memory_bandwidth": self.memory_bandwidth,
                 "kernel_launch_s": self.kernel_launch_s,
                 "device_memory_bytes": self.device_memory_bytes,
+                "host_bandwidth": self.host_bandwidth,
                 "samples": [dict(s) for s in self.compute_samples],
             },
         }
@@ -229,6 +233,9 @@ class ProfileDB:
         if capacity is not None and not _positive(capacity):
             raise ProfileError(f"profile {name}: compute.device_memory_bytes={capacity!r} must be a positive number "
                                "or null")
+        host = compute.get("host_bandwidth")
+        if host is not None and not _positive(host):
+            raise ProfileError(f"profile {name}: compute.host_bandwidth={host!r} must be a positive number or null")
         return cls(
             device_kind=reader.get(data, "device_kind", str),
             platform=str(data.get("platform", "")),
@@ -247,6 +254,7 @@ class ProfileDB:
             path=path,
             kernel_launch_s=None if launch is None else float(launch),
             device_memory_bytes=None if capacity is None else float(capacity),
+            host_bandwidth=None if host is None else float(host),
         )
 
     @classmethod

@@ -2,7 +2,8 @@
 
 Measures, on the devices it runs on, every collective of `COLLECTIVES` over every mesh axis and axis
 group for message sizes from `--min-bytes` to `--max-bytes`, with warm-up and repetitions, plus
-matmul throughput (square GEMMs and attention's batched matmuls) and memory bandwidth; fits
+matmul throughput (square GEMMs and attention's batched matmuls), memory bandwidth and the host
+link (copies to and from pinned host memory); fits
 alpha-beta per (collective, axis group) and writes everything (raw samples included) to a versioned
 JSON file, atomically, from process 0.
 
@@ -46,6 +47,8 @@ _MATMUL_SIZES = (128, 256, 512, 1024, 2048, 4096, 8192)
 _HEAD_DIMS = (64, 128)
 _ATTENTION_SEQS = (128, 256, 512, 1024, 2048, 4096, 8192)
 _ATTENTION_SLICES = 128
+# A buffer in host memory in compiled HLO: memory space 5 in its layout (XLA's kHostMemorySpace).
+_HOST_SPACE = "S(5)"
 # Stop growing a compute benchmark once one call takes this long: it is then out of the noise.
 _LONG_ENOUGH_S = 0.05
 
@@ -294,6 +297,49 @@ def measure_memory(mesh: jax.sharding.Mesh, max_bytes: int, repeats: int = 3,
     return streaming, samples
 
 
+def measure_host_link(mesh: jax.sharding.Mesh, max_bytes: int, repeats: int = 3,
+                      warmup: int = 1) -> tuple[float | None, list[dict]]:
+    """One direction of each device's link to its host's pinned memory (bytes/s per device), all
+    devices at once, copied the way the planned program copies offloaded state (`planner.offload`:
+    `jax.device_put` to the "pinned_host" memory kind and back inside one jitted program). One link
+    of the timed chain (`_per_op_seconds`) is a round trip, the buffer once each way, then a sign
+    map on the device (so that no pass of XLA folds the chain away; a pass of device memory, about
+    1% of the round trip on a PCIe link). The largest buffer's rate counts, as for
+    `measure_memory`. (None, []) where the devices have no "pinned_host" memory, or where the
+    compiled program holds no host buffer (XLA:CPU: its fusions read host buffers in place, so
+    there is no link to measure)."""
+    memories = getattr(mesh.devices.flat[0], "addressable_memories", None)
+    if not callable(memories) or "pinned_host" not in {m.kind for m in memories()}:
+        return None, []
+    spec = PartitionSpec(tuple(mesh.axis_names))
+    device = NamedSharding(mesh, spec, memory_kind="device")
+    host = NamedSharding(mesh, spec, memory_kind="pinned_host")
+    rate, samples = None, []
+    for nbytes in geometric_sizes(1 << 20, max(max_bytes, 1 << 20), 4):
+        x = _input(mesh, nbytes // 4)
+
+        def chain(k: int):
+            def body(v):
+                for _ in range(k):
+                    v = jnp.abs(jax.device_put(jax.device_put(v, host), device)) - 1.0
+                return v
+            return jax.jit(body, in_shardings=device, out_shardings=device)
+
+        def program(k: int, x: jax.Array = x) -> Callable[[], jax.Array]:
+            fn = chain(k)
+            return lambda: fn(x)
+
+        if not samples and _HOST_SPACE not in chain(1).lower(x).compile().as_text():
+            return None, []  # XLA:CPU: no copies compiled (its fusions read host buffers in place)
+        t, whole = _per_op_seconds(program, repeats, warmup, chain=5, max_chain=65)
+        rate = nbytes / max(t / 2, 1e-12)
+        samples.append({"kind": "host", "nbytes": nbytes, "seconds": t, "program_seconds": whole,
+                        "bytes_per_s": rate})
+        if t > _LONG_ENOUGH_S:
+            break
+    return rate, samples
+
+
 def profile(mesh: jax.sharding.Mesh, sizes: Sequence[int], repeats: int = 5, warmup: int = 2,
             collectives: Sequence[str] = COLLECTIVES, compute: bool = True,
             progress: ProgressBar | None = None, settings: dict | None = None) -> ProfileDB:
@@ -328,7 +374,7 @@ def profile(mesh: jax.sharding.Mesh, sizes: Sequence[int], repeats: int = 5, war
             xs = [b for b, reps in zip(nbytes, seconds) for _ in reps]
             fit = Curve.from_samples(xs, net).fit
             entries.append(CollectiveSamples(kind, axes, group_offsets(spec, axes), tuple(nbytes), tuple(seconds), fit))
-    matmul, memory, compute_samples, launch = {}, None, [], None
+    matmul, memory, host, compute_samples, launch = {}, None, None, [], None
     if compute:
         launch = measure_kernel_launch(mesh)
         max_bytes = max(sizes)
@@ -344,6 +390,10 @@ def profile(mesh: jax.sharding.Mesh, sizes: Sequence[int], repeats: int = 5, war
         compute_samples += s
         if progress is not None:
             progress.step("memory bandwidth")
+        host, s = measure_host_link(mesh, max_bytes)
+        compute_samples += s
+        if progress is not None:
+            progress.step("host link")
     device = mesh.devices.flat[0]
     return ProfileDB(
         device_kind=device.device_kind,
@@ -362,11 +412,12 @@ def profile(mesh: jax.sharding.Mesh, sizes: Sequence[int], repeats: int = 5, war
         compute_samples=tuple(compute_samples),
         kernel_launch_s=launch,
         device_memory_bytes=device_memory_bytes(device),
+        host_bandwidth=host,
     )
 
 
 def progress_steps(spec: MeshSpec, sizes: Sequence[int], collectives: Sequence[str], compute: bool) -> int:
-    return len(axis_groups(spec)) * len(collectives) * len(sizes) + (2 * len(_MATMUL_DTYPES) + 1 if compute else 0)
+    return len(axis_groups(spec)) * len(collectives) * len(sizes) + (2 * len(_MATMUL_DTYPES) + 2 if compute else 0)
 
 
 def summary(db: ProfileDB) -> str:
@@ -389,6 +440,8 @@ def summary(db: ProfileDB) -> str:
                                                                  for f, r in points) + " GFLOP/s")
     if db.memory_bandwidth:
         lines.append(f"  memory bandwidth  {db.memory_bandwidth / 1e9:10.2f} GB/s per device")
+    if db.host_bandwidth:
+        lines.append(f"  host link         {db.host_bandwidth / 1e9:10.2f} GB/s per device, each way")
     if db.kernel_launch_s is not None:
         lines.append(f"  kernel launch     {db.kernel_launch_s * 1e6:10.2f} us per kernel")
     return "\n".join(lines)
