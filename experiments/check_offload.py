@@ -13,7 +13,8 @@ XLA compiles or the device measures:
     back at `Hardware.host_bandwidth`: the preset's, and with `--profile` the profile's measured
     link) against the median of timed steps, and the measured difference between the two plans;
   - numerics: the offloaded step's loss and new parameters against the plan without offload (the
-    same arithmetic; only placement and order differ).
+    same arithmetic; only placement and order differ), and that plan's against `jax.jit` of the
+    step, whose step time is measured too (what users run without the planner).
 The compiled program's host transfers are counted (`copy-start` / `copy-done` and the instructions
 whose layout names memory space 5).
 
@@ -149,9 +150,17 @@ def check(name: str, overrides: dict, hardware: str, profile: str | None, warmup
         r["measured_step_s"] = statistics.median(times)
         r["measured_step_s_min"] = min(times)
         row[mode] = r
+    # the step as users run it today: jax.jit of the unsharded step, state donated
+    state = b.init_state(jax.random.key(0))
+    jitted = jax.jit(b.train_step, donate_argnums=(0,))
+    new_state, metrics = jitted(state, batch)
+    firsts["jit"] = (jax.device_get(new_state["params"]), float(metrics["loss"]))
+    times, _, _ = _time_steps(jitted, new_state, batch, warmup, repeats)
+    row["jit_step_s"] = statistics.median(times)
     off, on = row["off"], row["opt-state"]
-    row["numerics"] = {"loss_off": firsts["off"][1], "loss_offload": firsts["opt-state"][1],
-                       "params_max_rel_diff": _max_rel(firsts["opt-state"][0], firsts["off"][0])}
+    row["numerics"] = {"loss_jit": firsts["jit"][1], "loss_off": firsts["off"][1], "loss_offload": firsts["opt-state"][1],
+                       "params_max_rel_diff": _max_rel(firsts["opt-state"][0], firsts["off"][0]),
+                       "params_max_rel_diff_off_vs_jit": _max_rel(firsts["off"][0], firsts["jit"][0])}
     row["measured_offload_cost_s"] = on["measured_step_s"] - off["measured_step_s"]
     row["predicted_offload_cost_s"] = on["predicted_step_s"] - off["predicted_step_s"]
     if profile:
@@ -168,7 +177,8 @@ state donated): without offload and with every Adam moment in pinned host memory
 steps after warm-up) and the predicted one for each plan; the cost of offloading, predicted (the
 difference of the two predictions) and measured (the difference of the two medians); the compiled
 program's async copies (copy-start); the first step's largest parameter difference between the two
-plans, relative to the largest parameter.
+plans, and between the plan without offload and `jax.jit` of the step, relative to the largest
+parameter; `jax.jit` of the step's own step time.
 """
 
 
@@ -176,13 +186,13 @@ def markdown(rows: list[dict]) -> str:
     lines = [HEADER.rstrip("\n"), "",
              "| model | device | preset / profile | host bytes plan / XLA | device peak off: pred. / XLA | "
              "device peak offload: pred. / XLA | step off: pred. / measured | step offload: pred. / measured | "
-             "offload cost pred. / measured | copy-start | params rel. diff |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "offload cost pred. / measured | jax.jit step | copy-start | params rel. diff (offload vs off; off vs jit) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     gb = lambda n: f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"  # noqa: E731
     ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | error: {r['error'][:200]} |" + " |" * 9)
+            lines.append(f"| {r['model']} | error: {r['error'][:200]} |" + " |" * 10)
             continue
         off, on = r["off"], r["opt-state"]
         xla_host = on["host_memory"]["argument"] or on["entry_host_argument_bytes"]
@@ -195,8 +205,8 @@ def markdown(rows: list[dict]) -> str:
             f"{ms(on['predicted_step_s'])} / {ms(on['measured_step_s'])} | "
             f"{ms(r['predicted_offload_cost_s'])}"
             f"{' (profiled ' + ms(r['profiled_offload_cost_s']) + ')' if 'profiled_offload_cost_s' in r else ''}"
-            f" / {ms(r['measured_offload_cost_s'])} | {on['copy_start']} | "
-            f"{r['numerics']['params_max_rel_diff']:.1e} |")
+            f" / {ms(r['measured_offload_cost_s'])} | {ms(r['jit_step_s'])} | {on['copy_start']} | "
+            f"{r['numerics']['params_max_rel_diff']:.1e}; {r['numerics']['params_max_rel_diff_off_vs_jit']:.1e} |")
     return "\n".join(lines) + "\n"
 
 

@@ -48,7 +48,11 @@ _HEAD_DIMS = (64, 128)
 _ATTENTION_SEQS = (128, 256, 512, 1024, 2048, 4096, 8192)
 _ATTENTION_SLICES = 128
 # A buffer in host memory in compiled HLO: memory space 5 in its layout (XLA's kHostMemorySpace).
+# XLA:GPU's instructions carry it (the copies in and out); XLA:CPU's only its entry layout.
 _HOST_SPACE = "S(5)"
+# The largest buffer of the host-link measurement: 64 MiB takes ~1 ms each way over PCIe 5 x16,
+# out of the noise in a program of a few of them, and `max_chain` of them fit any host.
+_HOST_LINK_MAX_BYTES = 64 * 2**20
 # Stop growing a compute benchmark once one call takes this long: it is then out of the noise.
 _LONG_ENOUGH_S = 0.05
 
@@ -87,11 +91,11 @@ class ProgressBar:
 
 def _time_calls(fn: Callable[[], jax.Array], repeats: int, warmup: int) -> tuple[float, ...]:
     for _ in range(warmup):
-        fn().block_until_ready()
+        jax.block_until_ready(fn())
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn().block_until_ready()
+        jax.block_until_ready(fn())
         out.append(time.perf_counter() - t0)
     return tuple(out)
 
@@ -299,44 +303,43 @@ def measure_memory(mesh: jax.sharding.Mesh, max_bytes: int, repeats: int = 3,
 
 def measure_host_link(mesh: jax.sharding.Mesh, max_bytes: int, repeats: int = 3,
                       warmup: int = 1) -> tuple[float | None, list[dict]]:
-    """One direction of each device's link to its host's pinned memory (bytes/s per device), all
+    """Each device's link to its host's pinned memory (bytes/s per device and direction), all
     devices at once, copied the way the planned program copies offloaded state (`planner.offload`:
-    `jax.device_put` to the "pinned_host" memory kind and back inside one jitted program). One link
-    of the timed chain (`_per_op_seconds`) is a round trip, the buffer once each way, then a sign
-    map on the device (so that no pass of XLA folds the chain away; a pass of device memory, about
-    1% of the round trip on a PCIe link). The largest buffer's rate counts, as for
-    `measure_memory`. (None, []) where the devices have no "pinned_host" memory, or where the
-    compiled program holds no host buffer (XLA:CPU: its fusions read host buffers in place, so
-    there is no link to measure)."""
+    an argument in "pinned_host" memory copied to the device, a result copied back): program(k)
+    takes k buffers of the host, brings each to the device, maps it there and hands it back to the
+    host; the time per extra buffer (`_per_op_seconds`) moves the buffer once each way, so the rate
+    is twice its bytes over that time, copies in and back overlapping as far as the link and XLA's
+    schedule let them (as in the planned program). Buffers of 1 MiB up to `_HOST_LINK_MAX_BYTES`;
+    the largest one's rate counts, as for `measure_memory`. (None, []) where the devices have no
+    "pinned_host" memory, or where the compiled program holds no host buffer (XLA:CPU: its fusions
+    read host buffers in place, so there is no link to measure)."""
     memories = getattr(mesh.devices.flat[0], "addressable_memories", None)
     if not callable(memories) or "pinned_host" not in {m.kind for m in memories()}:
         return None, []
     spec = PartitionSpec(tuple(mesh.axis_names))
     device = NamedSharding(mesh, spec, memory_kind="device")
     host = NamedSharding(mesh, spec, memory_kind="pinned_host")
+    max_chain = 17
     rate, samples = None, []
-    for nbytes in geometric_sizes(1 << 20, max(max_bytes, 1 << 20), 4):
-        x = _input(mesh, nbytes // 4)
+    for nbytes in geometric_sizes(1 << 20, min(max(max_bytes, 1 << 20), _HOST_LINK_MAX_BYTES), 4):
+        xs = [jax.device_put(_input(mesh, nbytes // 4), host) for _ in range(max_chain)]
 
         def chain(k: int):
-            def body(v):
-                for _ in range(k):
-                    v = jnp.abs(jax.device_put(jax.device_put(v, host), device)) - 1.0
-                return v
-            return jax.jit(body, in_shardings=device, out_shardings=device)
+            def body(*vs):
+                return [jax.device_put(jnp.abs(jax.device_put(v, device)) - 1.0, host) for v in vs]
+            return jax.jit(body, in_shardings=(host,) * k, out_shardings=[host] * k)
 
-        def program(k: int, x: jax.Array = x) -> Callable[[], jax.Array]:
+        def program(k: int, xs: list = xs) -> Callable[[], list]:
             fn = chain(k)
-            return lambda: fn(x)
+            return lambda: fn(*xs[:k])
 
-        if not samples and _HOST_SPACE not in chain(1).lower(x).compile().as_text():
+        if not samples and _HOST_SPACE not in chain(1).lower(xs[0]).compile().as_text().split("\n", 1)[-1]:
             return None, []  # XLA:CPU: no copies compiled (its fusions read host buffers in place)
-        t, whole = _per_op_seconds(program, repeats, warmup, chain=5, max_chain=65)
-        rate = nbytes / max(t / 2, 1e-12)
+        t, whole = _per_op_seconds(program, repeats, warmup, chain=5, max_chain=max_chain)
+        rate = 2.0 * nbytes / max(t, 1e-12)
         samples.append({"kind": "host", "nbytes": nbytes, "seconds": t, "program_seconds": whole,
                         "bytes_per_s": rate})
-        if t > _LONG_ENOUGH_S:
-            break
+        del xs
     return rate, samples
 
 
