@@ -42,7 +42,7 @@ from planner.cost_model import (
 from planner.errors import InfeasiblePlanError, PlannerError, first_line
 from planner.graph import matmul_flops, trace
 from planner.mesh import MeshSpec, default_axis_names
-from planner.options import PlanOptions
+from planner.options import OFFLOAD_MODES, PlanOptions
 from planner.accumulate import micro_options, plan_accumulation
 from planner.baselines import NAMES as BASELINES, baseline_pins, parse_baseline
 from planner.evaluation import labelled, pipeline_baseline
@@ -145,9 +145,10 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                       help="with --accumulate: reshard loop-invariant values (a sharded parameter's all-gather) "
                            "in every microbatch instead of once before the loop while memory allows (selective "
                            "unsharding, the default)")
-    opts.add_argument("--offload", choices=("off", "auto", "opt-state"), default=None,
+    opts.add_argument("--offload", choices=OFFLOAD_MODES, default=None,
                       help="host offload of optimizer state in single-stage plans: 'opt-state' keeps all of it in "
-                           "host memory between steps, 'auto' only the part that does not fit the memory budget")
+                           "host memory between steps, 'opt-state+params' the float32 master parameters too, "
+                           "'auto' only the part that does not fit the memory budget")
     opts.add_argument("--remat", choices=("off", "auto", "dots", "full"), default=None,
                       help="recompute repeated layers' forward in the backward (single-stage plans): 'full' keeps "
                            "only each layer's inputs, 'dots' keeps matmul results, 'auto' recomputes only when the "

@@ -24,9 +24,17 @@ optax updates every leaf's first moment, then every second moment, so every offl
 on the device at once. The copies in are then exposed, not hidden behind earlier compute: only the
 first group's could be.
 
+Master parameters ("opt-state+params", and "auto" after every moment): a float32 parameter the
+step reads before the update only to cast it to the compute dtype (`param_pairs`) can live on the
+host too. Each cast copies it to the device for itself (`Problem.host_reads`: its bytes at that
+op, one more copy in at the host link), the update copies it in again (its device range starts
+at its first read in the update), and its new value goes back. The update's copy is tied to the
+op before it (`jax.lax.optimization_barrier`), so that XLA does not merge it with the cast's copy
+and keep one copy on the device from the forward to the update.
+
 Where the devices have no host memory space, or the hardware no host link figure, the option is a
-one-line error, never silently dropped. Not offloaded: master parameters (the forward reads them)
-and saved activations.
+one-line error, never silently dropped. Not offloaded: saved activations, and parameters the step
+reads in their own dtype (a float32 step's matmuls).
 """
 from __future__ import annotations
 
@@ -37,6 +45,7 @@ from collections.abc import Callable, Sequence, Set
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from planner.errors import InfeasiblePlanError, InvalidArgumentError
@@ -62,22 +71,67 @@ def state_pairs(problem: Problem) -> tuple[tuple[int, int], ...]:
                  if (tin, tout) in ties or tout in problem.pinned_outputs)
 
 
-def _state_inputs(graph: Graph, combinable: Set[int]) -> list[tuple[int, int]]:
-    """(argument, new value) tensor pairs `state_pairs` chooses from, from the graph alone: a
-    floating-point array argument read only by ops in `combinable` (`problem.combinable_ops`), whose
-    new value is an output of the same path and type."""
+def param_pairs(problem: Problem) -> tuple[tuple[int, int], ...]:
+    """(argument, new value) tensor pairs of master parameters that can live on the host: as
+    `state_pairs`, but read before the update too, there only by casts to another floating dtype
+    (`_param_inputs`: mixed precision's bf16 copy, which the rest of the step reads instead)."""
+    ties = set(problem.ties)
+    return tuple((tin, tout) for tin, tout, _ in _param_inputs(problem.graph, problem.combinable)
+                 if (tin, tout) in ties or tout in problem.pinned_outputs)
+
+
+def host_reads(graph: Graph, combinable: Set[int], pairs: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """(argument, op) for each read of an offloaded argument before the update: each copies the
+    argument to the device for itself (`Problem.host_reads`)."""
+    wanted = {tin for tin, _ in pairs}
+    return tuple((x, op.index) for op in graph.ops if op.index not in combinable
+                 for x in dict.fromkeys(op.tensor_inputs) if x in wanted)
+
+
+def _readers(graph: Graph) -> dict[int, list[int]]:
     readers: dict[int, list[int]] = defaultdict(list)
     for op in graph.ops:
         for x in op.tensor_inputs:
             readers[x].append(op.index)
+    return readers
+
+
+def _candidates(graph: Graph) -> list[tuple[int, int]]:
+    """(argument, new value) pairs of floating-point array arguments whose new value is an output of
+    the same path and type."""
     outputs = {p: t for p, t in zip(graph.output_paths, graph.outputs) if isinstance(t, int)}
     out = []
     for tin, path in zip(graph.inputs, graph.input_paths):
         t, tout = graph.tensors[tin], outputs.get(path)
         if (t.shape and np.issubdtype(np.dtype(t.dtype), np.floating) and tout is not None and tout != tin
-                and graph.tensors[tout] == t and readers.get(tin) and all(o in combinable for o in readers[tin])):
+                and graph.tensors[tout] == t):
             out.append((tin, tout))
     return out
+
+
+def _param_inputs(graph: Graph, combinable: Set[int]) -> list[tuple[int, int, tuple[int, ...]]]:
+    """(argument, new value, reads before the update) of `_candidates` read by the update and,
+    before it, only by `convert_element_type` to another floating dtype."""
+    readers = _readers(graph)
+    out = []
+    for tin, tout in _candidates(graph):
+        before = tuple(o for o in readers.get(tin, ()) if o not in combinable)
+        if not before or len(before) == len(readers[tin]):
+            continue
+        if all(graph.ops[o].name == "convert_element_type"
+               and jnp.issubdtype(graph.tensors[graph.ops[o].outputs[0]].dtype, jnp.floating)  # bf16 too
+               and graph.tensors[graph.ops[o].outputs[0]].dtype != graph.tensors[tin].dtype for o in before):
+            out.append((tin, tout, before))
+    return out
+
+
+def _state_inputs(graph: Graph, combinable: Set[int]) -> list[tuple[int, int]]:
+    """(argument, new value) tensor pairs `state_pairs` chooses from, from the graph alone: a
+    floating-point array argument read only by ops in `combinable` (`problem.combinable_ops`), whose
+    new value is an output of the same path and type."""
+    readers = _readers(graph)
+    return [(tin, tout) for tin, tout in _candidates(graph)
+            if readers.get(tin) and all(o in combinable for o in readers[tin])]
 
 
 def streamed(graph: Graph) -> Graph:
@@ -91,11 +145,14 @@ def streamed(graph: Graph) -> Graph:
     form, or when control flow or recomputation reaches into that range."""
     if graph.update_groups:
         return graph
-    inputs = [t for t, _ in _state_inputs(graph, combinable_ops(graph))]
+    combinable = combinable_ops(graph)
+    inputs = [t for t, _ in _state_inputs(graph, combinable)]
     if len(inputs) < 2:
         return graph
     wanted = set(inputs)
     start = next(op.index for op in graph.ops if wanted.intersection(op.tensor_inputs))
+    # master parameters join their moments' groups (their reads before the update are casts)
+    inputs += [t for t, _, _ in _param_inputs(graph, combinable)]
     if (any(r.end > start for rs in graph.regions.values() for r in rs)
             or any(g.end > start for g in graph.recompute.values())):
         return graph
@@ -157,8 +214,10 @@ def with_offload(problem: Problem, pairs: Sequence[tuple[int, int]]) -> Problem:
     fused = fused_away(problem.graph, problem.unwritten, problem.combinable, problem.memory_platform,
                        problem.recomputed)
     base = live_ranges(problem.graph, problem.donated, fused) if problem.offloaded else problem.live
-    return dataclasses.replace(problem, offloaded=pairs, live=offloaded_live_ranges(
-        problem.graph, base, pairs, fused, copied=problem.memory_platform != "cpu"))
+    copied = problem.memory_platform != "cpu"  # XLA:CPU reads host buffers in place: no copies
+    reads = host_reads(problem.graph, problem.combinable, pairs) if copied else ()
+    return dataclasses.replace(problem, offloaded=pairs, host_reads=reads, live=offloaded_live_ranges(
+        problem.graph, base, pairs, fused, copied=copied, update=problem.combinable))
 
 
 def _smallest_bytes(problem: Problem, tid: int) -> int:
@@ -190,11 +249,12 @@ def plan_offload(problem: Problem, mode: str, budget: float | None, devices: Seq
     why = unavailable(problem.cost.hardware, devices)
     if why is not None:
         raise InvalidArgumentError(f"offload={mode!r} is unavailable: {why}; use offload='off'")
-    pairs = state_pairs(problem)
-    if not pairs and mode == "opt-state":
+    moments, params = state_pairs(problem), param_pairs(problem)
+    pairs = moments + params if mode in ("opt-state+params", "auto") else moments
+    if not pairs and mode.startswith("opt-state"):
         raise InvalidArgumentError(f"offload={mode!r}: the step has no optimizer state to offload (arguments read "
                                    "only by the update whose new value is returned under the same path)")
-    if mode == "opt-state":
+    if mode.startswith("opt-state"):
         offloaded = with_offload(problem, pairs)
         return offloaded, solve(offloaded, True)
     if budget is None or not pairs:
@@ -203,7 +263,9 @@ def plan_offload(problem: Problem, mode: str, budget: float | None, devices: Seq
         return problem, solve(problem, False)
     except InfeasiblePlanError:
         pass
-    order = sorted(pairs, key=lambda p: -_smallest_bytes(problem, p[0]))  # stable: argument order on ties
+    # moments first (one copy in per step), then master parameters (one more for their casts)
+    order = [p for group in (moments, params)
+             for p in sorted(group, key=lambda p: -_smallest_bytes(problem, p[0]))]  # stable: argument order on ties
     lo, hi = 1, len(order)  # the fewest leaves whose offload brings the lower bound under the budget
     while lo < hi:
         mid = (lo + hi) // 2
@@ -215,7 +277,8 @@ def plan_offload(problem: Problem, mode: str, budget: float | None, devices: Seq
     while True:
         last = k == len(order)
         offloaded = with_offload(problem, order[:k])
-        log.info("offload auto: %d of %d optimizer-state leaves to the host", k, len(order))
+        log.info("offload auto: %d of %d optimizer-state leaves to the host (%d master parameters)", k, len(order),
+                 max(0, k - len(moments)))
         try:
             found = offloaded, solve(offloaded, last)
             break
@@ -258,7 +321,9 @@ def record(problem: Problem, choice: Sequence[int], mode: str) -> dict:
         "inputs": sorted(in_pos[t] for t, _ in problem.offloaded),
         "outputs": sorted(out_pos[o] for _, o in problem.offloaded if o in out_pos),
         "paths": [graph.input_paths[in_pos[t]] for t, _ in problem.offloaded],
-        "candidates": len(state_pairs(problem)),
+        "params": len({t for t, _ in problem.offloaded} & {t for t, _ in param_pairs(problem)}),
+        "host_reads": sorted({op for _, op in host_reads(graph, problem.combinable, problem.offloaded)}),
+        "candidates": len(state_pairs(problem)) + (len(param_pairs(problem)) if mode != "opt-state" else 0),
         "host_bytes_per_device": int(host),
         "copy_in_s": copy_in,
         "copy_back_s": copy_back,
@@ -311,22 +376,31 @@ def emission_hooks(graph: Graph, plan, before_op, after_op):
     ins, outs = positions(plan)
     if not ins:
         return before_op, after_op, lambda values: values
+    early = frozenset((plan.levers.get("offload") or {}).get("host_reads", ()))  # casts of master parameters
     shardings = _leaves(plan.in_shardings)
     device = {graph.inputs[i]: shardings[i].with_memory_kind(DEVICE) for i in ins}
     host = {i: s.with_memory_kind(HOST) for i, s in enumerate(_leaves(plan.out_shardings)) if i in outs}
     group_of = {i: g for g, (a, b) in enumerate(graph.update_groups) for i in range(a, b)}
     results = {t for t in graph.outputs if isinstance(t, int)}
     done: dict[int, list] = defaultdict(list)  # group -> its new values (program outputs) so far
-    moved: dict[int, Any] = {}  # offloaded argument -> its copy on the device
+    moved: dict[int, Any] = {}  # offloaded argument -> its copy on the device for the update
+    cast: set[int] = set()  # offloaded arguments copied in before the update (master parameters)
+    last: list = []  # the latest op's first result
 
     def before(op, operands):
         values = []
         for x, v in zip(op.inputs, operands):
             if isinstance(x, int) and x in device:
+                if op.index in early:  # a cast before the update: a copy for this op alone
+                    cast.add(x)
+                    values.append(jax.device_put(v, device[x]))
+                    continue
                 if x not in moved:
                     g = group_of.get(op.index)
                     if g and done.get(g - 1):  # one group's state on the device at a time
                         v = jax.lax.optimization_barrier([v, *done[g - 1]])[0]
+                    elif x in cast and last:  # not the cast's copy again (XLA would merge the two and
+                        v = jax.lax.optimization_barrier([v, last[0]])[0]  # hold it through the step)
                     moved[x] = jax.device_put(v, device[x])
                 v = moved[x]
             values.append(v)
@@ -334,6 +408,8 @@ def emission_hooks(graph: Graph, plan, before_op, after_op):
 
     def after(op, values):
         values = after_op(op, values) if after_op is not None else values
+        if values:
+            last[:] = [values[0]]
         g = group_of.get(op.index)
         if g is not None:
             done[g].extend(v for t, v in zip(op.outputs, values) if t in results)
@@ -356,4 +432,6 @@ def bounding_problem(problem: Problem, mode: str) -> Problem:
     """The problem whose `solver.memory_lower_bound` holds for every offload `mode` may choose:
     every optimizer-state leaf on the host unless offload is off (the mesh search bounds meshes
     with it before solving)."""
-    return problem if mode == "off" else with_offload(problem, state_pairs(problem))
+    if mode == "off":
+        return problem
+    return with_offload(problem, state_pairs(problem) + (param_pairs(problem) if mode != "opt-state" else ()))

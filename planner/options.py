@@ -12,6 +12,7 @@ from planner.errors import InvalidArgumentError
 from planner.units import parse_bytes, parse_link
 
 REMAT = ("off", "full", "dots", "auto")  # recomputation choices (`planner.remat`)
+OFFLOAD_MODES = ("off", "auto", "opt-state", "opt-state+params")  # host offload choices (`planner.offload`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,8 +57,10 @@ class PlanOptions:
         (off), an int k (k microbatches per step, a `lax.scan` inside the step, one update), or
         "auto" (the planner chooses the fastest k that fits `memory_budget`).
       offload: host offload of optimizer state in a single-stage plan (`planner.offload`): "off",
-        "opt-state" (every optimizer-state leaf lives in the host's memory between steps), or
-        "auto" (only the leaves a plan needs off the device to fit `memory_budget`, largest first).
+        "opt-state" (every optimizer-state leaf lives in the host's memory between steps),
+        "opt-state+params" (the float32 master parameters too, where the step reads them before the
+        update only to cast them to the compute dtype), or "auto" (only the leaves a plan needs off
+        the device to fit `memory_budget`: moments first, then master parameters, largest first).
       remat: recomputation of repeated layers in a single-stage plan (`planner.remat`): "off",
         "full" (each layer keeps only its inputs), "dots" (keeps matmul results,
         `jax.checkpoint_policies.dots_saveable`), or "auto" (off when the plan without it fits
@@ -124,8 +127,8 @@ class PlanOptions:
         if self.accumulate not in (None, 1) and self.pipeline:
             raise InvalidArgumentError("accumulate= is for single-stage plans; a pipeline splits the batch into "
                                        "microbatches itself (num_microbatches=)")
-        if self.offload not in ("off", "auto", "opt-state"):
-            raise InvalidArgumentError(f"offload={self.offload!r} must be 'off', 'auto' or 'opt-state'")
+        if self.offload not in OFFLOAD_MODES:
+            raise InvalidArgumentError(f"offload={self.offload!r} must be one of {', '.join(map(repr, OFFLOAD_MODES))}")
         if self.offload != "off" and (self.pipeline or self.accumulate not in (None, 1)):
             raise InvalidArgumentError(f"offload={self.offload!r} is for single-stage plans without gradient "
                                        "accumulation; drop pipeline= / accumulate= or use offload='off'")

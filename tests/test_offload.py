@@ -308,3 +308,81 @@ def test_auto_narrows_the_doubling_to_the_fewest_leaves_that_fit():
     offloaded, solution = plan_offload(problem, "auto", budget=1e15, devices=(), solve=solve)
     assert tried == [0, 1, 2, 4, 8, 6, 5]
     assert len(offloaded.offloaded) == 5 and solution.objective_s == 5.0
+
+
+def test_master_parameters_offload_runs_equal_and_leaves_the_device(devices8):
+    """offload="opt-state+params": the float32 master parameters the bf16 step reads only through
+    their casts live on the host too (their new values come back there); the step runs equal to the
+    unsharded one; XLA places exactly the planned bytes on the host, and the device holds the
+    moments-only plan's bytes less the parameters and their new values."""
+    b, state, batch = concrete("gpt-tiny", dtype="bfloat16")
+    both = planner.plan_parallel(b.train_step, mesh="1x8", offload="opt-state+params")
+    plan = both.plan(state, batch)
+    record = plan.levers["offload"]
+    params = [p for p in record["paths"] if "['params']" in p and "opt_state" not in p]
+    assert record["params"] == len(params) > 0 and record["host_reads"]
+    # the weights and embeddings the bf16 layers cast; not the layer norms' (read in float32)
+    assert not any("['ln_" in p for p in params) and any(p.endswith("['kernel']") for p in params)
+    new_state, metrics = both(state, batch)
+    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
+    assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
+    kinds = [leaf.sharding.memory_kind for leaf in jax.tree.leaves(new_state["params"])]
+    assert kinds.count("pinned_host") == len(params) and "device" in kinds
+
+    compiled = both.lower(state, batch).compile()
+    host_args, _, host_outs, _ = _entry_bytes(compiled)
+    assert host_args == host_outs == record["host_bytes_per_device"]
+    moments = planner.plan_parallel(b.train_step, mesh="1x8", offload="opt-state")
+    moments_host = moments.plan(state, batch).levers["offload"]["host_bytes_per_device"]
+    params_host = record["host_bytes_per_device"] - moments_host
+    assert params_host > 0
+    assert _device_bytes(moments.lower(state, batch).compile()) - _device_bytes(compiled) == 2 * params_host
+
+
+def test_master_parameters_on_the_host_are_copied_in_for_each_cast_and_for_the_update():
+    """Planned for H100s (XLA:GPU copies host buffers in): an offloaded master parameter is on the
+    device only while its cast runs (`Problem.host_reads`) and from its first read in the update;
+    the copies in are the moments plus twice the parameters (cast and update), the copies back the
+    moments and the parameters. A step whose memory is its state (layers no axis of 8 divides):
+    the predicted peak falls by the parameters but the two largest."""
+    from planner.graph import trace
+    from planner.mesh import MeshSpec
+    from planner.offload import streamed
+    from planner.options import PlanOptions
+    from planner.cost_model.hardware import get_hardware
+    from planner.planning import make_plan
+
+    dims = (36, 180, 180, 180, 36)
+    rng = np.random.default_rng(0)
+    params = {f"w{i}": jnp.asarray(rng.standard_normal((dims[i], dims[i + 1])), jnp.float32) for i in range(4)}
+
+    def loss(params, batch):
+        x = batch["x"].astype(jnp.bfloat16)
+        for i in range(4):
+            x = jnp.tanh(x @ params[f"w{i}"].astype(jnp.bfloat16))
+        return jnp.mean((x.astype(jnp.float32) - batch["y"]) ** 2)
+
+    def step(state, batch):
+        value, grads = jax.value_and_grad(loss)(state["params"], batch)
+        updates, opt_state = _OPT.update(grads, state["opt_state"], state["params"])
+        return {"params": jax.tree.map(jnp.add, state["params"], updates), "opt_state": opt_state}, value
+
+    state = {"params": params, "opt_state": _OPT.init(params)}
+    batch = {"x": jnp.ones((8, dims[0])), "y": jnp.zeros((8, dims[-1]))}
+    graph = streamed(trace(step, state, batch))
+    mesh = MeshSpec((1, 8), ("x", "y"))
+    plans = {mode: make_plan(graph, mesh, PlanOptions(hardware="h100", offload=mode, donate_argnums=(0,)))
+             for mode in ("opt-state", "opt-state+params")}
+    moments, both = (plans[m].levers["offload"] for m in ("opt-state", "opt-state+params"))
+    param_bytes = sum(w.size * 4 for w in params.values())
+    assert both["params"] == 4 and len(both["host_reads"]) == 4  # one cast per weight
+    assert both["host_bytes_per_device"] == moments["host_bytes_per_device"] + param_bytes
+    link = get_hardware("h100").host_bandwidth
+    assert both["copy_in_s"] == pytest.approx((moments["host_bytes_per_device"] + 2 * param_bytes) / link)
+    assert both["copy_back_s"] == pytest.approx((moments["host_bytes_per_device"] + param_bytes) / link)
+    two_largest = sum(sorted(w.size * 4 for w in params.values())[-2:])
+    drop = (plans["opt-state"].prediction.memory_bytes_per_device
+            - plans["opt-state+params"].prediction.memory_bytes_per_device)
+    assert drop >= param_bytes - two_largest
+    assert plans["opt-state+params"].solver["objective_s"] == pytest.approx(
+        plans["opt-state+params"].prediction.step_time_s, rel=1e-6)  # CP-SAT saw the same copies

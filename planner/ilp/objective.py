@@ -152,12 +152,14 @@ def offload_start(problem: Problem) -> int:
 
 def offload_transfer(problem: Problem, choice: Sequence[int]) -> tuple[float, float]:
     """(seconds in, seconds back) per device of the host-offloaded state under `choice`: each
-    argument's shard, and its new value's (tied to it: the same layout), over the host link."""
+    argument's shard, once for the update and once more for each read before it
+    (`Problem.host_reads`: a master parameter's casts), and its new value's (tied to it: the same
+    layout), over the host link."""
     if not problem.offloaded:
         return 0.0, 0.0
     bandwidth = problem.cost.hardware.host_bandwidth
-    tin = sum(shard_bytes(problem.graph.tensors[t], problem.spec(t, choice), problem.cost.mesh)
-              for t, _ in problem.offloaded)
+    reads = [t for t, _ in problem.offloaded] + [t for t, _ in problem.host_reads]
+    tin = sum(shard_bytes(problem.graph.tensors[t], problem.spec(t, choice), problem.cost.mesh) for t in reads)
     tout = sum(shard_bytes(problem.graph.tensors[t], problem.spec(t, choice), problem.cost.mesh)
                for t, o in problem.offloaded if o >= 0)
     return tin / bandwidth, tout / bandwidth
@@ -165,8 +167,9 @@ def offload_transfer(problem: Problem, choice: Sequence[int]) -> tuple[float, fl
 
 def offload_hidden(problem: Problem, choice: Sequence[int]) -> float:
     """Seconds of the host-offload copies in hidden behind the compute before `offload_start`
-    (with overlap and an update that is not streamed; the copies back are exposed)."""
-    if not (problem.overlap and problem.offloaded) or problem.graph.update_groups:
+    (with overlap and an update that is not streamed, and no argument read before the update
+    (`Problem.host_reads`, whose copies count as exposed); the copies back are exposed)."""
+    if not (problem.overlap and problem.offloaded) or problem.graph.update_groups or problem.host_reads:
         return 0.0  # streamed (`offload.streamed`): each group's copies wait for the group before
     start = offload_start(problem)
     before = 0.0

@@ -138,6 +138,10 @@ class Problem:
     # host's memory between steps; `live` then holds their device ranges (`offloaded_live_ranges`)
     # and `ilp.objective` charges their transfers.
     offloaded: tuple[tuple[int, int], ...] = ()
+    # Host-offloaded arguments read before the update (master parameters, by their casts to the
+    # compute dtype): (argument, reading op) pairs; each read copies the argument to the device for
+    # that op alone (`ilp.solver.memory_profile` counts it there, `ilp.objective` charges the copy).
+    host_reads: tuple[tuple[int, int], ...] = ()
     # Donated arguments (`PlanOptions.donate_argnums`): (argument, the new value that reuses its
     # buffer) tensor pairs; `live` ends such an argument at its last use (`live_ranges`).
     donated: tuple[tuple[int, int], ...] = ()
@@ -706,18 +710,22 @@ def live_ranges(graph: Graph, donated: Sequence[tuple[int, int]] = (),
 
 
 def offloaded_live_ranges(graph: Graph, live: Sequence[tuple[int, int]], offloaded: Sequence[tuple[int, int]],
-                          fused: Collection[int] = (), copied: bool = True) -> tuple[tuple[int, int], ...]:
+                          fused: Collection[int] = (), copied: bool = True,
+                          update: Collection[int] | None = None) -> tuple[tuple[int, int], ...]:
     """`live` with the device ranges of host-offloaded values (`planner.offload`).
 
     `copied` (XLA:GPU, TPU): the update runs on device copies: an argument kept on the host is on
-    the device from its first consumer to its last read (it is copied in for the optimizer update),
-    and its new value from its producer to its last read inside the step (then it is copied out);
-    neither is held to the end of the step. Reads as `last_reads`. Not `copied` (XLA:CPU): the
+    the device from its first consumer in `update` (the optimizer update's ops; None: any op) to its
+    last read (it is copied in for the optimizer update; reads before it, a master parameter's
+    casts, copy it for themselves: `Problem.host_reads`), and its new value from its producer to
+    its last read inside the step (then it is copied out); neither is held to the end of the step. Reads as `last_reads`. Not `copied` (XLA:CPU): the
     update's fusions read and write the host buffers in place, so neither is ever on the device (the
     compiled HLO has memory space S(5) only in its entry layout and no copies, and its temporary
     bytes do not change when leaves move to the host; tests/test_offload.py)."""
     first_use = [-1] * len(graph.tensors)
     for op in reversed(graph.ops):
+        if update is not None and op.index not in update:
+            continue
         for x in op.inputs:
             if isinstance(x, int):
                 first_use[x] = op.index

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -130,6 +130,8 @@ def _liveness_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
             delta[first] += b
             delta[last + 1] -= b
     profile = np.cumsum(delta)[: n + 2]
+    for tid, op in problem.host_reads:  # a host-kept argument copied in for one op (`Problem.host_reads`)
+        profile[op + 1] += shard_bytes(problem.graph.tensors[tid], problem.spec(tid, choice), mesh)
     for e in problem.edges:
         at = _transient_point(problem, e)
         if _copied_only_if_resharded(problem, e) and e.src_specs[choice[e.src]] == e.dst_specs[choice[e.dst]]:
@@ -545,14 +547,15 @@ class _Model:
             return
         bandwidth = p.cost.hardware.host_bandwidth
         copy_in: dict[tuple[int, int], int] = defaultdict(int)
+        reads = Counter(t for t, _ in p.host_reads)  # copies in before the update (`Problem.host_reads`)
         for tin, tout in p.offloaded:
             node = p.nodes[p.owner[tin]]
             for i, spec in enumerate(node.owned[tin]):
                 ticks = int(round(shard_bytes(p.graph.tensors[tin], spec, p.cost.mesh) / bandwidth * _NS))
-                copy_in[(node.index, i)] += ticks
+                copy_in[(node.index, i)] += ticks * (1 + reads[tin])
                 if tout >= 0:
                     self._add_ticks((self.x[node.index][i],), ticks)
-        if not p.overlap or p.graph.update_groups:  # streamed: exposed (`objective.offload_hidden`)
+        if not p.overlap or p.graph.update_groups or p.host_reads:  # exposed (`objective.offload_hidden`)
             for (n, i), ticks in copy_in.items():
                 self._add_ticks((self.x[n][i],), ticks)
             return
@@ -753,6 +756,11 @@ class _Model:
             node = p.nodes[p.owner[tid]]
             for i, b in enumerate(self._sizes(tid, tid, node.owned[tid])):
                 coef[(p.rep[node.index], i)] += b
+        for tid, op in p.host_reads:  # a host-kept argument copied in for one op
+            if op + 1 == point:
+                node = p.nodes[p.owner[tid]]
+                for i, b in enumerate(self._sizes(tid, tid, node.owned[tid])):
+                    coef[(p.rep[node.index], i)] += b
         for k, e in enumerate(p.edges):  # operands as the op reads them (a resharded copy is a transient buffer)
             if _transient_point(p, e) == point:
                 for j, b in enumerate(self._sizes(-1 - k, e.tensor, e.dst_specs)):
@@ -1482,6 +1490,10 @@ def _compute_bound_parts(problem: Problem) -> tuple[dict, np.ndarray, int]:
         if cpu and last == n:
             r = rep[node]
             reserved_of[r] = reserved_of.get(r, 0) + b
+    for tid, op in problem.host_reads:  # a host-kept argument copied in for one op (`Problem.host_reads`)
+        node = problem.owner[tid]
+        b = np.array([nbytes(tid, spec) for spec in problem.nodes[node].owned[tid]], dtype=np.int64)
+        spans[rep[node]].append((b, op + 1, op + 2))
     combined_at = _combined_point(problem)
     for node in problem.nodes:
         if not node.size:
