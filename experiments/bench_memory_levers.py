@@ -37,6 +37,7 @@ from planner.search import inter_host_axes  # noqa: E402
 from planner.units import format_bytes  # noqa: E402
 from planner.remat import plan_remat  # noqa: E402
 from zoo import get_model  # noqa: E402
+from planner.units import parse_bytes  # noqa: E402
 from zoo.registry import get_config  # noqa: E402
 
 
@@ -44,7 +45,7 @@ LEVER_SETS = ("sharding", "accumulation", "remat+offload")
 
 
 def run(model: str, cluster: str, layers: int | None, levers: str, time_limit: float,
-        overrides: dict | None = None) -> dict:
+        overrides: dict | None = None, budget: float | None = None) -> dict:
     hw = Cluster.parse(cluster)
     accumulate = "auto" if levers == "accumulation" else None
     over = {"layers": layers} if layers else {}
@@ -54,7 +55,7 @@ def run(model: str, cluster: str, layers: int | None, levers: str, time_limit: f
         over["remat"] = True
     b = get_model(model, **over, dtype=hw.hardware.default_dtype)
     mesh = MeshSpec((hw.hosts, hw.devices_per_host), ("x", "y"))
-    budget = hw.hardware.memory_bytes
+    budget = budget or hw.hardware.memory_bytes
     options = PlanOptions(hardware=cluster, memory_budget=budget, solver_time_limit=time_limit,
                           inter_host_axes=inter_host_axes(mesh.shape, hw.devices_per_host),
                           offload="auto" if levers == "remat+offload" else "off",
@@ -86,7 +87,8 @@ def run(model: str, cluster: str, layers: int | None, levers: str, time_limit: f
         off = plan.levers.get("offload") or {}
         row.update(fits=True, memory=format_bytes(p.memory_bytes_per_device), step_time_s=p.step_time_s,
                    microbatches=plan.levers.get("accumulation", {}).get("microbatches", 1),
-                   offloaded=f"{len(off.get('inputs', ()))} of {off.get('candidates', 0)} optimizer-state leaves, "
+                   offloaded=f"{len(off.get('inputs', ()))} of {off.get('candidates', 0)} optimizer-state leaves "
+                             f"({off.get('params', 0)} master parameters), "
                              f"{format_bytes(off.get('host_bytes_per_device', 0))}/device" if off else "none")
     except PlannerError as e:
         row.update(fits=False, memory=format_bytes(e.min_memory_bytes) if getattr(e, "min_memory_bytes", None) else "?",
@@ -106,6 +108,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary override (Llama 3: 128256)")
     ap.add_argument("--unrolled", action="store_true",
                     help="layers as a Python loop (scan_layers=False), not one scan over stacked leaves")
+    ap.add_argument("--budget", default=None, help="memory budget per device (default: the device's memory), "
+                    "e.g. 48GB")
     ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "memory_levers.json"))
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -114,7 +118,8 @@ def main() -> None:
         for cluster in a.clusters.split(","):
             for levers in a.levers.split(","):
                 over = {**({"vocab": a.vocab} if a.vocab else {}), **({"scan_layers": False} if a.unrolled else {})}
-                row = run(model, cluster, a.layers, levers, a.time_limit, over or None)
+                row = run(model, cluster, a.layers, levers, a.time_limit, over or None,
+                          parse_bytes(a.budget, "--budget") if a.budget else None)
                 rows.append(row)
                 print(f"{row['model']:<10} L={row['layers']:<3} {row['cluster']:<9} {row['levers']:<38} "
                       f"fits={row['fits']!s:<5} memory={row['memory']:<10} "

@@ -41,7 +41,7 @@ def _close(b, opt, state, batch, new_state, metrics, ref_state, ref_metrics):
 
 
 @pytest.mark.parametrize("num_stages,num_microbatches", [(2, 2)])  # 4 stages: Llama in test_pipeline_e2e.py
-def test_pipelined_step_equals_unpipelined(gpt, num_stages, num_microbatches):
+def test_pipelined_step_equals_unpipelined(gpt, num_stages, num_microbatches, monkeypatch):
     b, opt, state, batch, ref_state, ref_metrics, names = gpt
     assert names == ("pre", "blocks_0", "blocks_1", "post")
     layouts = even_layouts(names, jax.devices()[:8], num_stages)
@@ -54,6 +54,14 @@ def test_pipelined_step_equals_unpipelined(gpt, num_stages, num_microbatches):
     leaf = new_state["params"]["blocks_1"]["mlp"]["fc_in"]["kernel"]
     owner = next(l for l in layouts if "blocks_1" in l.layers)
     assert leaf.sharding.device_set == set(owner.devices)
+    # The next step takes the parameters and optimizer state as they came back: none is placed
+    # again but the scalars every stage's update holds a copy of (AdamW's step count).
+    put, real_put = [], jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: put.append(id(x)) or real_put(x, *a, **k))
+    run(new_state, batch)
+    monkeypatch.undo()
+    leaves = {id(x): x for x in jax.tree.leaves(new_state)}
+    assert put and all(leaves[i].ndim == 0 for i in set(put) & set(leaves))
 
 
 def test_remat_tied_embeddings_and_sgd_gradients():

@@ -67,6 +67,12 @@ from planner.stages.schedule import dispatch_order, stage_tasks
 log = logging.getLogger("planner")
 
 
+def _put(x: Any, sharding: Any) -> Any:
+    """`x` with `sharding`: itself when it has it already (the parameters and optimizer state a
+    step handed back), else a `jax.device_put` (host time per leaf even when nothing moves)."""
+    return x if getattr(x, "sharding", None) == sharding else jax.device_put(x, sharding)
+
+
 def _axis_indices(mesh: MeshSpec, names) -> tuple[int, ...]:
     """Positions in `mesh` of the axis `names` a plan records (`StagePlan.data_axes`)."""
     return tuple(sorted(mesh.axis_names.index(a) for a in names))
@@ -436,7 +442,7 @@ class PipelinedStep:
         flat_batch = jax.tree_util.tree_leaves(batch)
         opt_trees, full_opt = opt_layouts(self.optimizer, len(self.layouts), params, opt_state, param_owner)
 
-        p = [[jax.device_put(flat_params[k], sh) for k, sh in zip(st.params, st.param_shardings)] for st in stages]
+        p = [[_put(flat_params[k], sh) for k, sh in zip(st.params, st.param_shardings)] for st in stages]
         mbatch = [[[jax.device_put(flat_batch[k][i * mb:(i + 1) * mb], sh)
                     for k, sh in zip(st.batch, st.batch_shardings)] for i in range(B)] for st in stages]
         inbox: dict[tuple[int, int, int], Any] = {}      # (stage, tensor, microbatch) -> value
@@ -497,7 +503,7 @@ class PipelinedStep:
             mask = lambda xs: jax.tree_util.tree_unflatten(  # noqa: E731
                 ptree, [xs[pos[k]] if k in pos else None for k in range(n)])
             shard_of = opt_shardings(okeys, st, flat_params, treedef)
-            o = jax.tree_util.tree_unflatten(odef, [jax.device_put(full_opt[k], shard_of(k, full_opt[k]))
+            o = jax.tree_util.tree_unflatten(odef, [_put(full_opt[k], shard_of(k, full_opt[k]))
                                                     for k in okeys])
             grads = acc[s] if acc[s] is not None else st.zeros()
             new_p, new_o = st.apply(mask(p[s]), o, mask(grads))
