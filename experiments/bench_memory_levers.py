@@ -45,7 +45,7 @@ LEVER_SETS = ("sharding", "accumulation", "remat+offload")
 
 
 def run(model: str, cluster: str, layers: int | None, levers: str, time_limit: float,
-        overrides: dict | None = None, budget: float | None = None) -> dict:
+        overrides: dict | None = None, budget: float | None = None, offload: str = "auto") -> dict:
     hw = Cluster.parse(cluster)
     accumulate = "auto" if levers == "accumulation" else None
     over = {"layers": layers} if layers else {}
@@ -58,13 +58,13 @@ def run(model: str, cluster: str, layers: int | None, levers: str, time_limit: f
     budget = budget or hw.hardware.memory_bytes
     options = PlanOptions(hardware=cluster, memory_budget=budget, solver_time_limit=time_limit,
                           inter_host_axes=inter_host_axes(mesh.shape, hw.devices_per_host),
-                          offload="auto" if levers == "remat+offload" else "off",
+                          offload=offload if levers == "remat+offload" else "off",
                           donate_argnums=(0,))  # the train state, as every training loop donates it
     t0 = time.perf_counter()
     row = {"model": model, "layers": layers or b.config.layers, "cluster": cluster, "mesh": str(mesh),
            "overrides": overrides or {},
            "levers": {"sharding": "sharding", "accumulation": "sharding + accumulation",
-                      "remat+offload": "sharding + remat + offload auto"}[levers],
+                      "remat+offload": f"sharding + remat + offload {offload}"}[levers],
            "budget": format_bytes(budget)}
     graph = trace(b.train_step, b.abstract_state(), b.abstract_batch())
     if options.offload != "off":  # a streamed optimizer update, as `planner plan --offload` plans it
@@ -108,6 +108,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary override (Llama 3: 128256)")
     ap.add_argument("--unrolled", action="store_true",
                     help="layers as a Python loop (scan_layers=False), not one scan over stacked leaves")
+    ap.add_argument("--offload", default="auto", choices=("auto", "opt-state", "opt-state+params"),
+                    help="the offload mode of the remat+offload levers (default auto)")
     ap.add_argument("--budget", default=None, help="memory budget per device (default: the device's memory), "
                     "e.g. 48GB")
     ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "memory_levers.json"))
@@ -119,7 +121,7 @@ def main() -> None:
             for levers in a.levers.split(","):
                 over = {**({"vocab": a.vocab} if a.vocab else {}), **({"scan_layers": False} if a.unrolled else {})}
                 row = run(model, cluster, a.layers, levers, a.time_limit, over or None,
-                          parse_bytes(a.budget, "--budget") if a.budget else None)
+                          parse_bytes(a.budget, "--budget") if a.budget else None, a.offload)
                 rows.append(row)
                 print(f"{row['model']:<10} L={row['layers']:<3} {row['cluster']:<9} {row['levers']:<38} "
                       f"fits={row['fits']!s:<5} memory={row['memory']:<10} "
