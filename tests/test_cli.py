@@ -180,6 +180,20 @@ def test_donate_reaches_the_plan(capsys, tmp_path):
     assert run(capsys, "--help")[0] == 0
 
 
+def test_offload_of_master_parameters_reaches_the_plan(capsys, tmp_path):
+    """--offload opt-state+params: the bf16 step's cast weights join the moments on the host, and
+    the report says how many; an unknown mode exits 2 naming the choices."""
+    path = tmp_path / "plan.json"
+    code, out, err = run(capsys, "plan", "--model", "gpt-tiny", "--mesh", "1x8", "--dtype", "bfloat16",
+                         "--offload", "opt-state+params", "--quiet", "--json", str(path))
+    assert code == 0, err
+    record = Plan.from_json(path.read_text()).levers["offload"]
+    assert record["mode"] == "opt-state+params" and record["params"] > 0
+    assert f"({record['params']} master parameters, copied in for their casts too)" in out
+    code, _, err = run(capsys, "plan", "--model", "gpt-tiny", "--mesh", "1x8", "--offload", "params")
+    assert code == 2 and "opt-state+params" in err
+
+
 def test_fn_factory_from_file_and_module(capsys, tmp_path, monkeypatch):
     src = textwrap.dedent("""
         import jax, jax.numpy as jnp

@@ -383,7 +383,10 @@ def format_levers(plan) -> str:
     record = plan.levers.get("offload")
     if record:
         paras.append(f"Host offload ({record['mode']}): {len(record['inputs'])} of {record['candidates']} "
-                     f"optimizer-state leaves in host memory, {fmt_bytes(record['host_bytes_per_device'])}/device; "
+                     f"optimizer-state leaves in host memory"
+                     + (f" ({record['params']} master parameters, copied in for their casts too)"
+                        if record.get("params") else "")
+                     + f", {fmt_bytes(record['host_bytes_per_device'])}/device; "
                      f"copies in {record['copy_in_s']:.3g} s ({record['hidden_s']:.3g} s hidden), back "
                      f"{record['copy_back_s']:.3g} s")
     return "\n\n".join(paras)
