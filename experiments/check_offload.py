@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 
 import planner  # noqa: E402
 from planner.cost_model.hardware import hardware_for_device_kind  # noqa: E402
+from check_gpu import _time_steps  # noqa: E402 (experiments/, beside this file)
 from zoo import get_model  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -90,19 +91,6 @@ def compiled_figures(compiled) -> dict:
     }
 
 
-def _time_steps(step, state, batch, warmup: int, repeats: int) -> tuple[list[float], object, dict]:
-    for _ in range(warmup):
-        state, metrics = step(state, batch)
-    jax.block_until_ready(state)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready(state)
-        times.append(time.perf_counter() - t0)
-    return times, state, metrics
-
-
 def _max_rel(a, b) -> float:
     """max |a - b| over max |b|, over all leaves of two pytrees (float32 view)."""
     num = den = 0.0
@@ -112,14 +100,15 @@ def _max_rel(a, b) -> float:
     return num / den if den else num
 
 
-def check(name: str, overrides: dict, hardware: str, profile: str | None, warmup: int, repeats: int) -> dict:
+def check(name: str, overrides: dict, hardware: str, profile: str | None, warmup: int, repeats: int,
+          offload: str = "opt-state") -> dict:
     b = get_model(name, **overrides)
     device = jax.devices()[0]
     row: dict = {"model": name, "overrides": overrides, "device": device.device_kind, "platform": device.platform,
-                 "jax": jax.__version__, "hardware": hardware, "profile": profile}
+                 "jax": jax.__version__, "hardware": hardware, "profile": profile, "offload": offload}
     batch = b.make_batch(jax.random.key(1))
     firsts = {}
-    for mode in ("off", "opt-state"):
+    for mode in ("off", offload):
         state = b.init_state(jax.random.key(0))
         step = planner.plan_parallel(b.train_step, mesh="1", devices=[device], donate_argnums=(0,),
                                      offload=mode, hardware=hardware)
@@ -146,7 +135,7 @@ def check(name: str, overrides: dict, hardware: str, profile: str | None, warmup
         r.update(compiled_figures(compiled))
         new_state, metrics = step(state, batch)  # the first step, for numerics
         firsts[mode] = (jax.device_get(new_state["params"]), float(metrics["loss"]))
-        times, _, _ = _time_steps(step, new_state, batch, warmup, repeats)
+        times = _time_steps(step, new_state, batch, warmup, repeats)
         r["measured_step_s"] = statistics.median(times)
         r["measured_step_s_min"] = min(times)
         row[mode] = r
@@ -155,11 +144,11 @@ def check(name: str, overrides: dict, hardware: str, profile: str | None, warmup
     jitted = jax.jit(b.train_step, donate_argnums=(0,))
     new_state, metrics = jitted(state, batch)
     firsts["jit"] = (jax.device_get(new_state["params"]), float(metrics["loss"]))
-    times, _, _ = _time_steps(jitted, new_state, batch, warmup, repeats)
+    times = _time_steps(jitted, new_state, batch, warmup, repeats)
     row["jit_step_s"] = statistics.median(times)
-    off, on = row["off"], row["opt-state"]
-    row["numerics"] = {"loss_jit": firsts["jit"][1], "loss_off": firsts["off"][1], "loss_offload": firsts["opt-state"][1],
-                       "params_max_rel_diff": _max_rel(firsts["opt-state"][0], firsts["off"][0]),
+    off, on = row["off"], row[offload]
+    row["numerics"] = {"loss_jit": firsts["jit"][1], "loss_off": firsts["off"][1], "loss_offload": firsts[offload][1],
+                       "params_max_rel_diff": _max_rel(firsts[offload][0], firsts["off"][0]),
                        "params_max_rel_diff_off_vs_jit": _max_rel(firsts["off"][0], firsts["jit"][0])}
     row["measured_offload_cost_s"] = on["measured_step_s"] - off["measured_step_s"]
     row["predicted_offload_cost_s"] = on["predicted_step_s"] - off["predicted_step_s"]
@@ -194,10 +183,10 @@ def markdown(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"| {r['model']} | error: {r['error'][:200]} |" + " |" * 10)
             continue
-        off, on = r["off"], r["opt-state"]
+        off, on = r["off"], r[r.get("offload", "opt-state")]
         xla_host = on["host_memory"]["argument"] or on["entry_host_argument_bytes"]
         lines.append(
-            f"| {r['model']} | {r['device']} | {r['hardware']}{' + ' + pathlib.Path(r['profile']).name if r['profile'] else ''} | "
+            f"| {r['model']}{' (' + r['offload'] + ')' if r.get('offload', 'opt-state') != 'opt-state' else ''} | {r['device']} | {r['hardware']}{' + ' + pathlib.Path(r['profile']).name if r['profile'] else ''} | "
             f"{gb(on.get('offload_host_bytes_per_device', 0))} / {gb(xla_host)} | "
             f"{gb(off['predicted_memory_bytes'])} / {gb(off['device_peak_bytes'])} | "
             f"{gb(on['predicted_memory_bytes'])} / {gb(on['device_peak_bytes'])} | "
@@ -215,6 +204,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="*", help="zoo names (default: gpt2-medium and 4-layer llama-7b on a GPU)")
     ap.add_argument("--hardware", default=None, help="preset for the plans (default: the device kind's, else cpu)")
     ap.add_argument("--profile", default=None, help="a `planner profile` database of this device")
+    ap.add_argument("--offload", default="opt-state", choices=("opt-state", "opt-state+params"),
+                    help="what the offloaded plan keeps on the host (default: the Adam moments)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", default=str(RESULTS))
@@ -230,7 +221,8 @@ def main(argv=None) -> int:
     for name in names:
         t0 = time.perf_counter()
         try:
-            rows.append(check(name, table.get(name, _BF16), hardware, args.profile, args.warmup, args.repeats))
+            rows.append(check(name, table.get(name, _BF16), hardware, args.profile, args.warmup, args.repeats,
+                              args.offload))
         except Exception as e:  # noqa: BLE001 - a failed model is a row of the report, the others still run
             traceback.print_exc()
             rows.append({"model": name, "error": f"{type(e).__name__}: {e}".splitlines()[0]})

@@ -2,8 +2,9 @@
 # The device checks of one GPU session, in order of what matters most (each writes its results
 # under $OUT as it goes, so a run cut short keeps what finished):
 #   1. `planner profile` of the device: square GEMMs, attention shapes, memory, the host link;
-#   2. experiments/check_offload.py: host offload of the Adam moments, planned with the preset and
-#      priced with the profile too, compiled, run and timed beside the plan without offload;
+#   2. experiments/check_offload.py: host offload of the Adam moments (then of the master parameters
+#      too), planned with the preset and priced with the profile too, compiled, run and timed beside
+#      the plan without offload and jax.jit of the step;
 #   3. experiments/check_gpu.py --measure-only: the zoo's unsharded steps for the cost-model check
 #      (predicted afterwards anywhere with --predict-from).
 # Run from the repository root on the device (ortools and its needs carried as wheels in .whl):
@@ -17,12 +18,16 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -c "import jax; print(jax.__version__, jax.devices())"
 kind=$(python3 -c "import jax; print(jax.devices()[0].device_kind.split()[1].lower())")
 t0=$(date +%s)
-timeout 150 python3 -m planner.cost_model.profiling --out "$out/profile_$kind.json" --collectives all-reduce --quiet \
+timeout 130 python3 -m planner.cost_model.profiling --out "$out/profile_$kind.json" --collectives all-reduce --quiet \
   > "$out/profile.log" 2>&1; echo "profile rc=$? $(( $(date +%s) - t0 )) s"; tail -30 "$out/profile.log"
 prof=()
 [ -f "$out/profile_$kind.json" ] && prof=(--profile "$out/profile_$kind.json")
 timeout 170 python3 experiments/check_offload.py "${prof[@]}" --out "$out" > "$out/offload.log" 2>&1
 echo "offload rc=$? $(( $(date +%s) - t0 )) s"; tail -12 "$out/offload.log"
+mkdir -p "$out/params"  # master parameters on the host too (never run on a GPU before this script had it)
+timeout 150 python3 experiments/check_offload.py "${prof[@]}" --offload opt-state+params --models gpt2-medium \
+  --out "$out/params" > "$out/params/offload.log" 2>&1
+echo "offload params rc=$? $(( $(date +%s) - t0 )) s"; tail -4 "$out/params/offload.log"
 # shellcheck disable=SC2086
-timeout 160 python3 experiments/check_gpu.py --measure-only --models $models --out "$out" > "$out/gpu_check.log" 2>&1
+timeout 150 python3 experiments/check_gpu.py --measure-only --models $models --out "$out" > "$out/gpu_check.log" 2>&1
 echo "check_gpu rc=$? $(( $(date +%s) - t0 )) s"; tail -5 "$out/gpu_check.log"

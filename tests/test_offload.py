@@ -238,6 +238,29 @@ def test_streamed_update_groups_each_parameters_state():
         jit_planned(graph, plan)
 
 
+def _state_heavy_step(dtype):
+    """(step, state, batch) of a 4-layer tanh MLP whose memory is its state: widths no axis of 8
+    divides, batch 8, float32 parameters and AdamW moments; its layers compute in `dtype` (a cast
+    of each parameter before its matmul when it is not float32)."""
+    dims = (36, 180, 180, 180, 36)
+    rng = np.random.default_rng(0)
+    params = {f"w{i}": jnp.asarray(rng.standard_normal((dims[i], dims[i + 1])), jnp.float32) for i in range(4)}
+
+    def loss(params, batch):
+        x = batch["x"].astype(dtype)
+        for i in range(4):
+            x = jnp.tanh(x @ params[f"w{i}"].astype(dtype))
+        return jnp.mean((x.astype(jnp.float32) - batch["y"]) ** 2)
+
+    def step(state, batch):
+        value, grads = jax.value_and_grad(loss)(state["params"], batch)
+        updates, opt_state = _OPT.update(grads, state["opt_state"], state["params"])
+        return {"params": jax.tree.map(jnp.add, state["params"], updates), "opt_state": opt_state}, value
+
+    state = {"params": params, "opt_state": _OPT.init(params)}
+    return step, state, {"x": jnp.ones((8, dims[0])), "y": jnp.zeros((8, dims[-1]))}
+
+
 def test_streamed_offload_keeps_one_groups_state_on_the_device():
     """A step whose memory is its state (wide layers no axis of 8 divides, batch 8), planned for
     H100s: with every moment offloaded, the unstreamed order holds every leaf's new first moment
@@ -250,23 +273,8 @@ def test_streamed_offload_keeps_one_groups_state_on_the_device():
     from planner.options import PlanOptions
     from planner.planning import make_plan
 
-    dims = (36, 180, 180, 180, 36)
-    rng = np.random.default_rng(0)
-    params = {f"w{i}": jnp.asarray(rng.standard_normal((dims[i], dims[i + 1])), jnp.float32) for i in range(4)}
-
-    def loss(params, batch):
-        x = batch["x"]
-        for i in range(4):
-            x = jnp.tanh(x @ params[f"w{i}"])
-        return jnp.mean((x - batch["y"]) ** 2)
-
-    def step(state, batch):
-        value, grads = jax.value_and_grad(loss)(state["params"], batch)
-        updates, opt_state = _OPT.update(grads, state["opt_state"], state["params"])
-        return {"params": jax.tree.map(jnp.add, state["params"], updates), "opt_state": opt_state}, value
-
-    state = {"params": params, "opt_state": _OPT.init(params)}
-    batch = {"x": jnp.ones((8, dims[0])), "y": jnp.zeros((8, dims[-1]))}
+    step, state, batch = _state_heavy_step(jnp.float32)
+    params = state["params"]
     graph = trace(step, state, batch)
     options = PlanOptions(hardware="h100", offload="opt-state", donate_argnums=(0,))
     mesh = MeshSpec((1, 8), ("x", "y"))
@@ -352,23 +360,8 @@ def test_master_parameters_on_the_host_are_copied_in_for_each_cast_and_for_the_u
     from planner.cost_model.hardware import get_hardware
     from planner.planning import make_plan
 
-    dims = (36, 180, 180, 180, 36)
-    rng = np.random.default_rng(0)
-    params = {f"w{i}": jnp.asarray(rng.standard_normal((dims[i], dims[i + 1])), jnp.float32) for i in range(4)}
-
-    def loss(params, batch):
-        x = batch["x"].astype(jnp.bfloat16)
-        for i in range(4):
-            x = jnp.tanh(x @ params[f"w{i}"].astype(jnp.bfloat16))
-        return jnp.mean((x.astype(jnp.float32) - batch["y"]) ** 2)
-
-    def step(state, batch):
-        value, grads = jax.value_and_grad(loss)(state["params"], batch)
-        updates, opt_state = _OPT.update(grads, state["opt_state"], state["params"])
-        return {"params": jax.tree.map(jnp.add, state["params"], updates), "opt_state": opt_state}, value
-
-    state = {"params": params, "opt_state": _OPT.init(params)}
-    batch = {"x": jnp.ones((8, dims[0])), "y": jnp.zeros((8, dims[-1]))}
+    step, state, batch = _state_heavy_step(jnp.bfloat16)
+    params = state["params"]
     graph = streamed(trace(step, state, batch))
     mesh = MeshSpec((1, 8), ("x", "y"))
     plans = {mode: make_plan(graph, mesh, PlanOptions(hardware="h100", offload=mode, donate_argnums=(0,)))
