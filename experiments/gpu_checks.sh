@@ -9,6 +9,8 @@
 #      (predicted afterwards anywhere with --predict-from).
 # Run from the repository root on the device (ortools and its needs carried as wheels in .whl):
 #   bash experiments/gpu_checks.sh OUT_DIR [check_gpu models...]
+# It writes six files under OUT_DIR (the device tool brings back eight at most); logs stay in /tmp
+# and their tails are printed.
 set -u
 out=${1:?output folder}; shift
 models=${*:-gpt2-medium bert-large llama-7b}
@@ -18,16 +20,16 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -c "import jax; print(jax.__version__, jax.devices())"
 kind=$(python3 -c "import jax; print(jax.devices()[0].device_kind.split()[1].lower())")
 t0=$(date +%s)
-timeout 130 python3 -m planner.cost_model.profiling --out "$out/profile_$kind.json" --collectives all-reduce --quiet \
-  > "$out/profile.log" 2>&1; echo "profile rc=$? $(( $(date +%s) - t0 )) s"; tail -30 "$out/profile.log"
+timeout 130 python3 -m planner.cost_model.profiling --out "$out/profile_$kind.json" --collectives all-reduce \
+  > /tmp/profile.log 2>&1; echo "profile rc=$? $(( $(date +%s) - t0 )) s"; tail -30 /tmp/profile.log
 prof=()
 [ -f "$out/profile_$kind.json" ] && prof=(--profile "$out/profile_$kind.json")
-timeout 170 python3 experiments/check_offload.py "${prof[@]}" --out "$out" > "$out/offload.log" 2>&1
-echo "offload rc=$? $(( $(date +%s) - t0 )) s"; tail -12 "$out/offload.log"
+timeout 170 python3 experiments/check_offload.py "${prof[@]}" --out "$out" > /tmp/offload.log 2>&1
+echo "offload rc=$? $(( $(date +%s) - t0 )) s"; tail -12 /tmp/offload.log
 mkdir -p "$out/params"  # master parameters on the host too (never run on a GPU before this script had it)
 timeout 150 python3 experiments/check_offload.py "${prof[@]}" --offload opt-state+params --models gpt2-medium \
-  --out "$out/params" > "$out/params/offload.log" 2>&1
-echo "offload params rc=$? $(( $(date +%s) - t0 )) s"; tail -4 "$out/params/offload.log"
+  --out "$out/params" > /tmp/offload_params.log 2>&1
+echo "offload params rc=$? $(( $(date +%s) - t0 )) s"; tail -4 /tmp/offload_params.log
 # shellcheck disable=SC2086
-timeout 150 python3 experiments/check_gpu.py --measure-only --models $models --out "$out" > "$out/gpu_check.log" 2>&1
-echo "check_gpu rc=$? $(( $(date +%s) - t0 )) s"; tail -5 "$out/gpu_check.log"
+timeout 150 python3 experiments/check_gpu.py --measure-only --models $models --out "$out" > /tmp/gpu_check.log 2>&1
+echo "check_gpu rc=$? $(( $(date +%s) - t0 )) s"; tail -5 /tmp/gpu_check.log
