@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import planner
@@ -144,3 +145,26 @@ def test_a_step_moves_only_the_arguments_not_yet_where_the_plan_puts_them(device
     assert put == [len(jax.tree.leaves(args[1]))]
     _, ref_metrics = step(*placed)
     assert float(metrics["loss"]) == float(ref_metrics["loss"])
+
+
+def test_results_handed_back_on_an_explicit_mesh_go_in_again_without_placing(devices8, monkeypatch):
+    """On a mesh of Explicit axes (`jax.make_mesh`'s default) the step runs on the mesh's Auto view
+    and hands its results back on the user's mesh; when they come back as the next step's state,
+    the Auto-view arrays sharing their buffers go in (only the new batch is placed), with the state
+    donated as a training loop does; the step equals the same step on the state placed anew."""
+    b, state, batch = concrete("gpt-tiny")
+    mesh = jax.make_mesh((2, 4), ("x", "y"))
+    step = planner.plan_parallel(b.train_step, mesh=mesh, donate_argnums=(0,))
+    s1, _ = step(jax.tree.map(jnp.copy, state), batch)
+    assert {leaf.sharding.mesh.axis_types for leaf in jax.tree.leaves(s1)} == {mesh.axis_types}
+    on_host = jax.tree.map(lambda x: np.array(x, copy=True), s1)  # copies: no host view pins a buffer
+    put = []
+    real_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: put.append(len(jax.tree.leaves(x))) or real_put(x, *a, **k))
+    s2, metrics = step(s1, batch)
+    monkeypatch.undo()
+    assert put == [len(jax.tree.leaves(batch)), len(jax.tree.leaves((s2, metrics)))]  # batch in; results out
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(s1))  # donated, as asked
+    again, again_metrics = step(on_host, batch)  # the same state placed from the host: the same program
+    assert float(metrics["loss"]) == float(again_metrics["loss"])
+    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(s2), jax.tree.leaves(again)))
