@@ -264,10 +264,13 @@ class PlannedFunction:
             return jitted(*args)  # a pipeline: stages place their own inputs
         targets = self._targets.get(key)
         if targets is None:  # one sharding per argument leaf, offloaded ones in host memory
-            targets = self._targets[key] = jax.tree_util.tree_leaves(
-                jax.tree.broadcast(offload.in_shardings(plan), args, is_leaf=lambda x: x is None),
-                is_leaf=lambda x: x is None)
-        placed = _placed(args, targets, self._views)
+            shardings = offload.in_shardings(plan)
+            try:  # the plan's shardings mirror the arguments' tree (a None argument: no leaf)
+                targets = key[0].flatten_up_to(shardings)
+            except (ValueError, TypeError):  # a prefix of it: placed whole, as jax.device_put takes it
+                targets = shardings
+            self._targets[key] = targets
+        placed = _placed(args, targets, self._views) if isinstance(targets, list) else jax.device_put(args, targets)
         with jax.sharding.set_mesh(plan._mesh()):
             outs = jitted(*placed)
         user = self._user_mesh
