@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -15,7 +14,7 @@ from jax.sharding import PartitionSpec
 from planner import offload
 from planner.accumulate import jit_accumulated, micro_options, plan_accumulation
 from planner.compat import USER_CONSTRAINTS, user_sharding
-from planner.emit import jit_planned
+from planner.emit import jit_on_mesh, jit_planned, on_mesh
 from planner.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.graph import Graph, trace
 from planner.mesh import MeshSpec, context_mesh, default_axis_names, parse_mesh
@@ -38,27 +37,17 @@ def _signature(args: tuple[Any, ...]) -> tuple:
     return (tree, tuple((tuple(getattr(x, "shape", ())), getattr(x, "dtype", type(x))) for x in leaves))
 
 
-def _placed(args: tuple[Any, ...], targets: Sequence[Any],
-            views: Mapping[int, tuple[Any, Any]] | None = None) -> tuple[Any, ...]:
+def _placed(args: tuple[Any, ...], targets: Sequence[Any]) -> tuple[Any, ...]:
     """`args` placed with `targets` (one sharding per leaf, None: as it is); only the leaves without
-    their sharding move (a new batch; not the new state a step hands back). `views`: id of an array
-    the step handed back on the user's mesh -> (a weak reference to it, the same buffers on the
-    planned mesh), taken instead of placing it again. `jax.device_put` of a whole state of a
-    thousand leaves costs tens of milliseconds of host time even when it moves nothing: measured on
-    one H200, gpt2-medium's planned step took 134.8 ms when it placed every argument each call, and
-    `jax.jit` of the step 80.7 ms."""
+    their sharding move (a new batch; not the new state a step hands back). `jax.device_put` of a
+    whole state of a thousand leaves costs tens of milliseconds of host time even when it moves
+    nothing: measured on one H200, gpt2-medium's planned step took 134.8 ms when it placed every
+    argument each call, and `jax.jit` of the step 80.7 ms."""
     leaves, tree = jax.tree_util.tree_flatten(args)
-    move, viewed = [], False
-    for i, (x, s) in enumerate(zip(leaves, targets)):
-        if s is None or getattr(x, "sharding", None) == s:
-            continue
-        view = views.get(id(x)) if views else None
-        if view is not None and view[0]() is x and view[1].sharding == s:
-            leaves[i], viewed = view[1], True
-        else:
-            move.append(i)
+    move = [i for i, (x, s) in enumerate(zip(leaves, targets))
+            if s is not None and getattr(x, "sharding", None) != s]
     if not move:
-        return jax.tree_util.tree_unflatten(tree, leaves) if viewed else args
+        return args
     moved = jax.device_put([leaves[i] for i in move], [targets[i] for i in move])
     for i, x in zip(move, moved):
         leaves[i] = x
@@ -101,7 +90,7 @@ class PlannedFunction:
                 self.devices = list(self._jax_mesh.devices.flat)
         self._cache: dict[tuple, tuple[Graph, Plan, Any]] = {}
         self._targets: dict[tuple, list] = {}  # signature -> each argument leaf's planned sharding
-        self._views: dict[int, tuple[Any, Any]] = {}  # the last results on the user's mesh (`_remember_views`)
+        self._on_user_mesh: dict[tuple, Any] = {}  # signature -> `emit.jit_on_mesh`'s program (None: none)
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", "planned")
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -256,42 +245,39 @@ class PlannedFunction:
     def __call__(self, *args: Any, **kwargs: Any):
         """Runs the planned step. Meshes of any axis types are planned and emitted on their Auto
         view (`planner.mesh.auto_view`: same devices, names and sizes); results come back placed with
-        the planned specs on the user's own mesh (Explicit axes included), as `jax.jit` on it would."""
+        the planned specs on the user's own mesh (Explicit axes included), as `jax.jit` on it would:
+        on a mesh with Explicit axes the program runs inside `jax.sharding.auto_axes` with its
+        arguments and results on that mesh (`emit.jit_on_mesh`), so the state a step hands back goes
+        into the next one as it is; a plan that offloads runs on the Auto view and its results are
+        placed on the user's mesh after it."""
         args = self._positional(args, kwargs)
         key = _signature(args)
         graph, plan, jitted = self._entry(args, key)
         if plan.stages:
             return jitted(*args)  # a pipeline: stages place their own inputs
+        user = self._user_mesh
+        on_user = self._on_user_mesh.get(key, False)
+        if on_user is False and isinstance(user, jax.sharding.Mesh) and user is not plan._mesh():
+            on_user = self._on_user_mesh[key] = jit_on_mesh(graph, plan, user, self.donate_argnums)
         targets = self._targets.get(key)
         if targets is None:  # one sharding per argument leaf, offloaded ones in host memory
-            shardings = offload.in_shardings(plan)
+            shardings = on_mesh(plan.in_shardings, user) if on_user else offload.in_shardings(plan)
             try:  # the plan's shardings mirror the arguments' tree (a None argument: no leaf)
                 targets = key[0].flatten_up_to(shardings)
             except (ValueError, TypeError):  # a prefix of it: placed whole, as jax.device_put takes it
                 targets = shardings
             self._targets[key] = targets
-        placed = _placed(args, targets, self._views) if isinstance(targets, list) else jax.device_put(args, targets)
+        placed = _placed(args, targets) if isinstance(targets, list) else jax.device_put(args, targets)
+        if on_user:  # the user's Explicit mesh in and out (`emit.jit_on_mesh`)
+            with jax.sharding.set_mesh(user):
+                return on_user(*placed)
         with jax.sharding.set_mesh(plan._mesh()):
             outs = jitted(*placed)
-        user = self._user_mesh
         if isinstance(user, jax.sharding.Mesh) and user is not plan._mesh():
-            planned = outs
             outs = jax.device_put(outs, jax.tree_util.tree_map(
                 lambda s: jax.sharding.NamedSharding(user, s.spec, memory_kind=s.memory_kind),
                 offload.out_shardings(plan)))
-            self._remember_views(planned, outs)
         return outs
-
-    def _remember_views(self, planned: Any, outs: Any) -> None:
-        """Keeps, while each result handed back on the user's mesh lives, its buffers' array on the
-        planned mesh (`_placed` takes it when the result comes back as an argument: the next step's
-        state is not placed again). The two share buffers: nothing is held that the result does not."""
-        views: dict[int, tuple[Any, Any]] = {}
-        forget = views.pop
-        for a, u in zip(jax.tree_util.tree_leaves(planned), jax.tree_util.tree_leaves(outs)):
-            if u is not a and isinstance(u, jax.Array):
-                views[id(u)] = (weakref.ref(u, lambda _, k=id(u): forget(k, None)), a)
-        self._views = views
 
 
 def _axes(entry, mesh) -> tuple[str, ...]:

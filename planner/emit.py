@@ -82,3 +82,31 @@ def jit_planned(graph: Graph, plan: Plan, donate_argnums: int | tuple[int, ...] 
         out_shardings=offload.out_shardings(plan),
         donate_argnums=donate_argnums,
     )
+
+
+def jit_on_mesh(graph: Graph, plan: Plan, mesh: jax.sharding.Mesh,
+                donate_argnums: int | tuple[int, ...] = ()) -> jax.stages.Wrapped | None:
+    """`jax.jit` of the planned program taking and handing back arrays on `mesh` (the user's mesh,
+    every axis Explicit, the plan's devices), called under `jax.set_mesh(mesh)`: the program runs
+    inside `jax.sharding.auto_axes` (every axis Auto, as the plan was made on the mesh's Auto view),
+    so a step's results need no `jax.device_put` onto the user's mesh and come back as the next
+    step's arguments as they are. The same constraints, so the same compiled collectives and memory
+    as `jit_planned`'s program. None where it does not apply: a plan that offloads (memory kinds),
+    one that leaves an output's sharding to XLA, and a mesh of mixed axis types (a step's
+    `jax.sharding.reshard` onto its Explicit axes fails where `auto_axes` has made every axis
+    Auto; tests/test_jax_idioms.py `test_mesh_of_every_axis_type[mixed]`)."""
+    outs = offload.out_shardings(plan)
+    leaves = jax.tree_util.tree_leaves(outs, is_leaf=lambda x: x is None)
+    explicit = all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+    if not explicit or offload.positions(plan)[0] or any(s is None for s in leaves):
+        return None
+    specs = jax.tree_util.tree_map(lambda s: s.spec, outs)
+    return jax.jit(jax.sharding.auto_axes(constrained_function(graph, plan), out_sharding=specs),
+                   in_shardings=on_mesh(plan.in_shardings, mesh), out_shardings=on_mesh(outs, mesh),
+                   donate_argnums=donate_argnums)
+
+
+def on_mesh(shardings: Any, mesh: jax.sharding.Mesh) -> Any:
+    """A tree of `NamedSharding`s with the same specs and memory kinds on `mesh`."""
+    return jax.tree_util.tree_map(lambda s: jax.sharding.NamedSharding(mesh, s.spec, memory_kind=s.memory_kind),
+                                  shardings)

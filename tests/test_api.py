@@ -147,11 +147,12 @@ def test_a_step_moves_only_the_arguments_not_yet_where_the_plan_puts_them(device
     assert float(metrics["loss"]) == float(ref_metrics["loss"])
 
 
-def test_results_handed_back_on_an_explicit_mesh_go_in_again_without_placing(devices8, monkeypatch):
-    """On a mesh of Explicit axes (`jax.make_mesh`'s default) the step runs on the mesh's Auto view
-    and hands its results back on the user's mesh; when they come back as the next step's state,
-    the Auto-view arrays sharing their buffers go in (only the new batch is placed), with the state
-    donated as a training loop does; the step equals the same step on the state placed anew."""
+def test_a_step_on_an_explicit_mesh_takes_and_hands_back_its_arrays_as_they_are(devices8, monkeypatch):
+    """On a mesh of Explicit axes (`jax.make_mesh`'s default) the planned program runs inside
+    `jax.sharding.auto_axes` (the plan is made on the mesh's Auto view) with its arguments and
+    results on the user's mesh (`emit.jit_on_mesh`): the next step takes the state as it came back
+    and only the new batch is placed, with the state donated as a training loop does. It computes
+    what the plan's Auto-view program computes, bit for bit."""
     b, state, batch = concrete("gpt-tiny")
     mesh = jax.make_mesh((2, 4), ("x", "y"))
     step = planner.plan_parallel(b.train_step, mesh=mesh, donate_argnums=(0,))
@@ -163,8 +164,11 @@ def test_results_handed_back_on_an_explicit_mesh_go_in_again_without_placing(dev
     monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: put.append(len(jax.tree.leaves(x))) or real_put(x, *a, **k))
     s2, metrics = step(s1, batch)
     monkeypatch.undo()
-    assert put == [len(jax.tree.leaves(batch)), len(jax.tree.leaves((s2, metrics)))]  # batch in; results out
+    assert put == [len(jax.tree.leaves(batch))]  # the batch in; nothing else placed either way
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(s1))  # donated, as asked
-    again, again_metrics = step(on_host, batch)  # the same state placed from the host: the same program
-    assert float(metrics["loss"]) == float(again_metrics["loss"])
-    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(s2), jax.tree.leaves(again)))
+    assert {leaf.sharding.mesh.axis_types for leaf in jax.tree.leaves(s2)} == {mesh.axis_types}
+    plan = step.plan(state, batch)
+    with jax.sharding.set_mesh(plan.jax_mesh):  # the Auto-view program of the same plan
+        auto_state, auto_metrics = step.jitted(state, batch)(*jax.device_put((on_host, batch), plan.in_shardings))
+    assert float(metrics["loss"]) == float(auto_metrics["loss"])
+    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(s2), jax.tree.leaves(auto_state)))
