@@ -254,6 +254,9 @@ def plan_offload(problem: Problem, mode: str, budget: float | None, devices: Seq
     if not pairs and mode.startswith("opt-state"):
         raise InvalidArgumentError(f"offload={mode!r}: the step has no optimizer state to offload (arguments read "
                                    "only by the update whose new value is returned under the same path)")
+    if mode == "opt-state+params" and not params:
+        log.warning("offload='opt-state+params': no master parameter qualifies (a float32 parameter read "
+                    "before the update only through casts to the compute dtype); the moments alone go to the host")
     if mode.startswith("opt-state"):
         offloaded = with_offload(problem, pairs)
         return offloaded, solve(offloaded, True)

@@ -379,3 +379,14 @@ def test_master_parameters_on_the_host_are_copied_in_for_each_cast_and_for_the_u
     assert drop >= param_bytes - two_largest
     assert plans["opt-state+params"].solver["objective_s"] == pytest.approx(
         plans["opt-state+params"].prediction.step_time_s, rel=1e-6)  # CP-SAT saw the same copies
+
+
+def test_master_parameters_of_a_float32_step_do_not_qualify_and_the_plan_says_so(devices8, caplog):
+    """A float32 step reads its parameters in their own dtype (no casts): none can live on the host,
+    the moments go alone, and one warning line says why."""
+    b, state, batch = concrete("mlp-tiny")
+    with caplog.at_level("WARNING", logger="planner"):
+        plan = planner.plan(b.train_step, state, batch, mesh="1x8", offload="opt-state+params")
+    record = plan.levers["offload"]
+    assert record["params"] == 0 and len(record["inputs"]) == record["candidates"] > 0
+    assert any("no master parameter qualifies" in r.getMessage() for r in caplog.records)
