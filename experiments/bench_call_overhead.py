@@ -25,29 +25,16 @@ import json  # noqa: E402
 import pathlib  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 
 import planner  # noqa: E402
+from check_gpu import _time_steps  # noqa: E402 (experiments/, beside this file)
 from zoo import get_model  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-
-
-def _median_step_s(step, state, batch, warmup: int, repeats: int) -> tuple[float, object]:
-    for _ in range(warmup):
-        state, _ = step(state, batch)
-    jax.block_until_ready(state)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        state, _ = step(state, batch)
-        jax.block_until_ready(state)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), state
 
 
 def measure(name: str, rounds: int, warmup: int, repeats: int) -> list[dict]:
@@ -65,15 +52,14 @@ def measure(name: str, rounds: int, warmup: int, repeats: int) -> list[dict]:
     rows = []
     for where, ((base_name, base), (other_name, other)) in pairs.items():
         times: dict[str, list[float]] = {base_name: [], other_name: []}
-        states = {base_name: b.init_state(jax.random.key(0)), other_name: b.init_state(jax.random.key(0))}
         for _ in range(rounds):
-            for label, step in ((base_name, base), (other_name, other)):
-                t, states[label] = _median_step_s(step, states[label], batch, warmup, repeats)
-                times[label].append(t)
+            for label, step in ((base_name, base), (other_name, other)):  # a fresh state: it is donated
+                times[label].append(statistics.median(_time_steps(step, b.init_state(jax.random.key(0)), batch,
+                                                                  warmup, repeats)))
         base_s, other_s = statistics.median(times[base_name]), statistics.median(times[other_name])
         rows.append({"model": name, "devices": where, "baseline": base_name, "baseline_s": base_s,
                      "config": other_name, "config_s": other_s, "ratio": other_s / base_s,
-                     "leaves": len(jax.tree.leaves(states[base_name])), "rounds": rounds, "repeats": repeats})
+                     "leaves": len(jax.tree.leaves(b.abstract_state())), "rounds": rounds, "repeats": repeats})
         print(f"{name:<16} {where:<10} {base_name:<22} {base_s * 1e3:8.2f} ms   {other_name:<34} "
               f"{other_s * 1e3:8.2f} ms   ratio {other_s / base_s:.3f}", flush=True)
     return rows
