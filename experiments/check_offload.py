@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 import planner  # noqa: E402
 from planner.cost_model.hardware import hardware_for_device_kind  # noqa: E402
 from check_gpu import _time_steps  # noqa: E402 (experiments/, beside this file)
+from xla_hooks.inspect import HOST_MEMORY_SPACE, entry_bytes  # noqa: E402
 from zoo import get_model  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -49,32 +50,13 @@ _BF16 = {"dtype": "bfloat16"}
 # Sizes whose moments are large next to the step's compute, so the copies are visible in the time.
 GPU_MODELS = {"gpt2-medium": _BF16, "llama-7b": {**_BF16, "layers": 4, "batch": 2}}
 CPU_MODELS = {"gpt-tiny": _BF16}
-_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
-
-
-def _host_entry_bytes(text: str) -> tuple[int, int]:
-    """(host argument bytes, host result bytes) of a compiled program, from its entry layout (S(5))."""
-    head = text.split("\n", 1)[0]
-    m = re.search(r"entry_computation_layout=\{\((.*)\)->(.*)\}", head)
-    if not m:
-        return 0, 0
-    out = []
-    for part in m.groups():
-        host = 0
-        for dtype, dims, layout in re.findall(r"(\w+)\[([\d,]*)\]\{([^}]*)\}", part):
-            if "S(5)" in layout:
-                host += _ITEMSIZE.get(dtype, 4) * int(np.prod([int(d) for d in dims.split(",") if d]))
-        out.append(host)
-    return out[0], out[1]
-
-
 def compiled_figures(compiled) -> dict:
     text = compiled.as_text()
     m = compiled.memory_analysis()
     fields = ("argument", "output", "temp", "alias", "generated_code")
     mem = {f: int(getattr(m, f"{f}_size_in_bytes", 0) or 0) for f in fields}
     host = {f: int(getattr(m, f"host_{f}_size_in_bytes", 0) or 0) for f in fields}
-    host_args, host_outs = _host_entry_bytes(text)
+    host_args, _, host_outs, _ = entry_bytes(text)
     # device bytes: XLA's totals without what it placed on the host (the entry layout's S(5) buffers
     # where the analysis keeps them in the device totals, as XLA:CPU does)
     in_device_totals = not any(host.values())
@@ -86,8 +68,8 @@ def compiled_figures(compiled) -> dict:
         "entry_host_output_bytes": host_outs,
         "device_peak_bytes": device_args + device_outs + mem["temp"] - mem["alias"],
         "copy_start": len(re.findall(r"\bcopy-start\(", body)), "copy_done": len(re.findall(r"\bcopy-done\(", body)),
-        "host_space_instructions": sum(1 for line in body.splitlines() if "S(5)" in line.split("=", 1)[0]
-                                       or re.search(r"= \S+\{[^}]*S\(5\)", line)),
+        "host_space_instructions": sum(1 for line in body.splitlines() if HOST_MEMORY_SPACE in line.split("=", 1)[0]
+                                       or re.search(r"= \S+\{[^}]*" + re.escape(HOST_MEMORY_SPACE), line)),
     }
 
 
@@ -122,7 +104,8 @@ def check(name: str, overrides: dict, hardware: str, profile: str | None, warmup
             q = planner.plan(b.train_step, state, batch, mesh="1", devices=[device], donate_argnums=(0,),
                              offload=mode, hardware=hardware, profile=profile)
             r["profiled_step_s"] = q.prediction.step_time_s
-            r["profiled_copy_s"] = sum((q.levers.get("offload") or {}).get(k, 0.0) for k in ("copy_in_s", "copy_back_s"))
+            copies = q.levers.get("offload") or {}
+            r["profiled_copy_s"] = copies.get("copy_in_s", 0.0) + copies.get("copy_back_s", 0.0)
         record = plan.levers.get("offload") or {}
         for k in ("host_bytes_per_device", "copy_in_s", "copy_back_s", "hidden_s", "candidates", "streamed"):
             if k in record:
@@ -175,7 +158,8 @@ def markdown(rows: list[dict]) -> str:
     lines = [HEADER.rstrip("\n"), "",
              "| model | device | preset / profile | host bytes plan / XLA | device peak off: pred. / XLA | "
              "device peak offload: pred. / XLA | step off: pred. / measured | step offload: pred. / measured | "
-             "offload cost pred. / measured | jax.jit step | copy-start | params rel. diff (offload vs off; off vs jit) |",
+             "offload cost pred. / measured | jax.jit step | copy-start | "
+             "params rel. diff (offload vs off; off vs jit) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     gb = lambda n: f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"  # noqa: E731
     ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
@@ -183,10 +167,13 @@ def markdown(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"| {r['model']} | error: {r['error'][:200]} |" + " |" * 10)
             continue
-        off, on = r["off"], r[r.get("offload", "opt-state")]
+        mode = r.get("offload", "opt-state")
+        off, on = r["off"], r[mode]
         xla_host = on["host_memory"]["argument"] or on["entry_host_argument_bytes"]
+        model = r["model"] + (f" ({mode})" if mode != "opt-state" else "")
+        prices = r["hardware"] + (f" + {pathlib.Path(r['profile']).name}" if r["profile"] else "")
         lines.append(
-            f"| {r['model']}{' (' + r['offload'] + ')' if r.get('offload', 'opt-state') != 'opt-state' else ''} | {r['device']} | {r['hardware']}{' + ' + pathlib.Path(r['profile']).name if r['profile'] else ''} | "
+            f"| {model} | {r['device']} | {prices} | "
             f"{gb(on.get('offload_host_bytes_per_device', 0))} / {gb(xla_host)} | "
             f"{gb(off['predicted_memory_bytes'])} / {gb(off['device_peak_bytes'])} | "
             f"{gb(on['predicted_memory_bytes'])} / {gb(on['device_peak_bytes'])} | "

@@ -274,9 +274,7 @@ class PlannedFunction:
         with jax.sharding.set_mesh(plan._mesh()):
             outs = jitted(*placed)
         if isinstance(user, jax.sharding.Mesh) and user is not plan._mesh():
-            outs = jax.device_put(outs, jax.tree_util.tree_map(
-                lambda s: jax.sharding.NamedSharding(user, s.spec, memory_kind=s.memory_kind),
-                offload.out_shardings(plan)))
+            outs = jax.device_put(outs, on_mesh(offload.out_shardings(plan), user))
         return outs
 
 

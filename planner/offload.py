@@ -76,7 +76,7 @@ def param_pairs(problem: Problem) -> tuple[tuple[int, int], ...]:
     `state_pairs`, but read before the update too, there only by casts to another floating dtype
     (`_param_inputs`: mixed precision's bf16 copy, which the rest of the step reads instead)."""
     ties = set(problem.ties)
-    return tuple((tin, tout) for tin, tout, _ in _param_inputs(problem.graph, problem.combinable)
+    return tuple((tin, tout) for tin, tout in _param_inputs(problem.graph, problem.combinable)
                  if (tin, tout) in ties or tout in problem.pinned_outputs)
 
 
@@ -109,9 +109,9 @@ def _candidates(graph: Graph) -> list[tuple[int, int]]:
     return out
 
 
-def _param_inputs(graph: Graph, combinable: Set[int]) -> list[tuple[int, int, tuple[int, ...]]]:
-    """(argument, new value, reads before the update) of `_candidates` read by the update and,
-    before it, only by `convert_element_type` to another floating dtype."""
+def _param_inputs(graph: Graph, combinable: Set[int]) -> list[tuple[int, int]]:
+    """(argument, new value) pairs of `_candidates` read by the update and, before it, only by
+    `convert_element_type` to another floating dtype."""
     readers = _readers(graph)
     out = []
     for tin, tout in _candidates(graph):
@@ -121,7 +121,7 @@ def _param_inputs(graph: Graph, combinable: Set[int]) -> list[tuple[int, int, tu
         if all(graph.ops[o].name == "convert_element_type"
                and jnp.issubdtype(graph.tensors[graph.ops[o].outputs[0]].dtype, jnp.floating)  # bf16 too
                and graph.tensors[graph.ops[o].outputs[0]].dtype != graph.tensors[tin].dtype for o in before):
-            out.append((tin, tout, before))
+            out.append((tin, tout))
     return out
 
 
@@ -152,7 +152,7 @@ def streamed(graph: Graph) -> Graph:
     wanted = set(inputs)
     start = next(op.index for op in graph.ops if wanted.intersection(op.tensor_inputs))
     # master parameters join their moments' groups (their reads before the update are casts)
-    inputs += [t for t, _, _ in _param_inputs(graph, combinable)]
+    inputs += [t for t, _ in _param_inputs(graph, combinable)]
     if (any(r.end > start for rs in graph.regions.values() for r in rs)
             or any(g.end > start for g in graph.recompute.values())):
         return graph

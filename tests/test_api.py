@@ -139,7 +139,8 @@ def test_a_step_moves_only_the_arguments_not_yet_where_the_plan_puts_them(device
     # a call hands jax.device_put the batch's leaves only, and runs as on placed arguments
     put = []
     real_put = jax.device_put
-    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: put.append(len(jax.tree.leaves(x))) or real_put(x, *a, **k))
+    monkeypatch.setattr(jax, "device_put",
+                        lambda x, *a, **k: put.append(len(jax.tree.leaves(x))) or real_put(x, *a, **k))
     _, metrics = step(*args)
     monkeypatch.undo()
     assert put == [len(jax.tree.leaves(args[1]))]
@@ -161,7 +162,8 @@ def test_a_step_on_an_explicit_mesh_takes_and_hands_back_its_arrays_as_they_are(
     on_host = jax.tree.map(lambda x: np.array(x, copy=True), s1)  # copies: no host view pins a buffer
     put = []
     real_put = jax.device_put
-    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: put.append(len(jax.tree.leaves(x))) or real_put(x, *a, **k))
+    monkeypatch.setattr(jax, "device_put",
+                        lambda x, *a, **k: put.append(len(jax.tree.leaves(x))) or real_put(x, *a, **k))
     s2, metrics = step(s1, batch)
     monkeypatch.undo()
     assert put == [len(jax.tree.leaves(batch))]  # the batch in; nothing else placed either way
@@ -171,4 +173,5 @@ def test_a_step_on_an_explicit_mesh_takes_and_hands_back_its_arrays_as_they_are(
     with jax.sharding.set_mesh(plan.jax_mesh):  # the Auto-view program of the same plan
         auto_state, auto_metrics = step.jitted(state, batch)(*jax.device_put((on_host, batch), plan.in_shardings))
     assert float(metrics["loss"]) == float(auto_metrics["loss"])
-    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(s2), jax.tree.leaves(auto_state)))
+    assert all(np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree.leaves(s2), jax.tree.leaves(auto_state)))

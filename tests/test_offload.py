@@ -18,7 +18,6 @@ What XLA:CPU shows and what it cannot:
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
@@ -31,31 +30,12 @@ from planner.emit import jit_planned
 from planner.errors import InvalidArgumentError
 from planner.offload import unavailable
 from tests.helpers import assert_bundle_step_close, assert_first_step_close, concrete
-from xla_hooks.inspect import memory_stats
+from xla_hooks.inspect import entry_bytes, memory_stats
 from zoo import make_optimizer
-
-_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
-
-
-def _entry_bytes(compiled) -> tuple[int, int, int, int]:
-    """(host argument bytes, all argument bytes, host result bytes, all result bytes) per device,
-    from the compiled program's entry layout (S(5): host memory)."""
-    head = compiled.as_text().split("\n", 1)[0]
-    params, results = re.search(r"entry_computation_layout=\{\((.*)\)->(.*)\}", head).groups()
-    out = []
-    for part in (params, results):
-        host = total = 0
-        for dtype, dims, layout in re.findall(r"(\w+)\[([\d,]*)\]\{([^}]*)\}", part):
-            b = _ITEMSIZE[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
-            total += b
-            host += b if "S(5)" in layout else 0
-        out += [host, total]
-    return tuple(out)
-
 
 def _device_bytes(compiled) -> int:
     """XLA's per-device total without the host-placed arguments and results."""
-    host_args, _, host_outs, _ = _entry_bytes(compiled)
+    host_args, _, host_outs, _ = entry_bytes(compiled)
     return memory_stats(compiled).peak_bytes - host_args - host_outs
 
 
@@ -109,12 +89,12 @@ def test_offloaded_state_runs_equal_on_the_host_as_predicted(devices8):
 
     # Host bytes as predicted; device bytes drop by them against the same plan without offload.
     compiled = lowered.compile()
-    host_args, _, host_outs, _ = _entry_bytes(compiled)
+    host_args, _, host_outs, _ = entry_bytes(compiled)
     assert host_args == host_outs == record["host_bytes_per_device"]
     plain_plan = dataclasses.replace(plan, levers={k: v for k, v in plan.levers.items() if k != "offload"})
     with jax.sharding.set_mesh(plan._mesh()):
         plain = jit_planned(step.graph(state, batch), plain_plan).lower(state, batch).compile()
-    assert _entry_bytes(plain)[0] == 0
+    assert entry_bytes(plain)[0] == 0
     assert _device_bytes(plain) - _device_bytes(compiled) == 2 * record["host_bytes_per_device"]
     predicted = plan.prediction.memory_bytes_per_device
     assert predicted < planner.plan(b.train_step, state, batch, mesh="1x8").prediction.memory_bytes_per_device
@@ -166,7 +146,7 @@ def test_auto_offloads_only_the_overflow_and_fits(devices8):
     assert not planner.plan(_mlp_step, state, batch, mesh="1x8", offload="auto").levers["offload"]["inputs"]
 
     compiled = step.lower(state, batch).compile()
-    host_args, _, host_outs, _ = _entry_bytes(compiled)
+    host_args, _, host_outs, _ = entry_bytes(compiled)
     assert host_args == host_outs == record["host_bytes_per_device"]
     # The predicted peak falls by the offloaded arguments, and by their new values' buffers less what
     # those buffers held before they were written (`solver._borrowed`: temporaries that fit, which
@@ -338,7 +318,7 @@ def test_master_parameters_offload_runs_equal_and_leaves_the_device(devices8):
     assert kinds.count("pinned_host") == len(params) and "device" in kinds
 
     compiled = both.lower(state, batch).compile()
-    host_args, _, host_outs, _ = _entry_bytes(compiled)
+    host_args, _, host_outs, _ = entry_bytes(compiled)
     assert host_args == host_outs == record["host_bytes_per_device"]
     moments = planner.plan_parallel(b.train_step, mesh="1x8", offload="opt-state")
     moments_host = moments.plan(state, batch).levers["offload"]["host_bytes_per_device"]

@@ -472,6 +472,30 @@ def _collective(rec: dict[str, Any], shapes: dict[str, str], num_devices: int) -
     )
 
 
+_ENTRY_LAYOUT = re.compile(r"entry_computation_layout=\{\((.*)\)->(.*)\}")
+_LAID_OUT = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[\d,]*)\]\{(?P<layout>[^}]*)\}")
+HOST_MEMORY_SPACE = "S(5)"  # a layout's memory space 5: XLA's host memory (JAX's "pinned_host")
+
+
+def entry_bytes(compiled_or_text: Any) -> tuple[int, int, int, int]:
+    """(host argument bytes, all argument bytes, host result bytes, all result bytes) per device,
+    from a compiled program's entry layout: the buffers in host memory carry memory space 5
+    (`HOST_MEMORY_SPACE`) there, whatever `memory_analysis()` reports of them."""
+    text = _text(compiled_or_text)
+    m = _ENTRY_LAYOUT.search(text.split("\n", 1)[0])
+    if m is None:
+        raise HloParseError("No entry_computation_layout in the module header")
+    out = []
+    for part in m.groups():
+        host = total = 0
+        for a in _LAID_OUT.finditer(part):
+            b = _nbytes([(a["dtype"], tuple(int(d) for d in a["dims"].split(",") if d))], "entry layout")
+            total += b
+            host += b if HOST_MEMORY_SPACE in a["layout"] else 0
+        out += [host, total]
+    return out[0], out[1], out[2], out[3]
+
+
 def memory_stats(compiled: Any) -> MemoryStats:
     """Per-device memory of a compiled program, from XLA's buffer assignment."""
     stats = _memory(compiled)

@@ -718,8 +718,9 @@ def offloaded_live_ranges(graph: Graph, live: Sequence[tuple[int, int]], offload
     the device from its first consumer in `update` (the optimizer update's ops; None: any op) to its
     last read (it is copied in for the optimizer update; reads before it, a master parameter's
     casts, copy it for themselves: `Problem.host_reads`), and its new value from its producer to
-    its last read inside the step (then it is copied out); neither is held to the end of the step. Reads as `last_reads`. Not `copied` (XLA:CPU): the
-    update's fusions read and write the host buffers in place, so neither is ever on the device (the
+    its last read inside the step (then it is copied out); neither is held to the end of the step.
+    Reads as `last_reads`. Not `copied` (XLA:CPU): the update's fusions read and write the host
+    buffers in place, so neither is ever on the device (the
     compiled HLO has memory space S(5) only in its entry layout and no copies, and its temporary
     bytes do not change when leaves move to the host; tests/test_offload.py)."""
     first_use = [-1] * len(graph.tensors)

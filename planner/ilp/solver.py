@@ -1481,19 +1481,19 @@ def _compute_bound_parts(problem: Problem) -> tuple[dict, np.ndarray, int]:
     # per decision: (bytes per strategy, first point, point after the last) spans, and its reserved bytes
     spans: dict[int, list[tuple[np.ndarray, int, int]]] = defaultdict(list)
     reserved_of: dict[int, np.ndarray] = {}
+    def owned(tid: int) -> np.ndarray:  # the tensor's bytes under each strategy of its decision
+        return np.array([nbytes(tid, spec) for spec in problem.nodes[problem.owner[tid]].owned[tid]], dtype=np.int64)
+
     for tid, (first, last) in enumerate(problem.live):
         if not _materialised(problem, tid, first):
             continue
-        node = problem.owner[tid]
-        b = np.array([nbytes(tid, spec) for spec in problem.nodes[node].owned[tid]], dtype=np.int64)
-        spans[rep[node]].append((b, first + 1, last + 2))
+        r = rep[problem.owner[tid]]
+        b = owned(tid)
+        spans[r].append((b, first + 1, last + 2))
         if cpu and last == n:
-            r = rep[node]
             reserved_of[r] = reserved_of.get(r, 0) + b
     for tid, op in problem.host_reads:  # a host-kept argument copied in for one op (`Problem.host_reads`)
-        node = problem.owner[tid]
-        b = np.array([nbytes(tid, spec) for spec in problem.nodes[node].owned[tid]], dtype=np.int64)
-        spans[rep[node]].append((b, op + 1, op + 2))
+        spans[rep[problem.owner[tid]]].append((owned(tid), op + 1, op + 2))
     combined_at = _combined_point(problem)
     for node in problem.nodes:
         if not node.size:
