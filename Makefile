@@ -32,6 +32,7 @@ test: $(STAMP) browser
 
 fuzz: $(STAMP)
 	FUZZ_EXAMPLES=1000 ZOO_MESHES=2x4,1x8 $(BIN)/python -m pytest -q -n 2 tests/test_fuzz.py tests/test_zoo_numerics.py
+	PIPELINE_FUZZ_EXAMPLES=1000 $(BIN)/python -m pytest -q -n 2 tests/test_pipeline_control_flow.py
 
 bench: $(STAMP)
 	XLA_FLAGS="--xla_force_host_platform_device_count=8" $(BIN)/python experiments/bench_gpt_baselines.py

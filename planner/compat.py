@@ -69,6 +69,27 @@ def bind(primitive: jcore.Primitive, params: Mapping[str, Any], operands: Sequen
     return primitive.bind(*operands, **_plain_params(params))
 
 
+def rebind(primitive: jcore.Primitive, params: Mapping[str, Any], bodies: Mapping[str, Any],
+           operands: Sequence[Any]) -> Any:
+    """Binds a traced control-flow or call equation again with some of its bodies replaced:
+    `bodies[key]` (a function returning a list) becomes the closed jaxpr of parameter `key`,
+    traced at that jaxpr's input types; every other parameter is the equation's own.
+
+    Used where the public wrappers cannot say what the equation does: a custom-derivative call
+    (`custom_jvp_call` / `custom_vjp_call`: its body with the equation's own derivative rule) and a
+    `while` whose predicate is batched (what `vmap` of a `while_loop` makes: the loop runs while any
+    element's predicate holds and updates only those, which `jax.lax.while_loop` cannot express).
+    Relies on the parameter names of those equations and on `Primitive.get_bind_params`, which
+    turns stored parameters into what `bind` takes (what `jax.core.eval_jaxpr` does per equation).
+    """
+    new = dict(params)
+    for key, fn in bodies.items():
+        avals = params[key].in_avals
+        new[key] = jax.make_jaxpr(lambda *xs, fn=fn: tuple(fn(*xs)))(
+            *(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in avals))
+    return primitive.bind(*operands, **primitive.get_bind_params(new))
+
+
 def scan_counts(params: Mapping[str, Any]) -> tuple[int, int]:
     """(constants, carries) among a `scan` equation's operands, in that order before the scanned
     inputs. jax 0.10 states them as the `num_consts` / `num_carry` parameters; jax 0.11 replaced

@@ -2,10 +2,14 @@
 
 Nested `jit`, `custom_jvp_call`, `custom_vjp_call` and `checkpoint` regions are inlined so the
 planner sees every primitive; each op keeps the name stack of the module that created it, and each
-input keeps its pytree path, so plans can be explained per layer and per parameter.
+input keeps its pytree path, so plans can be explained per layer and per parameter. A custom
+derivative's body is also kept as a region, so that evaluation binds it again with its own rule:
+a program that differentiates the re-evaluated graph (the pipeline's stage programs) gets the
+user's derivative, not the derivative of the inlined primal (`relu`'s is 0 at 0, `max`'s is 1/2).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -16,13 +20,17 @@ import jax.numpy  # noqa: F401  (jax.numpy.stack in unroll_scan)
 import numpy as np
 from jax.extend import core as jcore
 
-from planner.compat import JIT_BOUNDARY, bind, scan_counts
+from planner.compat import JIT_BOUNDARY, bind, rebind, scan_counts
 from planner.errors import InvalidArgumentError
+from planner.layer_index import COND_BRANCH, SCAN_ITERATION
 
 Shape = tuple[int, ...]
 
 # Scans up to this many iterations are unrolled for planning (see `_Builder.unroll_scan`).
 MAX_UNROLL = 512
+
+# Custom-derivative calls: inlined for planning, bound again with their rule for evaluation.
+CUSTOM_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call"})
 
 # Call-like primitives whose body is inlined, with the parameter that holds the body.
 _INLINE_PARAMS: Mapping[str, tuple[str, ...]] = {
@@ -103,11 +111,15 @@ class Region:
     program keeps its loops and branches while every op inside carries its planned sharding.
 
     Attributes:
-      kind: "scan", "cond" or "while".
+      kind: "scan", "cond", "while", or the custom-derivative call's primitive name
+        ("custom_jvp_call", "custom_vjp_call": bound again with its rule, see `CUSTOM_CALLS`).
       params: the original op's parameters.
       operands: the original op's operands.
       outputs: graph tensors that hold the op's results.
-      bodies: scan: the first emitted iteration; cond: one per branch; while: the loop body.
+      bodies: scan: the first emitted iteration; cond: one per branch; while: the loop body;
+        custom call: its body.
+      primitive: the original op's primitive (bound again for custom calls and batched whiles).
+      name_stack: the original op's name stack (the scope its rule's ops are made in).
     """
 
     kind: str
@@ -117,6 +129,13 @@ class Region:
     operands: tuple[int | Literal, ...]
     outputs: tuple[int | Literal, ...]
     bodies: tuple[Body, ...]
+    primitive: Any = None
+    name_stack: str = ""
+
+    @property
+    def control_flow(self) -> bool:
+        """A loop or a branch (not a custom-derivative call, whose body runs once, in order)."""
+        return self.kind not in CUSTOM_CALLS
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -214,15 +233,19 @@ class Graph:
             raise InvalidArgumentError(f"expected {len(self.inputs)} flat arguments, got {len(flat_args)}")
         env.update(zip(self.inputs, flat_args))
 
-        self._run(0, len(self.ops), env, before_op, after_op, ())
+        self._run(0, len(self.ops), env, (before_op, after_op, None), ())
         return [_read(env, x) for x in self.outputs]
 
-    def run_range(self, start: int, end: int, env: dict[int, Any], before_op=None, after_op=None) -> None:
+    def run_range(self, start: int, end: int, env: dict[int, Any], before_op=None, after_op=None,
+                  scope=None) -> None:
         """Runs ops [start, end) on `env` (tensor id -> value, updated in place) as `evaluate` does:
-        a region wholly inside the range runs as its control flow, one crossing its ends op by op."""
-        self._run(start, end, env, before_op, after_op, ())
+        a region wholly inside the range runs as its control flow (or custom call), one crossing its
+        ends op by op. `scope(region)`, when given, is the context manager a custom call is bound
+        in (the ops its derivative rule makes take that scope's name)."""
+        self._run(start, end, env, (before_op, after_op, scope), ())
 
-    def _run(self, start: int, end: int, env: dict[int, Any], before_op, after_op, active: tuple) -> None:
+    def _run(self, start: int, end: int, env: dict[int, Any], hooks: tuple, active: tuple) -> None:
+        before_op, after_op, _ = hooks
         i = start
         while i < end:
             # The largest region starting here that fits the range being run and is not already
@@ -230,7 +253,7 @@ class Graph:
             region = next((r for r in self.regions.get(i, ()) if r.end <= end and not any(r is a for a in active)),
                           None)
             if region is not None:
-                outs = self._run_region(region, env, before_op, after_op, active + (region,))
+                outs = self._run_region(region, env, hooks, active + (region,))
                 env.update((t, v) for t, v in zip(region.outputs, outs) if isinstance(t, int))
                 i = region.end
                 continue
@@ -240,7 +263,7 @@ class Graph:
                 local = dict(env)
                 args = set(self.inputs)
                 local.update(zip(group.inputs, _after(vals[:-1], vals[-1], [t in args for t in group.inputs])))
-                self._run(i, group.end, local, before_op, after_op, active + (group,))
+                self._run(i, group.end, local, hooks, active + (group,))
                 env.update((t, local[t]) for op in self.ops[i:group.end] for t in op.outputs)
                 i = group.end
                 continue
@@ -255,21 +278,21 @@ class Graph:
             env.update(zip(op.outputs, outs))
             i += 1
 
-    def _body_fn(self, body: Body, env: dict[int, Any], before_op, after_op, active) -> Callable[..., list[Any]]:
+    def _body_fn(self, body: Body, env: dict[int, Any], hooks: tuple, active) -> Callable[..., list[Any]]:
         def fn(*args):
             local = dict(env)
             local.update((t, v) for t, v in zip(body.inputs, args) if isinstance(t, int))
-            self._run(body.start, body.end, local, before_op, after_op, active)
+            self._run(body.start, body.end, local, hooks, active)
             return [_read(local, x) for x in body.outputs]
 
         return fn
 
-    def _run_region(self, region: Region, env: dict[int, Any], before_op, after_op, active) -> list[Any]:
+    def _run_region(self, region: Region, env: dict[int, Any], hooks: tuple, active) -> list[Any]:
         p = region.params
         vals = [_read(env, x) for x in region.operands]
         if region.kind == "scan":
             nc, nk = scan_counts(p)
-            body = self._body_fn(region.bodies[0], env, before_op, after_op, active)
+            body = self._body_fn(region.bodies[0], env, hooks, active)
 
             def step(carry, x):
                 out = body(*vals[:nc], *carry, *x)
@@ -278,14 +301,25 @@ class Graph:
             carry, ys = jax.lax.scan(step, vals[nc:nc + nk], vals[nc + nk:], length=p["length"], reverse=p["reverse"])
             outs = list(carry) + list(ys)
         elif region.kind == "cond":
-            branches = [self._body_fn(b, env, before_op, after_op, active) for b in region.bodies]
+            branches = [self._body_fn(b, env, hooks, active) for b in region.bodies]
             outs = list(jax.lax.switch(vals[0], branches, *vals[1:]))
-        else:  # while
+        elif region.kind == "while":
             cn, bn = p["cond_nconsts"], p["body_nconsts"]
             test = jcore.jaxpr_as_fun(p["cond_jaxpr"])
-            body = self._body_fn(region.bodies[0], env, before_op, after_op, active)
-            outs = list(jax.lax.while_loop(lambda c: test(*vals[:cn], *c)[0],
-                                           lambda c: tuple(body(*vals[cn:cn + bn], *c)), tuple(vals[cn + bn:])))
+            body = self._body_fn(region.bodies[0], env, hooks, active)
+            if p["cond_jaxpr"].out_avals[0].shape:  # a batched predicate (vmap): the equation itself
+                # (the body jaxpr reads only its operands: the loop's constants and carries)
+                body = self._body_fn(region.bodies[0], dict(self.consts), hooks, active)
+                outs = list(rebind(region.primitive, p, {"body_jaxpr": body}, vals))
+            else:
+                outs = list(jax.lax.while_loop(lambda c: test(*vals[:cn], *c)[0],
+                                               lambda c: tuple(body(*vals[cn:cn + bn], *c)), tuple(vals[cn + bn:])))
+        else:  # a custom-derivative call: its body (a closed jaxpr: it reads only its operands and consts)
+            body = self._body_fn(region.bodies[0], dict(self.consts), hooks, active)
+            scope = hooks[2](region) if hooks[2] is not None else contextlib.nullcontext()
+            with scope:
+                outs = list(rebind(region.primitive, p, {"call_jaxpr": body}, vals))
+        after_op = hooks[1]
         if after_op is not None:  # pin the results where the plan decided them
             producers = {t: op for op in self.ops[region.start:region.end] for t in op.outputs}
             outs = [after_op(producers[t], [v])[0] if isinstance(t, int) and t in producers
@@ -398,11 +432,16 @@ class _Builder:
                 if len(self.ops) > start:
                     self.regions.setdefault(start, []).append(Region(
                         eqn.primitive.name, start, len(self.ops), dict(eqn.params), tuple(operands), tuple(results),
-                        tuple(bodies)))
+                        tuple(bodies), eqn.primitive, full))
                 for v, r in zip(eqn.outvars, results):
                     env[v] = r
                 continue
             inner = _inner_jaxpr(eqn)
+            if inner is not None and eqn.primitive.name in CUSTOM_CALLS and "call_jaxpr" in eqn.params:
+                results = self.inline_custom(eqn, inner, operands, full)
+                for v, r in zip(eqn.outvars, results):
+                    env[v] = r
+                continue
             if inner is not None:
                 sub_prefix = full
                 call_name = eqn.params.get("name")
@@ -471,7 +510,7 @@ class _Builder:
             x_i = [self.call(lambda a, i=i: jax.lax.index_in_dim(a, i, keepdims=False), [x], prefix)[0] for x in xs]
             start = len(self.ops)
             inputs = list(consts) + list(carry) + x_i
-            out = self.inline(body.jaxpr, body.consts, inputs, f"{prefix}/scaniter_{i}")
+            out = self.inline(body.jaxpr, body.consts, inputs, f"{prefix}/{SCAN_ITERATION}_{i}")
             if template is None:
                 template = Body(start, len(self.ops), tuple(inputs), tuple(out))
             carry, ys[i] = out[:nk], out[nk:]
@@ -481,6 +520,27 @@ class _Builder:
             stacked.append(self.call(lambda *a: jax.numpy.stack(a), parts, prefix)[0])
         return list(carry) + stacked, [template]
 
+    def inline_custom(self, eqn, inner, operands: list[int | Literal], prefix: str) -> list[int | Literal]:
+        """A custom-derivative call inlined as a region (see `Region`). Each result is made by an op
+        of the region (an operand, a constant or a repeated result passes through a `copy`), so
+        that a call whose primal is the identity (gradient clipping, gradient reversal) still has
+        results of its own that evaluation binds to the call."""
+        sub_prefix = "/".join(p for p in (prefix, eqn.params.get("name")) if isinstance(p, str) and p)
+        start = len(self.ops)
+        results = self.inline(inner[0], inner[1], operands, sub_prefix)
+        made: set[int] = {t for op in self.ops[start:] for t in op.outputs}
+        out: list[int | Literal] = []
+        for r in results:
+            if isinstance(r, Literal) or r not in made or r in out:
+                r = self.call(jax.lax.copy_p.bind, [r], sub_prefix)[0]
+                made.add(r)
+            out.append(r)
+        if len(self.ops) > start:
+            self.regions.setdefault(start, []).append(Region(
+                eqn.primitive.name, start, len(self.ops), dict(eqn.params), tuple(operands), tuple(out),
+                (Body(start, len(self.ops), tuple(operands), tuple(out)),), eqn.primitive, prefix))
+        return out
+
     def inline_cond(self, eqn, operands: list[int | Literal], prefix: str):
         """A `cond`/`switch` as all its branches plus a select of their results: planning sees every
         branch's ops, and the select makes each result's sharding the same in every branch."""
@@ -488,7 +548,7 @@ class _Builder:
         bodies, outs = [], []
         for k, branch in enumerate(eqn.params["branches"]):
             start = len(self.ops)
-            out = self.inline(branch.jaxpr, branch.consts, list(args), f"{prefix}/branch_{k}")
+            out = self.inline(branch.jaxpr, branch.consts, list(args), f"{prefix}/{COND_BRANCH}_{k}")
             bodies.append(Body(start, len(self.ops), tuple(args), tuple(out)))
             outs.append(out)
         results = [self.call(lambda i, *v: jax.lax.select_n(i, *v), [index] + [o[j] for o in outs], prefix)[0]

@@ -10,6 +10,11 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Iterator
 
+# Names the tracer gives (`planner.graph`): each iteration of an unrolled scan, `scaniter_<i>`, and
+# each branch of a cond / switch, `branch_<k>` (JAX names a branch's own ops so too).
+SCAN_ITERATION = "scaniter"
+COND_BRANCH = "branch"
+
 INDEXED = re.compile(r"(?<![A-Za-z0-9])([A-Za-z][A-Za-z0-9_]*?)_(\d+)(?![A-Za-z0-9])")
 
 

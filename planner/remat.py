@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from planner.errors import InfeasiblePlanError, InvalidArgumentError
-from planner.graph import Body, Graph, Op, Recompute, Region
+from planner.graph import Body, Graph, Op, Recompute
 from planner.ilp.solver import LEVERS, levers_text
 from planner.layer_index import find_indexed
 from planner.options import REMAT
@@ -228,9 +228,9 @@ def _insert(graph: Graph, copies: Sequence[_Copy]) -> Graph:
         return Body(index(b.start), end(b.start, b.end), tuple(read(x) for x in b.inputs),
                     tuple(read(x) for x in b.outputs))
 
-    regions = {index(k): tuple(Region(r.kind, index(r.start), end(r.start, r.end), r.params,
-                                      tuple(read(x) for x in r.operands), r.outputs,
-                                      tuple(body(b) for b in r.bodies)) for r in rs)
+    regions = {index(k): tuple(dataclasses.replace(r, start=index(r.start), end=end(r.start, r.end),
+                                                   operands=tuple(read(x) for x in r.operands),
+                                                   bodies=tuple(body(b) for b in r.bodies)) for r in rs)
                for k, rs in graph.regions.items()}
     return dataclasses.replace(graph, tensors=tuple(tensors), ops=tuple(ops), regions=regions,
                                recompute={**{index(k): dataclasses.replace(g, start=index(g.start),

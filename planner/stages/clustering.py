@@ -28,7 +28,7 @@ import numpy as np
 from planner.errors import InvalidArgumentError
 from planner.graph import Graph, Literal
 from planner.ilp.rules import signature
-from planner.layer_index import find_indexed, star_indices
+from planner.layer_index import COND_BRANCH, SCAN_ITERATION, find_indexed, star_indices
 
 FORWARD, BACKWARD, APPLY = "forward", "backward", "apply"
 
@@ -83,16 +83,31 @@ def op_phases(graph: Graph) -> tuple[str, ...]:
 
 
 def repeated_module(graph: Graph, min_repeats: int = 2) -> str | None:
-    """The module name prefix repeated with the most ops under it (`blocks` for `blocks_0..N`)."""
+    """The module name prefix of the model's repeated layers (`blocks` for `blocks_0..N`).
+
+    Candidates are names indexed at least `min_repeats` ways. A family that only ever appears inside
+    another's scope (`Dense_0, Dense_1` inside every `blocks_i`, a loop's iterations inside a
+    layer) is part of those layers, not a layer family of its own; a loop's unrolled iterations
+    (`SCAN_ITERATION`, named by the tracer) are layers only where the model names none itself
+    (scanned layers), so a loop between two of the model's layers belongs to the layer that feeds
+    it; a cond's branches (`COND_BRANCH`) are alternatives, never layers. Among what is left, the
+    family with the most ops."""
     indices: dict[str, set[str]] = defaultdict(set)
     ops: Counter = Counter()
+    outer: dict[str, set[str]] = {}  # family -> families found before it in every stack bearing it
     for op in graph.ops:
-        seen = set()
+        seen: list[str] = []
         for m in find_indexed(op.name_stack):
-            indices[m.group(1)].add(m.group(2))
-            seen.add(m.group(1))
+            name = m.group(1)
+            indices[name].add(m.group(2))
+            if name not in seen:
+                outer[name] = outer[name] & set(seen) if name in outer else set(seen)
+                seen.append(name)
         ops.update(seen)
-    candidates = [p for p, idx in indices.items() if len(idx) >= min_repeats]
+    candidates = {p for p, idx in indices.items() if len(idx) >= min_repeats and p != COND_BRANCH}
+    candidates = [p for p in candidates if not (outer.get(p, set()) - {p}) & candidates]
+    named = [p for p in candidates if p != SCAN_ITERATION]
+    candidates = named or candidates
     if not candidates:
         return None
     return max(candidates, key=lambda p: (ops[p], p))

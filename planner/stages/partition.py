@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 from planner.errors import InvalidArgumentError
-from planner.graph import Graph
+from planner.graph import Graph, Region
 from planner.stages.clustering import cluster_layers
 from planner.stages.layout import StageLayout
 
@@ -31,6 +31,24 @@ class Partition:
     param_owner: Mapping[int, int]
     producer: Mapping[int, int]
     needed_by: Mapping[int, set[int]]
+
+
+def runs_whole(region: Region) -> bool:
+    """A branch, a loop of unknown trip count or a custom-derivative call runs whole on one stage;
+    a scan's iterations (scanned layers) may be split between stages and run unrolled."""
+    return region.kind != "scan" and region.end > region.start
+
+
+def op_reads(graph: Graph) -> tuple[tuple[int, ...], ...]:
+    """The tensors each op reads, where the operands of a region that runs whole count as read by
+    its first op: a `while`'s predicate constants (its trip count) or a carry its body never reads
+    are read by no op of the planning expansion, but the stage that runs the region needs them."""
+    reads = [list(op.tensor_inputs) for op in graph.ops]
+    for start, regions in graph.regions.items():
+        for r in regions:
+            if runs_whole(r):
+                reads[r.start].extend(t for t in r.operands if isinstance(t, int) and t not in reads[r.start])
+    return tuple(tuple(r) for r in reads)
 
 
 def partition(graph: Graph, layouts: Sequence[StageLayout], n_params: int) -> Partition:
@@ -58,7 +76,7 @@ def partition(graph: Graph, layouts: Sequence[StageLayout], n_params: int) -> Pa
     op_stage = [stage_of_layer[layers.names[l]] for l in layers.op_layer]
     for regions in graph.regions.values():
         for r in regions:
-            if r.kind != "scan" and r.end > r.start:
+            if runs_whole(r):
                 # A branch or a loop of unknown trip count runs whole on one stage: the last its ops
                 # were clustered into (earlier stages made its operands; later ones read its results).
                 last = max(op_stage[r.start:r.end])
@@ -70,8 +88,9 @@ def partition(graph: Graph, layouts: Sequence[StageLayout], n_params: int) -> Pa
         users = [op_stage[i] for i, _ in consumers.get(t, ())]
         param_owner[k] = min(users) if users else stage_of_layer[layers.names[layers.input_layer[k]]]
         producer[t] = param_owner[k]
+    reads = op_reads(graph)
     for op in graph.ops:
-        for t in op.tensor_inputs:
+        for t in reads[op.index]:
             src = producer.get(t)
             if src is not None and src > op_stage[op.index]:
                 raise InvalidArgumentError(
@@ -85,7 +104,7 @@ def partition(graph: Graph, layouts: Sequence[StageLayout], n_params: int) -> Pa
     batch_ids = set(graph.inputs[n_params:])
     needed_by: dict[int, set[int]] = defaultdict(set)
     for op in graph.ops:
-        for t in op.tensor_inputs:
+        for t in reads[op.index]:
             if t in producer and producer[t] != op_stage[op.index] and t not in batch_ids:
                 needed_by[t].add(op_stage[op.index])
     return Partition(tuple(op_stage), param_owner, producer, needed_by)

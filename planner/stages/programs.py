@@ -140,10 +140,11 @@ class StageGraph:
 
 @contextlib.contextmanager
 def _named_ops():
-    """`(before_op, after_op)` hooks that bind each op under its traced module path
+    """`(before_op, after_op, scope)` hooks that bind each op under its traced module path
     (`jax.named_scope`), so the stage's program keeps the layer names its plan shares decisions
     by. The scope opened before an op closes right after it; region results (no scope of their
-    own) pass through; scopes still open on an error are closed."""
+    own) pass through; a custom-derivative call is bound in its own scope (`scope`), so the ops
+    its rule makes keep the layer's name; scopes still open on an error are closed."""
     opened: list[tuple[int, Any]] = []
 
     def before(op, operands):
@@ -158,8 +159,11 @@ def _named_ops():
             opened.pop()[1].__exit__(None, None, None)
         return outs
 
+    def scope(region):
+        return jax.named_scope(region.name_stack) if region.name_stack else contextlib.nullcontext()
+
     try:
-        yield before, after
+        yield before, after, scope
     finally:
         while opened:
             opened.pop()[1].__exit__(None, None, None)
@@ -178,9 +182,9 @@ def stage_graph(graph: Graph, ops: tuple[int, ...], param_ids: tuple[int, ...], 
         env.update(zip(acts_in, a))
         env.update(zip(aux_in, aux))
         env.update(zip(batch_ids, b))
-        with _named_ops() as (before, after):
+        with _named_ops() as (before, after, scope):
             for start, end in ranges:
-                graph.run_range(start, end, env, before, after)
+                graph.run_range(start, end, env, before, after, scope)
         return [env[t] for t in outs], [env[t] for t in aux_out]
 
     def train(args):

@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from planner.batch_mixing import mixing_ops
 from planner.errors import InvalidArgumentError, MeshError, PlannerError, first_line
 from planner.graph import trace
 from planner.ilp.strategies import shard_bytes
@@ -60,7 +61,7 @@ from planner.planning import make_plan
 from planner.sharding import named_sharding, replicated, spec_axes
 from planner.stages.layout import StageLayout, data_axes, data_spec, even_layouts, find_spec, layer_names
 from planner.stages.opt_state import opt_layouts, opt_shardings
-from planner.stages.partition import partition
+from planner.stages.partition import op_reads, partition
 from planner.stages.programs import Replica, build_programs, is_float, replica_sharding, stage_graph
 from planner.stages.schedule import dispatch_order, stage_tasks
 
@@ -138,12 +139,13 @@ class PipelinedStep:
         self.tasks = stage_tasks(schedule, len(self.layouts), num_microbatches)
         self.order = dispatch_order(self.tasks)
         self._built: dict[tuple, tuple] = {}
+        self._mixing_said = False
 
     def with_schedule(self, schedule: str) -> PipelinedStep:
         """The same stages and compiled programs under another schedule."""
         other = PipelinedStep(self.loss_fn, self.optimizer, self.layouts, self.num_microbatches, schedule,
                               self.stage_plans, self.replica_grads)
-        other._built = self._built
+        other._built, other._mixing_said = self._built, self._mixing_said
         return other
 
     @classmethod
@@ -205,10 +207,11 @@ class PipelinedStep:
         flat_params = jax.tree_util.tree_leaves(params)
         flat_mb = jax.tree_util.tree_leaves(abstract_mb)
         stages = []
+        op_inputs = op_reads(graph)
         for s, lay in enumerate(self.layouts):
             ops = tuple(op.index for op in graph.ops if op_stage[op.index] == s)
             own = tuple(k for k in range(n_params) if param_owner[k] == s)
-            reads = {t for i in ops for t in graph.ops[i].tensor_inputs}
+            reads = {t for i in ops for t in op_inputs[i]}
             bl = tuple(k for k, t in enumerate(graph.inputs[n_params:]) if t in reads)
             incoming = sorted(t for t in reads if t in producer and producer[t] < s and t not in batch_ids)
             made = {t for i in ops for t in graph.ops[i].outputs} | {graph.inputs[k] for k in own}
@@ -236,6 +239,19 @@ class PipelinedStep:
         if self.replica_grads:
             self._replicas(graph, stages, abstract_params, batch, mb, loss)
         return graph, stages, needed_by, param_owner, mb
+
+    def _say_if_mixing(self, graph, n_params: int, mb: int) -> None:
+        """Logs once, when the stages are planned, that the loss mixes the examples of its batch
+        (`batch_mixing`): the pipelined step then legitimately differs from the plain one."""
+        if self.num_microbatches < 2 or self._mixing_said:
+            return
+        self._mixing_said = True
+        found = mixing_ops(graph, graph.inputs[n_params:], graph.outputs[0])
+        if found:
+            more = f" (and {len(found) - 1} more ops)" if len(found) > 1 else ""
+            log.warning("loss_fn is not microbatch-invariant: %s%s; the pipeline computes it on each of %d "
+                        "microbatches of %d examples and averages, so its loss and gradients differ from the "
+                        "unpipelined step's", found[0].describe(), more, self.num_microbatches, mb)
 
     def _replicas(self, graph, stages: list[dict], abstract_params: Any, batch: Any, mb: int, loss: int) -> None:
         """Sets each data-parallel stage's `programs.Replica` (its program traced at `mb / ways` rows)
@@ -341,7 +357,8 @@ class PipelinedStep:
           `once[s]` names the mesh axes over which stage s reduces its gradients once per step (its
           data-parallel replicas, `_replicas`; empty where it reduces them per microbatch).
         """
-        graph, stages, needed_by, _, _ = self._layout(params, batch)
+        graph, stages, needed_by, _, mb = self._layout(params, batch)
+        self._say_if_mixing(graph, len(jax.tree_util.tree_leaves(params)), mb)
         once = tuple(tuple(st["layout"].mesh.axis_names[a] for a in st["axes"] if st["layout"].mesh.shape[a] > 1)
                      if st["replica"] is not None else () for st in stages)
         plans = tuple(self._stage_plan(st, options) for st in stages)
