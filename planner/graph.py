@@ -287,6 +287,20 @@ class Graph:
 
         return fn
 
+    def _pinned(self, branch: Callable[..., list[Any]], region: Region, after_op) -> Callable[..., list[Any]]:
+        """`branch` with its results placed where the plan puts the cond's results (the select that
+        joins the branches for planning): XLA requires every branch of a conditional to return its
+        results in one sharding."""
+        if after_op is None:
+            return branch
+        producers = {t: op for op in self.ops[region.start:region.end] for t in op.outputs}
+
+        def fn(*args):
+            return [after_op(producers[t], [v])[0] if isinstance(t, int) and t in producers
+                    and len(producers[t].outputs) == 1 else v for t, v in zip(region.outputs, branch(*args))]
+
+        return fn
+
     def _run_region(self, region: Region, env: dict[int, Any], hooks: tuple, active) -> list[Any]:
         p = region.params
         vals = [_read(env, x) for x in region.operands]
@@ -301,7 +315,7 @@ class Graph:
             carry, ys = jax.lax.scan(step, vals[nc:nc + nk], vals[nc + nk:], length=p["length"], reverse=p["reverse"])
             outs = list(carry) + list(ys)
         elif region.kind == "cond":
-            branches = [self._body_fn(b, env, hooks, active) for b in region.bodies]
+            branches = [self._pinned(self._body_fn(b, env, hooks, active), region, hooks[1]) for b in region.bodies]
             outs = list(jax.lax.switch(vals[0], branches, *vals[1:]))
         elif region.kind == "while":
             cn, bn = p["cond_nconsts"], p["body_nconsts"]
