@@ -55,6 +55,7 @@ two successive counts reach the same smallest peak (what is over the budget is n
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -63,6 +64,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from planner.batch_mixing import mixing_ops
 from planner.cost_model import ring_bytes
 from planner.emit import constraint_hooks
 from planner.errors import InfeasiblePlanError, InvalidArgumentError, PlannerError
@@ -74,6 +76,8 @@ from planner.sharding import named_sharding, replicated
 from planner.stages.derived import StepParts, split_step
 from planner.stages.programs import op_ranges
 from planner.units import format_bytes
+
+log = logging.getLogger("planner")
 
 __all__ = ["Accumulated", "accumulation_candidates", "combine", "jit_accumulated", "micro_options", "plan_accumulation"]
 
@@ -396,8 +400,22 @@ def plan_accumulation(fn: Callable[..., Any], graph: Graph, accumulate: int | st
         if len(found) >= 2:
             break
     if found:
-        return min(found, key=lambda a: a.plan.prediction.step_time_s)
+        best = min(found, key=lambda a: a.plan.prediction.step_time_s)
+        if best.k > 1:
+            _say_if_mixing(graph, parts, best.k)
+        return best
     raise infeasible(failed, budget)
+
+
+def _say_if_mixing(graph: Graph, parts: StepParts, k: int) -> None:
+    """One log line when the step's forward mixes the examples of its batch (`batch_mixing`): its
+    accumulated result then legitimately differs from the step's on the whole batch."""
+    found = mixing_ops(graph, [graph.inputs[i] for i in parts.batch], parts.loss, parts.forward)
+    if found:
+        more = f" (and {len(found) - 1} more ops)" if len(found) > 1 else ""
+        log.warning("the step is not microbatch-invariant: %s%s; accumulating gradients over %d microbatches "
+                    "computes it per microbatch, so its loss and gradients differ from the whole batch's",
+                    found[0].describe(), more, k)
 
 
 def _not_shrinking(failed: Mapping[int, PlannerError]) -> bool:

@@ -25,6 +25,7 @@ from planner.plan import Plan
 from planner.planning import check_options, make_plan
 from planner.remat import plan_remat, record as remat_record
 from planner.sharding import to_partition_spec
+from planner.static_args import StaticResults, array_function, split
 from planner.search import best_plan, candidate_meshes, default_mesh_ndim, search_meshes
 from planner.stages.planned import plan_with_stages
 from planner.units import format_bytes
@@ -91,27 +92,40 @@ class PlannedFunction:
         self._cache: dict[tuple, tuple[Graph, Plan, Any]] = {}
         self._targets: dict[tuple, list] = {}  # signature -> each argument leaf's planned sharding
         self._on_user_mesh: dict[tuple, Any] = {}  # signature -> `emit.jit_on_mesh`'s program (None: none)
+        self._static: dict[tuple, tuple] = {}  # key -> (the step over its array leaves, its static results)
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", "planned")
         self.__doc__ = getattr(fn, "__doc__", None)
 
+    def _split(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple]:
+        """(the array part of `args`, the cache key: the arrays' signature and the static leaves'
+        values, `planner.static_args`)."""
+        dyn, static = split(args)
+        key = _signature(dyn) if static is None else (_signature(dyn), static.key())
+        if static is not None and key not in self._static:
+            results = StaticResults()
+            self._static[key] = (array_function(self.fn, static, results), results)
+        return dyn, key
+
     def _entry(self, args: tuple[Any, ...], key: tuple | None = None) -> tuple[Graph, Plan, Any]:
+        """(graph, plan, jitted program) of the array arguments `args` (`_split`) under `key`."""
         key = _signature(args) if key is None else key
         hit = self._cache.get(key)
         if hit is not None:
             return hit
+        fn = self._static[key][0] if key in self._static else self.fn
         with self._user_context():
-            graph = trace(self.fn, *args, user_constraints=self.options.user_constraints)
+            graph = trace(fn, *args, user_constraints=self.options.user_constraints)
         if isinstance(self.pins, Mapping) and self._mesh_spec is not None and not self.options.pipeline:
             graph = pin_intermediates(graph, self.pins, self._mesh_spec)  # pins on checkpoint_name values
         if self.options.pipeline:
-            plan, runner = plan_with_stages(self.fn, args, graph, self._mesh_spec, self.devices, self.options,
+            plan, runner = plan_with_stages(fn, args, graph, self._mesh_spec, self.devices, self.options,
                                             **self._stage_pins(graph))
             self._cache[key] = (graph, plan, runner)
             return self._cache[key]
         pinned = self._pinned(graph, args)
         if self.options.accumulate not in (None, 1):
-            self._cache[key] = self._accumulated(graph, args)
+            self._cache[key] = self._accumulated(fn, graph, args)
             return self._cache[key]
         def plan_graph(g: Graph, search: bool) -> Plan:
             if self.options.offload != "off":  # a streamed optimizer update (`offload.streamed`)
@@ -185,7 +199,7 @@ class PlannedFunction:
                                        "supported; make them positional or close over them")
         return tuple(bound.args)
 
-    def _accumulated(self, graph: Graph, args: tuple[Any, ...]) -> tuple[Graph, Plan, Any]:
+    def _accumulated(self, fn: Callable[..., Any], graph: Graph, args: tuple[Any, ...]) -> tuple[Graph, Plan, Any]:
         """Gradient accumulation (`planner.accumulate`): the microbatch step planned as any step
         (on the mesh, or by the mesh search), k chosen or given; the entry holds the microbatch trace."""
         def plan_micro(g: Graph, budget: float | None) -> Plan:
@@ -199,7 +213,7 @@ class PlannedFunction:
             return best_plan(results)
 
         bounds = self._mesh_spec or MeshSpec((len(self.devices),), default_axis_names(1))
-        acc = plan_accumulation(self.fn, graph, self.options.accumulate, self.options.memory_budget, plan_micro,
+        acc = plan_accumulation(fn, graph, self.options.accumulate, self.options.memory_budget, plan_micro,
                                 bounds, self.options.unshard)
         plan = dataclasses.replace(_record_user_constraints(acc.graph, acc.plan),
                                    options={**acc.plan.options, "accumulate": self.options.accumulate})
@@ -219,22 +233,24 @@ class PlannedFunction:
                          self.options.memory_budget)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
-        """The plan for these arguments (arrays or ShapeDtypeStructs); planned once per signature."""
-        return self._entry(self._positional(args, kwargs))[1]
+        """The plan for these arguments (arrays or ShapeDtypeStructs; other leaves are static, as
+        `equinox.filter_jit` takes them); planned once per signature."""
+        return self._entry(*self._split(self._positional(args, kwargs)))[1]
 
     def graph(self, *args: Any, **kwargs: Any) -> Graph:
-        return self._entry(self._positional(args, kwargs))[0]
+        return self._entry(*self._split(self._positional(args, kwargs)))[0]
 
     def jitted(self, *args: Any, **kwargs: Any):
         """The `jax.jit`-wrapped planned program for these arguments (call it under
-        `jax.set_mesh(plan.jax_mesh)` when the user's mesh is not all Auto)."""
-        return self._entry(self._positional(args, kwargs))[2]
+        `jax.set_mesh(plan.jax_mesh)` when the user's mesh is not all Auto). It takes the array
+        leaves only: non-array leaves replaced by None (`planner.static_args.split`)."""
+        return self._entry(*self._split(self._positional(args, kwargs)))[2]
 
     def lower(self, *args: Any, **kwargs: Any):
         """The `jax.stages.Lowered` planned program; for a multi-stage pipeline plan, one
         `planner.stages.runtime.StageLowered` per stage (its forward, backward and update programs)."""
-        args = self._positional(args, kwargs)
-        graph, plan, jitted = self._entry(args)
+        args, key = self._split(self._positional(args, kwargs))
+        graph, plan, jitted = self._entry(args, key)
         if plan.stages:
             return jitted.lower(*args)
         if offload.positions(plan)[0]:  # host-offloaded arguments lower in their host shardings
@@ -250,9 +266,13 @@ class PlannedFunction:
         arguments and results on that mesh (`emit.jit_on_mesh`), so the state a step hands back goes
         into the next one as it is; a plan that offloads runs on the Auto view and its results are
         placed on the user's mesh after it."""
-        args = self._positional(args, kwargs)
-        key = _signature(args)
+        args, key = self._split(self._positional(args, kwargs))
         graph, plan, jitted = self._entry(args, key)
+        static = self._static[key][1] if key in self._static else None
+        outs = self._run(args, key, graph, plan, jitted)
+        return outs if static is None else static.restore(outs)
+
+    def _run(self, args: tuple[Any, ...], key: tuple, graph: Graph, plan: Plan, jitted: Any):
         if plan.stages:
             return jitted(*args)  # a pipeline: stages place their own inputs
         user = self._user_mesh
@@ -263,7 +283,7 @@ class PlannedFunction:
         if targets is None:  # one sharding per argument leaf, offloaded ones in host memory
             shardings = on_mesh(plan.in_shardings, user) if on_user else offload.in_shardings(plan)
             try:  # the plan's shardings mirror the arguments' tree (a None argument: no leaf)
-                targets = key[0].flatten_up_to(shardings)
+                targets = jax.tree_util.tree_structure(args).flatten_up_to(shardings)
             except (ValueError, TypeError):  # a prefix of it: placed whole, as jax.device_put takes it
                 targets = shardings
             self._targets[key] = targets

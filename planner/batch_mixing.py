@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from planner.graph import Graph, Literal, Op
 
@@ -156,13 +156,16 @@ def _rule(graph: Graph, op: Op, dims: Sequence[int | None]) -> tuple[list[int | 
     return [None] * len(outs), f"has no batch rule ({name}); taken to mix examples"
 
 
-def mixing_ops(graph: Graph, batch_inputs: Sequence[int], loss: int | None = None) -> tuple[Mixing, ...]:
+def mixing_ops(graph: Graph, batch_inputs: Sequence[int], loss: int | None = None,
+               ops: Collection[int] | None = None) -> tuple[Mixing, ...]:
     """The ops of `graph` that combine several examples' values.
 
     Args:
       graph: a traced loss (or step) whose `batch_inputs` (tensor ids) hold examples along dim 0.
       loss: the scalar output made by summing or averaging per-example terms; the reductions that
         do that are not reported.
+      ops: the ops to follow (default: all): a train step's forward ops, whose backward sums the
+        examples' gradients by design.
 
     Returns:
       One `Mixing` per op, in program order (empty: the graph is microbatch-invariant).
@@ -170,7 +173,10 @@ def mixing_ops(graph: Graph, batch_inputs: Sequence[int], loss: int | None = Non
     dim: dict[int, int] = {t: 0 for t in batch_inputs if graph.tensors[t].shape}
     found: dict[int, Mixing] = {}
     producers = {t: op for op in graph.ops for t in op.outputs}
+    wanted = None if ops is None else set(ops)
     for op in graph.ops:
+        if wanted is not None and op.index not in wanted:
+            continue
         dims = [dim.get(x) if isinstance(x, int) else None for x in op.inputs]
         if all(d is None for d in dims):
             continue
@@ -180,6 +186,8 @@ def mixing_ops(graph: Graph, batch_inputs: Sequence[int], loss: int | None = Non
         dim.update((t, d) for t, d in zip(op.outputs, out) if d is not None)
     for regions in graph.regions.values():  # a loop's predicate over several examples' values
         for r in regions:
+            if wanted is not None and r.start not in wanted:
+                continue
             if r.kind == "while" and not r.params["cond_jaxpr"].out_avals[0].shape:
                 cn, bn = r.params["cond_nconsts"], r.params["body_nconsts"]
                 operands = list(r.operands[:cn]) + list(r.operands[cn + bn:])

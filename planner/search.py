@@ -614,7 +614,7 @@ def no_fit_error(results: Sequence[MeshResult], budget: float | None = None,
     (and where), which meshes were not solved because their bound alone is over the budget, which
     the solver could not decide within its limit, and the levers (`solver.LEVERS`)."""
     own = [r for r in results if r.same_as is None]
-    levers = next((r.error.levers for r in own if r.error.levers), levers)
+    levers = next((r.error.levers for r in own if getattr(r.error, "levers", ())), levers)  # solved meshes: no error
     over = [r for r in own if r.over_budget]
     floors = [(r.lower_bound_bytes, r.min_memory_bytes is None, k) for k, r in enumerate(own)
               if r.over_budget and r.lower_bound_bytes is not None]

@@ -110,10 +110,62 @@ def test_unknown_option_and_bad_values(mlp):
         planner.plan_parallel(b.train_step, mesh=(8,), hardware="abacus")
 
 
-def test_non_array_leaves_are_rejected(mlp, devices8):
+def test_non_array_leaves_are_static_and_part_of_the_cache_key(mlp, devices8):
+    """As `equinox.filter_jit` takes them: a string in the batch is closed over (not traced), handed
+    back as it came in, and a new value plans again."""
     b, state, batch = mlp
-    with pytest.raises(planner.InvalidArgumentError, match=r"\[1\]\['note'\].*not an array"):
-        planner.plan(b.train_step, state, {**batch, "note": "hello"}, mesh=(8,))
+    seen = []
+
+    def step(state, batch):
+        seen.append(batch["note"])
+        new_state, metrics = b.train_step(state, {k: v for k, v in batch.items() if k != "note"})
+        return new_state, {**metrics, "note": batch["note"] + "!"}
+
+    planned = planner.plan_parallel(step, mesh=(8,))
+    _, metrics = planned(state, {**batch, "note": "hello"})
+    assert metrics["note"] == "hello!" and seen == ["hello"]
+    planned(state, {**batch, "note": "hello"})
+    assert seen == ["hello"]  # the same static value: the same plan, not traced again
+    planned(state, {**batch, "note": "again"})
+    assert seen == ["hello", "again"]
+
+
+def test_equinox_module_step_matches_filter_jit(devices8):
+    """A step written as Equinox users write it (the whole module in, `eqx.filter_value_and_grad`,
+    the module out) plans on 8 devices and computes `eqx.filter_jit`'s step."""
+    import equinox as eqx
+    import optax
+
+    from tests.helpers import assert_loss_close, assert_sgd_step_close, longest_reduction
+
+    model = eqx.nn.MLP(16, 8, 32, 2, activation=jax.nn.gelu, key=jax.random.key(0))
+    lr = 0.1
+    opt = optax.sgd(lr)
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))
+    batch = (jax.random.normal(jax.random.key(1), (64, 16)), jax.random.normal(jax.random.key(2), (64, 8)))
+
+    def loss(m, xy):
+        return jnp.mean(jnp.sum((jax.vmap(m)(xy[0]) - xy[1]) ** 2, axis=-1))
+
+    def step(model, opt_state, xy):
+        value, grads = eqx.filter_value_and_grad(loss)(model, xy)
+        updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, value
+
+    planned = planner.plan_parallel(step, mesh="2x4")
+    new_model, _, value = planned(model, opt_state, batch)
+    ref_model, _, ref_value = eqx.filter_jit(step)(model, opt_state, batch)
+    assert isinstance(new_model, eqx.nn.MLP) and new_model.activation is jax.nn.gelu
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def loss_of(p, xy):
+        return loss(eqx.combine(p, static), xy)
+
+    n = longest_reduction(jax.grad(loss_of), params, batch)
+    assert_loss_close(value, ref_value, n)
+    for got in (new_model, ref_model):  # both within the summation-order bound of the same gradient
+        assert_sgd_step_close(loss_of, lr, params, batch, eqx.filter(got, eqx.is_array), n=n)
+    assert planned.plan(model, opt_state, batch).mesh.shape == (2, 4)
 
 
 def test_a_step_moves_only_the_arguments_not_yet_where_the_plan_puts_them(devices8, monkeypatch):

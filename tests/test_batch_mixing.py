@@ -98,3 +98,31 @@ def test_zoo_models():
         params = b.abstract_state()["params"]
         found = _mixing(b.loss_fn, b.abstract_batch(), params)
         assert bool(found) == mixes, (name, found[:3])
+
+
+def test_gradient_accumulation_says_when_the_step_mixes_examples(caplog, devices8):
+    """Its forward is analysed (the backward sums examples' gradients by design): a batch statistic
+    is named once, a per-example loss is not."""
+    import logging
+
+    import optax
+
+    import planner
+
+    opt = optax.sgd(0.1)
+
+    def make(normalise):
+        def loss(w, b):
+            h = b["x"] @ w
+            if normalise:
+                h = h - jnp.mean(h, axis=0)
+            return _mse(h, b["y"])
+        return planner.pipelinable(loss, opt)
+
+    state = {"params": W, "opt_state": opt.init(W)}
+    for normalise in (True, False):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="planner"):
+            planner.plan(make(normalise), state, X, mesh="1x8", accumulate=2)
+        said = [r.getMessage() for r in caplog.records if "microbatch-invariant" in r.getMessage()]
+        assert (len(said) == 1 and "reduces over the batch dimension" in said[0]) if normalise else not said, said

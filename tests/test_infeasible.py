@@ -224,3 +224,16 @@ def test_a_bound_over_the_time_to_beat_stops_the_search():
     under = solve(problem, memory_budget=budget)
     with pytest.raises(OutboundError):
         solve(problem, memory_budget=budget, beat=lambda: under.objective_s * 0.5)
+
+
+def test_no_fit_answer_with_some_meshes_solved_or_pruned_is_one_line():
+    """A search where some meshes were solved or pruned (no error of their own) and the rest are over
+    the budget answers "does not fit" in one line; it used to read `.levers` of a missing error."""
+    from planner.errors import InfeasiblePlanError
+    from planner.search import MeshResult, no_fit_error
+
+    over = InfeasiblePlanError("over", 2e9, 1e9, levers=())
+    results = [MeshResult(MeshSpec((8,), ("x",)), None, None, (), 0.1, pruned="bound"),
+               MeshResult(MeshSpec((2, 4), ("x", "y")), None, over, (), 0.1)]
+    err = no_fit_error(results, 1e8)
+    assert isinstance(err, InfeasiblePlanError) and "\n" not in str(err) and "does not fit" in str(err)

@@ -82,6 +82,11 @@ def _count(w, k: int):
     return (jnp.abs(w[0, :k]) * 2).astype(jnp.int32).sum() % 3 + 1
 
 
+def _stopped(ctx):
+    """The piece's context with its gradients stopped (what a loop of traced trip count may read)."""
+    return jax.tree.map(jax.lax.stop_gradient, ctx)
+
+
 def _per_example(one, v, x):
     """`one(row, x_row)` for every example: under `vmap`, or as it is inside a per-example piece."""
     return one(v, x) if x.ndim == 1 else jax.vmap(one)(v, x)
@@ -115,14 +120,15 @@ def _draw(rng: np.random.Generator, depth: int):
             return _per_example(one, v, ctx["x"])
         return per_example
     # Reverse mode does not differentiate a loop of traced trip count: such loops (while, fori with
-    # traced bounds) compute a correction from the value with its gradient stopped, as a step
-    # computing a statistic or a schedule by iteration does; the value's gradient flows around them.
+    # traced bounds) compute a correction from the value and parameters with their gradients
+    # stopped, as a step computing a statistic or a schedule by iteration does; the value's gradient
+    # flows around them.
     if kind == "while_param":
         k = int(rng.integers(1, 4))
 
         def loop(v, ctx):
-            n = _count(ctx["w"], k)
-            m = jax.lax.while_loop(lambda s: s[1] < n, lambda s: (a(s[0], ctx), s[1] + 1),
+            n, fixed = _count(ctx["w"], k), _stopped(ctx)
+            m = jax.lax.while_loop(lambda s: s[1] < n, lambda s: (a(s[0], fixed), s[1] + 1),
                                    (jax.lax.stop_gradient(v), 0))[0]
             return v + 0.1 * m
         return loop
@@ -130,7 +136,7 @@ def _draw(rng: np.random.Generator, depth: int):
         def per_example_loop(v, ctx):
             def one(row, x):
                 n = (jnp.abs(x[0]) * 2).astype(jnp.int32) % 3 + 1
-                sub = dict(ctx, x=x)
+                sub = _stopped(dict(ctx, x=x))
                 return jax.lax.while_loop(lambda s: s[1] < n, lambda s: (a(s[0], sub), s[1] + 1), (row, 0))[0]
             return v + 0.1 * _per_example(one, jax.lax.stop_gradient(v), ctx["x"])
         return per_example_loop
@@ -138,7 +144,7 @@ def _draw(rng: np.random.Generator, depth: int):
         n = int(rng.integers(1, 5))
         return lambda v, ctx: jax.lax.fori_loop(0, n, lambda i, u: a(u, ctx), v)
     if kind == "fori_dynamic":
-        return lambda v, ctx: v + 0.1 * jax.lax.fori_loop(0, _count(ctx["w"], 2), lambda i, u: a(u, ctx),
+        return lambda v, ctx: v + 0.1 * jax.lax.fori_loop(0, _count(ctx["w"], 2), lambda i, u: a(u, _stopped(ctx)),
                                                           jax.lax.stop_gradient(v))
     if kind == "scan":
         def scan(v, ctx):

@@ -49,11 +49,11 @@ class Hardware:
         collectives synchronously, so nothing overlaps there.
       matmul_efficiency: the fraction of the peak that large matmuls reach (the best measured
         rate over many GEMM shapes divided by the datasheet peak); contractions run at
-        `peak x matmul_efficiency` unless a measured curve says better (`matmul_rate`). 1.0 where
-        no measurement is published: the peak is then an optimistic bound.
-      matmul_curve: measured matmul rates, `((dtype class, ((flops per kernel, FLOP/s), ...)), ...)`
-        with dtype class "16bit" or "float32" and points sorted by FLOPs; filled from a profile
-        database (`planner profile` sweeps square GEMMs), empty for presets.
+        `peak x matmul_efficiency` where no curve of their dtype class exists (`matmul_rate`);
+        1.0 only for a profile's measured peak, which is an achieved rate already.
+      matmul_curve: achieved matmul rates by size, `((dtype class, ((flops per kernel, FLOP/s),
+        ...)), ...)` with dtype class "16bit" or "float32" and points sorted by FLOPs: a preset's
+        cited 16-bit curve (see `rates_source`), or a profile's measured sweep.
       attention_curve: measured rates of batched narrow GEMMs, the shapes of attention's two
         matmuls (`[g, s, d] x [g, s, d] -> [g, s, s]` and `[g, s, s] x [g, s, d] -> [g, s, d]`, head
         dimension d): `((dtype class, d, ((flops per kernel, FLOP/s), ...)), ...)`, points sorted
@@ -63,6 +63,10 @@ class Hardware:
       host_bandwidth: one direction of one device's link to its host's memory (bytes/s): what
         host offload (`planner.offload`) moves optimizer state over (PCIe, NVLink-C2C); None where
         no figure is known, which makes host offload unavailable on that hardware.
+      memory_efficiency: the fraction of `memory_bandwidth` that streaming kernels reach; memory-bound
+        work runs at `achieved_bandwidth` (1.0 where `memory_bandwidth` is itself a measured rate).
+      rates_source: where the achieved compute and memory rates come from, in one line (a preset's
+        cited measurement, a stand-in labelled as such, or a profile); printed with every plan.
     """
 
     name: str
@@ -83,6 +87,13 @@ class Hardware:
     matmul_curve: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
     attention_curve: tuple[tuple[str, int, tuple[tuple[float, float], ...]], ...] = ()
     host_bandwidth: float | None = None
+    memory_efficiency: float = 1.0
+    rates_source: str = ""
+
+    @property
+    def achieved_bandwidth(self) -> float:
+        """Bytes/s memory-bound work streams at: the datasheet figure times `memory_efficiency`."""
+        return self.memory_bandwidth * self.memory_efficiency
 
     def __post_init__(self):
         for name in _NUMERIC:
@@ -97,9 +108,10 @@ class Hardware:
         if self.default_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"hardware {self.name}: default_dtype={self.default_dtype!r} must be float32, bfloat16 "
                              "or float16")
-        e = self.matmul_efficiency
-        if isinstance(e, bool) or not (isinstance(e, (int, float)) and 0 < e <= 1):
-            raise ValueError(f"hardware {self.name}: matmul_efficiency={e!r} must be in (0, 1]")
+        for field in ("matmul_efficiency", "memory_efficiency"):
+            e = getattr(self, field)
+            if isinstance(e, bool) or not (isinstance(e, (int, float)) and 0 < e <= 1):
+                raise ValueError(f"hardware {self.name}: {field}={e!r} must be in (0, 1]")
         curves = [("matmul_curve", cls, points) for cls, points in self.matmul_curve]
         for cls, d, points in self.attention_curve:
             if isinstance(d, bool) or not (isinstance(d, int) and d > 0):
@@ -131,15 +143,42 @@ _GIB = 2.0**30
 # microseconds setting the pace of small kernels. Hopper and Ampere launch at the same order.
 _CUDA_KERNEL_LAUNCH_S = 3.8e-6
 
-# Achieved matmul efficiency (`Hardware.matmul_efficiency`): S. Bekman, "Machine Learning Engineering
-# Open Book", compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table"
-# (github.com/stas00/ml-engineering; BF16 `torch.matmul`, best of a brute-force shape search,
+# Achieved rates. No preset prices work at its datasheet peak: every one carries an achieved 16-bit
+# matmul curve by GEMM size (`Hardware.matmul_curve`), an achieved fraction for other contractions
+# (`matmul_efficiency`: float32 ones) and an achieved fraction of HBM bandwidth (`memory_efficiency`).
+#
+# Measured sweeps (`planner profile`, square bf16 GEMMs of n = 128 .. 8192 timed inside one program, the
+# difference between k = 1 and k = 9 dependent copies, experiments/results/profile_h100.json and
+# profile_h200.json, jax 0.11.2): one H100 SXM 80GB HBM3 (2026-11-26) and one H200 (2026-11-26).
+# n -> TFLOP/s: H100 128: 1.2, 256: 10.7, 512: 46.5, 1024: 243.3, 2048: 622.4, 4096: 737.6,
+# 8192: 813.1; H200 128: 1.5, 256: 10.6, 512: 41.5, 1024: 255.2, 2048: 626.0, 4096: 757.2. Streaming
+# bandwidth in the same runs: H100 2.783 TB/s of the datasheet's 3.35 (83.1%), H200 3.994 of 4.8 (83.2%).
+_H100_BF16_SWEEP = ((128, 1.2e12), (256, 10.7e12), (512, 46.5e12), (1024, 243.3e12), (2048, 622.4e12),
+                    (4096, 737.6e12), (8192, 813.1e12))
+_H200_BF16_SWEEP = ((128, 1.5e12), (256, 10.6e12), (512, 41.5e12), (1024, 255.2e12), (2048, 626.0e12),
+                    (4096, 757.2e12))
+_HOPPER_MEMORY_EFFICIENCY = 2.783 / 3.35  # the H100's measured share; the H200's is the same to 0.1%
+
+# Large-GEMM plateaus (`matmul_efficiency`, used for float32 contractions): S. Bekman, "Machine Learning
+# Engineering Open Book", compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison
+# table" (github.com/stas00/ml-engineering; BF16 `torch.matmul`, best of a brute-force shape search,
 # CUDA 12.1-12.5): A100 SXM 267.9 of 312 TFLOP/s (85.9%), H100 SXM 792.1 of 989 (80.1%), GH200 SXM
-# 821.0 of 989 (83.0%). The 16-bit figure is used for both rates. No such measurement is published
-# for V100 or the TPUs: their presets keep 1.0 (the peak, an optimistic bound) until profiled.
+# 821.0 of 989 (83.0%).
 _MAMF_A100 = 267.9 / 312
 _MAMF_H100 = 792.1 / 989
 _MAMF_GH200 = 821.0 / 989
+
+
+def _sweep_curve(sweep: tuple[tuple[int, float], ...], scale: float = 1.0) -> tuple:
+    """A square-GEMM sweep (n, FLOP/s) as a 16-bit `matmul_curve` (2 n^3 FLOPs per kernel), its rates
+    times `scale`: the stand-in for hardware without a published sweep, the measured curve of the
+    closest generation scaled by the ratio of the datasheet peaks (or of measured plateaus)."""
+    return (("16bit", tuple((2.0 * n ** 3, r * scale) for n, r in sweep)),)
+
+
+_STAND_IN = ("no published GEMM sweep or bandwidth measurement: the H100 sweep scaled by the datasheet "
+             "peak ratio, and the H100's measured 83% of HBM bandwidth (a stand-in; `planner profile` "
+             "on the device replaces it)")
 
 # Host links (`Hardware.host_bandwidth`, one direction per device). PCI-SIG base specifications: a
 # x16 link moves 16 GT/s per lane at 128b/130b encoding in PCIe 4.0 (31.5 GB/s per direction), 32
@@ -157,14 +196,26 @@ _PCIE5_X16 = 63.0 * 1e9
 H100_SXM = Hardware("h100-sxm", flops_f32=67e12, flops_bf16=989e12, memory_bytes=80 * _GB,
                     memory_bandwidth=3.35e12, intra_bandwidth=450 * _GB, intra_latency=2e-6,
                     inter_bandwidth=50 * _GB, inter_latency=10e-6, devices_per_host=8, device_kind=r"h100", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
-                    matmul_efficiency=_MAMF_H100, host_bandwidth=_PCIE5_X16)
+                    matmul_efficiency=_MAMF_H100, host_bandwidth=_PCIE5_X16,
+                    matmul_curve=_sweep_curve(_H100_BF16_SWEEP), memory_efficiency=_HOPPER_MEMORY_EFFICIENCY,
+                    rates_source="measured on an H100 SXM (planner profile: bf16 GEMM sweep, 83% of HBM bandwidth); "
+                                 "float32 GEMMs at Bekman's MAMF plateau")
 
 # NVIDIA H200 SXM datasheet: same Hopper compute as H100 SXM (FP32 67, BF16 989 TFLOP/s dense),
 # 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional; DGX H200: 8x ConnectX-7 400 Gb/s.
 H200 = Hardware("h200", flops_f32=67e12, flops_bf16=989e12, memory_bytes=141 * _GB, memory_bandwidth=4.8e12,
                 intra_bandwidth=450 * _GB, intra_latency=2e-6, inter_bandwidth=50 * _GB, inter_latency=10e-6,
                 devices_per_host=8, device_kind=r"h200", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
-                matmul_efficiency=_MAMF_GH200, host_bandwidth=_PCIE5_X16)  # GH200: the same H200-class Hopper die and HBM3e
+                matmul_efficiency=_MAMF_GH200, host_bandwidth=_PCIE5_X16,  # GH200: the same H200-class Hopper die
+                matmul_curve=_sweep_curve(_H200_BF16_SWEEP), memory_efficiency=3.994 / 4.8,
+                rates_source="measured on an H200 (planner profile: bf16 GEMM sweep, 83% of HBM bandwidth); "
+                             "float32 GEMMs at Bekman's GH200 MAMF plateau")
+
+# A100: Bekman's table measures its large-GEMM plateau (267.9 TFLOP/s) but no sweep by size is published
+# with its method; the 16-bit curve is the H100 sweep's shape scaled so its largest point is that
+# plateau (813.1 -> 267.9), float32 GEMMs at the plateau's fraction; HBM at the H100's measured 83%.
+_A100_SOURCE = ("16-bit GEMMs: the H100 sweep's shape scaled to Bekman's measured A100 plateau (no published "
+                "A100 sweep by size); float32 at that plateau; HBM at the H100's measured 83% (a stand-in)")
 
 # NVIDIA A100 datasheet (SXM4 40GB): FP32 19.5 TFLOP/s, BF16 312 TFLOP/s dense, 40 GB HBM2 at
 # 1,555 GB/s, NVLink 3 600 GB/s bidirectional (300 per direction). DGX A100: 8x 200 Gb/s HDR
@@ -173,14 +224,18 @@ A100_40GB = Hardware("a100-40gb", flops_f32=19.5e12, flops_bf16=312e12, memory_b
                      memory_bandwidth=1.555e12, intra_bandwidth=300 * _GB, intra_latency=2e-6,
                      inter_bandwidth=25 * _GB, inter_latency=10e-6, devices_per_host=8,
                      device_kind=r"a100.*40\s*gb", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
-                     matmul_efficiency=_MAMF_A100, host_bandwidth=_PCIE4_X16)
+                     matmul_efficiency=_MAMF_A100, host_bandwidth=_PCIE4_X16,
+                     matmul_curve=_sweep_curve(_H100_BF16_SWEEP, 267.9 / 813.1), memory_efficiency=_HOPPER_MEMORY_EFFICIENCY,
+                     rates_source=_A100_SOURCE)
 
 # NVIDIA A100 datasheet (SXM4 80GB): as the 40 GB part but 80 GB HBM2e at 2,039 GB/s.
 A100_80GB = Hardware("a100-80gb", flops_f32=19.5e12, flops_bf16=312e12, memory_bytes=80 * _GB,
                      memory_bandwidth=2.039e12, intra_bandwidth=300 * _GB, intra_latency=2e-6,
                      inter_bandwidth=25 * _GB, inter_latency=10e-6, devices_per_host=8,
                      device_kind=r"a100.*80\s*gb", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
-                     matmul_efficiency=_MAMF_A100, host_bandwidth=_PCIE4_X16)
+                     matmul_efficiency=_MAMF_A100, host_bandwidth=_PCIE4_X16,
+                     matmul_curve=_sweep_curve(_H100_BF16_SWEEP, 267.9 / 813.1), memory_efficiency=_HOPPER_MEMORY_EFFICIENCY,
+                     rates_source=_A100_SOURCE)
 
 # NVIDIA V100 datasheet (SXM2 16GB): FP32 15.7 TFLOP/s; no bfloat16, so the 16-bit figure is the
 # FP16 tensor-core peak of 125 TFLOP/s; 16 GB HBM2 at 900 GB/s; NVLink 2 300 GB/s bidirectional
@@ -188,7 +243,9 @@ A100_80GB = Hardware("a100-80gb", flops_f32=19.5e12, flops_bf16=312e12, memory_b
 V100_16GB = Hardware("v100-16gb", flops_f32=15.7e12, flops_bf16=125e12, memory_bytes=16 * _GB,
                      memory_bandwidth=900 * _GB, intra_bandwidth=150 * _GB, intra_latency=3e-6,
                      inter_bandwidth=6.25 * _GB, inter_latency=10e-6, devices_per_host=8, device_kind=r"v100",
-                     kernel_launch_s=_CUDA_KERNEL_LAUNCH_S, default_dtype="float16", host_bandwidth=_PCIE3_X16)
+                     kernel_launch_s=_CUDA_KERNEL_LAUNCH_S, default_dtype="float16", host_bandwidth=_PCIE3_X16,
+                     matmul_curve=_sweep_curve(_H100_BF16_SWEEP, 125 / 989), matmul_efficiency=_MAMF_H100,
+                     memory_efficiency=_HOPPER_MEMORY_EFFICIENCY, rates_source=_STAND_IN)
 
 # TPU presets. A TPU program runs its ops from one on-chip instruction stream with no per-kernel
 # host launch; no published per-op floor is known, so none is modelled (kernel_launch_s = 0) unless
@@ -205,7 +262,8 @@ V100_16GB = Hardware("v100-16gb", flops_f32=15.7e12, flops_bf16=125e12, memory_b
 TPU_V4 = Hardware("tpu-v4", flops_f32=275e12, flops_bf16=275e12, memory_bytes=32 * _GIB,
                   memory_bandwidth=1.2e12, intra_bandwidth=100 * _GB, intra_latency=5e-6,
                   inter_bandwidth=6.25 * _GB, inter_latency=30e-6, devices_per_host=4, device_kind=r"^tpu v4",
-                  platform="tpu")
+                  platform="tpu", matmul_curve=_sweep_curve(_H100_BF16_SWEEP, 275 / 989), matmul_efficiency=_MAMF_H100,
+                  memory_efficiency=_HOPPER_MEMORY_EFFICIENCY, rates_source=_STAND_IN)
 
 # Cloud TPU v5e docs: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, ICI 1,600 Gb/s per chip over 4
 # ports of a 2D torus (50 GB/s per port per direction), 8 chips per host with 2x 100 Gb/s NICs
@@ -213,7 +271,9 @@ TPU_V4 = Hardware("tpu-v4", flops_f32=275e12, flops_bf16=275e12, memory_bytes=32
 TPU_V5E = Hardware("tpu-v5e", flops_f32=197e12, flops_bf16=197e12, memory_bytes=16 * _GB,
                    memory_bandwidth=819 * _GB, intra_bandwidth=100 * _GB, intra_latency=5e-6,
                    inter_bandwidth=3.125 * _GB, inter_latency=30e-6, devices_per_host=8,
-                   device_kind=r"^tpu v5 ?(lite|e)", platform="tpu")
+                   device_kind=r"^tpu v5 ?(lite|e)", platform="tpu",
+                   matmul_curve=_sweep_curve(_H100_BF16_SWEEP, 197 / 989), matmul_efficiency=_MAMF_H100,
+                   memory_efficiency=_HOPPER_MEMORY_EFFICIENCY, rates_source=_STAND_IN)
 
 # Cloud TPU v5p docs: 459 TFLOP/s bf16, 95 GB HBM2e at 2,765 GB/s, ICI 4,800 Gb/s (1,200 GB/s
 # bidirectional) per chip over 6 ports of a 3D torus (100 GB/s per port per direction), DCN 50 Gb/s
@@ -221,12 +281,15 @@ TPU_V5E = Hardware("tpu-v5e", flops_f32=197e12, flops_bf16=197e12, memory_bytes=
 TPU_V5P = Hardware("tpu-v5p", flops_f32=459e12, flops_bf16=459e12, memory_bytes=95 * _GB,
                    memory_bandwidth=2.765e12, intra_bandwidth=200 * _GB, intra_latency=5e-6,
                    inter_bandwidth=6.25 * _GB, inter_latency=30e-6, devices_per_host=4,
-                   device_kind=r"^tpu v5p?$", platform="tpu")
+                   device_kind=r"^tpu v5p?$", platform="tpu",
+                   matmul_curve=_sweep_curve(_H100_BF16_SWEEP, 459 / 989), matmul_efficiency=_MAMF_H100,
+                   memory_efficiency=_HOPPER_MEMORY_EFFICIENCY, rates_source=_STAND_IN)
 
 # This development machine: a 2-vCPU AMD EPYC (Zen 5, AVX-512, 2.6 GHz; `lscpu`) split into 8 XLA
 # host devices (`--xla_force_host_platform_device_count=8`), so each device gets 1/8 of the host.
 # Peak: 2 cores x 2.6 GHz x 64 f32 FLOP/cycle (two 512-bit FMA pipes) / 8 = 41.6 GFLOP/s per device
-# (`planner profile` measures ~34); XLA:CPU runs bfloat16 dots in float32, hence the same 16-bit peak.
+# (`planner profile` measures ~34: the achieved fraction); XLA:CPU runs bfloat16 dots in float32, hence the
+# same 16-bit peak.
 # There is no datasheet for a shared cloud VM: memory and link figures are the fits `planner profile`
 # measured here (experiments/bench_collectives.py): ~5.6 GB/s streaming per device; in-process
 # collectives ~10 us per ring step and ~3 GB/s; across 2 processes (gloo over loopback TCP, the
@@ -239,7 +302,10 @@ TPU_V5P = Hardware("tpu-v5p", flops_f32=459e12, flops_bf16=459e12, memory_bytes=
 CPU = Hardware("cpu", flops_f32=41.6e9, flops_bf16=41.6e9, memory_bytes=24 * _GB / 8,
                memory_bandwidth=5.6 * _GB, intra_bandwidth=3 * _GB, intra_latency=10e-6,
                inter_bandwidth=0.5 * _GB, inter_latency=500e-6, devices_per_host=8, device_kind=r"^cpu$",
-               kernel_launch_s=4.5e-6, default_dtype="float32", platform="cpu", host_bandwidth=5.6 * _GB)
+               kernel_launch_s=4.5e-6, default_dtype="float32", platform="cpu", host_bandwidth=5.6 * _GB,
+               matmul_efficiency=34 / 41.6,
+               rates_source="measured on this development machine (planner profile: ~34 of 41.6 GFLOP/s per "
+                            "device; the memory figure is the measured streaming rate)")
 
 PRESETS: Mapping[str, Hardware] = MappingProxyType(
     {hw.name: hw for hw in (H100_SXM, H200, A100_40GB, A100_80GB, V100_16GB, TPU_V4, TPU_V5E, TPU_V5P, CPU)}

@@ -60,11 +60,22 @@ def profiled_hardware(profile: Any, hardware: str | Hardware | None = None) -> H
         flops_f32=flops.get("float32", base.flops_f32),
         flops_bf16=flops.get("bfloat16", base.flops_bf16),
         memory_bandwidth=db.memory_bandwidth or base.memory_bandwidth,
+        memory_efficiency=1.0 if db.memory_bandwidth else base.memory_efficiency,  # measured: achieved already
+        rates_source=_profile_source(db, bool(curve), bool(db.memory_bandwidth), base),
         memory_bytes=db.device_memory_bytes or base.memory_bytes,
         kernel_launch_s=base.kernel_launch_s if db.kernel_launch_s is None else db.kernel_launch_s,
         host_bandwidth=db.host_bandwidth or base.host_bandwidth,
         platform=db.platform if db.platform in ("gpu", "tpu", "cpu") else base.platform,
     )
+
+
+def _profile_source(db: ProfileDB, curve: bool, bandwidth: bool, base: Hardware) -> str:
+    """`Hardware.rates_source` of a profiled device: what the profile measured, and what is the preset's."""
+    measured = [what for what, ok in (("GEMM sweep", curve), ("memory bandwidth", bandwidth)) if ok]
+    if not measured:
+        return f"profile {db.name} measured no rates; {base.name} preset: {base.rates_source}"
+    rest = "" if curve and bandwidth else f"; the rest from the {base.name} preset"
+    return f"measured by planner profile ({db.name}: {', '.join(measured)}){rest}"
 
 
 def _best_rates(db: ProfileDB, kind: str, point: Callable[[Mapping[str, Any]], tuple[Any, float, bool]]
@@ -274,5 +285,5 @@ class CostModel:
             dtypes = (dtypes,)
         rate = (matmul_rate(self.hardware, dtypes, flops / kernels, narrow) if kernels > 0
                 else peak_flops(self.hardware, dtypes))
-        return max(flops / rate, bytes_accessed / self.hardware.memory_bandwidth,
+        return max(flops / rate, bytes_accessed / self.hardware.achieved_bandwidth,
                    kernels * self.hardware.kernel_launch_s)

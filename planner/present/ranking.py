@@ -20,9 +20,11 @@ Ranked = list[tuple[dict, Plan | None]]  # (ranking row, plan or None), best fir
 
 
 def hardware_record(hardware: Any) -> dict:
-    """The facts of a hardware preset the views need (name, peak FLOP/s, memory)."""
+    """The facts of a hardware preset the views need (name, peak FLOP/s, memory, where its achieved
+    rates come from)."""
     hw = get_hardware(hardware)
-    return {"name": hw.name, "flops_f32": hw.flops_f32, "flops_bf16": hw.flops_bf16, "memory_bytes": hw.memory_bytes}
+    return {"name": hw.name, "flops_f32": hw.flops_f32, "flops_bf16": hw.flops_bf16, "memory_bytes": hw.memory_bytes,
+            "rates_source": hw.rates_source}
 
 
 def _axes_text(names: Sequence[str], shape: Sequence[int], inter: Sequence[int]) -> str:

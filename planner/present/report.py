@@ -415,6 +415,8 @@ def format_header(view: PlanView) -> str:
     if m is not None:
         lines.append(f"  model FLOP util.      {fmt_pct(m)} of {hw.get('name', '?')} peak "
                      f"({sum(ctx['model_flops'].values()):.3g} model FLOPs per step)")
+    if hw.get("rates_source"):
+        lines.append(f"  achieved rates        {hw['rates_source']}")
     if solver:
         lines.append(f"  solver                {solver.get('status')} in {solver.get('solve_time_s', 0):.2f} s "
                      f"({solver.get('decisions')} decisions, {solver.get('variables_shared')} after layer sharing)"

@@ -40,13 +40,15 @@ def runs_whole(region: Region) -> bool:
 
 
 def op_reads(graph: Graph) -> tuple[tuple[int, ...], ...]:
-    """The tensors each op reads, where the operands of a region that runs whole count as read by
-    its first op: a `while`'s predicate constants (its trip count) or a carry its body never reads
-    are read by no op of the planning expansion, but the stage that runs the region needs them."""
+    """The tensors each op reads, where a region's operands count as read by its first op: a
+    `while`'s predicate constants (its trip count), a carry its body never reads or a constant a
+    scan's body closes over but never uses are read by no op of the planning expansion, but the
+    stage that runs the region as its control flow binds them all. (A scan split between stages
+    runs op by op; its first stage then receives operands it does not use.)"""
     reads = [list(op.tensor_inputs) for op in graph.ops]
     for start, regions in graph.regions.items():
         for r in regions:
-            if runs_whole(r):
+            if r.end > r.start:
                 reads[r.start].extend(t for t in r.operands if isinstance(t, int) and t not in reads[r.start])
     return tuple(tuple(r) for r in reads)
 
