@@ -325,7 +325,8 @@ def test_probe_bound_under_a_binding_budget_is_sound_and_orders_the_search():
         assert over_budget_strategies(problem, budget)  # the budget binds
         probes[mesh] = probe_bound(problem, budget)
         assert probes[mesh] > step_time_lower_bound(problem) * 1.1
-    plan = make_plan(graph, MeshSpec((4, 4), ("x", "y")), options)  # the one mesh solved within 5 units
+    # a plan under the budget, as the solver finds one given time (30 units)
+    plan = make_plan(graph, MeshSpec((4, 4), ("x", "y")), dataclasses.replace(options, solver_time_limit=30.0))
     assert plan.prediction.step_time_s >= probes[MeshSpec((4, 4), ("x", "y"))] * (1 - 1e-9)
     results = search_meshes(graph, meshes, dataclasses.replace(options, solver_time_limit=1.0), threads=1)
     bounds = {r.mesh: r.time_bound_s for r in results if r.same_as is None}  # 8x2 mirrors 2x8

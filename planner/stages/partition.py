@@ -39,16 +39,18 @@ def runs_whole(region: Region) -> bool:
     return region.kind != "scan" and region.end > region.start
 
 
-def op_reads(graph: Graph) -> tuple[tuple[int, ...], ...]:
-    """The tensors each op reads, where a region's operands count as read by its first op: a
-    `while`'s predicate constants (its trip count), a carry its body never reads or a constant a
-    scan's body closes over but never uses are read by no op of the planning expansion, but the
-    stage that runs the region as its control flow binds them all. (A scan split between stages
-    runs op by op; its first stage then receives operands it does not use.)"""
+def op_reads(graph: Graph, op_stage: Sequence[int] | None = None) -> tuple[tuple[int, ...], ...]:
+    """The tensors each op reads, where the operands of a region that runs as its control flow count
+    as read by its first op: a `while`'s predicate constants (its trip count), a carry its body
+    never reads or a constant a scan's body closes over but never uses are read by no op of the
+    planning expansion, but the stage that runs the region binds them all. A region runs so when
+    it runs whole (`runs_whole`), or, given `op_stage`, when all its ops are on one stage (a scan
+    split between stages runs op by op, reading only what its ops read)."""
     reads = [list(op.tensor_inputs) for op in graph.ops]
     for start, regions in graph.regions.items():
         for r in regions:
-            if r.end > r.start:
+            one_stage = op_stage is not None and r.end > r.start and len(set(op_stage[r.start:r.end])) == 1
+            if runs_whole(r) or one_stage:
                 reads[r.start].extend(t for t in r.operands if isinstance(t, int) and t not in reads[r.start])
     return tuple(tuple(r) for r in reads)
 
@@ -90,7 +92,7 @@ def partition(graph: Graph, layouts: Sequence[StageLayout], n_params: int) -> Pa
         users = [op_stage[i] for i, _ in consumers.get(t, ())]
         param_owner[k] = min(users) if users else stage_of_layer[layers.names[layers.input_layer[k]]]
         producer[t] = param_owner[k]
-    reads = op_reads(graph)
+    reads = op_reads(graph, op_stage)
     for op in graph.ops:
         for t in reads[op.index]:
             src = producer.get(t)

@@ -207,7 +207,7 @@ class PipelinedStep:
         flat_params = jax.tree_util.tree_leaves(params)
         flat_mb = jax.tree_util.tree_leaves(abstract_mb)
         stages = []
-        op_inputs = op_reads(graph)
+        op_inputs = op_reads(graph, op_stage)
         for s, lay in enumerate(self.layouts):
             ops = tuple(op.index for op in graph.ops if op_stage[op.index] == s)
             own = tuple(k for k in range(n_params) if param_owner[k] == s)
