@@ -132,11 +132,6 @@ class Region:
     primitive: Any = None
     name_stack: str = ""
 
-    @property
-    def control_flow(self) -> bool:
-        """A loop or a branch (not a custom-derivative call, whose body runs once, in order)."""
-        return self.kind not in CUSTOM_CALLS
-
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class Recompute:
@@ -320,12 +315,12 @@ class Graph:
         elif region.kind == "while":
             cn, bn = p["cond_nconsts"], p["body_nconsts"]
             test = jcore.jaxpr_as_fun(p["cond_jaxpr"])
-            body = self._body_fn(region.bodies[0], env, hooks, active)
             if p["cond_jaxpr"].out_avals[0].shape:  # a batched predicate (vmap): the equation itself
                 # (the body jaxpr reads only its operands: the loop's constants and carries)
                 body = self._body_fn(region.bodies[0], dict(self.consts), hooks, active)
                 outs = list(rebind(region.primitive, p, {"body_jaxpr": body}, vals))
             else:
+                body = self._body_fn(region.bodies[0], env, hooks, active)
                 outs = list(jax.lax.while_loop(lambda c: test(*vals[:cn], *c)[0],
                                                lambda c: tuple(body(*vals[cn:cn + bn], *c)), tuple(vals[cn + bn:])))
         else:  # a custom-derivative call: its body (a closed jaxpr: it reads only its operands and consts)

@@ -45,16 +45,24 @@ def test_memory_bound_work_runs_at_the_achieved_bandwidth():
 
 
 def test_stand_in_curves_are_the_measured_curve_scaled_by_the_peak_ratio():
-    """Where nothing is published the curve is the H100's sweep scaled by the datasheet ratio, so the
-    fraction of peak at every size is the H100's."""
-    h100 = dict(PRESETS["h100-sxm"].matmul_curve)["16bit"]
+    """Where nothing is published the curve is the H100's sweep with its kernel times kept: rates and
+    sizes scaled by the datasheet peak ratio, so every point is the H100's fraction of peak at a
+    proportionally smaller GEMM; the A100's is levelled onto its measured plateau."""
+    h100_hw = PRESETS["h100-sxm"]
+    h100 = dict(h100_hw.matmul_curve)["16bit"]
     for name in ("v100-16gb", "tpu-v4", "tpu-v5e", "tpu-v5p", "a100-80gb", "a100-40gb"):
         hw = PRESETS[name]
+        ratio = hw.flops_bf16 / h100_hw.flops_bf16
         curve = dict(hw.matmul_curve)["16bit"]
-        assert [f for f, _ in curve] == [f for f, _ in h100]
-        # the A100's measured plateau sets its level; the others follow the datasheet ratio
-        ratio = 267.9e12 / h100[-1][1] if name.startswith("a100") else hw.flops_bf16 / PRESETS["h100-sxm"].flops_bf16
-        np.testing.assert_allclose([r for _, r in curve], [r * ratio for _, r in h100], rtol=1e-12)
+        np.testing.assert_allclose([f for f, _ in curve], [f * ratio for f, _ in h100], rtol=1e-12)
+        if name.startswith("a100"):
+            assert curve[-1][1] == pytest.approx(267.9e12)  # Bekman's measured plateau
+            level = 267.9e12 / (h100[-1][1] * ratio)
+        else:
+            level = 1.0
+        np.testing.assert_allclose([r for _, r in curve], [r * ratio * level for _, r in h100], rtol=1e-12)
+        # the kernel times of the sweep, divided by the level
+        np.testing.assert_allclose([f / r for f, r in curve], [f / r / level for f, r in h100], rtol=1e-12)
 
 
 def test_a_profile_replaces_the_presets_rates_and_says_so():

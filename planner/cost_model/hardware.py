@@ -169,16 +169,21 @@ _MAMF_H100 = 792.1 / 989
 _MAMF_GH200 = 821.0 / 989
 
 
-def _sweep_curve(sweep: tuple[tuple[int, float], ...], scale: float = 1.0) -> tuple:
-    """A square-GEMM sweep (n, FLOP/s) as a 16-bit `matmul_curve` (2 n^3 FLOPs per kernel), its rates
-    times `scale`: the stand-in for hardware without a published sweep, the measured curve of the
-    closest generation scaled by the ratio of the datasheet peaks (or of measured plateaus)."""
-    return (("16bit", tuple((2.0 * n ** 3, r * scale) for n, r in sweep)),)
+def _sweep_curve(sweep: tuple[tuple[int, float], ...], peak_ratio: float = 1.0, level: float = 1.0) -> tuple:
+    """A square-GEMM sweep (n, FLOP/s) as a 16-bit `matmul_curve` (2 n^3 FLOPs per kernel).
+
+    For other hardware (the stand-in where no sweep is published), the sweep is scaled by the ratio of
+    the datasheet peaks `peak_ratio` in rate *and* in FLOPs: each measured kernel time holds for
+    `peak_ratio` times its work, so a slower device reaches the same fraction of its peak at
+    proportionally smaller GEMMs (what fixed per-kernel costs, launch and the last wave of tiles,
+    make of a small GEMM). `level` then scales the rates, to put the largest point on a measured
+    plateau where one is published."""
+    return (("16bit", tuple((2.0 * n ** 3 * peak_ratio, r * peak_ratio * level) for n, r in sweep)),)
 
 
 _STAND_IN = ("no published GEMM sweep or bandwidth measurement: the H100 sweep scaled by the datasheet "
-             "peak ratio, and the H100's measured 83% of HBM bandwidth (a stand-in; `planner profile` "
-             "on the device replaces it)")
+             "peak ratio (rates and sizes), and the H100's measured 83% of HBM bandwidth (a stand-in; "
+             "`planner profile` on the device replaces it)")
 
 # Host links (`Hardware.host_bandwidth`, one direction per device). PCI-SIG base specifications: a
 # x16 link moves 16 GT/s per lane at 128b/130b encoding in PCIe 4.0 (31.5 GB/s per direction), 32
@@ -212,10 +217,13 @@ H200 = Hardware("h200", flops_f32=67e12, flops_bf16=989e12, memory_bytes=141 * _
                              "float32 GEMMs at Bekman's GH200 MAMF plateau")
 
 # A100: Bekman's table measures its large-GEMM plateau (267.9 TFLOP/s) but no sweep by size is published
-# with its method; the 16-bit curve is the H100 sweep's shape scaled so its largest point is that
-# plateau (813.1 -> 267.9), float32 GEMMs at the plateau's fraction; HBM at the H100's measured 83%.
-_A100_SOURCE = ("16-bit GEMMs: the H100 sweep's shape scaled to Bekman's measured A100 plateau (no published "
-                "A100 sweep by size); float32 at that plateau; HBM at the H100's measured 83% (a stand-in)")
+# with its method; the 16-bit curve is the H100 sweep scaled by the peak ratio 312 / 989 (`_sweep_curve`)
+# and levelled so its largest point is that plateau; float32 GEMMs at the plateau's fraction; HBM at the
+# H100's measured 83%.
+_A100_SOURCE = ("16-bit GEMMs: the H100 sweep scaled by the peak ratio and levelled to Bekman's measured A100 "
+                "plateau (no published A100 sweep by size); float32 at that plateau; HBM at the H100's measured "
+                "83% (a stand-in)")
+_A100_CURVE = _sweep_curve(_H100_BF16_SWEEP, 312 / 989, 267.9e12 / (813.1e12 * 312 / 989))
 
 # NVIDIA A100 datasheet (SXM4 40GB): FP32 19.5 TFLOP/s, BF16 312 TFLOP/s dense, 40 GB HBM2 at
 # 1,555 GB/s, NVLink 3 600 GB/s bidirectional (300 per direction). DGX A100: 8x 200 Gb/s HDR
@@ -225,7 +233,7 @@ A100_40GB = Hardware("a100-40gb", flops_f32=19.5e12, flops_bf16=312e12, memory_b
                      inter_bandwidth=25 * _GB, inter_latency=10e-6, devices_per_host=8,
                      device_kind=r"a100.*40\s*gb", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
                      matmul_efficiency=_MAMF_A100, host_bandwidth=_PCIE4_X16,
-                     matmul_curve=_sweep_curve(_H100_BF16_SWEEP, 267.9 / 813.1), memory_efficiency=_HOPPER_MEMORY_EFFICIENCY,
+                     matmul_curve=_A100_CURVE, memory_efficiency=_HOPPER_MEMORY_EFFICIENCY,
                      rates_source=_A100_SOURCE)
 
 # NVIDIA A100 datasheet (SXM4 80GB): as the 40 GB part but 80 GB HBM2e at 2,039 GB/s.
@@ -234,7 +242,7 @@ A100_80GB = Hardware("a100-80gb", flops_f32=19.5e12, flops_bf16=312e12, memory_b
                      inter_bandwidth=25 * _GB, inter_latency=10e-6, devices_per_host=8,
                      device_kind=r"a100.*80\s*gb", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
                      matmul_efficiency=_MAMF_A100, host_bandwidth=_PCIE4_X16,
-                     matmul_curve=_sweep_curve(_H100_BF16_SWEEP, 267.9 / 813.1), memory_efficiency=_HOPPER_MEMORY_EFFICIENCY,
+                     matmul_curve=_A100_CURVE, memory_efficiency=_HOPPER_MEMORY_EFFICIENCY,
                      rates_source=_A100_SOURCE)
 
 # NVIDIA V100 datasheet (SXM2 16GB): FP32 15.7 TFLOP/s; no bfloat16, so the 16-bit figure is the
