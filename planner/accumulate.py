@@ -64,7 +64,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from planner.batch_mixing import mixing_ops
+from planner.batch_mixing import mixing_ops, summary
 from planner.cost_model import ring_bytes
 from planner.emit import constraint_hooks
 from planner.errors import InfeasiblePlanError, InvalidArgumentError, PlannerError
@@ -412,10 +412,9 @@ def _say_if_mixing(graph: Graph, parts: StepParts, k: int) -> None:
     accumulated result then legitimately differs from the step's on the whole batch."""
     found = mixing_ops(graph, [graph.inputs[i] for i in parts.batch], parts.loss, parts.forward)
     if found:
-        more = f" (and {len(found) - 1} more ops)" if len(found) > 1 else ""
-        log.warning("the step is not microbatch-invariant: %s%s; accumulating gradients over %d microbatches "
+        log.warning("the step is not microbatch-invariant: %s; accumulating gradients over %d microbatches "
                     "computes it per microbatch, so its loss and gradients differ from the whole batch's",
-                    found[0].describe(), more, k)
+                    summary(found), k)
 
 
 def _not_shrinking(failed: Mapping[int, PlannerError]) -> bool:

@@ -48,6 +48,12 @@ class Mixing:
         return f"{self.primitive}{where} {self.reason}"
 
 
+def summary(found: Sequence[Mixing]) -> str:
+    """The first mixing op, and how many more: one line for a warning."""
+    more = f" (and {len(found) - 1} more ops)" if len(found) > 1 else ""
+    return found[0].describe() + more
+
+
 def _shape(graph: Graph, x) -> tuple[int, ...]:
     return tuple(x.tensor.shape if isinstance(x, Literal) else graph.tensors[x].shape)
 

@@ -25,12 +25,14 @@ class Partition:
       param_owner: flat parameter index -> the stage that owns (and updates) it.
       producer: tensor -> the stage that makes it (parameters: their owner).
       needed_by: tensor -> the other stages that read it (batch leaves excluded: each stage reads its own).
+      reads: per op, the tensors it reads, its regions' operands included (`op_reads`).
     """
 
     op_stage: tuple[int, ...]
     param_owner: Mapping[int, int]
     producer: Mapping[int, int]
     needed_by: Mapping[int, set[int]]
+    reads: tuple[tuple[int, ...], ...] = ()
 
 
 def runs_whole(region: Region) -> bool:
@@ -111,4 +113,4 @@ def partition(graph: Graph, layouts: Sequence[StageLayout], n_params: int) -> Pa
         for t in reads[op.index]:
             if t in producer and producer[t] != op_stage[op.index] and t not in batch_ids:
                 needed_by[t].add(op_stage[op.index])
-    return Partition(tuple(op_stage), param_owner, producer, needed_by)
+    return Partition(tuple(op_stage), param_owner, producer, needed_by, reads)

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from planner.batch_mixing import mixing_ops
+from planner.batch_mixing import mixing_ops, summary
 from planner.errors import InvalidArgumentError, MeshError, PlannerError, first_line
 from planner.graph import trace
 from planner.ilp.strategies import shard_bytes
@@ -61,7 +61,7 @@ from planner.planning import make_plan
 from planner.sharding import named_sharding, replicated, spec_axes
 from planner.stages.layout import StageLayout, data_axes, data_spec, even_layouts, find_spec, layer_names
 from planner.stages.opt_state import opt_layouts, opt_shardings
-from planner.stages.partition import op_reads, partition
+from planner.stages.partition import partition
 from planner.stages.programs import Replica, build_programs, is_float, replica_sharding, stage_graph
 from planner.stages.schedule import dispatch_order, stage_tasks
 
@@ -207,7 +207,7 @@ class PipelinedStep:
         flat_params = jax.tree_util.tree_leaves(params)
         flat_mb = jax.tree_util.tree_leaves(abstract_mb)
         stages = []
-        op_inputs = op_reads(graph, op_stage)
+        op_inputs = parts.reads
         for s, lay in enumerate(self.layouts):
             ops = tuple(op.index for op in graph.ops if op_stage[op.index] == s)
             own = tuple(k for k in range(n_params) if param_owner[k] == s)
@@ -248,10 +248,9 @@ class PipelinedStep:
         self._mixing_said = True
         found = mixing_ops(graph, graph.inputs[n_params:], graph.outputs[0])
         if found:
-            more = f" (and {len(found) - 1} more ops)" if len(found) > 1 else ""
-            log.warning("loss_fn is not microbatch-invariant: %s%s; the pipeline computes it on each of %d "
+            log.warning("loss_fn is not microbatch-invariant: %s; the pipeline computes it on each of %d "
                         "microbatches of %d examples and averages, so its loss and gradients differ from the "
-                        "unpipelined step's", found[0].describe(), more, self.num_microbatches, mb)
+                        "unpipelined step's", summary(found), self.num_microbatches, mb)
 
     def _replicas(self, graph, stages: list[dict], abstract_params: Any, batch: Any, mb: int, loss: int) -> None:
         """Sets each data-parallel stage's `programs.Replica` (its program traced at `mb / ways` rows)
