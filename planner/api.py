@@ -33,8 +33,10 @@ from planner.units import format_bytes
 __all__ = ["PlannedFunction", "candidate_meshes", "plan", "plan_parallel"]
 
 
-def _signature(args: tuple[Any, ...]) -> tuple:
-    leaves, tree = jax.tree_util.tree_flatten(args)
+def _signature(args: tuple[Any, ...], leaves: list[Any] | None = None, tree: Any = None) -> tuple:
+    """The abstract signature of `args` (`leaves` and `tree`: them flattened already)."""
+    if leaves is None:
+        leaves, tree = jax.tree_util.tree_flatten(args)
     return (tree, tuple((tuple(getattr(x, "shape", ())), getattr(x, "dtype", type(x))) for x in leaves))
 
 
@@ -100,9 +102,12 @@ class PlannedFunction:
     def _split(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple]:
         """(the array part of `args`, the cache key: the arrays' signature and the static leaves'
         values, `planner.static_args`)."""
-        dyn, static = split(args)
-        key = _signature(dyn) if static is None else (_signature(dyn), static.key())
-        if static is not None and key not in self._static:
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        dyn, static = split(args, leaves, tree)
+        if static is None:  # the common case: every leaf an array, flattened once per call
+            return args, _signature(args, leaves, tree)
+        key = (_signature(dyn), static.key())
+        if key not in self._static:
             results = StaticResults()
             self._static[key] = (array_function(self.fn, static, results), results)
         return dyn, key

@@ -23,6 +23,7 @@ from jax.extend import core as jcore
 from planner.compat import JIT_BOUNDARY, bind, rebind, scan_counts
 from planner.errors import InvalidArgumentError
 from planner.layer_index import COND_BRANCH, SCAN_ITERATION
+from planner.static_args import is_array
 
 Shape = tuple[int, ...]
 
@@ -282,19 +283,14 @@ class Graph:
 
         return fn
 
-    def _pinned(self, branch: Callable[..., list[Any]], region: Region, after_op) -> Callable[..., list[Any]]:
-        """`branch` with its results placed where the plan puts the cond's results (the select that
-        joins the branches for planning): XLA requires every branch of a conditional to return its
-        results in one sharding."""
+    def _pin_results(self, region: Region, outs: Sequence[Any], after_op) -> list[Any]:
+        """`outs` (the region's results) placed where the plan decided them: each through `after_op`
+        of the op that makes it in the planning expansion (a cond's select, a scan's stack)."""
         if after_op is None:
-            return branch
+            return list(outs)
         producers = {t: op for op in self.ops[region.start:region.end] for t in op.outputs}
-
-        def fn(*args):
-            return [after_op(producers[t], [v])[0] if isinstance(t, int) and t in producers
-                    and len(producers[t].outputs) == 1 else v for t, v in zip(region.outputs, branch(*args))]
-
-        return fn
+        return [after_op(producers[t], [v])[0] if isinstance(t, int) and t in producers
+                and len(producers[t].outputs) == 1 else v for t, v in zip(region.outputs, outs)]
 
     def _run_region(self, region: Region, env: dict[int, Any], hooks: tuple, active) -> list[Any]:
         p = region.params
@@ -310,7 +306,10 @@ class Graph:
             carry, ys = jax.lax.scan(step, vals[nc:nc + nk], vals[nc + nk:], length=p["length"], reverse=p["reverse"])
             outs = list(carry) + list(ys)
         elif region.kind == "cond":
-            branches = [self._pinned(self._body_fn(b, env, hooks, active), region, hooks[1]) for b in region.bodies]
+            # XLA requires every branch of a conditional to return its results in one sharding: the
+            # cond's planned one, applied inside each branch
+            branches = [lambda *a, f=self._body_fn(b, env, hooks, active): self._pin_results(region, f(*a), hooks[1])
+                        for b in region.bodies]
             outs = list(jax.lax.switch(vals[0], branches, *vals[1:]))
         elif region.kind == "while":
             cn, bn = p["cond_nconsts"], p["body_nconsts"]
@@ -328,13 +327,9 @@ class Graph:
             scope = hooks[2](region) if hooks[2] is not None else contextlib.nullcontext()
             with scope:
                 outs = list(rebind(region.primitive, p, {"call_jaxpr": body}, vals))
-        after_op = hooks[1]
-        if after_op is not None:  # pin the results where the plan decided them
-            producers = {t: op for op in self.ops[region.start:region.end] for t in op.outputs}
-            outs = [after_op(producers[t], [v])[0] if isinstance(t, int) and t in producers
-                    and len(producers[t].outputs) == 1 and region.kind != "while" else v
-                    for t, v in zip(region.outputs, outs)]
-        return outs
+        if region.kind == "while":  # its carries keep their tied layout
+            return outs
+        return self._pin_results(region, outs, hooks[1])
 
 
 def _after(values: Sequence[Any], gate: Any, skip: Sequence[bool]) -> list[Any]:
@@ -376,7 +371,7 @@ def _check_leaves(args: tuple[Any, ...]) -> tuple[list[str], list[Any]]:
     paths, leaves = [], []
     for path, leaf in with_path:
         p = jax.tree_util.keystr(path)
-        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+        if not is_array(leaf):
             raise InvalidArgumentError(
                 f"argument leaf at {p} is {type(leaf).__name__} ({leaf!r:.60}), not an array; pass arrays or "
                 "jax.ShapeDtypeStruct leaves, and close over Python values instead of passing them"

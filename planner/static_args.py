@@ -45,10 +45,13 @@ class StaticLeaves:
         return (self.tree, tuple((i, _key(x)) for i, x in self.leaves))
 
 
-def split(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], StaticLeaves | None]:
+def split(args: tuple[Any, ...], leaves: list[Any] | None = None,
+          tree: Any = None) -> tuple[tuple[Any, ...], StaticLeaves | None]:
     """(the arguments with every non-array leaf replaced by None, those leaves); (args, None) when all
-    leaves are arrays. Array leaves keep their pytree paths."""
-    leaves, tree = jax.tree_util.tree_flatten(args)
+    leaves are arrays. Array leaves keep their pytree paths. `leaves` and `tree`: the arguments
+    flattened already (a planned step's call flattens them once)."""
+    if leaves is None:
+        leaves, tree = jax.tree_util.tree_flatten(args)
     static = tuple((i, x) for i, x in enumerate(leaves) if not is_array(x))
     if not static:
         return args, None

@@ -169,16 +169,15 @@ _MAMF_H100 = 792.1 / 989
 _MAMF_GH200 = 821.0 / 989
 
 
-def _sweep_curve(sweep: tuple[tuple[int, float], ...], peak_ratio: float = 1.0, level: float = 1.0) -> tuple:
+def _sweep_curve(sweep: tuple[tuple[int, float], ...], peak_ratio: float = 1.0) -> tuple:
     """A square-GEMM sweep (n, FLOP/s) as a 16-bit `matmul_curve` (2 n^3 FLOPs per kernel).
 
     For other hardware (the stand-in where no sweep is published), the sweep is scaled by the ratio of
     the datasheet peaks `peak_ratio` in rate *and* in FLOPs: each measured kernel time holds for
     `peak_ratio` times its work, so a slower device reaches the same fraction of its peak at
     proportionally smaller GEMMs (what fixed per-kernel costs, launch and the last wave of tiles,
-    make of a small GEMM). `level` then scales the rates, to put the largest point on a measured
-    plateau where one is published."""
-    return (("16bit", tuple((2.0 * n ** 3 * peak_ratio, r * peak_ratio * level) for n, r in sweep)),)
+    make of a small GEMM)."""
+    return (("16bit", tuple((2.0 * n ** 3 * peak_ratio, r * peak_ratio) for n, r in sweep)),)
 
 
 _STAND_IN = ("no published GEMM sweep or bandwidth measurement: the H100 sweep scaled by the datasheet "
