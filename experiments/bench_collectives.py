@@ -33,9 +33,9 @@ from planner.cost_model import COLLECTIVES, CostModel, get_hardware  # noqa: E40
 from planner.cost_model import profiling  # noqa: E402
 from planner.cost_model.fit import geometric_sizes  # noqa: E402
 from planner.cost_model.profile_db import axis_groups, write_json_atomic  # noqa: E402
-from planner.mesh import parse_mesh  # noqa: E402
+from planner.core.mesh import parse_mesh  # noqa: E402
 from zoo import get_model  # noqa: E402
-from planner.units import parse_bytes  # noqa: E402
+from planner.core.units import parse_bytes  # noqa: E402
 
 RANGES = (("< 64KiB", 0, 64 * 2**10), ("64KiB-4MiB", 64 * 2**10, 4 * 2**20), (">= 4MiB", 4 * 2**20, float("inf")))
 RESULTS = Path(__file__).resolve().parent / "results"

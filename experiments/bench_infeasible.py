@@ -100,12 +100,12 @@ def bounds() -> list[dict]:
     import dataclasses
 
     from planner.cost_model import get_hardware
-    from planner.graph import trace
+    from planner.graph.trace import trace
     from planner.ilp.solver import _min_bytes_choice, memory_lower_bound, memory_profile
-    from planner.options import PlanOptions
-    from planner.planning import plan_problem
-    from planner.programs import load_model
-    from planner.search import candidate_meshes, inter_host_axes, step_time_lower_bound
+    from planner.core.options import PlanOptions
+    from planner.search.mesh_plan import plan_problem
+    from planner.cli.workloads import load_model
+    from planner.search.meshes import candidate_meshes, inter_host_axes, step_time_lower_bound
 
     hw = get_hardware("v100")
     _, step, example = load_model("gpt3-39b", None, None, None, hw.default_dtype)

@@ -14,10 +14,10 @@ import pathlib
 import time
 
 import planner
-from planner.mesh import MeshSpec
+from planner.core.mesh import MeshSpec
 from zoo import get_model
-from planner.options import PlanOptions
-from planner.planning import make_plan
+from planner.core.options import PlanOptions
+from planner.search.mesh_plan import make_plan
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 

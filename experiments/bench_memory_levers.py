@@ -3,8 +3,8 @@ abstractly on one host of 8 x H100 ("1x8:h100") and on 8 hosts of 8 x V100 ("8x8
 levers the single-stage planner has: sharding alone, then sharding + gradient accumulation
 (accumulate="auto"), and sharding + the model's own per-layer recomputation (where the model has the
 option, as the zoo's scanned Llama: `remat=True`, nn.remat inside the scanned layer; the planner's
-graph-level remat does not reach into a scan; otherwise the planner's remat="auto", `planner.remat`) + host offload of the optimizer state (offload="auto": only the leaves the budget needs,
-`planner.offload`). The train state is donated in every row (`donate_argnums=0`). Prints per row: fits or not, the plan's predicted memory or the smallest peak
+graph-level remat does not reach into a scan; otherwise the planner's remat="auto", `planner.levers.remat`) + host offload of the optimizer state (offload="auto": only the leaves the budget needs,
+`planner.ilp.offload`). The train state is donated in every row (`donate_argnums=0`). Prints per row: fits or not, the plan's predicted memory or the smallest peak
 found, the predicted step time, the microbatch count and the planning time.
 
     .venv/bin/python experiments/bench_memory_levers.py [--layers N] [--models llama-70b,gpt3-39b]
@@ -25,19 +25,19 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from planner.accumulate import micro_options, plan_accumulation  # noqa: E402
+from planner.levers.accumulate import micro_options, plan_accumulation  # noqa: E402
 from planner.cost_model import Cluster  # noqa: E402
-from planner.errors import PlannerError  # noqa: E402
-from planner.graph import trace  # noqa: E402
-from planner.mesh import MeshSpec  # noqa: E402
-from planner.offload import streamed  # noqa: E402
-from planner.options import PlanOptions  # noqa: E402
-from planner.planning import make_plan  # noqa: E402
-from planner.search import inter_host_axes  # noqa: E402
-from planner.units import format_bytes  # noqa: E402
-from planner.remat import plan_remat  # noqa: E402
+from planner.core.errors import PlannerError  # noqa: E402
+from planner.graph.trace import trace  # noqa: E402
+from planner.core.mesh import MeshSpec  # noqa: E402
+from planner.ilp.offload import streamed  # noqa: E402
+from planner.core.options import PlanOptions  # noqa: E402
+from planner.search.mesh_plan import make_plan  # noqa: E402
+from planner.search.meshes import inter_host_axes  # noqa: E402
+from planner.core.units import format_bytes  # noqa: E402
+from planner.levers.remat import plan_remat  # noqa: E402
 from zoo import get_model  # noqa: E402
-from planner.units import parse_bytes  # noqa: E402
+from planner.core.units import parse_bytes  # noqa: E402
 from zoo.registry import get_config  # noqa: E402
 
 

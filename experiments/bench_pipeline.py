@@ -23,8 +23,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from zoo import get_model  # noqa: E402
-from planner.options import PlanOptions  # noqa: E402
-from planner.stages import make_cluster, plan_pipeline  # noqa: E402
+from planner.core.options import PlanOptions  # noqa: E402
+from planner.stages.submesh import make_cluster  # noqa: E402
+from planner.stages.inter_op import plan_pipeline  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:

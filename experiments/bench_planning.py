@@ -24,9 +24,9 @@ import sys
 import time
 
 import planner
-from planner.mesh import MeshSpec
-from planner.options import PlanOptions
-from planner.planning import make_plan
+from planner.core.mesh import MeshSpec
+from planner.core.options import PlanOptions
+from planner.search.mesh_plan import make_plan
 from zoo import get_model
 
 RESULTS = pathlib.Path(__file__).parent / "results"

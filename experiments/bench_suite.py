@@ -21,7 +21,7 @@ counting each instruction once gave 245 KB).
 Two kinds of rows (the "mode" column says which):
   compiled  small models (`*-tiny`) on the 8 local CPU devices (1x8, 2x4): the plan from
             `planner.PlannedFunction(step, mesh=...)`, a baseline's from the same class with
-            `pins=baseline_pins(name), unpinned="replicate"` (what `planner.evaluate` runs); each is
+            `pins=baseline_pins(name), unpinned="replicate"` (what `planner.planning.evaluate` runs); each is
             lowered, compiled, read back and run once (loss finite).
   abstract  zoo models at published sizes, cost model only, nothing compiled: the step is traced
             once per (model, cluster) and `make_plan` runs per configuration with the baseline's
@@ -29,7 +29,7 @@ Two kinds of rows (the "mode" column says which):
             replicated). 1x8 / 2x4 are one 8-GPU host; 8x8 / 128x8 are clusters of hosts x devices
             ("8x8:a100-80gb": the host axis inter-host). When no single-stage plan fits the budget
             there, the "planner" row takes the lever the error names first, gradient accumulation
-            (`accumulate="auto"`, `planner.accumulate.plan_accumulation`; the note says so and
+            (`accumulate="auto"`, `planner.levers.accumulate.plan_accumulation`; the note says so and
             `microbatches` is its k): the baselines are costed without it.
 
 On the clusters of several hosts (8x8, 128x8) the abstract rows add pipelines:
@@ -42,7 +42,7 @@ On the clusters of several hosts (8x8, 128x8) the abstract rows add pipelines:
                   row of one-host clusters). Not a baseline: the summary checks planner <= it.
   NAME+ppN        the pipeline baselines (`PP_BASELINES`: megatron-tp at 2, 4 and 8 even stages, dp
                   and fsdp at 2), by `evaluate(..., baseline="NAME+ppN", cluster=...)`'s code path
-                  (`planner.evaluation.pipeline_baseline` -> `stages.inter_op.fixed_pipeline`): even
+                  (`planner.planning.evaluate.pipeline_baseline` -> `stages.inter_op.fixed_pipeline`): even
                   stages on equal submeshes, the baseline's pins in every stage, the fastest microbatch
                   count the layout can split and the faster of keep / recompute activations that fits
                   (fits=no when none fits: costed ignoring memory, the note says so).
@@ -107,17 +107,17 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 import planner  # noqa: E402
-from planner.baselines import NAMES, baseline_pins, parse_baseline  # noqa: E402
+from planner.configs.baselines import NAMES, baseline_pins, parse_baseline  # noqa: E402
 from planner.cost_model import Cluster, get_hardware  # noqa: E402
-from planner.accumulate import micro_options, plan_accumulation  # noqa: E402
-from planner.errors import InfeasiblePlanError, PlannerError  # noqa: E402
-from planner.evaluation import pipeline_baseline  # noqa: E402
-from planner.graph import trace  # noqa: E402
-from planner.mesh import MeshSpec  # noqa: E402
-from planner.options import PlanOptions  # noqa: E402
-from planner.pins import resolve as resolve_pins  # noqa: E402
-from planner.planning import check_options, make_plan  # noqa: E402
-from planner.stages import plan_stages  # noqa: E402
+from planner.levers.accumulate import micro_options, plan_accumulation  # noqa: E402
+from planner.core.errors import InfeasiblePlanError, PlannerError  # noqa: E402
+from planner.planning.evaluate import pipeline_baseline  # noqa: E402
+from planner.graph.trace import trace  # noqa: E402
+from planner.core.mesh import MeshSpec  # noqa: E402
+from planner.core.options import PlanOptions  # noqa: E402
+from planner.configs.pins import resolve as resolve_pins  # noqa: E402
+from planner.search.mesh_plan import check_options, make_plan  # noqa: E402
+from planner.emit.pipeline.planned import plan_stages  # noqa: E402
 from xla_hooks.inspect import compile_with_program_collectives, report  # noqa: E402
 from zoo import get_model  # noqa: E402
 
@@ -330,7 +330,7 @@ def run_abstract(model: str, cluster: str, time_limit: float, configs: tuple[str
                 continue
             if config in PLANNERS:
                 opts, pins = PlanOptions(hardware=hardware, memory_budget=BUDGET, solver_time_limit=time_limit), None
-            else:  # as `planner.evaluate` pins a baseline: every argument, unmatched leaves replicated
+            else:  # as `planner.planning.evaluate` pins a baseline: every argument, unmatched leaves replicated
                 opts = PlanOptions(hardware=hardware, solver_time_limit=time_limit)
                 pins = resolve_pins(baseline_pins(config)(graph.input_paths, shapes, mesh), graph.input_paths,
                                     shapes, mesh, complete=True)

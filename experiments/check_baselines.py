@@ -1,6 +1,6 @@
 """Every named baseline (planner/baselines.py) run on CPU devices against the unsharded step.
 
-For each (model, mesh, baseline): the baseline's pins are evaluated (`planner.evaluate`'s code path:
+For each (model, mesh, baseline): the baseline's pins are evaluated (`planner.planning.evaluate`'s code path:
 every argument pinned, intermediates planned), lowered, compiled, run once, and the first step is
 compared with the unsharded jit step by tests/helpers.py's derived tolerances
 (`assert_bundle_step_close`). Too slow for the test suite (~20 s per row on 2 cores); results go to
@@ -29,8 +29,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 import planner  # noqa: E402
-from planner.baselines import NAMES, baseline_pins  # noqa: E402
-from planner.stages import run_plan  # noqa: E402
+from planner.configs.baselines import NAMES, baseline_pins  # noqa: E402
+from planner.emit.pipeline.planned import run_plan  # noqa: E402
 from tests.helpers import assert_bundle_step_close, assert_first_step_close, concrete  # noqa: E402
 from zoo import make_optimizer  # noqa: E402
 

@@ -3,7 +3,7 @@
 Runs the zoo's models (bf16 compute, float32 parameters and AdamW state, the zoo's default) unsharded
 on the first local device and puts beside each figure the planner predicts the one XLA compiles or
 the device measures:
-  - kernels: the planner's fusion grouping (`planner.fusion.fusions` under the platform's rules)
+  - kernels: the planner's fusion grouping (`planner.graph.fusion.fusions` under the platform's rules)
     counted as kernels (fusions plus unfused ops) against the kernels of the compiled HLO (fusions,
     library calls, other top-level instructions);
   - memory traffic: the grouping's bytes (`memory_traffic_bytes`, the bytes the cost model charges)
@@ -37,11 +37,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 
-from planner.fusion import fusible, fusions, memory_traffic_bytes  # noqa: E402
-from planner.graph import trace  # noqa: E402
-from planner.mesh import MeshSpec  # noqa: E402
-from planner.options import PlanOptions  # noqa: E402
-from planner.planning import make_plan  # noqa: E402
+from planner.graph.fusion import fusible, fusions, memory_traffic_bytes  # noqa: E402
+from planner.graph.trace import trace  # noqa: E402
+from planner.core.mesh import MeshSpec  # noqa: E402
+from planner.core.options import PlanOptions  # noqa: E402
+from planner.search.mesh_plan import make_plan  # noqa: E402
 from xla_hooks.inspect import kernels, report  # noqa: E402
 from zoo import get_model  # noqa: E402
 

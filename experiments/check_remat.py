@@ -24,8 +24,8 @@ import jax.numpy as jnp  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import planner  # noqa: E402
-from planner.graph import trace  # noqa: E402
-from planner.remat import rematerialize  # noqa: E402
+from planner.graph.trace import trace  # noqa: E402
+from planner.levers.remat import rematerialize  # noqa: E402
 from xla_hooks.inspect import memory_stats  # noqa: E402
 from zoo import get_model  # noqa: E402
 

@@ -41,9 +41,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import planner  # noqa: E402
-from planner.errors import PlannerError  # noqa: E402
-from planner.options import PlanOptions  # noqa: E402
-from planner.stages import make_cluster, plan_pipeline  # noqa: E402
+from planner.core.errors import PlannerError  # noqa: E402
+from planner.core.options import PlanOptions  # noqa: E402
+from planner.stages.submesh import make_cluster  # noqa: E402
+from planner.stages.inter_op import plan_pipeline  # noqa: E402
 from zoo import get_model  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -159,17 +160,17 @@ def split_of(make, layers_total: int, hardware: str, seq: int) -> dict:
     (tensors ending in [seq, seq]), and the other non-contraction ops (memory-bound: layer norms,
     GELU, residual adds, conversions, the loss). Each op is priced as the planner prices it
     (`enumerate_strategies` on a one-device mesh: roofline at the achieved matmul rate, memory
-    traffic at fusion boundaries, `planner.fusion`). Layers are identical, so the split of L layers
+    traffic at fusion boundaries, `planner.graph.fusion`). Layers are identical, so the split of L layers
     is the split of 2 layers plus (L - 2) times the difference between 3 and 2 layers; `make(layers)`
     builds the model at one sequence."""
     import jax
 
     from planner.cost_model import CostModel, get_hardware
-    from planner.fusion import fusions
-    from planner.graph import trace
+    from planner.graph.fusion import fusions
+    from planner.graph.trace import trace
     from planner.ilp.rules import signature
     from planner.ilp.strategies import enumerate_strategies, is_contraction
-    from planner.mesh import MeshSpec
+    from planner.core.mesh import MeshSpec
 
     cost = CostModel.default(MeshSpec((1,), ("x",)), get_hardware(hardware))
 
@@ -396,10 +397,10 @@ def h100_row(row: H100Row, dtype: str) -> dict:
     h100-sxm preset. MaxText's minimal_flash recomputation (elementwise work only) is not modelled."""
     import jax
 
-    from planner.baselines import baseline_specs
-    from planner.graph import trace
-    from planner.mesh import MeshSpec
-    from planner.planning import make_plan
+    from planner.configs.baselines import baseline_specs
+    from planner.graph.trace import trace
+    from planner.core.mesh import MeshSpec
+    from planner.search.mesh_plan import make_plan
 
     batch = H100_BATCH_PER_DEVICE * row.gpus
     b = get_model("llama-7b", batch=batch, seq=H100_SEQ, scan_layers=False, dtype=dtype)

@@ -5,13 +5,13 @@
     print(step.plan(state, batch).summary())
 """
 from planner.api import PlannedFunction, plan, plan_parallel
-from planner.evaluation import Comparison, compare, evaluate
-from planner.errors import InfeasiblePlanError, InvalidArgumentError, MeshError, PlannerError, ProfileError
-from planner.graph import Graph, trace
-from planner.mesh import MeshSpec
-from planner.options import PlanOptions
-from planner.plan import Plan
-from planner.search import candidate_meshes
+from planner.planning.evaluate import Comparison, compare, evaluate
+from planner.core.errors import InfeasiblePlanError, InvalidArgumentError, MeshError, PlannerError, ProfileError
+from planner.graph.trace import Graph, trace
+from planner.core.mesh import MeshSpec
+from planner.core.options import PlanOptions
+from planner.core.plan import Plan
+from planner.search.meshes import candidate_meshes
 from planner.stages.step import pipelinable
 
 __all__ = [

@@ -11,24 +11,26 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from planner import offload
-from planner.accumulate import jit_accumulated, micro_options, plan_accumulation
-from planner.compat import USER_CONSTRAINTS, user_sharding
-from planner.emit import jit_on_mesh, jit_planned, on_mesh
-from planner.errors import InfeasiblePlanError, InvalidArgumentError
-from planner.graph import Graph, trace
-from planner.mesh import MeshSpec, context_mesh, default_axis_names, parse_mesh
-from planner.options import PlanOptions
-from planner.pins import (check_stage_pins, intermediate_patterns, logical_names, pin_intermediates,
+from planner.emit import offload as offload_emit
+from planner.ilp import offload
+from planner.emit.accumulate import jit_accumulated
+from planner.levers.accumulate import micro_options, plan_accumulation
+from planner.core.compat import USER_CONSTRAINTS, user_sharding
+from planner.emit.single import jit_on_mesh, jit_planned, on_mesh
+from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
+from planner.graph.trace import Graph, trace
+from planner.core.mesh import MeshSpec, context_mesh, default_axis_names, parse_mesh
+from planner.core.options import PlanOptions
+from planner.configs.pins import (check_stage_pins, intermediate_patterns, logical_names, pin_intermediates,
                           resolve as resolve_pins, rules_to_pins, stage_pins)
-from planner.plan import Plan
-from planner.planning import check_options, make_plan
-from planner.remat import plan_remat, record as remat_record
-from planner.sharding import to_partition_spec
-from planner.static_args import StaticResults, array_function, split
-from planner.search import best_plan, candidate_meshes, default_mesh_ndim, search_meshes
-from planner.stages.planned import plan_with_stages
-from planner.units import format_bytes
+from planner.core.plan import Plan
+from planner.search.mesh_plan import check_options, make_plan
+from planner.levers.remat import plan_remat, record as remat_record
+from planner.core.sharding import to_partition_spec
+from planner.core.static_args import StaticResults, array_function, split
+from planner.search.meshes import best_plan, candidate_meshes, default_mesh_ndim, search_meshes
+from planner.emit.pipeline.planned import plan_with_stages
+from planner.core.units import format_bytes
 
 __all__ = ["PlannedFunction", "candidate_meshes", "plan", "plan_parallel"]
 
@@ -101,7 +103,7 @@ class PlannedFunction:
 
     def _split(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple]:
         """(the array part of `args`, the cache key: the arrays' signature and the static leaves'
-        values, `planner.static_args`)."""
+        values, `planner.core.static_args`)."""
         leaves, tree = jax.tree_util.tree_flatten(args)
         dyn, static = split(args, leaves, tree)
         if static is None:  # the common case: every leaf an array, flattened once per call
@@ -139,7 +141,7 @@ class PlannedFunction:
                 return make_plan(g, self._mesh_spec, self.options, self._jax_mesh, pins=pinned, min_peak_search=search)
             return self._choose_mesh(g)
 
-        traced = graph  # recomputation (`planner.remat`): the planned and emitted graph is the rewritten one
+        traced = graph  # recomputation (`planner.levers.remat`): the planned and emitted graph is the rewritten one
         graph, plan, policy = plan_remat(graph, self.options.remat, self.options.memory_budget, plan_graph,
                                          lambda p: p)
         if self.options.remat != "off":
@@ -151,7 +153,7 @@ class PlannedFunction:
         return entry
 
     def _pinned(self, graph: Graph, args: tuple[Any, ...]) -> dict[int, Any] | None:
-        """Input position -> pinned spec (`planner.pins`), or None without pins."""
+        """Input position -> pinned spec (`planner.configs.pins`), or None without pins."""
         if self.pins is None and self.rules is None and self.unpinned == "plan":
             return None
         if self._mesh_spec is None:
@@ -171,7 +173,7 @@ class PlannedFunction:
                             complete=self.unpinned == "replicate")
 
     def _stage_pins(self, graph: Graph) -> dict[str, Any]:
-        """Pins with pipeline stages (`planner.pins.stage_pins`): each pin applies on the stage that
+        """Pins with pipeline stages (`planner.configs.pins.stage_pins`): each pin applies on the stage that
         holds the pinned leaf, naming that stage mesh's axes (x, y)."""
         if self.rules is not None:
             raise InvalidArgumentError("logical-axis rules are not supported with pipeline stages yet: pass pins= "
@@ -205,7 +207,7 @@ class PlannedFunction:
         return tuple(bound.args)
 
     def _accumulated(self, fn: Callable[..., Any], graph: Graph, args: tuple[Any, ...]) -> tuple[Graph, Plan, Any]:
-        """Gradient accumulation (`planner.accumulate`): the microbatch step planned as any step
+        """Gradient accumulation (`planner.levers.accumulate`): the microbatch step planned as any step
         (on the mesh, or by the mesh search), k chosen or given; the entry holds the microbatch trace."""
         def plan_micro(g: Graph, budget: float | None) -> Plan:
             options = micro_options(self.options, budget)
@@ -248,24 +250,24 @@ class PlannedFunction:
     def jitted(self, *args: Any, **kwargs: Any):
         """The `jax.jit`-wrapped planned program for these arguments (call it under
         `jax.set_mesh(plan.jax_mesh)` when the user's mesh is not all Auto). It takes the array
-        leaves only: non-array leaves replaced by None (`planner.static_args.split`)."""
+        leaves only: non-array leaves replaced by None (`planner.core.static_args.split`)."""
         return self._entry(*self._split(self._positional(args, kwargs)))[2]
 
     def lower(self, *args: Any, **kwargs: Any):
         """The `jax.stages.Lowered` planned program; for a multi-stage pipeline plan, one
-        `planner.stages.runtime.StageLowered` per stage (its forward, backward and update programs)."""
+        `planner.emit.pipeline.runtime.StageLowered` per stage (its forward, backward and update programs)."""
         args, key = self._split(self._positional(args, kwargs))
         graph, plan, jitted = self._entry(args, key)
         if plan.stages:
             return jitted.lower(*args)
-        if offload.positions(plan)[0]:  # host-offloaded arguments lower in their host shardings
-            args = offload.abstract_args(plan, args)
+        if offload_emit.positions(plan)[0]:  # host-offloaded arguments lower in their host shardings
+            args = offload_emit.abstract_args(plan, args)
         with jax.sharding.set_mesh(plan._mesh()):
             return jitted.lower(*args)
 
     def __call__(self, *args: Any, **kwargs: Any):
         """Runs the planned step. Meshes of any axis types are planned and emitted on their Auto
-        view (`planner.mesh.auto_view`: same devices, names and sizes); results come back placed with
+        view (`planner.core.mesh.auto_view`: same devices, names and sizes); results come back placed with
         the planned specs on the user's own mesh (Explicit axes included), as `jax.jit` on it would:
         on a mesh with Explicit axes the program runs inside `jax.sharding.auto_axes` with its
         arguments and results on that mesh (`emit.jit_on_mesh`), so the state a step hands back goes
@@ -286,7 +288,7 @@ class PlannedFunction:
             on_user = self._on_user_mesh[key] = jit_on_mesh(graph, plan, user, self.donate_argnums)
         targets = self._targets.get(key)
         if targets is None:  # one sharding per argument leaf, offloaded ones in host memory
-            shardings = on_mesh(plan.in_shardings, user) if on_user else offload.in_shardings(plan)
+            shardings = on_mesh(plan.in_shardings, user) if on_user else offload_emit.in_shardings(plan)
             try:  # the plan's shardings mirror the arguments' tree (a None argument: no leaf)
                 targets = jax.tree_util.tree_structure(args).flatten_up_to(shardings)
             except (ValueError, TypeError):  # a prefix of it: placed whole, as jax.device_put takes it
@@ -299,7 +301,7 @@ class PlannedFunction:
         with jax.sharding.set_mesh(plan._mesh()):
             outs = jitted(*placed)
         if isinstance(user, jax.sharding.Mesh) and user is not plan._mesh():
-            outs = jax.device_put(outs, on_mesh(offload.out_shardings(plan), user))
+            outs = jax.device_put(outs, on_mesh(offload_emit.out_shardings(plan), user))
         return outs
 
 
@@ -347,7 +349,7 @@ def plan_parallel(fn: Callable[..., Any] | None = None, *, mesh: Any = None,
       donate_argnums: arguments whose buffers the step may reuse (as in `jax.jit`), typically the
         train state: the new state then takes the old one's memory.
       pins: {path pattern: PartitionSpec} fixing the sharding of the argument leaves the glob
-        patterns match (`planner.pins`: paths as the plan tables print them, `params/wte/embedding`;
+        patterns match (`planner.configs.pins`: paths as the plan tables print them, `params/wte/embedding`;
         first match wins); the planner plans everything else around them. Needs `mesh`. A pattern
         matching no argument may name a `jax.ad_checkpoint.checkpoint_name` value by its module
         path and name (`blocks_0/attn/attn_out`, or just `attn_out`): that intermediate is pinned.
@@ -363,13 +365,13 @@ def plan_parallel(fn: Callable[..., Any] | None = None, *, mesh: Any = None,
         `user_constraints="pin"` (default: the step's own `with_sharding_constraint` / `reshard`
         and nested jit in/out shardings fix those values' sharding) or `"hint"` (the planner may
         choose another); `Plan.user_constraints` records which were kept. `accumulate=k` or
-        `"auto"`: gradient accumulation over k microbatches inside the step (`planner.accumulate`;
+        `"auto"`: gradient accumulation over k microbatches inside the step (`planner.levers.accumulate`;
         `plan.levers["accumulation"]` records k); the planned graph is then the microbatch trace.
         `offload="opt-state"` or `"auto"`: Adam moments (optimizer state) kept in host memory
-        between steps, all of them or only what `memory_budget` needs (`planner.offload`;
+        between steps, all of them or only what `memory_budget` needs (`planner.ilp.offload`;
         `plan.levers["offload"]` records which, their bytes and copy times).
         `remat="full"`, `"dots"` or `"auto"`: repeated layers' forward recomputed in the backward
-        (`planner.remat`; `plan.levers["remat"]` records the policy and layers); the planned and
+        (`planner.levers.remat`; `plan.levers["remat"]` records the policy and layers); the planned and
         emitted graph (`.graph(...)`) is then the rewritten one.
 
     Returns:

@@ -1,4 +1,4 @@
-"""Gradient accumulation in single-stage plans (planner.accumulate): k microbatches inside one step.
+"""Gradient accumulation in single-stage plans (planner.levers.accumulate): k microbatches inside one step.
 
 Numerics: accumulation regroups the same n terms of every batch sum (n = the full step's longest
 sum) into k partial sums added in float32, i.e. one more summation order of the same terms, so the
@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import planner
-from planner.errors import InfeasiblePlanError, InvalidArgumentError
+from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
 from tests.helpers import assert_bundle_step_close, concrete
 from xla_hooks.inspect import memory_stats
 

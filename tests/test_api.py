@@ -173,7 +173,7 @@ def test_a_step_moves_only_the_arguments_not_yet_where_the_plan_puts_them(device
     `jax.device_put` each call cost tens of milliseconds of host time per step); a new batch moves
     to its planned sharding."""
     from planner.api import _placed
-    from planner.offload import in_shardings
+    from planner.emit.offload import in_shardings
 
     b, state, batch = concrete("gpt-tiny")
     step = planner.plan_parallel(b.train_step, mesh="2x4")

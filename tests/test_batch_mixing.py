@@ -1,4 +1,4 @@
-"""planner.batch_mixing: which ops of a loss combine several examples (where microbatching changes
+"""planner.graph.batch_mixing: which ops of a loss combine several examples (where microbatching changes
 the result), and that the loss's own mean over examples is not one of them."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from planner.batch_mixing import mixing_ops
-from planner.graph import trace
+from planner.graph.batch_mixing import mixing_ops
+from planner.graph.trace import trace
 from zoo import get_model
 
 W = jnp.ones((8, 8)) / 8

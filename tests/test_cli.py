@@ -53,11 +53,11 @@ def test_plan_prints_ranking_layers_and_rules(mlp_plan):
 
 def test_permuted_mesh_is_the_same_problem():
     """What lets the search skip 4x2 after 2x4: both predict the same optimum."""
-    from planner.graph import trace
-    from planner.mesh import MeshSpec
-    from planner.options import PlanOptions
-    from planner.planning import make_plan
-    from planner.search import mirror_key
+    from planner.graph.trace import trace
+    from planner.core.mesh import MeshSpec
+    from planner.core.options import PlanOptions
+    from planner.search.mesh_plan import make_plan
+    from planner.search.meshes import mirror_key
     from zoo import get_model
     assert mirror_key(MeshSpec((2, 4), ("x", "y")), ()) == mirror_key(MeshSpec((4, 2), ("x", "y")), ())
     assert mirror_key(MeshSpec((2, 4), ("x", "y")), (0,)) != mirror_key(MeshSpec((4, 2), ("x", "y")), (0,))
@@ -127,7 +127,8 @@ def test_cluster_marks_inter_host_axes(capsys, tmp_path):
     ((2, 4), 8, ()), ((4, 4), 2, (0, 1)),
 ])
 def test_inter_host_axes(shape, per_host, expected):
-    assert cli.inter_host_axes(shape, per_host) == expected
+    from planner.cli.commands import inter_host_axes
+    assert inter_host_axes(shape, per_host) == expected
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -269,14 +270,15 @@ def test_pipeline_on_plans_stages(capsys, tmp_path):
 
 
 def test_profile_subcommand(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_profiling_module", lambda: None)
+    from planner.cli import commands
+    monkeypatch.setattr(commands, "_profiling_module", lambda: None)
     code, _, err = run(capsys, "profile", "--out", "db.json")
     assert code == 2 and "planner profile" in err and "not available" in err
     calls = []
     fake = types.SimpleNamespace(
         add_arguments=lambda p: p.add_argument("--out"),
         run=lambda args: calls.append(args.out) or 0)
-    monkeypatch.setattr(cli, "_profiling_module", lambda: fake)
+    monkeypatch.setattr(commands, "_profiling_module", lambda: fake)
     code, _, _ = run(capsys, "profile", "--out", "db.json")
     assert code == 0 and calls == ["db.json"]
 

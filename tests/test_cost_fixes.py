@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from planner.cost_model import CostModel, get_hardware, peak_flops, ring_bytes
-from planner.graph import Tensor, trace
+from planner.graph.trace import Tensor, trace
 from planner.ilp.problem import TIE_BREAK_S_PER_BYTE, build_problem
 from planner.ilp.rules import signature
 from planner.ilp.solver import plan_cost, solve
@@ -28,11 +28,11 @@ from planner.ilp.strategies import (
     rate_dtypes,
     reshard_cost,
 )
-from planner.mesh import MeshSpec
-from planner.options import PlanOptions
-from planner.planning import make_plan
+from planner.core.mesh import MeshSpec
+from planner.core.options import PlanOptions
+from planner.search.mesh_plan import make_plan
 from planner.present.report import mfu
-from planner.sharding import enumerate_specs
+from planner.core.sharding import enumerate_specs
 from xla_hooks.inspect import collectives
 
 H100 = get_hardware("h100")

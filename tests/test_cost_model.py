@@ -22,7 +22,7 @@ from planner.cost_model import (
 from planner.cost_model.cluster import group_offsets, spans_hosts
 from planner.cost_model.collectives import analytic_time, best_time, ring_time, tree_time
 from planner.cost_model.fit import geometric_sizes
-from planner.mesh import MeshSpec
+from planner.core.mesh import MeshSpec
 
 MESH_2x4 = MeshSpec((2, 4), ("x", "y"))
 
@@ -149,9 +149,9 @@ def test_measured_model_uses_profile_curves_and_derives_links():
 
 
 def test_cluster_description_as_hardware_option():
-    from planner.errors import MeshError
-    from planner.options import PlanOptions
-    from planner.planning import cost_model_for
+    from planner.core.errors import MeshError
+    from planner.core.options import PlanOptions
+    from planner.search.mesh_plan import cost_model_for
 
     assert get_hardware("2x4:h100").name == "h100-sxm"
     options = PlanOptions.from_kwargs({"hardware": "2x4:h100"})

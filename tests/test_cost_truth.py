@@ -24,14 +24,14 @@ from planner.cost_model import (
     profiled_hardware,
 )
 from planner.cost_model.collectives import ring_bytes, ring_steps
-from planner.errors import InvalidArgumentError
-from planner.graph import trace
+from planner.core.errors import InvalidArgumentError
+from planner.graph.trace import trace
 from planner.ilp.problem import build_problem
 from planner.ilp.solver import _NS, _Model, plan_cost
-from planner.mesh import MeshSpec
-from planner.options import PlanOptions
-from planner.planning import cost_model_for, make_plan
-from planner.units import parse_bandwidth, parse_duration, parse_link
+from planner.core.mesh import MeshSpec
+from planner.core.options import PlanOptions
+from planner.search.mesh_plan import cost_model_for, make_plan
+from planner.core.units import parse_bandwidth, parse_duration, parse_link
 from tests.helpers import TALL, assert_bundle_step_close, concrete
 from zoo import get_config, get_model, model_names
 
@@ -178,7 +178,7 @@ def test_cli_dtype_defaults_to_what_the_hardware_trains_in(tmp_path, capsys):
     assert (PRESETS["a100-80gb"].default_dtype, PRESETS["v100-16gb"].default_dtype,
             PRESETS["tpu-v5p"].default_dtype, PRESETS["cpu"].default_dtype) == \
         ("bfloat16", "float16", "bfloat16", "float32")
-    from planner.programs import load_model
+    from planner.cli.workloads import load_model
 
     _, _, (state, batch) = load_model("mlp-tiny", None, None, None, PRESETS["v100-16gb"].default_dtype)
     assert batch["x"].dtype == jnp.float32 and all(x.dtype == jnp.float32 for x in jax.tree.leaves(state["params"]))

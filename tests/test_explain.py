@@ -193,7 +193,7 @@ def test_readable_strategies():
 
 
 def test_loading_rejects_non_plans(tmp_path):
-    from planner.errors import InvalidArgumentError
+    from planner.core.errors import InvalidArgumentError
 
     (tmp_path / "list.json").write_text(json.dumps([1, 2]))
     with pytest.raises(InvalidArgumentError, match="not a plan object"):
@@ -207,7 +207,7 @@ def test_plans_saved_by_the_api_work_without_context(tmp_path, capsys):
     """A plan written with `Plan.to_json()` (no CLI context: no shapes) still prints, explains and diffs."""
     import planner
     from zoo import get_model
-    from planner.planning import make_plan
+    from planner.search.mesh_plan import make_plan
 
     bundle = get_model("mlp-tiny")
     graph = planner.trace(bundle.train_step, bundle.abstract_state(), bundle.abstract_batch())

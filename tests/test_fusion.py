@@ -6,12 +6,12 @@ import jax.numpy as jnp
 import pytest
 
 from planner.cost_model import CostModel
-from planner.fusion import fusions, memory_traffic_bytes, recomputed
-from planner.graph import trace
+from planner.graph.fusion import fusions, memory_traffic_bytes, recomputed
+from planner.graph.trace import trace
 from planner.ilp.problem import TIE_BREAK_S_PER_BYTE, last_reads
-from planner.mesh import MeshSpec
-from planner.options import PlanOptions
-from planner.planning import make_plan
+from planner.core.mesh import MeshSpec
+from planner.core.options import PlanOptions
+from planner.search.mesh_plan import make_plan
 from xla_hooks.inspect import report
 from zoo import get_model
 

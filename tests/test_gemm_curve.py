@@ -14,10 +14,10 @@ from planner.cost_model import CostModel, ProfileDB, get_hardware, profiled_hard
 from planner.cost_model.collectives import AxisLink
 from planner.cost_model.hardware import Hardware, matmul_rate, rate_class
 from planner.cost_model.model import matmul_curve
-from planner.graph import trace
+from planner.graph.trace import trace
 from planner.ilp.rules import signature
 from planner.ilp.strategies import enumerate_strategies
-from planner.mesh import MeshSpec
+from planner.core.mesh import MeshSpec
 
 MESH = MeshSpec((2, 4), ("x", "y"))
 F32 = (np.dtype(np.float32),)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import planner
-from planner.graph import trace
+from planner.graph.trace import trace
 
 
 @jax.custom_vjp

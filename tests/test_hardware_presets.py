@@ -13,7 +13,7 @@ from planner.cost_model.collectives import AxisLink
 from planner.cost_model.hardware import PRESETS, matmul_rate, peak_flops
 from planner.cost_model.model import CostModel, profiled_hardware
 from planner.cost_model.profile_db import ProfileDB
-from planner.mesh import MeshSpec
+from planner.core.mesh import MeshSpec
 
 SOURCE = re.compile(r"measured|stand-in|Bekman|profile", re.IGNORECASE)
 
@@ -69,7 +69,7 @@ def test_a_profile_replaces_the_presets_rates_and_says_so():
 
 
 def test_the_printed_plan_names_where_its_rates_come_from(tmp_path):
-    from planner.cli import main
+    from planner.cli.commands import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -8,10 +8,10 @@ import pytest
 
 import planner
 from planner.cost_model import CostModel
-from planner.graph import trace
+from planner.graph.trace import trace
 from planner.ilp.problem import build_problem
 from planner.ilp.solver import memory_lower_bound, memory_profile, solve
-from planner.mesh import MeshSpec
+from planner.core.mesh import MeshSpec
 
 
 def _mlp_grad_problem(layers: int = 3, d: int = 64):
@@ -210,7 +210,7 @@ def test_a_bound_over_the_time_to_beat_stops_the_search():
     """`solve(beat=...)`: once CP-SAT's bound proves no plan beats a step time found elsewhere, the
     search stops (`OutboundError`, with the bound, which the optimum respects); a time above the
     optimum leaves the answer as it was. Under a budget the first round's bound counts too."""
-    from planner.errors import OutboundError
+    from planner.core.errors import OutboundError
 
     problem = _mlp_grad_problem(layers=6)
     best = solve(problem)
@@ -229,8 +229,8 @@ def test_a_bound_over_the_time_to_beat_stops_the_search():
 def test_no_fit_answer_with_some_meshes_solved_or_pruned_is_one_line():
     """A search where some meshes were solved or pruned (no error of their own) and the rest are over
     the budget answers "does not fit" in one line; it used to read `.levers` of a missing error."""
-    from planner.errors import InfeasiblePlanError
-    from planner.search import MeshResult, no_fit_error
+    from planner.core.errors import InfeasiblePlanError
+    from planner.search.meshes import MeshResult, no_fit_error
 
     over = InfeasiblePlanError("over", 2e9, 1e9, levers=())
     results = [MeshResult(MeshSpec((8,), ("x",)), None, None, (), 0.1, pruned="bound"),

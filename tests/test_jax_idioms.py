@@ -12,7 +12,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import planner
-from planner.sharding import to_partition_spec
+from planner.core.sharding import to_partition_spec
 from tests.helpers import assert_loss_close, assert_sgd_step_close, longest_reduction
 
 LR = 0.1

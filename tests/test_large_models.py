@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 
 import planner
-from planner.mesh import MeshSpec
+from planner.core.mesh import MeshSpec
 from zoo import get_model
-from planner.options import PlanOptions
-from planner.planning import make_plan
-from planner.sharding import is_valid
+from planner.core.options import PlanOptions
+from planner.search.mesh_plan import make_plan
+from planner.core.sharding import is_valid
 
 MESH = MeshSpec((8, 8), ("data", "model"))
 

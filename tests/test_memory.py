@@ -94,10 +94,10 @@ def test_ilp_memory_expression_equals_the_profile(hardware):
     from ortools.sat.python import cp_model
 
     from planner.cost_model import CostModel
-    from planner.graph import trace
+    from planner.graph.trace import trace
     from planner.ilp.problem import build_problem
     from planner.ilp.solver import _Model, memory_lower_bound, memory_profile, solve
-    from planner.mesh import MeshSpec
+    from planner.core.mesh import MeshSpec
 
     def loss(ws, x):
         for w in ws:
@@ -142,10 +142,10 @@ def test_bf16_gradients_are_held_until_the_update():
     import optax
 
     from planner.cost_model import CostModel
-    from planner.graph import trace
+    from planner.graph.trace import trace
     from planner.ilp.problem import build_problem
     from planner.ilp.solver import _materialised
-    from planner.mesh import MeshSpec
+    from planner.core.mesh import MeshSpec
 
     opt = optax.adamw(1e-3)
 
@@ -183,10 +183,10 @@ def test_gpu_values_kept_inside_a_fusion_take_no_memory():
     import numpy as np
 
     from planner.cost_model import CostModel
-    from planner.graph import trace
+    from planner.graph.trace import trace
     from planner.ilp.problem import build_problem
     from planner.ilp.solver import memory_profile
-    from planner.mesh import MeshSpec
+    from planner.core.mesh import MeshSpec
 
     n, d = 1024, 256
 
@@ -214,10 +214,10 @@ def test_a_temporary_borrows_an_unwritten_output_only_where_it_fits(split):
     import jax.numpy as jnp
 
     from planner.cost_model import CostModel
-    from planner.graph import trace
+    from planner.graph.trace import trace
     from planner.ilp.problem import build_problem
     from planner.ilp.solver import _Model, memory_profile
-    from planner.mesh import MeshSpec
+    from planner.core.mesh import MeshSpec
 
     def f(x):
         t = jnp.sin(x) @ x

@@ -26,9 +26,9 @@ import pytest
 
 import planner
 from planner.cost_model import PRESETS
-from planner.emit import jit_planned
-from planner.errors import InvalidArgumentError
-from planner.offload import unavailable
+from planner.emit.single import jit_planned
+from planner.core.errors import InvalidArgumentError
+from planner.ilp.offload import unavailable
 from tests.helpers import assert_bundle_step_close, assert_first_step_close, concrete
 from xla_hooks.inspect import entry_bytes, memory_stats
 from zoo import make_optimizer
@@ -192,8 +192,8 @@ def test_offload_is_unavailable_in_one_line():
 def test_streamed_update_groups_each_parameters_state():
     """`offload.streamed`: one contiguous group per parameter (its two Adam moments meet in its
     update), the ops a topological permutation of the traced ones, the results bit-identical."""
-    from planner.graph import trace
-    from planner.offload import streamed
+    from planner.graph.trace import trace
+    from planner.ilp.offload import streamed
 
     state, batch = _mlp_args()
     graph = trace(_mlp_step, state, batch)
@@ -247,11 +247,11 @@ def test_streamed_offload_keeps_one_groups_state_on_the_device():
     until the second moments' pass reads it (half the host bytes at once); the streamed order one
     group's. So the streamed peak is lower by at least that half less the largest leaf's moment,
     and its copies in are exposed (each group waits for the one before)."""
-    from planner.graph import trace
-    from planner.mesh import MeshSpec
-    from planner.offload import streamed
-    from planner.options import PlanOptions
-    from planner.planning import make_plan
+    from planner.graph.trace import trace
+    from planner.core.mesh import MeshSpec
+    from planner.ilp.offload import streamed
+    from planner.core.options import PlanOptions
+    from planner.search.mesh_plan import make_plan
 
     step, state, batch = _state_heavy_step(jnp.float32)
     params = state["params"]
@@ -274,12 +274,12 @@ def test_auto_narrows_the_doubling_to_the_fewest_leaves_that_fit():
     fits with 5 or more leaves on the host; the doubling (1, 2, 4: no; 8: fits) stops at 8, the
     halvings find 6 and then 5 (it once kept 8: Llama-70B on 1x8 H100 kept 824 leaves where 463 fit)."""
     from planner.cost_model import CostModel
-    from planner.errors import InfeasiblePlanError
-    from planner.graph import trace
+    from planner.core.errors import InfeasiblePlanError
+    from planner.graph.trace import trace
     from planner.ilp.problem import build_problem
     from planner.ilp.solver import Solution
-    from planner.mesh import MeshSpec
-    from planner.offload import plan_offload, state_pairs
+    from planner.core.mesh import MeshSpec
+    from planner.ilp.offload import plan_offload, state_pairs
 
     state, batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _mlp_args())
     problem = build_problem(trace(_mlp_step, state, batch), CostModel.build(MeshSpec((1, 8), ("x", "y")), "h100-sxm"))
@@ -333,12 +333,12 @@ def test_master_parameters_on_the_host_are_copied_in_for_each_cast_and_for_the_u
     the copies in are the moments plus twice the parameters (cast and update), the copies back the
     moments and the parameters. A step whose memory is its state (layers no axis of 8 divides):
     the predicted peak falls by the parameters but the two largest."""
-    from planner.graph import trace
-    from planner.mesh import MeshSpec
-    from planner.offload import streamed
-    from planner.options import PlanOptions
+    from planner.graph.trace import trace
+    from planner.core.mesh import MeshSpec
+    from planner.ilp.offload import streamed
+    from planner.core.options import PlanOptions
     from planner.cost_model.hardware import get_hardware
-    from planner.planning import make_plan
+    from planner.search.mesh_plan import make_plan
 
     step, state, batch = _state_heavy_step(jnp.bfloat16)
     params = state["params"]

@@ -7,12 +7,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import planner
-from planner.graph import trace
+from planner.graph.trace import trace
 from planner.ilp.problem import build_problem
-from planner.mesh import parse_mesh
-from planner.options import PlanOptions
-from planner.pins import matches, parse_spec_text, resolve
-from planner.planning import cost_model_for
+from planner.core.mesh import parse_mesh
+from planner.core.options import PlanOptions
+from planner.configs.pins import matches, parse_spec_text, resolve
+from planner.search.mesh_plan import cost_model_for
 from tests.helpers import assert_bundle_step_close, concrete
 from zoo import get_model
 
@@ -42,7 +42,7 @@ def test_first_matches_picks_the_first_pattern_matches_accepts():
     and glob patterns mixed in any order."""
     import random
 
-    from planner.pins import exact_pattern, first_matches
+    from planner.configs.pins import exact_pattern, first_matches
     b = get_model("gpt-tiny")
     paths = trace(b.train_step, b.abstract_state(), b.abstract_batch()).input_paths
     patterns = ["wte/embedding", "mu/*", "blocks_0/*/kernel", exact_pattern(PARAM), "params/wte/embedding",

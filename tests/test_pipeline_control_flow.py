@@ -30,10 +30,10 @@ import optax
 import pytest
 
 import planner
-from planner.graph import trace
-from planner.options import PlanOptions
-from planner.stages.planned import cluster_for, plan_fixed_stages, run_plan
-from planner.stages.runtime import layer_names
+from planner.graph.trace import trace
+from planner.core.options import PlanOptions
+from planner.emit.pipeline.planned import cluster_for, plan_fixed_stages, run_plan
+from planner.emit.pipeline.runtime import layer_names
 from tests.conftest import skip_if_fewer_devices
 from tests.helpers import assert_loss_close, assert_sgd_step_close, longest_reduction
 

@@ -8,13 +8,13 @@ import optax
 import pytest
 
 import planner
-from planner.errors import InvalidArgumentError
-from planner.graph import trace
-from planner.stages import run_plan
+from planner.core.errors import InvalidArgumentError
+from planner.graph.trace import trace
+from planner.emit.pipeline.planned import run_plan
 from planner.stages.clustering import cluster_layers
 from planner.stages.derived import DerivedStep
-from planner.stages.partition import partition
-from planner.stages.runtime import PipelinedStep, even_layouts, layer_names
+from planner.emit.pipeline.partition import partition
+from planner.emit.pipeline.runtime import PipelinedStep, even_layouts, layer_names
 from tests.conftest import skip_if_fewer_devices
 from tests.helpers import (assert_bundle_step_close, assert_first_step_close, assert_loss_close,
                            assert_sgd_step_close, longest_reduction)

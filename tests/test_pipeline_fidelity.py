@@ -7,11 +7,11 @@ import pytest
 
 import planner
 from planner.cost_model import ring_bytes
-from planner.graph import trace
-from planner.mesh import MeshSpec
-from planner.options import PlanOptions
-from planner.stages import run_plan
-from planner.stages.planned import cluster_for, plan_stages, stage_plans_of
+from planner.graph.trace import trace
+from planner.core.mesh import MeshSpec
+from planner.core.options import PlanOptions
+from planner.emit.pipeline.planned import run_plan
+from planner.emit.pipeline.planned import cluster_for, plan_stages, stage_plans_of
 from tests.conftest import skip_if_fewer_devices
 from tests.helpers import assert_first_step_close
 from xla_hooks.fidelity import check_stage_fidelity

@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 import pytest
 
-from planner.evaluation import evaluate
+from planner.planning.evaluate import evaluate
 from planner.stages.dp import pipeline_latency
-from planner.stages.runtime import PipelinedStep, even_layouts, layer_names
+from planner.emit.pipeline.runtime import PipelinedStep, even_layouts, layer_names
 from tests.conftest import skip_if_fewer_devices
 from tests.helpers import assert_first_step_close
 from xla_hooks.inspect import collectives

@@ -10,13 +10,13 @@ import optax
 import pytest
 
 import planner
-from planner.errors import InvalidArgumentError
-from planner.mesh import MeshSpec
+from planner.core.errors import InvalidArgumentError
+from planner.core.mesh import MeshSpec
 from zoo import get_model, make_optimizer
-from planner.stages import pipelinable
-from planner.graph import trace
-from planner.stages.planned import cluster_for, plan_stages
-from planner.stages.runtime import PipelinedStep, StageLayout, even_layouts, layer_names
+from planner.stages.step import pipelinable
+from planner.graph.trace import trace
+from planner.emit.pipeline.planned import cluster_for, plan_stages
+from planner.emit.pipeline.runtime import PipelinedStep, StageLayout, even_layouts, layer_names
 from tests.conftest import skip_if_fewer_devices
 from tests.helpers import assert_first_step_close, assert_loss_close, assert_sgd_step_close, longest_reduction
 

@@ -7,12 +7,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import planner
-from planner.baselines import baseline_specs, batch_ways, parse_baseline
-from planner.evaluation import evaluate
-from planner.graph import trace
-from planner.options import PlanOptions
-from planner.pins import stage_pins
-from planner.stages import make_cluster, run_plan
+from planner.configs.baselines import baseline_specs, batch_ways, parse_baseline
+from planner.planning.evaluate import evaluate
+from planner.graph.trace import trace
+from planner.core.options import PlanOptions
+from planner.configs.pins import stage_pins
+from planner.stages.submesh import make_cluster
+from planner.emit.pipeline.planned import run_plan
 from planner.stages.clustering import cluster_layers
 from planner.stages.inter_op import even_stage_ranges, even_submesh, plan_pipeline
 from planner.stages.submesh import logical_meshes
@@ -175,7 +176,7 @@ def test_cli_plan_and_compare_with_pipeline_baselines(capsys):
 def test_pipeline_search_pinned_to_a_baseline_predicts_what_the_baseline_predicts():
     """One code path: the planner's stage DP with every leaf pinned to megatron-tp (on each stage's
     mesh) picks the even split here, and then predicts exactly the pp baseline's step time."""
-    from planner.evaluation import pipeline_baseline_pins
+    from planner.planning.evaluate import pipeline_baseline_pins
     from planner.stages.inter_op import fixed_pipeline
     b = get_model("gpt-tiny")
     args, cluster = _abstract(b), make_cluster(1, 4, "cpu")
@@ -224,7 +225,7 @@ def test_a_stage_in_a_hand_layout_runs_equal_to_the_unsharded_step():
     """A pipeline whose stages run their layers in the megatron-tp layout (the search's choice
     under a 1.6 MB budget on 2 hosts x 4 devices) lowers, runs and matches the unsharded step."""
     skip_if_fewer_devices(8)
-    from planner.stages import pipelinable
+    from planner.stages.step import pipelinable
     b = get_model("gpt-tiny")
     opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
     state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))

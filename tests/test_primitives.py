@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import planner
-from planner.graph import trace
+from planner.graph.trace import trace
 from planner.ilp.rules import signature
 from zoo import get_model, model_names
 

@@ -11,10 +11,10 @@ import pytest
 from planner.cost_model import AxisLink, CostModel, ProfileDB, ProfileWarning, load_profile
 from planner.cost_model.fit import geometric_sizes
 from planner.cost_model.profile_db import write_json_atomic
-from planner.errors import ProfileError
-from planner.mesh import MeshSpec
-from planner.planning import cost_model_for
-from planner.options import PlanOptions
+from planner.core.errors import ProfileError
+from planner.core.mesh import MeshSpec
+from planner.search.mesh_plan import cost_model_for
+from planner.core.options import PlanOptions
 
 MESH = MeshSpec((2, 4), ("x", "y"))
 FAST, SLOW = AxisLink(5e-6, 1e-10), AxisLink(50e-6, 1e-9)

@@ -6,7 +6,7 @@ import pytest
 
 import planner
 from planner.cost_model import AxisLink, ProfileDB
-from planner.errors import ProfileError
+from planner.core.errors import ProfileError
 from zoo import get_model
 from tests.conftest import skip_if_fewer_devices
 

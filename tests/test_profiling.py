@@ -15,7 +15,7 @@ import pytest
 from planner.cost_model.model import attention_curve, matmul_curve
 from planner.cost_model import COLLECTIVES, CostModel, ProfileDB
 from planner.cost_model import profiling
-from planner.mesh import MeshSpec
+from planner.core.mesh import MeshSpec
 from tests.conftest import skip_if_fewer_devices
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 import planner
-from planner.emit import jit_planned
-from planner.errors import InfeasiblePlanError, InvalidArgumentError
-from planner.graph import trace
-from planner.mesh import parse_mesh
-from planner.options import PlanOptions
-from planner.planning import make_plan
-from planner.remat import WRAPPER, graph_for, rematerialize, remat_layers
+from planner.emit.single import jit_planned
+from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
+from planner.graph.trace import trace
+from planner.core.mesh import parse_mesh
+from planner.core.options import PlanOptions
+from planner.search.mesh_plan import make_plan
+from planner.levers.remat import WRAPPER, graph_for, rematerialize, remat_layers
 from tests.helpers import (assert_gradients_close, assert_loss_close, assert_sgd_step_close, concrete,
                            longest_reduction, max_abs_diff)
 from xla_hooks.inspect import memory_stats

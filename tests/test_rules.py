@@ -9,11 +9,11 @@ import pytest
 
 import planner
 from planner.cost_model import CostModel
-from planner.graph import trace
+from planner.graph.trace import trace
 from planner.ilp.rules import _reshape_groups, signature
 from planner.ilp.strategies import enumerate_strategies, reshard_cost
-from planner.mesh import MeshSpec
-from planner.sharding import enumerate_specs, is_valid
+from planner.core.mesh import MeshSpec
+from planner.core.sharding import enumerate_specs, is_valid
 
 
 def _op(fn, *args, name):
@@ -70,7 +70,7 @@ def test_enumerate_specs_counts():
 def test_reshard_cost_per_axis():
     mesh = MeshSpec((2, 4), ("x", "y"))
     cm = CostModel.default(mesh)
-    t = planner.graph.Tensor((8, 16), jnp.dtype("float32"))
+    t = planner.graph.trace.Tensor((8, 16), jnp.dtype("float32"))
     comms, time = reshard_cost(t, ((0,), (1,)), ((), (1,)), cm)
     assert [c[0] for c in comms] == ["all-gather"] and time > 0
     comms, _ = reshard_cost(t, ((1,), ()), ((), (1,)), cm)

@@ -11,14 +11,14 @@ import jax.numpy as jnp
 import pytest
 
 from planner import cli
-from planner.errors import InfeasiblePlanError, InvalidArgumentError
-from planner.graph import trace
+from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
+from planner.graph.trace import trace
 from planner.ilp.objective import step_time
 from planner.ilp.solver import liveness_floor, memory_floor, memory_lower_bound, memory_profile
-from planner.options import PlanOptions
-from planner.planning import plan_problem
-from planner.mesh import MeshSpec
-from planner.search import (_one_axis_away, best_plan, candidate_meshes, coarsenings, keeps_together, neighbourhood,
+from planner.core.options import PlanOptions
+from planner.search.mesh_plan import plan_problem
+from planner.core.mesh import MeshSpec
+from planner.search.meshes import (_one_axis_away, best_plan, candidate_meshes, coarsenings, keeps_together, neighbourhood,
                              refined_choice, search_meshes, spare_cores,
                              step_time_lower_bound)
 from zoo import get_model
@@ -309,7 +309,7 @@ def test_probe_bound_under_a_binding_budget_is_sound_and_orders_the_search():
     the memory lower bound and the smallest unbudgeted peak: the probe is above the per-op bound and
     below the plan the solver finds, and the search keeps the raised bound of every such mesh."""
     from planner.ilp.solver import over_budget_strategies, probe_bound
-    from planner.planning import make_plan
+    from planner.search.mesh_plan import make_plan
 
     b = get_model("gpt-tiny")
     graph = trace(b.train_step, b.abstract_state(), b.abstract_batch())

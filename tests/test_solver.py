@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import pytest
 
 from planner.cost_model import CostModel
-from planner.graph import trace
+from planner.graph.trace import trace
 from planner.ilp.problem import build_problem
 from planner.ilp.solver import memory_profile, plan_cost, solve
-from planner.mesh import MeshSpec
+from planner.core.mesh import MeshSpec
 
 
 def _problem(fn, args, mesh):

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from planner.errors import InfeasiblePlanError, InvalidArgumentError
-from planner.graph import trace
+from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
+from planner.graph.trace import trace
 from zoo import get_model
 from planner.stages.clustering import (
     APPLY,
@@ -239,7 +239,7 @@ def test_resharding_between_layers_of_one_stage_is_costed():
     the stage, forward and (its gradient) backward: the stage's time per microbatch grows by twice
     the resharding time the intra-op ILP prices, and by nothing when the layouts agree."""
     from planner.ilp.strategies import reshard_cost
-    from planner.options import PlanOptions
+    from planner.core.options import PlanOptions
     from planner.stages.stage_cost import LayerCostTable, StageOption, layer_edges, stage_ranges
 
     ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
@@ -273,8 +273,8 @@ def test_scanned_weights_are_named_when_pipelining():
     """A scan's stacked weights cannot follow their layers to their stages: the pipeline plan says
     so (which leaves, and what to do), and an unrolled model gets no such note."""
     from planner.cost_model.cluster import Cluster
-    from planner.graph import trace
-    from planner.options import PlanOptions
+    from planner.graph.trace import trace
+    from planner.core.options import PlanOptions
     from planner.stages.clustering import cluster_layers, stacked_inputs
     from planner.stages.inter_op import plan_pipeline
     from zoo import get_model
@@ -296,7 +296,7 @@ def test_scanned_weights_are_named_when_pipelining():
 def test_layer_tables_filled_in_parallel_equal_the_serial_ones():
     """`LayerCostTable.fill` with two threads gives every layer on every logical mesh exactly the
     cost the one-by-one fill gives (each ILP solved alone, deterministic limits)."""
-    from planner.options import PlanOptions
+    from planner.core.options import PlanOptions
     from planner.stages.stage_cost import LayerCostTable
 
     ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
@@ -322,7 +322,7 @@ def test_sharded_state_stages_list_their_parameter_gathers():
     (`stage_cost.stage_collectives`, what a pipeline plan lists) carry those gathers beside its
     layers' planned collectives, each priced as `zero_extra_s` prices it; the "plan" layout lists
     the layers' collectives alone."""
-    from planner.options import PlanOptions
+    from planner.core.options import PlanOptions
     from planner.stages.stage_cost import LayerCostTable, StageOption, stage_collectives
     from planner.stages.submesh import effective_hardware
 
@@ -353,7 +353,7 @@ def test_sharded_state_stages_reduce_gradients_every_microbatch():
     pipeline runtime reduces their gradients every microbatch (`runtime.PipelinedStep._replicas`):
     the stage tables price that reduction in the stage time per microbatch and not once per step;
     the "plan" layout keeps it once per step."""
-    from planner.options import PlanOptions
+    from planner.core.options import PlanOptions
     from planner.stages.inter_op import _once_per_step
     from planner.stages.stage_cost import LayerCostTable, StageOption, _columns
 

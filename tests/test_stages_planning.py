@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from planner.errors import InfeasiblePlanError, InvalidArgumentError
+from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
 from zoo import get_model
-from planner.options import PlanOptions
+from planner.core.options import PlanOptions
 from planner.stages.inter_op import microbatch_counts, plan_pipeline
 from planner.stages.submesh import make_cluster
 
@@ -29,8 +29,8 @@ def test_uniform_fast_cluster_keeps_a_small_gpt_in_one_stage():
     assert all(t > pp.step_time_s for b, t, s in pp.candidates if s > 1)
     # The single stage competes at the price of what runs it: the whole program's intra-op plan on
     # that mesh (whose gradient reduction hides behind the backward), not the per-layer tables' sum.
-    from planner.graph import trace
-    from planner.planning import make_plan
+    from planner.graph.trace import trace
+    from planner.search.mesh_plan import make_plan
 
     b = get_model("gpt2-small")
     st = pp.stages[0]
@@ -128,8 +128,8 @@ def test_pipeline_auto_single_stage_is_the_mesh_search_best():
     """The stage tables see the whole cluster as one logical mesh (here 1-D: `max_mesh_ndim=1`); the
     single stage competes as the best plan of every mesh shape of the cluster (what `planner plan
     --pipeline off` finds), and that plan is the one kept to run."""
-    from planner.graph import trace
-    from planner.search import candidate_meshes, search_meshes
+    from planner.graph.trace import trace
+    from planner.search.meshes import candidate_meshes, search_meshes
     from planner.stages.submesh import effective_hardware
 
     cluster = make_cluster(1, 8, "a100")

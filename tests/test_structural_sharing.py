@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from ortools.sat.python import cp_model
 
-from planner.graph import trace
+from planner.graph.trace import trace
 from planner.ilp.objective import hidden_time
 from planner.ilp.problem import build_problem
 from planner.ilp.solver import _NS, _Model, plan_cost
-from planner.mesh import MeshSpec
-from planner.options import PlanOptions
-from planner.planning import cost_model_for, make_plan
+from planner.core.mesh import MeshSpec
+from planner.core.options import PlanOptions
+from planner.search.mesh_plan import cost_model_for, make_plan
 
 D, BATCH, SEQ, HEADS = 64, 8, 16, 4
 MESH = MeshSpec((2, 4), ("x", "y"))

@@ -3,7 +3,6 @@ or a wrong update does not."""
 from __future__ import annotations
 
 import jax
-import numpy as np
 import pytest
 
 from tests.helpers import assert_first_step_close, assert_gradients_close, concrete, longest_reduction

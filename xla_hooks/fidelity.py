@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from planner.cost_model import ring_bytes
-from planner.plan import Plan, PredictedCollective
+from planner.core.plan import Plan, PredictedCollective
 from xla_hooks.inspect import Collective, collectives
 
 
@@ -71,7 +71,7 @@ def check_stage_fidelity(stages: Sequence[Any], tolerance: float = 0.10,
     """Per pipeline stage, `check_fidelity` of its intra-op plan against its compiled programs.
 
     Args:
-      stages: what `.lower()` of a pipelined plan returns (`planner.stages.runtime.StageLowered`):
+      stages: what `.lower()` of a pipelined plan returns (`planner.emit.pipeline.runtime.StageLowered`):
         per stage its `plan` (one microbatch's forward + backward) and `programs()` (forward,
         backward, update as `jax.stages.Lowered`); the collectives of all its programs together
         are compared with the plan's (the update is planned to communicate nothing). A remat

@@ -10,7 +10,7 @@ import dataclasses
 import types
 from typing import Any, Callable, Mapping
 
-from planner.errors import InvalidArgumentError, PlannerError
+from planner.core.errors import InvalidArgumentError, PlannerError
 from zoo import bert, gpt, llama, mlp, moe, nnx_mlp, plain, resnet
 from zoo.train import ModelBundle
 

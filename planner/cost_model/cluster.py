@@ -19,7 +19,7 @@ from planner.cost_model.hardware import (
     Hardware,
     get_hardware,
 )
-from planner.mesh import MeshSpec
+from planner.core.mesh import MeshSpec
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from planner.mesh import MeshSpec
+from planner.core.mesh import MeshSpec
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 

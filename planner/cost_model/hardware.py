@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from planner.errors import InvalidArgumentError
-from planner.units import parse_link
+from planner.core.errors import InvalidArgumentError
+from planner.core.units import parse_link
 
 _NUMERIC = ("flops_f32", "flops_bf16", "memory_bytes", "memory_bandwidth", "intra_bandwidth", "intra_latency",
             "inter_bandwidth", "inter_latency")
@@ -61,7 +61,7 @@ class Hardware:
         at the curve of the nearest measured d (`matmul_rate`); empty for presets and for profiles
         made before `planner profile` swept these shapes (the square curve then applies).
       host_bandwidth: one direction of one device's link to its host's memory (bytes/s): what
-        host offload (`planner.offload`) moves optimizer state over (PCIe, NVLink-C2C); None where
+        host offload (`planner.ilp.offload`) moves optimizer state over (PCIe, NVLink-C2C); None where
         no figure is known, which makes host offload unavailable on that hardware.
       memory_efficiency: the fraction of `memory_bandwidth` that streaming kernels reach; memory-bound
         work runs at `achieved_bandwidth` (1.0 where `memory_bandwidth` is itself a measured rate).

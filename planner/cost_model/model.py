@@ -21,8 +21,8 @@ from planner.cost_model.hardware import (
     rate_class,
 )
 from planner.cost_model.profile_db import MeasuredCollectives, ProfileDB, bind, check_device_kind, load_profile
-from planner.errors import MeshError
-from planner.mesh import MeshSpec
+from planner.core.errors import MeshError
+from planner.core.mesh import MeshSpec
 
 log = logging.getLogger("planner")
 

@@ -24,8 +24,8 @@ from planner.cost_model.cluster import group_offsets, spans_hosts
 from planner.cost_model.collectives import COLLECTIVES, AxisLink, analytic_time, ring_bytes, ring_steps
 from planner.cost_model.fit import Curve, Fit, fit_alpha_beta, geometric_sizes
 from planner.cost_model.hardware import Hardware, hardware_for_device_kind
-from planner.errors import ProfileError
-from planner.mesh import MeshSpec, default_axis_names
+from planner.core.errors import ProfileError
+from planner.core.mesh import MeshSpec, default_axis_names
 
 FORMAT = "planner-profile"
 VERSION = 1

@@ -34,9 +34,9 @@ from planner.cost_model.collectives import COLLECTIVES
 from planner.cost_model.fit import Curve, geometric_sizes
 from planner.cost_model.model import attention_curve, matmul_curve
 from planner.cost_model.profile_db import CollectiveSamples, ProfileDB, axis_groups, utc_now
-from planner.errors import InvalidArgumentError, PlannerError, ProfileError
-from planner.mesh import MeshSpec, default_axis_names, parse_mesh
-from planner.units import parse_bytes
+from planner.core.errors import InvalidArgumentError, PlannerError, ProfileError
+from planner.core.mesh import MeshSpec, default_axis_names, parse_mesh
+from planner.core.units import parse_bytes
 
 # Environment variables under which `jax.distributed.initialize()` finds its cluster by itself.
 _CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "OMPI_MCA_orte_hnp_uri", "TPU_WORKER_HOSTNAMES")
@@ -305,7 +305,7 @@ def measure_memory(mesh: jax.sharding.Mesh, max_bytes: int, repeats: int = 3,
 def measure_host_link(mesh: jax.sharding.Mesh, max_bytes: int, repeats: int = 3,
                       warmup: int = 1) -> tuple[float | None, list[dict]]:
     """Each device's link to its host's pinned memory (bytes/s per device and direction), all
-    devices at once, copied the way the planned program copies offloaded state (`planner.offload`:
+    devices at once, copied the way the planned program copies offloaded state (`planner.ilp.offload`:
     an argument in "pinned_host" memory copied to the device, a result copied back): program(k)
     takes k buffers of the host, brings each to the device, maps it there and hands it back to the
     host; the time per extra buffer (`_per_op_seconds`) moves the buffer once each way, so the rate

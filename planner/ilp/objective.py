@@ -37,7 +37,7 @@ paid once (`CostModel.collective_latency`). The CP-SAT model holds one boolean p
 (kind, axes) group, set when any chosen strategy joins it, so the solver's objective and
 `step_time` agree term for term (tests/test_cost_truth.py checks it against the solver's own value).
 
-3. Host offload (`planner.offload`, `Problem.offloaded`): optimizer state kept in the host's memory
+3. Host offload (`planner.ilp.offload`, `Problem.offloaded`): optimizer state kept in the host's memory
 is copied in at the host link's bandwidth (`Hardware.host_bandwidth`, one direction per device) and
 its new value copied back. The copies in depend on nothing computed: issued at the start of the
 step, they hide behind the compute before the first op that reads offloaded state (with overlap);
@@ -53,7 +53,7 @@ from collections.abc import Sequence
 
 from planner.ilp.problem import Problem
 from planner.ilp.strategies import shard_bytes
-from planner.sharding import format_spec
+from planner.core.sharding import format_spec
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -17,12 +17,12 @@ from collections.abc import Collection, Mapping, Sequence
 import numpy as np
 
 from planner.cost_model import CostModel
-from planner.graph import Graph, Literal, Tensor
+from planner.graph.trace import Graph, Literal, Tensor
 from planner.ilp.rules import ELEMENTWISE, RULES, signature
-from planner.fusion import fusions, recomputed
+from planner.graph.fusion import fusions, recomputed
 from planner.ilp.strategies import Comm, Strategy, edge_time, enumerate_strategies, follow, shard_bytes
-from planner.layer_index import find_indexed, star_indices
-from planner.sharding import Spec, enumerate_specs
+from planner.core.layer_index import find_indexed, star_indices
+from planner.core.sharding import Spec, enumerate_specs
 
 log = logging.getLogger("planner")
 
@@ -134,7 +134,7 @@ class Problem:
     # The XLA backend the plan compiles for ("cpu", "gpu", "tpu"; "" = the hardware preset's
     # platform): XLA:CPU allocates extra buffers for reductions (`ilp.solver.memory_profile`).
     device_platform: str = ""
-    # Host offload (`planner.offload`): (argument, its new value or -1) tensor pairs kept in the
+    # Host offload (`planner.ilp.offload`): (argument, its new value or -1) tensor pairs kept in the
     # host's memory between steps; `live` then holds their device ranges (`offloaded_live_ranges`)
     # and `ilp.objective` charges their transfers.
     offloaded: tuple[tuple[int, int], ...] = ()
@@ -207,7 +207,7 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     Tensors computed from literals alone (iotas, broadcast zeros, masks) are *free*: any device
     can make any shard of them locally, so they carry no decision and no resharding cost.
 
-    `pins` (input tensor id -> spec, `planner.pins`) leave a pinned input's decision that one
+    `pins` (input tensor id -> spec, `planner.configs.pins`) leave a pinned input's decision that one
     strategy; its followers follow it. Layer sharing compares strategies, so a pinned input shares
     a decision only with inputs pinned alike, and an unpinned layer's input keeps all of its own.
 
@@ -223,7 +223,7 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
 
     `device_platform`: the XLA backend the program compiles for ("" = the hardware preset's): time
     follows the preset's fusion rules, the update values never written to memory (`unwritten`)
-    follow that backend's (`planner.fusion`).
+    follow that backend's (`planner.graph.fusion`).
 
     `allowed` (tensor id -> specs) restricts the search to a neighbourhood (`search.neighbourhood`):
     an argument takes only its allowed specs, an op that decides (not a follower) only the
@@ -632,7 +632,7 @@ def tandem_runs(seq: np.ndarray, weight: np.ndarray | None = None, min_weight: i
     return out
 
 
-# Backends whose memory the model gives no value XLA keeps inside a fusion (`planner.fusion`): on
+# Backends whose memory the model gives no value XLA keeps inside a fusion (`planner.graph.fusion`): on
 # XLA:GPU such a value is never written (measured on an H100: the zoo's unsharded steps' compiled
 # peaks were over-predicted 1.46-2.13x while they counted, 1.02-1.13x without; experiments/check_gpu.py).
 # XLA:CPU keeps the optimizer update's only: dropping them all there under-predicted wresnet-tiny (0.68x).
@@ -644,7 +644,7 @@ def kept_in_fusion(tid: int, producer: int, unwritten: Collection[int], combinab
     """Whether the memory model gives value `tid` (made by op `producer`) no buffer: XLA computes it
     inside the fusion reading it and never writes it (`unwritten`); on `platform`s outside
     `KEEPS_FUSED_VALUES_IN_REGISTERS`, only a value of the optimizer update (the combinable tail) and
-    one XLA recomputes in the fusions that read it (`recomputed`, `planner.fusion.recomputed`)."""
+    one XLA recomputes in the fusions that read it (`recomputed`, `planner.graph.fusion.recomputed`)."""
     if tid in recomputed:
         return True
     return tid in unwritten and (platform in KEEPS_FUSED_VALUES_IN_REGISTERS or producer in combinable)
@@ -685,7 +685,7 @@ def live_ranges(graph: Graph, donated: Sequence[tuple[int, int]] = (),
     use, or to just before it when that use writes the output (an in-place update: one buffer, as
     XLA aliases it); one that is never read lives nowhere. Results live from
     their producer to their last use, or to the end when they are program outputs. A result that
-    never leaves its fusion (`planner.fusion`) still counts from its producer to its last use: XLA
+    never leaves its fusion (`planner.graph.fusion`) still counts from its producer to its last use: XLA
     keeps it in registers, but dropping such values under-predicted XLA:CPU's compiled peak of the
     conv net with batch norm (wresnet-tiny, 0.68x; experiments/check_memory.py). The `fused` values
     of the optimizer update (`fused_away`) take no memory; their operands are read where they are
@@ -712,7 +712,7 @@ def live_ranges(graph: Graph, donated: Sequence[tuple[int, int]] = (),
 def offloaded_live_ranges(graph: Graph, live: Sequence[tuple[int, int]], offloaded: Sequence[tuple[int, int]],
                           fused: Collection[int] = (), copied: bool = True,
                           update: Collection[int] | None = None) -> tuple[tuple[int, int], ...]:
-    """`live` with the device ranges of host-offloaded values (`planner.offload`).
+    """`live` with the device ranges of host-offloaded values (`planner.ilp.offload`).
 
     `copied` (XLA:GPU, TPU): the update runs on device copies: an argument kept on the host is on
     the device from its first consumer in `update` (the optimizer update's ops; None: any op) to its

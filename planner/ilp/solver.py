@@ -29,13 +29,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from ortools.sat.python import cp_model
 
-from planner.errors import InfeasiblePlanError, OutboundError, PlannerError
-from planner.graph import Graph
+from planner.core.errors import InfeasiblePlanError, OutboundError, PlannerError
+from planner.graph.trace import Graph
 from planner.ilp.objective import offload_start, overlap_order, prefetched, step_time
 from planner.ilp.problem import Problem, kept_in_fusion, tandem_runs
 from planner.ilp.strategies import edge_parts, edge_time, part_key, part_time, shard_bytes
-from planner.sharding import num_shards
-from planner.units import format_bytes
+from planner.core.sharding import num_shards
+from planner.core.units import format_bytes
 
 log = logging.getLogger("planner")
 
@@ -715,7 +715,7 @@ class _Model:
             return
         for s in set(ga) | set(gb):
             lhs, rhs = sum(ga.get(s, [])), sum(gb.get(s, []))
-            if isinstance(lhs, int) and isinstance(rhs, int):  # both sides pinned (`planner.pins`)
+            if isinstance(lhs, int) and isinstance(rhs, int):  # both sides pinned (`planner.configs.pins`)
                 if lhs != rhs:
                     self.m.AddBoolOr([])  # contradictory pins: infeasible
                 continue

@@ -9,17 +9,17 @@ from collections.abc import Sequence
 import numpy as np
 
 from planner.cost_model import CostModel
-from planner.errors import MeshError
-from planner.graph import Tensor
+from planner.core.errors import MeshError
+from planner.graph.trace import Tensor
 from planner.ilp.rules import OpSig
-from planner.mesh import MeshSpec
-from planner.sharding import Spec, active_axes, axis_dim, num_shards
+from planner.core.mesh import MeshSpec
+from planner.core.sharding import Spec, active_axes, axis_dim, num_shards
 
 # (collective kind, mesh axes, buffer bytes on one device)
 Comm = tuple[str, tuple[int, ...], int]
 # (reads, writes): how many times an op reads each operand from device memory (once per fusion it
 # runs in; 0 when the value is made inside) and which results it writes there, after fusion
-# (`planner.fusion.Traffic`).
+# (`planner.graph.fusion.Traffic`).
 Traffic = tuple[tuple[int, ...], tuple[bool, ...]]
 
 
@@ -108,7 +108,7 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
            cost: CostModel, combined: bool = False, traffic: Traffic | None = None) -> list[Strategy]:
     """Strategies for one label->axes assignment: all-reduce, or reduce-scatter onto a result dim.
 
-    `traffic`: (reads, writes) of `planner.fusion.fusions`: each operand is charged memory time as
+    `traffic`: (reads, writes) of `planner.graph.fusion.fusions`: each operand is charged memory time as
     many times as the op reads it from device memory, each result when it is written there (None:
     every operand once, every result)."""
     mesh = cost.mesh

@@ -1,4 +1,4 @@
-"""The planner's plan beside hand configurations (`planner.evaluation.compare`): one table, then the
+"""The planner's plan beside hand configurations (`planner.planning.evaluate.compare`): one table, then the
 places that make the difference: each plan's step time split by argument, op, latency group and
 overlap (`Plan.solver["step_parts"]`), so the differences add up to the step-time gap."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from planner.layer_index import star_indices
-from planner.plan import Plan
+from planner.core.layer_index import star_indices
+from planner.core.plan import Plan
 from planner.present.explain import readable_strategy, shorten
 from planner.present.report import fmt_bytes, fmt_time, table
 

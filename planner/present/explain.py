@@ -14,9 +14,9 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 from planner.cost_model import CostModel, ring_bytes
-from planner.options import PlanOptions
-from planner.plan import Decision, Plan, PredictedCollective
-from planner.planning import cost_model_for
+from planner.core.options import PlanOptions
+from planner.core.plan import Decision, Plan, PredictedCollective
+from planner.search.mesh_plan import cost_model_for
 from planner.present.report import (PlanView, fmt_axes_spec, fmt_bytes, fmt_time, format_levers, memory_breakdown,
                                      table)
 

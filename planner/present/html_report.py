@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from planner.cost_model import ring_bytes
-from planner.layer_index import split_indexed
+from planner.core.layer_index import split_indexed
 from planner.present.compare import HEADERS, record_cells
 from planner.present.explain import cost_breakdown
 from planner.present.report import (

@@ -42,8 +42,8 @@ import re
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 
-from planner.errors import InvalidArgumentError
-from planner.pins import rules_to_pins
+from planner.core.errors import InvalidArgumentError
+from planner.configs.pins import rules_to_pins
 
 Shape = tuple[int, ...]
 Axes = tuple[str, ...]  # mesh axis names splitting one dimension, major to minor; () = not split

@@ -10,10 +10,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from planner.cost_model import Cluster, get_hardware
-from planner.graph import Graph
-from planner.plan import Plan
+from planner.graph.trace import Graph
+from planner.core.plan import Plan
 from planner.present.report import PlanView, fmt_bytes, fmt_time, mfu
-from planner.search import MeshResult
+from planner.search.meshes import MeshResult
 from planner.stages.inter_op import PipelinePlan
 
 Ranked = list[tuple[dict, Plan | None]]  # (ranking row, plan or None), best first

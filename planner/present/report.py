@@ -13,13 +13,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from planner.cost_model import peak_flops
-from planner.errors import InvalidArgumentError
+from planner.core.errors import InvalidArgumentError
 from planner.ilp.solver import LEVERS
-from planner.layer_index import split_indexed
+from planner.core.layer_index import split_indexed
 from planner.present.logical_axes import Axes, AxisRules, Leaf, classify, infer_rules, path_tokens
-from planner.plan import Plan, solver_quality as _solver_quality, stage_way
+from planner.core.plan import Plan, solver_quality as _solver_quality, stage_way
 from planner.stages.clustering import stacked_note
-from planner.units import format_bytes
+from planner.core.units import format_bytes
 
 
 

@@ -25,10 +25,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from planner.errors import InvalidArgumentError
-from planner.graph import Graph, Literal
+from planner.core.errors import InvalidArgumentError
+from planner.graph.trace import Graph, Literal
 from planner.ilp.rules import signature
-from planner.layer_index import COND_BRANCH, SCAN_ITERATION, find_indexed, star_indices
+from planner.core.layer_index import COND_BRANCH, SCAN_ITERATION, find_indexed, star_indices
 
 FORWARD, BACKWARD, APPLY = "forward", "backward", "apply"
 

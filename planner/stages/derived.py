@@ -25,10 +25,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from planner.errors import InvalidArgumentError
-from planner.graph import Graph, Literal, trace
+from planner.core.errors import InvalidArgumentError
+from planner.graph.trace import Graph, Literal, trace
 from planner.stages.clustering import APPLY, BACKWARD, FORWARD, op_phases
-from planner.stages.programs import is_float, op_ranges
+import jax.numpy as jnp
 
 FIX = "build the step with planner.stages.pipelinable(loss_fn, optimizer) to pipeline it"
 
@@ -331,3 +331,20 @@ class GraphUpdate:
             t = parts.new_value.get(int(key[1:]))
             new_o[key] = value(t) if t is not None and (not isinstance(t, int) or t in env) else x
         return new_p, new_o
+
+
+def is_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating)
+
+
+def op_ranges(ops: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Maximal runs [start, end) of consecutive op indices: each runs as `Graph.evaluate` would,
+    so a control-flow region inside one runs as its loop or branch (partition keeps `cond` and
+    `while` regions whole; a `scan` split across stages runs unrolled, which computes the same)."""
+    out: list[tuple[int, int]] = []
+    for i in ops:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out

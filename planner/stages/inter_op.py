@@ -23,17 +23,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from planner.baselines import layer_variant_pins
+from planner.configs.baselines import layer_variant_pins
 from planner.cost_model import Cluster
-from planner.errors import InfeasiblePlanError, InvalidArgumentError, PlannerError, first_line
-from planner.units import format_bytes
-from planner.graph import Graph, trace
-from planner.mesh import MeshSpec
-from planner.options import PlanOptions
-from planner.plan import stage_way
-from planner.planning import make_plan
-from planner.search import candidate_meshes, search_meshes
-from planner.sharding import Spec, spec_axes
+from planner.core.errors import InfeasiblePlanError, InvalidArgumentError, PlannerError, first_line
+from planner.core.units import format_bytes
+from planner.graph.trace import Graph, trace
+from planner.core.mesh import MeshSpec
+from planner.core.options import PlanOptions
+from planner.core.plan import stage_way
+from planner.search.mesh_plan import make_plan
+from planner.search.meshes import candidate_meshes, search_meshes
+from planner.core.sharding import Spec, spec_axes
 from planner.stages.clustering import Layers, cluster_layers, stacked_inputs, stacked_note
 from planner.stages.dp import DPResult, StageChoice, bubble_fraction, pipeline_dp, pipeline_latency
 from planner.stages.stage_cost import (
@@ -395,7 +395,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
       rel_gap: relative spacing of the DP's t_max candidates (0: exact).
       num_layers: layer count for balanced clustering when the model has no repeated modules.
       full_graph: `trace(fn, *args)` when the caller already has it (saves a trace).
-      pins: `(graph, logical mesh) -> {program input tensor id: Spec}` (`planner.pins.stage_pins`):
+      pins: `(graph, logical mesh) -> {program input tensor id: Spec}` (`planner.configs.pins.stage_pins`):
         each layer's ILP keeps the pinned inputs it reads as pinned, so a pin applies to the stage
         that holds the pinned leaf; a mesh that cannot take a pin is not used for those layers.
       devices: the devices the plan will run on (none: planned abstractly). The single-stage plan

@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from planner.errors import InvalidArgumentError
+from planner.core.errors import InvalidArgumentError
 
 Task = tuple[str, int]
 SCHEDULES = ("1f1b", "gpipe")

@@ -51,7 +51,7 @@ sharded (ZeRO-3) ones, can fit where the fastest plans only fit with recomputati
 So the tables hold, besides each layer's own plan, *variants*: the layer planned again with the
 program inputs it reads (parameters, optimizer state, the batch) pinned to a hand layout
 (`LayerCostTable.variants`, `LAYER_VARIANTS`: the named baselines `megatron-tp` and `fsdp`,
-`planner.baselines`), everything else still chosen by the ILP. Every variant of a stage runs in
+`planner.configs.baselines`), everything else still chosen by the ILP. Every variant of a stage runs in
 the four ways above, and the DP picks among all of them (`StageOption.variant`). Those hand
 layouts are then points of the search: a `NAME+ppN` baseline (`inter_op.fixed_pipeline`) is one
 of the pipelines the DP prices.
@@ -68,15 +68,15 @@ import jax
 import numpy as np
 
 from planner.cost_model import Cluster, Hardware
-from planner.errors import MeshError, PlannerError
-from planner.graph import Graph, Op
+from planner.core.errors import MeshError, PlannerError
+from planner.graph.trace import Graph, Op
 from planner.ilp.rules import OpSig, signature
 from planner.ilp.strategies import rate_dtypes, reshard_cost, shard_bytes
-from planner.options import PlanOptions
-from planner.plan import PredictedCollective, stage_way
-from planner.planning import make_plan
-from planner.search import idle_cores
-from planner.sharding import Spec, active_axes, replicated, spec_axes
+from planner.core.options import PlanOptions
+from planner.core.plan import PredictedCollective, stage_way
+from planner.search.mesh_plan import make_plan
+from planner.search.meshes import idle_cores
+from planner.core.sharding import Spec, active_axes, replicated, spec_axes
 from planner.stages.clustering import APPLY, BACKWARD, FORWARD, Layers
 from planner.stages.submesh import LogicalMesh, boundary_link, effective_hardware
 

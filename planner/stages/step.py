@@ -17,7 +17,7 @@ TrainStep = Callable[[Any, Any], tuple[Any, dict[str, jax.Array]]]
 
 def pipelinable(loss_fn: Callable[[Any, Any], jax.Array], optimizer: optax.GradientTransformation) -> TrainStep:
     """The train step `(state, batch) -> (state, {"loss"})` of `loss_fn` and `optimizer`, marked so
-    that a pipelined plan can run it (see `planner.stages.runtime`).
+    that a pipelined plan can run it (see `planner.emit.pipeline.runtime`).
 
     Traced or called directly it is the ordinary step: value_and_grad, then one optimizer update.
 

@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from planner.cost_model import AxisLink, Cluster, CostModel, Hardware, Link, get_hardware
-from planner.errors import InfeasiblePlanError, InvalidArgumentError
-from planner.mesh import MeshSpec, default_axis_names
+from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
+from planner.core.mesh import MeshSpec, default_axis_names
 
 Shape = tuple[int, ...]
 

@@ -1,0 +1,52 @@
+"""Optimizer state across pipeline stages: each stage updates its own parameters, so it gets
+the optimizer-state leaves that mirror them (found by pytree path in the full state), sharded
+like those parameters, and a copy of the shared ones (e.g. the step count)."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from planner.core.errors import InvalidArgumentError
+from planner.emit.pipeline.programs import StagePrograms
+
+
+def opt_layouts(optimizer: Any, num_stages: int, params: Any, opt_state: Any, param_owner: Mapping[int, int]):
+    """Per stage: the optimizer-state pytree of its parameters, built from the full state by path."""
+    treedef = jax.tree_util.tree_structure(params)
+    full = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]}
+    n = treedef.num_leaves
+    out = []
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+    for s in range(num_stages):
+        flat = jax.tree_util.tree_leaves(abstract)
+        masked = jax.tree_util.tree_unflatten(treedef, [flat[k] if param_owner[k] == s else None
+                                                        for k in range(n)])
+        shape = jax.eval_shape(optimizer.init, masked)
+        paths, tdef = jax.tree_util.tree_flatten_with_path(shape)
+        keys = [jax.tree_util.keystr(p) for p, _ in paths]
+        unknown = [k for k in keys if k not in full]
+        if unknown:
+            raise InvalidArgumentError(
+                f"optimizer state leaves {unknown[:3]} of stage {s} have no counterpart in the full optimizer "
+                "state; the pipeline needs an optimizer that updates each parameter on its own")
+        out.append((treedef, tdef, keys))
+    return out, full
+
+
+def opt_shardings(okeys: Sequence[str], st: StagePrograms, flat_params: Sequence[Any], treedef: Any):
+    """Optimizer-state leaves take the sharding of the parameter they mirror; the rest are replicated."""
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(treedef, flat_params))[0]]
+    mine = [(paths[k], np.shape(flat_params[k]), sh) for k, sh in zip(st.params, st.param_shardings)]
+    rep = jax.sharding.NamedSharding(st.mesh, jax.sharding.PartitionSpec())
+
+    def shard_of(key: str, leaf) -> Any:
+        for path, shape, sh in mine:
+            if key.endswith(path) and np.shape(leaf) == shape:
+                return sh
+        return rep
+
+    return shard_of

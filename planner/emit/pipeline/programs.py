@@ -1,0 +1,366 @@
+"""The compiled programs of one pipeline stage: forward, backward, gradient zeros and update.
+
+The stage's ops of the traced `loss_fn` (its layers, bound in program order) and their `jax.vjp`
+are traced into one program per microbatch (`StageGraph`); the stage's intra-op plan is made for
+that program, and the forward and backward are its two halves evaluated with the plan's sharding
+constraints on every planned intermediate (as single-stage emission does), on the stage's submesh.
+
+Gradient accumulation per data-parallel replica (`Replica`): when the stage's batch is split over
+mesh axes (its data-parallel axes, `ways` replicas), the forward and backward run as `jax.vmap`
+over the replicas (`spmd_axis_name` = those axes) of the same program traced at `microbatch /
+ways` rows, under the plan with those axes taken out of its specs: each replica's parameter
+gradient stays on its replica (no collective), the accumulator carries the replica axis (float32,
+split over the data axes), and the update sums it once per step (one all-reduce, or a
+reduce-scatter where the parameter is split) before the optimizer, as Megatron-LM does. This is
+the unsharded step's arithmetic for a loss that is a mean of per-example terms (the runtime's
+contract); only the order of the gradient sums changes.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from planner.emit.single import constraint_hooks
+from planner.core.errors import InvalidArgumentError
+from planner.graph.trace import Graph, Literal, trace
+from planner.emit.pipeline.layout import StageLayout
+from planner.stages.derived import op_ranges
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePrograms:
+    """The compiled pieces of one stage (built once per argument signature)."""
+
+    index: int
+    layout: StageLayout
+    mesh: jax.sharding.Mesh
+    ops: tuple[int, ...]
+    params: tuple[int, ...]        # flat param leaves it owns
+    batch: tuple[int, ...]         # flat batch leaves it reads
+    acts_in: tuple[int, ...]       # float tensors received from earlier stages
+    aux_in: tuple[int, ...]        # non-float tensors received (no cotangent)
+    outs: tuple[int, ...]          # float tensors later stages (or the loss) need
+    aux_out: tuple[int, ...]       # non-float tensors later stages need
+    param_shardings: tuple[Any, ...]
+    batch_shardings: tuple[Any, ...]
+    fwd: Any
+    bwd: Any
+    zeros: Any
+    apply: Any
+    plan: Any = None               # the stage's intra-op `Plan` of `stage_graph.graph`
+    stage_graph: Any = None
+    replica: Any = None            # `Replica` when gradients accumulate per data-parallel replica
+
+
+@dataclasses.dataclass(frozen=True)
+class Replica:
+    """How a stage runs per data-parallel replica (see the module docstring).
+
+    Attributes:
+      axes: names of the mesh axes the replicas are split over (the stage's data axes, in order).
+      ways: number of replicas (the product of those axes' sizes).
+      sg: the stage's `StageGraph` traced at `microbatch / ways` rows (same ops as the full one).
+      ins: per input group ("a", "aux", "b"), per value: "batch" (dim 0 is the batch: split over
+        the replicas) or "same" (every replica reads it whole).
+      outs: per output group ("ct", "aux_out"), per value: "batch" (concatenated back) or "mean"
+        (the loss: the mean of the replicas' means).
+      planned: `sg` has the full program's ops one for one, so the plan's intermediates are
+        constrained in it too (its data axes taken out); False (tracing at fewer rows made other
+        ops, e.g. for dimensions of size 1): only its inputs and outputs are placed, and the
+        partitioner propagates from them.
+    """
+
+    axes: tuple[str, ...]
+    ways: int
+    sg: StageGraph
+    ins: Mapping[str, tuple[str, ...]]
+    outs: Mapping[str, tuple[str, ...]]
+    planned: bool = True
+
+
+def strip_axes(plan: Any, axes: tuple[int, ...]) -> Any:
+    """`plan` with mesh `axes` taken out of every intermediate's spec (the replica program's plan:
+    `jax.vmap(..., spmd_axis_name=...)` puts those axes on the replica dimension)."""
+    drop = set(axes)
+
+    def strip(spec):
+        return tuple(tuple(a for a in dims if a not in drop) for dims in spec)
+
+    return dataclasses.replace(
+        plan, op_specs=tuple((i, k, strip(sp)) for i, k, sp in plan.op_specs),
+        scatter_specs=tuple((i, k, strip(sp)) for i, k, sp in plan.scatter_specs),
+        operand_specs=tuple((i, k, strip(sp)) for i, k, sp in plan.operand_specs))
+
+
+@dataclasses.dataclass(frozen=True)
+class StageGraph:
+    """One stage's forward and backward of one microbatch as one traced program, the program its
+    intra-op plan is made for and its jitted pieces run.
+
+    `graph` maps `{"p": params, "a": float activations in, "aux": other values in, "b": batch
+    leaves, "ct": cotangents of the float outputs}` to `{"ct": float outputs, "aux_out": other
+    outputs, "p": parameter gradients, "a": activation cotangents}` (gradients and outputs carry
+    the path of the input they mirror, so the plan ties their shardings to it). Ops [0, split) are
+    the forward (they never read a cotangent), [split, n) the backward; `residuals` are the values
+    the backward reads from the forward.
+    """
+
+    graph: Graph
+    split: int | None              # None: the backward starts before the forward's outputs are made
+    residuals: tuple[int, ...]
+    inputs: Mapping[str, tuple[int, ...]]    # group -> input tensor ids
+    outputs: Mapping[str, tuple[Any, ...]]   # group -> output tensor ids (or literals)
+
+    def input_positions(self, group: str) -> tuple[int, ...]:
+        pos = {t: i for i, t in enumerate(self.graph.inputs)}
+        return tuple(pos[t] for t in self.inputs[group])
+
+
+@contextlib.contextmanager
+def _named_ops():
+    """`(before_op, after_op, scope)` hooks that bind each op under its traced module path
+    (`jax.named_scope`), so the stage's program keeps the layer names its plan shares decisions
+    by. The scope opened before an op closes right after it; region results (no scope of their
+    own) pass through; a custom-derivative call is bound in its own scope (`scope`), so the ops
+    its rule makes keep the layer's name; scopes still open on an error are closed."""
+    opened: list[tuple[int, Any]] = []
+
+    def before(op, operands):
+        if op.name_stack:
+            scope = jax.named_scope(op.name_stack)
+            scope.__enter__()
+            opened.append((op.index, scope))
+        return operands
+
+    def after(op, outs):
+        if opened and opened[-1][0] == op.index:
+            opened.pop()[1].__exit__(None, None, None)
+        return outs
+
+    def scope(region):
+        return jax.named_scope(region.name_stack) if region.name_stack else contextlib.nullcontext()
+
+    try:
+        yield before, after, scope
+    finally:
+        while opened:
+            opened.pop()[1].__exit__(None, None, None)
+
+
+def stage_graph(graph: Graph, ops: tuple[int, ...], param_ids: tuple[int, ...], acts_in: tuple[int, ...],
+                aux_in: tuple[int, ...], batch_ids: tuple[int, ...], outs: tuple[int, ...],
+                aux_out: tuple[int, ...]) -> StageGraph:
+    """Traces the stage's forward + backward (`jax.vjp` of its ops of `graph`) into a `StageGraph`."""
+    consts = dict(graph.consts)
+    ranges = op_ranges(ops)
+
+    def run(p, a, aux, b):
+        env: dict[int, Any] = dict(consts)
+        env.update(zip(param_ids, p))
+        env.update(zip(acts_in, a))
+        env.update(zip(aux_in, aux))
+        env.update(zip(batch_ids, b))
+        with _named_ops() as (before, after, scope):
+            for start, end in ranges:
+                graph.run_range(start, end, env, before, after, scope)
+        return [env[t] for t in outs], [env[t] for t in aux_out]
+
+    def train(args):
+        o, pull, x = jax.vjp(lambda p_, a_: run(p_, a_, args["aux"], args["b"]), args["p"], args["a"], has_aux=True)
+        gp, ga = pull(args["ct"])
+        return ({"ct": o, "aux_out": x, "p": gp, "a": ga},)  # paths as the inputs': "[0]['p'][0]"
+
+    def sds(ts):
+        return [jax.ShapeDtypeStruct(graph.tensors[t].shape, graph.tensors[t].dtype) for t in ts]
+
+    groups = {"p": param_ids, "a": acts_in, "aux": aux_in, "b": batch_ids, "ct": outs}
+    g = trace(train, {k: sds(v) for k, v in groups.items()})
+    in_pos = jax.tree_util.tree_unflatten(g.in_tree, list(range(len(g.inputs))))[0]
+    out_pos = jax.tree_util.tree_unflatten(g.out_tree, list(range(len(g.outputs))))[0]
+    inputs = {k: tuple(g.inputs[i] for i in in_pos[k]) for k in groups}
+    outputs = {k: tuple(g.outputs[i] for i in out_pos[k]) for k in ("ct", "aux_out", "p", "a")}
+    cts = set(inputs["ct"])
+    dep = set(cts)
+    first_bwd = len(g.ops)
+    for op in g.ops:
+        if any(t in dep for t in op.tensor_inputs):
+            dep.update(op.outputs)
+            first_bwd = min(first_bwd, op.index)
+    producers = g.producers()
+    made = [producers[t][0] for t in outputs["ct"] + outputs["aux_out"] if isinstance(t, int) and t in producers]
+    split = max(made, default=-1) + 1
+    changed = True
+    while changed:  # a control-flow region runs whole on one side
+        changed = False
+        for regions in g.regions.values():
+            for r in regions:
+                if r.start < split < r.end:
+                    split, changed = r.end, True
+    if split > first_bwd:  # no forward program can be cut from it; only a remat stage can run it
+        return StageGraph(g, None, (), inputs, outputs)
+    late = range(split, len(g.ops))
+    produced_late = {t for i in late for t in g.ops[i].outputs}
+    reads = [t for i in late for t in g.ops[i].tensor_inputs]
+    for regions in g.regions.values():
+        reads += [t for r in regions if r.start >= split for t in r.operands if isinstance(t, int)]
+    reads += [t for k in ("p", "a") for t in outputs[k] if isinstance(t, int)]
+    residuals = tuple(dict.fromkeys(t for t in reads if t not in produced_late and t not in cts and t not in g.consts))
+    return StageGraph(g, split, residuals, inputs, outputs)
+
+
+def _halves(sg: StageGraph, plan: Any, jmesh, remat: bool):
+    """(forward, backward) of one microbatch of `sg`, evaluated under `plan`'s constraints: the
+    forward gives (outputs, aux outputs[, residuals]); the backward (residuals, or the forward's
+    inputs under remat, then the summed output cotangents) gives (parameter gradients, input
+    cotangents)."""
+    g = sg.graph
+    consts = dict(g.consts)
+    before_op, after_op = constraint_hooks(plan, jmesh)
+    n = len(g.ops)
+
+    def read(env, x):
+        return x.value if isinstance(x, Literal) else env[x]
+
+    def seeded(p, a, aux, b):
+        env: dict[int, Any] = dict(consts)
+        for k, vals in (("p", p), ("a", a), ("aux", aux), ("b", b)):
+            env.update(zip(sg.inputs[k], vals))
+        return env
+
+    def grads(env):
+        return [read(env, t) for t in sg.outputs["p"]], [read(env, t) for t in sg.outputs["a"]]
+
+    def fwd(p, a, aux, b):
+        env = seeded(p, a, aux, b)
+        if sg.split is None:  # (remat only) forward and backward interleave: run both, on zero cotangents
+            env.update((t, jnp.zeros(g.tensors[t].shape, g.tensors[t].dtype)) for t in sg.inputs["ct"])
+        g.run_range(0, n if sg.split is None else sg.split, env, before_op, after_op)
+        o = [read(env, t) for t in sg.outputs["ct"]]
+        x = [read(env, t) for t in sg.outputs["aux_out"]]
+        if remat:
+            return o, x
+        return o, x, [env.get(t) for t in sg.residuals]
+
+    if remat:
+        def bwd(p, a, aux, b, cts):
+            env = seeded(p, a, aux, b)
+            env.update(zip(sg.inputs["ct"], cts))
+            g.run_range(0, n, env, before_op, after_op)
+            return grads(env)
+    else:
+        def bwd(res, cts):
+            env: dict[int, Any] = dict(consts)
+            env.update((t, v) for t, v in zip(sg.residuals, res) if v is not None)
+            env.update(zip(sg.inputs["ct"], cts))
+            g.run_range(sg.split, n, env, before_op, after_op)
+            return grads(env)
+    return fwd, bwd
+
+
+def _replicated_halves(rep: Replica, plan: Any, jmesh, remat: bool):
+    """(forward, backward) over the whole microbatch as `jax.vmap` over the data-parallel replicas of
+    the replica program's halves (`Replica`); the backward's parameter gradients keep the replica
+    axis in front, its input cotangents and the forward's outputs are whole-microbatch values."""
+    names = list(jmesh.axis_names)
+    local = strip_axes(plan, tuple(names.index(a) for a in rep.axes)) if rep.planned else \
+        dataclasses.replace(plan, op_specs=(), scatter_specs=(), operand_specs=())
+    fwd1, bwd1 = _halves(rep.sg, local, jmesh, remat)
+    w = rep.ways
+    spmd = rep.axes if len(rep.axes) > 1 else rep.axes[0]
+
+    def split(xs, kinds):
+        return [x.reshape((w, x.shape[0] // w) + x.shape[1:]) if k == "batch" else x for x, k in zip(xs, kinds)]
+
+    def join(xs, kinds):
+        return [x.reshape((-1,) + x.shape[2:]) if k == "batch" else jnp.mean(x, axis=0) for x, k in zip(xs, kinds)]
+
+    def axes_of(kinds):
+        return [0 if k == "batch" else None for k in kinds]
+
+    ins = (None, axes_of(rep.ins["a"]), axes_of(rep.ins["aux"]), axes_of(rep.ins["b"]))
+
+    def fwd(p, a, aux, b):
+        out = jax.vmap(fwd1, in_axes=ins, axis_size=w, spmd_axis_name=spmd)(
+            p, split(a, rep.ins["a"]), split(aux, rep.ins["aux"]), split(b, rep.ins["b"]))
+        o, x = join(out[0], rep.outs["ct"]), join(out[1], rep.outs["aux_out"])
+        return (o, x) if remat else (o, x, out[2])
+
+    def cts_in(cts):  # the loss (kind "mean") is the replicas' mean: each gets 1/ways of its cotangent
+        return [c.reshape((w, c.shape[0] // w) + c.shape[1:]) if k == "batch" else c / w
+                for c, k in zip(cts, rep.outs["ct"])]
+
+    def gather(ga):
+        return [x.reshape((-1,) + x.shape[2:]) if k == "batch" else jnp.sum(x, axis=0)
+                for x, k in zip(ga, rep.ins["a"])]
+
+    ct_axes = axes_of(["batch" if k == "batch" else "same" for k in rep.outs["ct"]])
+    if remat:
+        def bwd(p, a, aux, b, cts):
+            gp, ga = jax.vmap(bwd1, in_axes=ins + (ct_axes,), axis_size=w, spmd_axis_name=spmd)(
+                p, split(a, rep.ins["a"]), split(aux, rep.ins["aux"]), split(b, rep.ins["b"]), cts_in(cts))
+            return gp, gather(ga)
+    else:
+        def bwd(res, cts):
+            gp, ga = jax.vmap(bwd1, in_axes=(0, ct_axes), axis_size=w, spmd_axis_name=spmd)(res, cts_in(cts))
+            return gp, gather(ga)
+    return fwd, bwd
+
+
+def replica_sharding(sharding: jax.sharding.NamedSharding, axes: tuple[str, ...]) -> jax.sharding.NamedSharding:
+    """`sharding` of a parameter with a leading replica dimension split over `axes`."""
+    spec = tuple(sharding.spec)
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(axes, *spec))
+
+
+def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: StageLayout, jmesh, ops, own, bl,
+                   acts_in, aux_in, outs, aux_out, p_shard, b_shard, zero_shapes,
+                   replica: Replica | None = None) -> StagePrograms:
+    """The stage's jitted forward, backward, gradient zeros and update: the pieces of `sg.graph`
+    evaluated with `plan`'s sharding constraints (`planner.emit.single.constraint_hooks`) on `jmesh`; with
+    `replica`, per data-parallel replica with the gradient reduction once per step, in the update
+    (see the module docstring)."""
+    if sg.split is None and not lay.remat:
+        raise InvalidArgumentError(
+            f"stage {s}: its traced backward starts before its forward's outputs are made, so no forward "
+            "program can be cut from it; run this stage with remat=True")
+    if replica is None:
+        fwd, bwd1 = _halves(sg, plan, jmesh, lay.remat)
+        acc_shard = list(p_shard)
+        acc_shapes = list(zero_shapes)
+    else:
+        fwd, bwd1 = _replicated_halves(replica, plan, jmesh, lay.remat)
+        acc_shard = [replica_sharding(sh, replica.axes) for sh in p_shard]
+        acc_shapes = [((replica.ways,) + tuple(shape), jnp.float32) for shape, _ in zero_shapes]
+
+    def bwd(*args):
+        *xs, cts, acc = args
+        gp, ga = bwd1(*xs, [sum(c) for c in cts])
+        return [x + y.astype(x.dtype) for x, y in zip(acc, gp)], ga
+
+    def zeros():
+        return [jnp.zeros(shape, dtype) for shape, dtype in acc_shapes]
+
+    def apply(p, o, gr):
+        if replica is not None:  # the data-parallel gradient reduction, once per step
+            gr = jax.tree.map(lambda x, q: jnp.sum(x, axis=0).astype(q.dtype), gr, p)
+        if hasattr(optimizer, "apply"):  # a step's own update ops (planner.stages.derived.GraphUpdate)
+            return optimizer.apply(p, o, gr)
+        updates, o2 = optimizer.update(gr, o, p)
+        return optax.apply_updates(p, updates), o2
+
+    nacc = 5 if lay.remat else 2
+    return StagePrograms(
+        index=s, layout=lay, mesh=jmesh, ops=ops, params=own, batch=bl, acts_in=acts_in, aux_in=aux_in,
+        outs=outs, aux_out=aux_out, param_shardings=p_shard, batch_shardings=b_shard,
+        fwd=jax.jit(fwd),
+        bwd=jax.jit(bwd, out_shardings=(acc_shard, None), donate_argnums=(nacc,)),
+        zeros=jax.jit(zeros, out_shardings=acc_shard),
+        apply=jax.jit(apply),
+        plan=plan, stage_graph=sg, replica=replica,
+    )

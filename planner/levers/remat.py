@@ -1,0 +1,397 @@
+"""Recomputation (rematerialisation) in single-stage plans: a graph transformation the ILP plans.
+
+`rematerialize(graph, layers, policy)` rewrites a traced train step (`jax.grad` /
+`jax.value_and_grad` + update, any signature): for each chosen layer (a repeated module such as
+`blocks_3`, `planner.core.layer_index`), the forward ops whose results its backward reads (the
+residuals) are copied, computed from the layer's inputs, and placed right before that layer's
+backward starts; the backward reads the copies, so the forward's own results die after the forward.
+
+* policy "full" recomputes every residual (`jax.checkpoint` with `nothing_saveable`): a layer keeps
+  only its inputs;
+* policy "dots" keeps the results of matmuls and convolutions and recomputes the rest from them
+  (`jax.checkpoint_policies.dots_saveable`).
+
+The transformed graph is planned like any other (`planning.make_plan`): the ILP prices the copies'
+compute and their shardings, and the memory model (liveness in program order) sees the shorter live
+ranges, so the prediction includes both sides of the trade with no separate model. Emission runs
+each layer's copies behind one `optimization_barrier` on their inputs and the incoming cotangent,
+and makes their activation inputs depend on that cotangent (`graph.Recompute`), so XLA neither
+merges them back into the forward (CSE) nor hoists them. The barrier alone is not enough: XLA
+removes barriers before scheduling, and XLA:CPU's default (concurrency-optimised) scheduler then
+computed the recomputation during the forward (8 unrolled 2048x256 -> 1024 MLP layers: 243 MB of
+temporaries with and without `jax.checkpoint`, and with this module's barrier alone; with the
+dependency 126 MB "dots", 80 MB "full"). `--xla_cpu_enable_concurrency_optimized_scheduler=false`
+also helps `jax.checkpoint` (149 MB) but only as a process-wide XLA_FLAGS: passed per program
+(`jax.jit(compiler_options=...)`) it changed nothing (jax 0.10.2), so plans do not rely on it.
+
+Out of scope: layers inside a scan or other control-flow region (a scanned stack is recomputed by the
+model's own `jax.checkpoint`, which tracing keeps as its saved/recomputed split), and layers a
+pipeline plans (pipeline stages choose recomputation per stage, `pipeline="auto"`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
+from planner.graph.trace import Body, Graph, Op, Recompute
+from planner.ilp.solver import LEVERS, levers_text
+from planner.core.layer_index import find_indexed
+from planner.core.options import REMAT
+from planner.core.plan import Plan
+from planner.stages.clustering import BACKWARD, FORWARD, op_phases, repeated_module
+from planner.core.units import format_bytes
+
+log = logging.getLogger("planner")
+
+POLICIES = ("full", "dots")
+OPTIONS = REMAT
+
+# Results `dots` keeps (jax.checkpoint_policies.dots_saveable: dot_general and conv_general_dilated).
+SAVEABLE = frozenset({"dot_general", "conv_general_dilated"})
+
+# Name stack wrapper of the copies: `remat(jvp(GPT))/blocks_3/mlp` recomputes `jvp(GPT)/blocks_3/mlp`.
+WRAPPER = "remat"
+
+
+def check_option(remat: Any) -> str:
+    """`remat` if it is one of `OPTIONS`; a one-line InvalidArgumentError otherwise."""
+    if not isinstance(remat, str) or remat not in OPTIONS:
+        raise InvalidArgumentError(f"remat={remat!r} must be one of {', '.join(map(repr, OPTIONS))}")
+    return remat
+
+
+def _layer_of(stack: str, prefix: str) -> str | None:
+    for m in find_indexed(stack):
+        if m.group(1) == prefix:
+            return m.group(0)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    name: str
+    forward: tuple[int, ...]
+    backward: tuple[int, ...]
+
+
+def _layers(graph: Graph) -> tuple[list[_Layer], dict[str, str]]:
+    """Repeated layers in forward order, and per layer left out the reason."""
+    phases = op_phases(graph)
+    if BACKWARD not in phases:
+        return [], {}
+    prefix = repeated_module(graph)
+    if prefix is None:
+        return [], {}
+    fwd: dict[str, list[int]] = defaultdict(list)
+    bwd: dict[str, list[int]] = defaultdict(list)
+    for op in graph.ops:
+        name = _layer_of(op.name_stack, prefix)
+        if name is not None and phases[op.index] in (FORWARD, BACKWARD):
+            (fwd if phases[op.index] == FORWARD else bwd)[name].append(op.index)
+    in_region = [False] * len(graph.ops)
+    for regions in graph.regions.values():
+        for r in regions:
+            for i in range(r.start, r.end):
+                in_region[i] = True
+    out, skipped = [], {}
+    for name in sorted(fwd, key=lambda n: fwd[n][0]):
+        f, b = fwd[name], bwd.get(name, [])
+        if not b:
+            skipped[name] = "no backward ops"
+        elif any(in_region[i] for i in f + b):
+            skipped[name] = "inside a loop or branch (use the model's own jax.checkpoint)"
+        elif max(f) >= min(b):
+            skipped[name] = "its forward and backward interleave"
+        else:
+            out.append(_Layer(name, tuple(f), tuple(b)))
+    return out, skipped
+
+
+def remat_layers(graph: Graph) -> list[str]:
+    """Names of the layers `rematerialize` can recompute, in forward order."""
+    return [layer.name for layer in _layers(graph)[0]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Copy:
+    """One layer's recomputation: the original ops to copy (program order), inserted before op `at`."""
+
+    layer: str
+    at: int
+    ops: tuple[int, ...]
+    gate: int
+
+
+def _plan_copies(graph: Graph, layer: _Layer, policy: str, consumers, producer) -> _Copy | None:
+    at = layer.backward[0]
+    made = {t: i for i in layer.forward for t in graph.ops[i].outputs}
+    saved = {t for t, i in made.items() if policy == "dots" and graph.ops[i].name in SAVEABLE}
+    residuals = {t for t in made if t not in saved and any(j >= at for j, _ in consumers.get(t, ()))}
+    todo, copy = [made[t] for t in residuals], set()
+    while todo:
+        i = todo.pop()
+        if i in copy:
+            continue
+        copy.add(i)
+        todo.extend(made[t] for t in graph.ops[i].tensor_inputs if t in made and t not in saved)
+    if not copy or any("callback" in graph.ops[i].name for i in copy):
+        return None
+    # the gate: the latest value of an earlier backward op this layer's backward reads (its cotangent)
+    own = set(layer.backward)
+    incoming = [t for i in layer.backward for t in graph.ops[i].tensor_inputs
+                if producer.get(t, at) < at and producer[t] not in own and _is_backward(graph, producer[t])]
+    if not incoming:
+        return None
+    gate = max(incoming, key=lambda t: producer[t])
+    return _Copy(layer.name, at, tuple(sorted(copy)), gate)
+
+
+def _is_backward(graph: Graph, i: int) -> bool:
+    return graph.ops[i].name_stack.startswith("transpose(")
+
+
+def rematerialize(graph: Graph, layers: Sequence[str] | None = None, policy: str = "full") -> Graph:
+    """`graph` with the forward of each layer in `layers` (default: every layer `remat_layers`
+    finds) recomputed before its backward (module docstring). The result computes the same values.
+
+    Raises:
+      InvalidArgumentError: an unknown policy, or a layer name that is not a recomputable layer.
+    """
+    if policy not in POLICIES:
+        raise InvalidArgumentError(f"remat policy {policy!r} must be one of {', '.join(map(repr, POLICIES))}")
+    found, skipped = _layers(graph)
+    by_name = {layer.name: layer for layer in found}
+    if layers is None:
+        chosen = found
+    else:
+        unknown = [n for n in layers if n not in by_name]
+        if unknown:
+            why = skipped.get(unknown[0], "not a repeated layer of this step")
+            raise InvalidArgumentError(f"cannot recompute layer {unknown[0]!r}: {why}; recomputable layers: "
+                                       f"{', '.join(by_name) or 'none'}")
+        chosen = [by_name[n] for n in layers]
+    consumers, producer = graph.consumers(), {t: op.index for op in graph.ops for t in op.outputs}
+    copies = [c for c in (_plan_copies(graph, layer, policy, consumers, producer) for layer in chosen) if c]
+    inside = [r for regions in graph.regions.values() for r in regions]
+    copies = [c for c in copies if not any(r.start < c.at < r.end for r in inside)]
+    if not copies:
+        return graph
+    return _insert(graph, sorted(copies, key=lambda c: c.at))
+
+
+def _insert(graph: Graph, copies: Sequence[_Copy]) -> Graph:
+    tensors = list(graph.tensors)
+    ops: list[Op] = []
+    new_index: list[int] = [0] * len(graph.ops)
+    rename: dict[int, int] = {}  # residual -> its copy, for every op placed after the copy
+    groups: dict[int, Recompute] = {}
+    pending = list(copies)
+
+    def read(x):
+        return rename.get(x, x) if isinstance(x, int) else x
+
+    for i, op in enumerate(graph.ops):
+        while pending and pending[0].at == i:
+            c = pending.pop(0)
+            start, local = len(ops), {}
+            for j in c.ops:
+                src = graph.ops[j]
+                outs = []
+                for t in src.outputs:
+                    tensors.append(graph.tensors[t])
+                    local[t] = len(tensors) - 1
+                    outs.append(local[t])
+                inputs = tuple(local.get(x, read(x)) if isinstance(x, int) else x for x in src.inputs)
+                ops.append(Op(len(ops), src.primitive, src.params, inputs, tuple(outs),
+                              f"{WRAPPER}({src.name_stack})" if src.name_stack else WRAPPER))
+            made = set(local.values())
+            outside = sorted({x for o in ops[start:] for x in o.tensor_inputs if x not in made
+                              and x not in graph.consts})
+            groups[start] = Recompute(start, len(ops), tuple(outside), read(c.gate))
+            rename.update(local)
+        new_index[i] = len(ops)
+        ops.append(Op(len(ops), op.primitive, op.params, tuple(read(x) for x in op.inputs), op.outputs,
+                      op.name_stack))
+
+    def index(s: int) -> int:
+        return new_index[s] if s < len(new_index) else len(ops)
+
+    def end(s: int, e: int) -> int:
+        return index(e - 1) + 1 if e > s else index(s)
+
+    def body(b: Body) -> Body:
+        return Body(index(b.start), end(b.start, b.end), tuple(read(x) for x in b.inputs),
+                    tuple(read(x) for x in b.outputs))
+
+    regions = {index(k): tuple(dataclasses.replace(r, start=index(r.start), end=end(r.start, r.end),
+                                                   operands=tuple(read(x) for x in r.operands),
+                                                   bodies=tuple(body(b) for b in r.bodies)) for r in rs)
+               for k, rs in graph.regions.items()}
+    return dataclasses.replace(graph, tensors=tuple(tensors), ops=tuple(ops), regions=regions,
+                               recompute={**{index(k): dataclasses.replace(g, start=index(g.start),
+                                                                           end=end(g.start, g.end))
+                                             for k, g in graph.recompute.items()}, **groups})
+
+
+def summary(original: Graph, transformed: Graph, policy: str) -> dict:
+    """What `plan.levers["remat"]` records: the policy, the layers recomputed (those actually copied,
+    forward order), how many layers could be (`recomputable`), the ops added."""
+    prefix = repeated_module(original) or ""
+    copied = {_layer_of(op.name_stack, prefix) for op in transformed.ops if op.name_stack.startswith(f"{WRAPPER}(")}
+    names = remat_layers(original)
+    return {"policy": policy, "layers": [n for n in names if n in copied], "recomputable": len(names),
+            "recomputed_ops": len(transformed.ops) - len(original.ops)}
+
+
+def graph_for(graph: Graph, plan: Plan) -> Graph:
+    """The graph `plan` was made for, from the step's own trace: rewritten as `plan.levers["remat"]`
+    records (a saved plan re-emitted with `jit_planned` needs it); `graph` itself for other plans."""
+    info = plan.levers.get("remat") or {}
+    if not info.get("recomputed_ops"):
+        return graph
+    return rematerialize(graph, info["layers"], info["policy"])
+
+
+def record(plan: Plan, original: Graph, transformed: Graph, policy: str) -> Plan:
+    """`plan` (of `transformed`) with `levers["remat"]` (`summary`)."""
+    return plan.with_lever("remat", summary(original, transformed, policy) if transformed is not original
+                           else {"policy": "off"})
+
+
+T = TypeVar("T")
+
+
+def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable[[Graph, bool], T],
+               plan_of: Callable[[T], Plan]) -> tuple[Graph, T, str]:
+    """Plans `graph` with recomputation `remat` ("off", "full", "dots" or "auto").
+
+    "auto": no recomputation when there is no budget, or when the plan without it meets the budget
+    without a memory constraint (its unconstrained optimum fits: recomputation only adds work).
+    Otherwise "off", "dots" and "full" (every layer) are planned; when some policy fits but "off" does
+    not, the fastest fitting policy is then applied to the first n layers (forward order) for the
+    fewest n that fits, found by bisection over n in [1, L]. The first layers are the ones whose
+    residuals live longest (their backward runs last), so they are the ones worth recomputing;
+    Megatron-LM's `--recompute-method block --recompute-num-layers N` likewise recomputes the first N
+    layers of each pipeline stage (NVIDIA/Megatron-LM, megatron/core/transformer/transformer_block.py,
+    `_checkpointed_forward`: `if l < recompute_num_layers`). Bisection assumes "fits" is
+    monotone in n: more recomputed layers free more memory, so it holds to a good approximation but
+    not exactly, since the ILP may shard differently at each n; the n found always fits (it was
+    planned), it may be a layer or so more than the fewest. The bisection costs at most
+    ceil(log2 L) extra plans (plan_fn(graph, False) each: no smallest-peak search), for one
+    policy only. The result is the fastest (predicted step time) of what fits: "off", each policy
+    on all L layers, the policy on its first n layers, and the bisection's other fitting probes
+    (planned anyway), fewer layers first on a tie. Fewer recomputed layers is usually faster but
+    not always: the memory they keep can force more sharding. When "off" fits (with more
+    sharding than its unconstrained optimum), the fewest layers the budget needs is none, and no
+    bisection runs. Each plan tried logs one line (the `[planner ...]` lines of the CLI).
+
+    Args:
+      plan_fn: (graph, search) -> its plan (or a result holding it, `plan_of`); raises
+        InfeasiblePlanError when nothing fits the budget, after a search for the smallest peak
+        when `search` (False under "auto": the smallest peak of the fewest-bytes plan only, so
+        that an infeasible "off" costs little before recomputation is tried).
+
+    Returns:
+      (the graph planned, plan_fn's result, the policy chosen: "off", "full" or "dots"); `summary`
+      of the graph tells which layers it recomputes.
+
+    Raises:
+      InvalidArgumentError: an unknown option, or "full"/"dots" for a step with no recomputable layer.
+      InfeasiblePlanError: nothing fits; names the smallest peak found per policy tried.
+    """
+    check_option(remat)
+    if remat in POLICIES:
+        transformed = rematerialize(graph, None, remat)
+        if transformed is graph:
+            raise InvalidArgumentError(
+                f"remat={remat!r}: this step has no layer to recompute (repeated modules named like blocks_0, "
+                "blocks_1, ... outside loops, with a gradient); a scanned stack recomputes with the model's own "
+                "jax.checkpoint")
+        return transformed, plan_fn(transformed, True), remat
+    names = remat_layers(graph) if remat == "auto" and budget is not None else []
+    if not names:
+        return graph, plan_fn(graph, True), "off"
+    failed: dict[str, InfeasiblePlanError] = {}
+    found: list[tuple[float, int, Graph, T, str]] = []  # (step time, layers recomputed, graph, result, policy)
+    try:
+        result = plan_fn(graph, False)
+    except InfeasiblePlanError as e:
+        failed["off"] = e
+        log.info("remat auto: off does not fit")
+    else:
+        plan = plan_of(result)
+        if plan.solver.get("rounds", 1) <= 1:  # the budget did not bind: recomputation only adds work
+            return graph, result, "off"
+        found.append((plan.prediction.step_time_s, 0, graph, result, "off"))
+        log.info("remat auto: off fits, %.4g s/step", plan.prediction.step_time_s)
+    for policy in ("dots", "full"):
+        transformed = rematerialize(graph, None, policy)
+        if transformed is graph:
+            break
+        probe = _probe(transformed, policy, len(names), len(names), plan_fn, plan_of)
+        if isinstance(probe, InfeasiblePlanError):
+            failed[policy] = probe
+        else:
+            found.append(probe)
+    if found and "off" in failed:
+        fastest = min(found, key=lambda x: x[:2])[4]
+        found.extend(_fewest_layers(graph, names, fastest, plan_fn, plan_of))
+    if found:
+        _, _, g, result, policy = min(found, key=lambda x: x[:2])  # on a tie, fewer layers recomputed
+        return g, result, policy
+    floors = [e.lower_bound_bytes for e in failed.values() if e.lower_bound_bytes is not None]
+    off = failed["off"]
+    # the smallest peak with full recomputation, now searched for (the attempts above did not)
+    transformed = rematerialize(graph, None, "full")
+    try:
+        result = plan_fn(transformed, True)
+    except InfeasiblePlanError as e:
+        full = e
+    else:
+        return transformed, result, "full"
+    text = (re.split(r"[.;] [Tt]ried:", str(full))[0] + " (with full recomputation"
+            + (f"; without recomputation no plan goes below {format_bytes(off.lower_bound_bytes)}"
+               if off.lower_bound_bytes is not None else "") + ")")
+    best = full.min_memory_bytes
+    levers = tuple(dataclasses.replace(v, state="tried") if v.name == "rematerialisation" else v
+                   for v in (full.levers or LEVERS))
+    raise InfeasiblePlanError(f"{text}. {levers_text(levers)}. Raise memory_budget or use more devices",
+                              best, min(floors) if floors else None)
+
+
+def _probe(transformed: Graph, policy: str, n: int, total: int, plan_fn: Callable[[Graph, bool], T],
+           plan_of: Callable[[T], Plan]) -> tuple[float, int, Graph, T, str] | InfeasiblePlanError:
+    """`transformed` (`policy` on the first `n` of `total` layers) planned without the smallest-peak
+    search, logged: its `plan_remat` candidate, or the error when it does not fit."""
+    try:
+        result = plan_fn(transformed, False)
+    except InfeasiblePlanError as e:
+        log.info("remat auto: %s on %d of %d layers does not fit", policy, n, total)
+        return e
+    step = plan_of(result).prediction.step_time_s
+    log.info("remat auto: %s on %d of %d layers fits, %.4g s/step", policy, n, total, step)
+    return step, n, transformed, result, policy
+
+
+def _fewest_layers(graph: Graph, names: Sequence[str], policy: str, plan_fn: Callable[[Graph, bool], T],
+                   plan_of: Callable[[T], Plan]) -> list[tuple[float, int, Graph, T, str]]:
+    """`policy` on the first n of `names` for the fewest n that fits, by bisection: none fits at 0
+    ("off" did not), all of them at len(names) (planned already). Every plan the bisection found
+    fitting, the one at that n last, as `plan_remat` candidates (all were planned anyway, and one
+    with more layers can be faster: its unconstrained optimum may fit where the fewest layers
+    need more sharding)."""
+    lo, hi, fitting = 0, len(names), []
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        probe = _probe(rematerialize(graph, names[:mid], policy), policy, mid, len(names), plan_fn, plan_of)
+        if isinstance(probe, InfeasiblePlanError):
+            lo = mid
+        else:
+            hi = mid
+            fitting.append(probe)
+    return fitting

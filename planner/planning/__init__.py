@@ -1,0 +1,1 @@
+"""Planning a whole train step: the levers composed, hand configurations evaluated and compared."""

@@ -1,0 +1,343 @@
+"""From a traced graph and a mesh to a Plan: build the ILP, solve it, read the answer back out."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+
+import jax
+
+from planner.cost_model import Cluster, CostModel, get_hardware, hardware_with_links, ring_bytes, xla_flags
+from planner.core.errors import InvalidArgumentError, MeshError
+from planner.graph.trace import Graph
+from planner.ilp.objective import step_parts, step_time
+from planner.ilp.problem import Problem, build_problem
+from planner.ilp.solver import Solution, solve
+from planner.ilp.strategies import reshard_cost
+from planner.core.mesh import MeshSpec
+from planner.ilp.offload import plan_offload, record as offload_record
+from planner.core.options import PlanOptions
+from planner.core.plan import Decision, Plan, PredictedCollective, Prediction
+from planner.core.sharding import Spec, active_axes, replicated
+from planner.core.units import format_bytes
+
+log = logging.getLogger("planner")
+
+
+def check_mesh_fits(graph: Graph, mesh: MeshSpec) -> None:
+    """Rejects a mesh with an axis that divides no dimension of any input (it could never be used)."""
+    for a in active_axes(mesh):
+        size = mesh.shape[a]
+        if not any(d % size == 0 for t in graph.inputs for d in graph.tensors[t].shape):
+            shapes = sorted({graph.tensors[t].shape for t in graph.inputs})[:5]
+            raise MeshError(
+                f"mesh axis {mesh.axis_names[a]!r} of size {size} divides no dimension of any input "
+                f"(input shapes include {shapes}); choose a mesh whose axis sizes divide the batch or model dims"
+            )
+
+
+def check_options(options: PlanOptions) -> PlanOptions:
+    """`options` if the cost model can be built from them (a known hardware preset or cluster).
+
+    Raises:
+      InvalidArgumentError: naming the unknown preset and the known ones.
+    """
+    if options.hardware is not None:
+        try:
+            get_hardware(options.hardware)
+        except ValueError as e:
+            raise InvalidArgumentError(str(e)) from None
+    return options
+
+
+def cost_model_for(mesh: MeshSpec, options: PlanOptions) -> CostModel:
+    """Analytic model from `options.hardware` / `inter_host_axes` and the link speeds
+    `inter_host` / `intra_host`, or measured from `options.profile`."""
+    check_options(options)
+    hardware = options.hardware
+    if options.inter_host is not None or options.intra_host is not None:
+        if Cluster.is_cluster(hardware):
+            cluster = Cluster.parse(hardware)
+            linked = hardware_with_links(cluster.hardware, options.inter_host, options.intra_host,
+                                         cluster.devices_per_host)
+            if cluster.num_devices == mesh.size and not options.inter_host_axes and options.profile is None:
+                return CostModel.for_cluster(mesh, dataclasses.replace(cluster, hardware=linked))
+            hardware = linked
+        else:
+            hardware = hardware_with_links(hardware, options.inter_host, options.intra_host)
+    return CostModel.build(mesh, hardware, options.inter_host_axes, options.profile)
+
+
+def _device_platform(jax_mesh) -> str:
+    """The platform of the devices a plan compiles for ("" when planning has none: the memory
+    model then assumes the hardware preset's platform)."""
+    if isinstance(jax_mesh, jax.sharding.Mesh) and jax_mesh.devices.size:
+        return str(jax_mesh.devices.flat[0].platform)
+    return ""
+
+
+def _argument_reshards(problem: Problem, choice: Sequence[int]) -> list[list]:
+    """[op, operand position, tensor id, seconds, bytes moved per device] of every resharding that
+    takes an argument (or a value its node computes from it alone, e.g. a parameter's bfloat16
+    cast) to the layout an op reads it in (`_edge_comms`): the edge's time in the objective and its
+    collectives' ring bytes, as the prediction counts them."""
+    mesh = problem.cost.mesh
+    return [[e.op, e.pos, e.tensor, seconds,
+             int(sum(ring_bytes(kind, nbytes, mesh.axis_size(axes)) for kind, axes, nbytes in comms
+                     if mesh.axis_size(axes) > 1))]
+            for e, comms, seconds in _edge_comms(problem, choice)
+            if e.op >= 0 and seconds > 0 and problem.nodes[e.src].label.split()[0] == "input"]
+
+
+def _edge_comms(problem: Problem, choice: Sequence[int]):
+    """(edge, its collectives, its time) for every edge that reshards; the time is the ILP's."""
+    for e in problem.edges:
+        src, dst = e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]]
+        if src == dst:
+            continue
+        comms, seconds = reshard_cost(problem.graph.tensors[e.tensor], src, dst, problem.cost)
+        if comms:
+            yield e, comms, seconds
+
+
+def _predict(problem: Problem, sol: Solution) -> Prediction:
+    """The plan's prediction: the ILP's objective (`objective.step_time`, one code path) split into
+    compute and communication, with the collectives it counts."""
+    mesh = problem.cost.mesh
+    collectives: list[PredictedCollective] = []
+
+    def add(kind, axes, nbytes, where, reason):
+        n = mesh.axis_size(axes)
+        if n > 1:
+            collectives.append(PredictedCollective(kind, tuple(mesh.axis_names[a] for a in axes), int(nbytes), n,
+                                                   where, reason))
+
+    for node in problem.nodes:
+        for kind, axes, nbytes in node.comms[sol.choice[node.index]]:
+            add(kind, axes, nbytes, node.label, "partial sum" if kind in ("all-reduce", "reduce-scatter") else "follow")
+    for e, comms, _ in _edge_comms(problem, sol.choice):
+        for kind, axes, nbytes in comms:
+            add(kind, axes, nbytes, problem.nodes[e.dst].label, "reshard")
+    t = step_time(problem, sol.choice)
+    moved = sum(ring_bytes(c.kind, c.nbytes, c.group_size) for c in collectives)
+    return Prediction(t.total_s, t.compute_s, t.exposed_s, sol.peak_memory_bytes, moved, tuple(collectives),
+                      t.hidden_s)
+
+
+def _xla_flags(problem: Problem, choice: Sequence[int]) -> tuple[str, ...]:
+    """The flags the prediction assumes: overlap only where some gradient reduction hides."""
+    if not problem.overlap or step_time(problem, choice).hidden_s <= 0:
+        return ()
+    largest = max((b for n in problem.nodes for (kind, axes, b) in n.comms[choice[n.index]]
+                   if n.async_s[choice[n.index]] > 0), default=0)
+    return xla_flags(problem.cost.hardware, True, largest)
+
+
+def _decisions(problem: Problem, choice: Sequence[int], limit: int = 400) -> tuple[Decision, ...]:
+    """For each distinct decision: the chosen strategy and the best alternative, costed locally
+    (own cost + resharding on incident edges, all other choices fixed)."""
+    members: dict[int, list[int]] = defaultdict(list)
+    for n in range(len(problem.nodes)):
+        members[problem.rep[n]].append(n)
+    incident: dict[int, list] = defaultdict(list)
+    for e in problem.edges:
+        incident[e.src].append(e)
+        incident[e.dst].append(e)
+
+    def split(rep: int, option: int) -> tuple[float, float, float]:
+        """(compute, own communication, resharding on incident edges) of `option` for all members."""
+        compute = comm = reshard = 0.0
+        trial = list(choice)
+        for n in members[rep]:
+            trial[n] = option
+        for n in members[rep]:
+            node = problem.nodes[n]
+            comm += node.comm_s[option]
+            compute += node.costs[option] - node.comm_s[option]
+            for e in incident[n]:
+                reshard += problem.edge_time(e.tensor, e.src_specs[trial[e.src]], e.dst_specs[trial[e.dst]])
+        return compute, comm, reshard
+
+    def local(rep: int, option: int) -> float:
+        return sum(split(rep, option))
+
+    names = problem.cost.mesh.axis_names
+
+    def collectives(rep: int, option: int) -> tuple:
+        """The rep op's own collectives under `option`, costed as `split` costs them."""
+        node = problem.nodes[rep]
+        return tuple((k, tuple(names[i] for i in a), int(b), t)
+                     for (k, a, b), t in zip(node.comms[option], node.comm_times[option]))
+
+    out = []
+    for rep, group in members.items():
+        node = problem.nodes[rep]
+        if node.size <= 1 or len(out) >= limit:
+            continue
+        chosen = choice[rep]
+        costs = [(local(rep, i), i) for i in range(node.size)]
+        base = costs[chosen][0]
+        alt = min((c for c in costs if c[1] != chosen), default=(base, chosen))
+        spec_of = {t: v[chosen] for t, v in node.owned.items()}
+        first = next(iter(spec_of.values()), None)
+        chosen_text = node.descriptions[chosen] or (str(first) if first is not None else "")
+        alt_node_spec = next(iter(node.owned.values()))[alt[1]] if node.owned else None
+        alt_text = node.descriptions[alt[1]] or str(alt_node_spec)
+        compute, comm, reshard = split(rep, chosen)
+        out.append(Decision(node.label, chosen_text, base, alt_text, alt[0] - base, len(group), compute, comm, reshard,
+                            collectives(rep, chosen), collectives(rep, alt[1])))
+    return tuple(out)
+
+
+def _common(specs: Sequence) -> tuple:
+    """Per dim, the leading mesh axes every spec agrees on: a layout each consumer can slice from."""
+    out = []
+    for dims in zip(*specs):
+        common: list[int] = []
+        for axes in zip(*dims):
+            if len(set(axes)) != 1:
+                break
+            common.append(axes[0])
+        out.append(tuple(common))
+    return tuple(out)
+
+
+def donated_inputs(graph: Graph, argnums: Sequence[int]) -> frozenset[int]:
+    """Input tensor ids of the leaves of the arguments at positions `argnums` (paths "[i]...")."""
+    heads = tuple(f"[{i}]" for i in argnums)
+    return frozenset(t for t, path in zip(graph.inputs, graph.input_paths) if path.startswith(heads))
+
+
+def plan_problem(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None = None,
+                 pins: Mapping[int, Spec] | None = None,
+                 allowed: Mapping[int, frozenset[Spec]] | None = None) -> Problem:
+    """The ILP `make_plan` solves for `graph` on `mesh` (the mesh search bounds it before solving);
+    `allowed` restricts it to a neighbourhood of specs (`ilp.problem.build_problem`).
+
+    Raises:
+      MeshError: a mesh axis that can split nothing.
+    """
+    t0 = time.perf_counter()
+    check_mesh_fits(graph, mesh)
+    cost = cost_model_for(mesh, options)
+    pinned = {graph.inputs[i]: spec for i, spec in (pins or {}).items()}
+    problem = build_problem(graph, cost, tie_outputs=options.tie_outputs, share_layers=options.share_layers,
+                            pins=pinned, donated_inputs=donated_inputs(graph, options.donate_argnums),
+                            device_platform=_device_platform(jax_mesh), allowed=allowed)
+    overlap = options.overlap and cost.hardware.platform != "cpu"
+    problem = dataclasses.replace(problem, overlap=overlap, prefetch=overlap and options.prefetch)
+    log.info("built ILP: %d ops -> %d decisions (%d after layer sharing), %d edges in %.2fs", len(graph.ops),
+             len(problem.nodes), len(set(problem.rep)), len(problem.edges), time.perf_counter() - t0)
+    return problem
+
+
+def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None = None,
+              pins: Mapping[int, Spec] | None = None, problem: Problem | None = None,
+              min_peak_search: bool = True, start: Sequence[int] | None = None, lp_level: int = 1,
+              beat: Callable[[], float] | None = None) -> Plan:
+    """Plans `graph` on `mesh`; `pins` (input position -> spec, `planner.configs.pins.resolve`) fix those
+    inputs' shardings and the ILP plans the rest. `problem`: `plan_problem`'s answer for the same
+    arguments, when the caller built it already. `min_peak_search=False`: an infeasible budget is
+    reported without searching for the smallest peak (the mesh search runs that search once, on
+    its most promising mesh). `start`: a choice for `problem` to start the solver from
+    (`ilp.solver.solve`). `lp_level`: the solver's LP relaxation level (`ilp.solver.solve`).
+    `beat`: a step time found elsewhere, read as the solver goes (`ilp.solver.solve`); the solve
+    stops with `OutboundError` once it proves no plan beats it. Without host offload only (with it,
+    the offload variants tried may differ in time either way).
+
+    Raises:
+      MeshError: a mesh axis that can split nothing.
+      InfeasiblePlanError: no plan fits `options.memory_budget`.
+    """
+    t0 = time.perf_counter()
+    if problem is None:
+        problem = plan_problem(graph, mesh, options, jax_mesh, pins)
+    problem, sol = plan_offload(  # host offload of optimizer state (`planner.ilp.offload`; "off": a plain solve)
+        problem, options.offload, options.memory_budget,
+        list(jax_mesh.devices.flat) if isinstance(jax_mesh, jax.sharding.Mesh) else [],
+        lambda p, search: solve(p, options.memory_budget, options.solver_time_limit, options.solver_workers,
+                                min_peak_search=min_peak_search and search, begin=start if p is problem else None,
+                                lp_level=lp_level, beat=beat if options.offload == "off" else None))
+    log.info("solved: %s in %.2fs, predicted %.4g s/step, peak %s/device", sol.status, sol.solve_time_s,
+             sol.objective_s, format_bytes(sol.peak_memory_bytes))
+    producers = graph.producers()
+    op_specs = []
+    for tid, node in sorted(problem.owner.items()):
+        if tid in producers:
+            op, k = producers[tid]
+            op_specs.append((op, k, problem.nodes[node].owned[tid][sol.choice[node]]))
+    wanted_free: dict[int, list] = defaultdict(list)
+    for node in problem.nodes:
+        for tid, specs in node.free_requires:
+            wanted_free[tid].append(specs[sol.choice[node.index]])
+    for tid, specs in sorted(wanted_free.items()):
+        if tid in producers:
+            op, k = producers[tid]
+            op_specs.append((op, k, _common(specs)))
+    operand_specs = []
+    for e in problem.edges:
+        src, dst = e.src_specs[sol.choice[e.src]], e.dst_specs[sol.choice[e.dst]]
+        if src != dst and e.op >= 0:
+            operand_specs.append((e.op, e.pos, dst))
+    scatter_specs = []
+    for node in problem.nodes:
+        i = sol.choice[node.index]
+        rs_axes = {a for kind, axes, _ in node.comms[i] if kind == "reduce-scatter" for a in axes}
+        if rs_axes and node.label.split()[0] != "input":
+            root = graph.ops[node.ops[0]]
+            spec = node.owned[root.outputs[0]][i]
+            pre = tuple(tuple(a for a in axes if a not in rs_axes) for axes in spec)
+            scatter_specs.append((root.index, 0, pre))
+    in_specs = tuple(problem.spec(t, sol.choice) for t in graph.inputs)
+    out_specs = tuple(
+        (problem.pinned_outputs[t] if isinstance(t, int) and t in problem.pinned_outputs
+         else problem.spec(t, sol.choice) if isinstance(t, int) else replicated(len(t.tensor.shape)))
+        for t in graph.outputs
+    )
+    prediction = _predict(problem, sol)
+    solver_info = {
+        "status": sol.status,
+        "solve_time_s": round(sol.solve_time_s, 3),
+        "planning_time_s": round(time.perf_counter() - t0, 3),
+        "rounds": sol.rounds,
+        "ops": len(graph.ops),
+        "decisions": len(problem.nodes),
+        "variables_shared": len(set(problem.rep)),
+        "edges": len(problem.edges),
+        "objective_s": sol.objective_s,
+        "optimal": sol.optimal,
+        "gap": None if sol.gap is None else round(sol.gap, 6),
+        "deterministic_time": round(sol.deterministic_time, 3),
+        "limit": sol.limit,
+    }
+    if sol.unbudgeted is not None:  # what fitting the budget cost (`present.report.format_budget_cost`)
+        solver_info["unbudgeted"] = dict(zip(("step_time_s", "peak_bytes", "strategies_ruled_out"), sol.unbudgeted))
+    if pins:
+        solver_info["pinned_inputs"] = len(pins)
+    solver_info["step_parts"] = step_parts(problem, sol.choice)
+    if not problem.prefetch:  # exposed: a loop over microbatches may do them once (`accumulate.unshard`)
+        solver_info["argument_reshards"] = _argument_reshards(problem, sol.choice)
+    levers = {"offload": offload_record(problem, sol.choice, options.offload)} if options.offload != "off" else {}
+    return Plan(
+        mesh=mesh,
+        input_paths=graph.input_paths,
+        input_specs=in_specs,
+        output_paths=graph.output_paths,
+        output_specs=out_specs,
+        op_specs=tuple(sorted(op_specs)),
+        prediction=prediction,
+        decisions=_decisions(problem, sol.choice),
+        solver=solver_info,
+        options=options.to_json(),
+        fallback_primitives=problem.fallback_primitives,
+        scatter_specs=tuple(sorted(scatter_specs)),
+        operand_specs=tuple(sorted(set(operand_specs))),
+        in_tree=graph.in_tree,
+        out_tree=graph.out_tree,
+        jax_mesh=jax_mesh,
+        assumed_xla_flags=_xla_flags(problem, sol.choice),
+        levers=MappingProxyType(levers),
+    )
