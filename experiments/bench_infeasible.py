@@ -1,4 +1,4 @@
-"""How long the single-stage mesh search takes to answer, as a user runs it (issues 13.6 and 14).
+"""How long the single-stage mesh search takes to answer, as a user runs it.
 
 Cases (defaults): GPT-39B (`gpt3-39b`, Alpa's shape) single stage on 8 hosts x 8 V100 16 GB at
 25 Gbit/s between hosts (`--pipeline off`: a fitting plan or a one-line "does not fit" within 60 s
@@ -12,7 +12,7 @@ deterministic time). `--pythonpath DIR` runs another checkout of the planner (e.
 of an older commit) in the same environment, for a before/after pair; `--label` names the row.
 
 `--bounds` computes instead, in this process, each GPT-39B mesh's bounds as the search sees them
-(ILP build time, `solver.memory_lower_bound`, `search.step_time_lower_bound`, the fewest-bytes
+(ILP build time, `memory_bounds.memory_lower_bound`, `build.step_time_lower_bound`, the fewest-bytes
 plan's peak) into infeasible_bounds.json: why a mesh is or is not skipped.
 
 Results: experiments/results/infeasible.json (rows appended per label and case) and infeasible.md.
@@ -101,11 +101,14 @@ def bounds() -> list[dict]:
 
     from planner.cost_model import get_hardware
     from planner.graph.trace import trace
-    from planner.ilp.solver import _min_bytes_choice, memory_lower_bound, memory_profile
+    from planner.ilp.greedy import _min_bytes_choice
+    from planner.ilp.liveness import memory_profile
+    from planner.ilp.memory_bounds import memory_lower_bound
     from planner.core.options import PlanOptions
     from planner.search.mesh_plan import plan_problem
     from planner.cli.workloads import load_model
-    from planner.search.meshes import candidate_meshes, inter_host_axes, step_time_lower_bound
+    from planner.search.build import step_time_lower_bound
+    from planner.search.candidates import candidate_meshes, inter_host_axes
 
     hw = get_hardware("v100")
     _, step, example = load_model("gpt3-39b", None, None, None, hw.default_dtype)

@@ -1,4 +1,4 @@
-"""Memory levers on models that do not fit (issue 13): Llama-70B- and GPT-39B-shaped steps planned
+"""Memory levers on models that do not fit: Llama-70B- and GPT-39B-shaped steps planned
 abstractly on one host of 8 x H100 ("1x8:h100") and on 8 hosts of 8 x V100 ("8x8:v100"), with the
 levers the single-stage planner has: sharding alone, then sharding + gradient accumulation
 (accumulate="auto"), and sharding + the model's own per-layer recomputation (where the model has the
@@ -33,7 +33,7 @@ from planner.core.mesh import MeshSpec  # noqa: E402
 from planner.ilp.offload import streamed  # noqa: E402
 from planner.core.options import PlanOptions  # noqa: E402
 from planner.search.mesh_plan import make_plan  # noqa: E402
-from planner.search.meshes import inter_host_axes  # noqa: E402
+from planner.search.candidates import inter_host_axes  # noqa: E402
 from planner.core.units import format_bytes  # noqa: E402
 from planner.levers.remat import plan_remat  # noqa: E402
 from zoo import get_model  # noqa: E402

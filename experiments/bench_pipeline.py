@@ -4,7 +4,7 @@
     python experiments/bench_pipeline.py --microbatches 8     # B fixed, as Alpa's benchmark does
     python experiments/bench_pipeline.py --dtype float32 --json /tmp/pp.json
     python experiments/bench_pipeline.py --model llama-70b --hosts 128 --hardware h100 \
-        --inter-host-gbit 0 --batch 1024 --unrolled     # issue 14's Llama-70B on 1024 H100 (preset links)
+        --inter-host-gbit 0 --batch 1024 --unrolled     # Llama-70B on 1024 H100 (preset links)
 
 Planning is abstract (ShapeDtypeStructs; nothing is allocated). It prints the chosen stages, the
 predicted step time against the best single-stage plan, and where the planning time went. Alpa

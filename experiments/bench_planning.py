@@ -126,7 +126,7 @@ def main() -> int:
     if not args.quick:
         # V100 has no bfloat16: users train GPT-39B there in float16 (fp32 master weights), as `planner plan` does.
         run("pipeline", pipeline, "gpt3-39b", "8x8:v100", args.time_limit, {"dtype": "float16"})
-        # Llama-70B on 1024 H100 at batch 1024 (issue 14's 300 s goal), layers unrolled: a stage owns
+        # Llama-70B on 1024 H100 at batch 1024 (the goal: planned within 300 s), layers unrolled: a stage owns
         # its layers' weights (a scanned model's stacked weights would stay on one stage).
         run("pipeline", pipeline, "llama-70b", "128x8:h100", args.time_limit,
             {"scan_layers": False, "batch": 1024, "dtype": "bfloat16"})

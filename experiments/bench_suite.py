@@ -1,7 +1,7 @@
-"""The comparison suite (issue 12, part 4): the planner's plan beside every named baseline.
+"""The comparison suite: the planner's plan beside every named baseline.
 
 Per (model, cluster, configuration), where a configuration is the planner's plan or one baseline of
-planner/baselines.py: predicted step time (and vs the plan), exposed communication, memory per
+planner/configs/baselines.py: predicted step time (and vs the plan), exposed communication, memory per
 device, bytes moved per device, whether it fits the device memory budget, pipeline stages and
 microbatches, planning time split, ILP size, and, on the compiled rows, bytes moved and peak memory
 read back from the compiled HLO (xla_hooks.inspect.report) after the program ran one step on the 8
@@ -42,7 +42,7 @@ On the clusters of several hosts (8x8, 128x8) the abstract rows add pipelines:
                   row of one-host clusters). Not a baseline: the summary checks planner <= it.
   NAME+ppN        the pipeline baselines (`PP_BASELINES`: megatron-tp at 2, 4 and 8 even stages, dp
                   and fsdp at 2), by `evaluate(..., baseline="NAME+ppN", cluster=...)`'s code path
-                  (`planner.planning.evaluate.pipeline_baseline` -> `stages.inter_op.fixed_pipeline`): even
+                  (`planner.planning.evaluate.pipeline_baseline` -> `stages.fixed_pipeline`): even
                   stages on equal submeshes, the baseline's pins in every stage, the fastest microbatch
                   count the layout can split and the faster of keep / recompute activations that fits
                   (fits=no when none fits: costed ignoring memory, the note says so).
@@ -52,7 +52,7 @@ per count the search tried, B=1 the single stage as the stage DP costs it; ":own
 did not price the stage tables' hand layouts for that count, pruned by its bound against the best
 plan) must be no slower; for a pruned count, the planner's plan must be.
 Pipeline rows' `bytes_moved` count each stage's collectives once per microbatch, its data-parallel
-gradient reduction once per step (planner/stages/planned.py `pipeline_collectives`), per device: the
+gradient reduction once per step (planner/emit/pipeline/planned.py `pipeline_collectives`), per device: the
 most of any stage with the transfers it sends (`pipeline_bytes_per_device`; rows written before
 2026-11-25 summed the stages), and their
 `exposed_comm_s` is the step less its compute (`PipelinePlan.compute_time_s`).
@@ -135,7 +135,7 @@ COMPILED_MODELS = ("gpt-tiny", "llama-tiny", "moe-tiny", "bert-tiny", "wresnet-t
 LARGE_MODELS = ("gpt2-medium", "gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b", "gpt3-39b", "llama-7b", "llama-70b",
                 "gshard-moe-1.3b", "wresnet-50-2", "bert-large")
 # Pipeline baselines on the clusters of several hosts: Megatron-LM's TP x PP x DP layout at 2, 4 and 8
-# even stages, and pure data parallelism / ZeRO-3 inside 2 stages (planner/baselines.py, `NAME+ppN`).
+# even stages, and pure data parallelism / ZeRO-3 inside 2 stages (planner/configs/baselines.py, `NAME+ppN`).
 PP_BASELINES = ("megatron-tp+pp2", "dp+pp2", "fsdp+pp2", "megatron-tp+pp4", "megatron-tp+pp8")
 # On those clusters the "planner" row is the pipeline-auto plan (`planner plan --cluster ... --pipeline auto`)
 # and "planner-1stage" the single-stage plan on the whole cluster (what the "planner" row is elsewhere).
@@ -153,13 +153,10 @@ def configs_of(model: str, cluster: str) -> tuple[str, ...]:
     return ("planner", *NAMES)
 
 
-# The default subset (`make bench`): (model, cluster, configurations; None: all of them). Measured on the
-# 2-core machine under a load of ~3.4 (2026-11-23), gpt3-1.3b 8x8 per configuration: planner (pipeline
-# auto) 401 s, planner-1stage 20 s, single-stage baselines ~18 s each, dp+pp2 74 s, fsdp+pp2 67 s,
-# megatron-tp+pp2 153 s, +pp4 169 s, +pp8 205 s; compiled tiny cases 60-180 s each, gpt2-medium 2x4 187 s.
-# So `make bench` keeps one pipeline baseline (dp+pp2) and leaves llama-tiny 2x4 and gpt2-medium 2x4 to
-# `make bench-full` (they were in it before the pipeline rows). This subset: 893 s wall (14m53s; load
-# average 3.1 at the start falling to 1.0 at the end; CPU 14m47s), gpt3-1.3b 8x8 489 s of it.
+# The default subset (`make bench`): (model, cluster, configurations; None: all of them). gpt3-1.3b 8x8's
+# pipeline rows (the planner with pipeline auto above all) and the compiled cases take the time, so
+# `make bench` keeps one pipeline baseline (dp+pp2) and leaves llama-tiny 2x4 and gpt2-medium 2x4 to
+# `make bench-full` (they were in it before the pipeline rows).
 DEFAULT = [("gpt-tiny", "1x8", None), ("gpt-tiny", "2x4", None), ("llama-tiny", "1x8", None),
            ("gpt3-1.3b", "8x8", (*PLANNERS, *NAMES, "dp+pp2"))]
 DEFAULT = [(m, c, configs_of(m, c) if k is None else k) for m, c, k in DEFAULT]
@@ -228,7 +225,7 @@ def run_compiled(model: str, cluster: str, time_limit: float, configs: tuple[str
 
 
 class _ILPTimes(logging.Handler):
-    """Sums the ILP build and solve times `make_plan` logs (planner/planning.py: "built ILP: ... in Xs",
+    """Sums the ILP build and solve times `make_plan` logs (planner/search/mesh_plan.py: "built ILP: ... in Xs",
     "solved: STATUS in Ys") while a pipeline configuration plans its per-layer and per-stage ILPs."""
 
     def __init__(self):
@@ -293,7 +290,7 @@ def run_abstract(model: str, cluster: str, time_limit: float, configs: tuple[str
     shape, hardware, batch = CLUSTERS[cluster]
     # On the clusters that pipeline, Llama's layers are a Python loop, not a scan: a stage owns whole
     # parameter leaves, so stacked (scanned) weights would all sit on the first stage that reads them
-    # (`planner.stages.inter_op.stacked_note`) and every pipeline row, the planner's and the `+ppN`
+    # (`planner.stages.clustering.stacked_note`) and every pipeline row, the planner's and the `+ppN`
     # baselines' alike, would be that degenerate layout.
     unroll = {"scan_layers": False} if multi_host(cluster) and model.startswith("llama") else {}
     b = get_model(model, dtype="bfloat16", **({"batch": batch} if batch else {}), **unroll)
@@ -605,7 +602,7 @@ def main(argv=None) -> int:
     if args.configs:
         cases = [(m, c, tuple(k for k in ks if k in args.configs.split(","))) for m, c, ks in cases]
         cases = [case for case in cases if case[2]]
-    header = (f"# Comparison suite (issue 12; {time.strftime('%Y-%m-%d')}; last run --set {args.set}"
+    header = (f"# Comparison suite ({time.strftime('%Y-%m-%d')}; last run --set {args.set}"
               f"{' --append (earlier rows kept)' if args.append else ''}; {PRESET} cost model, "
               f"budget {BUDGET / 1e9:.0f} GB/device; bf16 compute, fp32 master weights)\n\n"
               "mode `compiled`: planned, compiled, read back from the HLO and run one step on 8 CPU devices; "

@@ -1,4 +1,4 @@
-"""Gradient accumulation on the zoo's GPT and Llama (issue 13, item 3): k = 1, 2, 4 microbatches
+"""Gradient accumulation on the zoo's GPT and Llama: k = 1, 2, 4 microbatches
 planned on a 2x4 mesh of 8 simulated CPU devices, compiled, run and compared with the unsharded
 step at the derived tolerances (tests/helpers.py), with XLA's `memory_analysis()` peak beside the
 prediction. Too slow for the suite (tests/test_accumulation.py covers the MLPs).

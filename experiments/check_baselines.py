@@ -1,14 +1,14 @@
-"""Every named baseline (planner/baselines.py) run on CPU devices against the unsharded step.
+"""Every named baseline (planner/configs/baselines.py) run on CPU devices against the unsharded step.
 
 For each (model, mesh, baseline): the baseline's pins are evaluated (`planner.planning.evaluate`'s code path:
 every argument pinned, intermediates planned), lowered, compiled, run once, and the first step is
 compared with the unsharded jit step by tests/helpers.py's derived tolerances
-(`assert_bundle_step_close`). Too slow for the test suite (~20 s per row on 2 cores); results go to
+(`assert_bundle_step_close`). Too slow for the test suite (each row compiles and runs a step); results go to
 experiments/results/baselines_numerics.json.
 
 With `--pipeline-stages N` every baseline runs as NAME+ppN instead (N even stages of the mesh's
-devices, `num_microbatches` 2, run from its saved JSON by `planner.stages.run_plan`) and is compared
-with `assert_first_step_close`; results go to baselines_pp_numerics.json.
+devices, `num_microbatches` 2, run from its saved JSON by `planner.emit.pipeline.planned.run_plan`) and
+is compared with `assert_first_step_close`; results go to baselines_pp_numerics.json.
 
 Run: python experiments/check_baselines.py [--models gpt-tiny,llama-tiny] [--meshes 2x4] [--pipeline-stages 2]
 """

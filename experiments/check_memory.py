@@ -2,7 +2,7 @@
 
 For each model and mesh: the plan's predicted peak (`prediction.memory_bytes_per_device`), the
 compiled program's peak (arguments + outputs + temporaries - aliased, per device) and their ratio.
-Issue 11 asks for predicted memory within 10% of the compiled figure, including a RoPE transformer
+The goal: predicted memory within 10% of the compiled figure, including a RoPE transformer
 (llama) and a conv net with batch norm (wide-resnet). Besides the data-parallel plans the planner
 makes without a budget, sharded plans forced by a budget: 0.6x the per-device peak of hand-written
 data parallelism on 1x8 (`--budget-model`, gpt-tiny by default), where the compiled peak is also

@@ -1,4 +1,4 @@
-"""Recomputation in single-stage plans (planner/remat.py): predicted vs XLA:CPU's compiled peak.
+"""Recomputation in single-stage plans (planner/levers/remat.py): predicted vs XLA:CPU's compiled peak.
 
 For each model and policy (off / dots / full): the planned program's predicted per-device peak, the
 compiled one (`memory_analysis`), their ratio, the predicted step and compute time and the number of

@@ -251,7 +251,7 @@ preset's achieved rate (Bekman's measured A100 plateau), and memory-bound ops (t
 scores' elementwise and reduction ops over [seq, seq] tensors, and the rest: layer norms, GELU,
 residual adds, conversions, the loss) at the preset's achieved bandwidth (83% of the datasheet's,
 the fraction measured on an H100: a stand-in) with traffic counted at fusion boundaries the way
-XLA:GPU groups fusions (planner/fusion.py). The error tracks the memory-bound share: {worst}
+XLA:GPU groups fusions (planner/graph/fusion.py). The error tracks the memory-bound share: {worst}
 If the matmul time were exact, the measured step would need the memory-bound work to run f times
 its predicted time ("implied non-matmul factor"): Megatron-LM's hand-fused CUDA kernels (fused
 scale-mask-softmax: one read and one write of the scores forward, fused bias-GELU, fused layer

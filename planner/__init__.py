@@ -11,7 +11,7 @@ from planner.graph.trace import Graph, trace
 from planner.core.mesh import MeshSpec
 from planner.core.options import PlanOptions
 from planner.core.plan import Plan
-from planner.search.meshes import candidate_meshes
+from planner.search.candidates import candidate_meshes
 from planner.stages.step import pipelinable
 
 __all__ = [

@@ -1,36 +1,21 @@
 """Public entry points: `plan_parallel` (function wrapper / decorator) and `plan`."""
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec
 
-from planner.emit import offload as offload_emit
-from planner.ilp import offload
-from planner.emit.accumulate import jit_accumulated
-from planner.levers.accumulate import micro_options, plan_accumulation
-from planner.core.compat import USER_CONSTRAINTS, user_sharding
-from planner.emit.single import jit_on_mesh, jit_planned, on_mesh
-from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
-from planner.graph.trace import Graph, trace
-from planner.core.mesh import MeshSpec, context_mesh, default_axis_names, parse_mesh
+from planner.core.errors import InvalidArgumentError
 from planner.core.options import PlanOptions
-from planner.configs.pins import (check_stage_pins, intermediate_patterns, logical_names, pin_intermediates,
-                          resolve as resolve_pins, rules_to_pins, stage_pins)
 from planner.core.plan import Plan
-from planner.search.mesh_plan import check_options, make_plan
-from planner.levers.remat import plan_remat, record as remat_record
-from planner.core.sharding import to_partition_spec
 from planner.core.static_args import StaticResults, array_function, split
-from planner.search.meshes import best_plan, candidate_meshes, default_mesh_ndim, search_meshes
-from planner.emit.pipeline.planned import plan_with_stages
-from planner.core.units import format_bytes
+from planner.emit import offload as offload_emit
+from planner.emit.single import jit_on_mesh, on_mesh
+from planner.graph.trace import Graph
+from planner.planning.step import StepPlanner, check_step
+from planner.search.candidates import candidate_meshes
 
 __all__ = ["PlannedFunction", "candidate_meshes", "plan", "plan_parallel"]
 
@@ -44,10 +29,9 @@ def _signature(args: tuple[Any, ...], leaves: list[Any] | None = None, tree: Any
 
 def _placed(args: tuple[Any, ...], targets: Sequence[Any]) -> tuple[Any, ...]:
     """`args` placed with `targets` (one sharding per leaf, None: as it is); only the leaves without
-    their sharding move (a new batch; not the new state a step hands back). `jax.device_put` of a
-    whole state of a thousand leaves costs tens of milliseconds of host time even when it moves
-    nothing: measured on one H200, gpt2-medium's planned step took 134.8 ms when it placed every
-    argument each call, and `jax.jit` of the step 80.7 ms."""
+    their sharding move (a new batch; not the new state a step hands back): `jax.device_put` of a
+    whole state costs host time per leaf even when it moves nothing, which a step of a model with
+    many leaves would pay on every call."""
     leaves, tree = jax.tree_util.tree_flatten(args)
     move = [i for i, (x, s) in enumerate(zip(leaves, targets))
             if s is not None and getattr(x, "sharding", None) != s]
@@ -63,36 +47,22 @@ class PlannedFunction:
     """A train step planned (and compiled) once per abstract signature of its arguments.
 
     Call it like the original function; `.plan(*args)` and `.lower(*args)` accept
-    `jax.ShapeDtypeStruct` pytrees, so large models plan without allocating.
+    `jax.ShapeDtypeStruct` pytrees, so large models plan without allocating. Planning itself is
+    `planner.planning.step.StepPlanner`'s; this wrapper keeps the per-signature cache, the static
+    (non-array) arguments, and calls and lowers the planned program on the user's mesh.
     """
 
     def __init__(self, fn: Callable[..., Any], mesh: Any = None, devices=None,
                  donate_argnums: int | tuple[int, ...] = (), pins: Mapping[str, Any] | None = None,
                  unpinned: str = "plan", rules: Any = None, logical: Any = None, **options: Any):
-        if not callable(fn):
-            raise InvalidArgumentError(f"plan_parallel needs a callable train step, got {type(fn).__name__}")
-        if unpinned not in ("plan", "replicate"):
-            raise InvalidArgumentError(f"unpinned={unpinned!r} must be 'plan' or 'replicate'")
-        if pins is not None and not isinstance(pins, Mapping) and not callable(pins):
-            raise InvalidArgumentError(f"pins must map path patterns to PartitionSpecs, got {type(pins).__name__}")
+        check_step(fn)
         self.fn = fn
         self.donate_argnums = donate_argnums
-        self.pins = pins if callable(pins) else dict(pins) if pins else None
-        self.unpinned = unpinned
-        self.rules, self.logical = rules, logical
-        self.options = check_options(PlanOptions.from_kwargs({**options, "donate_argnums": donate_argnums}))
-        self.devices = list(devices) if devices is not None else jax.devices()
+        self._planner = StepPlanner.create(mesh=mesh, devices=devices, donate_argnums=donate_argnums, pins=pins,
+                                           unpinned=unpinned, rules=rules, logical=logical, **options)
         # The user's mesh, as given or from `jax.set_mesh`: the step is traced under it (so its own
         # `reshard`/`shard_map` calls see it) and results are handed back on it.
-        self._user_mesh = mesh = context_mesh() if mesh is None else mesh
-        if mesh is None:
-            self._mesh_spec, self._jax_mesh = None, None
-        else:
-            self._mesh_spec, self._jax_mesh = parse_mesh(mesh, len(self.devices))
-            if self._jax_mesh is None:
-                self._jax_mesh = self._mesh_spec.to_jax_mesh(self.devices)
-            elif self._jax_mesh.devices.size != len(self.devices) and devices is None:
-                self.devices = list(self._jax_mesh.devices.flat)
+        self._user_mesh = self._planner.user_mesh
         self._cache: dict[tuple, tuple[Graph, Plan, Any]] = {}
         self._targets: dict[tuple, list] = {}  # signature -> each argument leaf's planned sharding
         self._on_user_mesh: dict[tuple, Any] = {}  # signature -> `emit.jit_on_mesh`'s program (None: none)
@@ -100,6 +70,16 @@ class PlannedFunction:
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", "planned")
         self.__doc__ = getattr(fn, "__doc__", None)
+
+    @property
+    def options(self) -> PlanOptions:
+        """The checked planning options."""
+        return self._planner.options
+
+    @property
+    def devices(self) -> tuple[Any, ...]:
+        """The devices the step is planned for."""
+        return self._planner.devices
 
     def _split(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple]:
         """(the array part of `args`, the cache key: the arrays' signature and the static leaves'
@@ -118,80 +98,10 @@ class PlannedFunction:
         """(graph, plan, jitted program) of the array arguments `args` (`_split`) under `key`."""
         key = _signature(args) if key is None else key
         hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        fn = self._static[key][0] if key in self._static else self.fn
-        with self._user_context():
-            graph = trace(fn, *args, user_constraints=self.options.user_constraints)
-        if isinstance(self.pins, Mapping) and self._mesh_spec is not None and not self.options.pipeline:
-            graph = pin_intermediates(graph, self.pins, self._mesh_spec)  # pins on checkpoint_name values
-        if self.options.pipeline:
-            plan, runner = plan_with_stages(fn, args, graph, self._mesh_spec, self.devices, self.options,
-                                            **self._stage_pins(graph))
-            self._cache[key] = (graph, plan, runner)
-            return self._cache[key]
-        pinned = self._pinned(graph, args)
-        if self.options.accumulate not in (None, 1):
-            self._cache[key] = self._accumulated(fn, graph, args)
-            return self._cache[key]
-        def plan_graph(g: Graph, search: bool) -> Plan:
-            if self.options.offload != "off":  # a streamed optimizer update (`offload.streamed`)
-                g = offload.streamed(g)
-            if self._mesh_spec is not None:
-                return make_plan(g, self._mesh_spec, self.options, self._jax_mesh, pins=pinned, min_peak_search=search)
-            return self._choose_mesh(g)
-
-        traced = graph  # recomputation (`planner.levers.remat`): the planned and emitted graph is the rewritten one
-        graph, plan, policy = plan_remat(graph, self.options.remat, self.options.memory_budget, plan_graph,
-                                         lambda p: p)
-        if self.options.remat != "off":
-            plan = remat_record(plan, traced, graph, policy)
-        graph = offload.graph_for(graph, plan)
-        plan = _record_user_constraints(graph, plan)
-        entry = (graph, plan, jit_planned(graph, plan, self.donate_argnums))
-        self._cache[key] = entry
-        return entry
-
-    def _pinned(self, graph: Graph, args: tuple[Any, ...]) -> dict[int, Any] | None:
-        """Input position -> pinned spec (`planner.configs.pins`), or None without pins."""
-        if self.pins is None and self.rules is None and self.unpinned == "plan":
-            return None
-        if self._mesh_spec is None:
-            raise InvalidArgumentError("pins need a mesh (their specs name its axes): pass mesh=")
-        shapes = [graph.tensors[t].shape for t in graph.inputs]
-        pins = self.pins(graph.input_paths, shapes, self._mesh_spec) if callable(self.pins) else self.pins
-        if pins:  # patterns naming intermediates were applied to the graph (`pin_intermediates`)
-            inner = intermediate_patterns(pins, graph)
-            pins = {k: v for k, v in pins.items() if str(k) not in inner}
-        if self.rules is not None:
-            named = logical_names(args if self.logical is None else self.logical)
-            if not named:
-                raise InvalidArgumentError("rules need logical axis names: the arguments carry no flax logical "
-                                           "partitioning metadata; pass logical=(nn.get_partition_spec(state), None)")
-            pins = {**(pins or {}), **rules_to_pins(self.rules, named, self._mesh_spec)}
-        return resolve_pins(pins, graph.input_paths, shapes, self._mesh_spec,
-                            complete=self.unpinned == "replicate")
-
-    def _stage_pins(self, graph: Graph) -> dict[str, Any]:
-        """Pins with pipeline stages (`planner.configs.pins.stage_pins`): each pin applies on the stage that
-        holds the pinned leaf, naming that stage mesh's axes (x, y)."""
-        if self.rules is not None:
-            raise InvalidArgumentError("logical-axis rules are not supported with pipeline stages yet: pass pins= "
-                                       "or pipeline=False")
-        if self.pins is None:
-            return {}
-        if not callable(self.pins):
-            check_stage_pins(self.pins, graph.input_paths)
-        return {"pins": stage_pins(self.pins)}
-
-    def _user_context(self):
-        """The user's mesh as the context mesh (tracing), or nothing when no JAX mesh was given."""
-        m = self._user_mesh
-        if isinstance(m, jax.sharding.Mesh):
-            return jax.sharding.set_mesh(m)
-        if isinstance(m, jax.sharding.AbstractMesh):
-            return jax.sharding.use_abstract_mesh(m)
-        return contextlib.nullcontext()
+        if hit is None:
+            fn = self._static[key][0] if key in self._static else self.fn
+            hit = self._cache[key] = self._planner.plan(fn, args)
+        return hit
 
     def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """Keyword arguments bound to their positions (as `jax.jit` accepts them)."""
@@ -205,39 +115,6 @@ class PlannedFunction:
             raise InvalidArgumentError(f"keyword-only arguments {sorted(bound.kwargs)} of {self.__name__} are not "
                                        "supported; make them positional or close over them")
         return tuple(bound.args)
-
-    def _accumulated(self, fn: Callable[..., Any], graph: Graph, args: tuple[Any, ...]) -> tuple[Graph, Plan, Any]:
-        """Gradient accumulation (`planner.levers.accumulate`): the microbatch step planned as any step
-        (on the mesh, or by the mesh search), k chosen or given; the entry holds the microbatch trace."""
-        def plan_micro(g: Graph, budget: float | None) -> Plan:
-            options = micro_options(self.options, budget)
-            if self._mesh_spec is not None:
-                return make_plan(g, self._mesh_spec, options, self._jax_mesh, pins=self._pinned(g, args))
-            results = search_meshes(g, self._candidate_meshes(), options, devices=self.devices)
-            over = [r.min_memory_bytes for r in results if r.over_budget and r.min_memory_bytes is not None]
-            if results[0].plan is None and over:
-                raise InfeasiblePlanError(f"no mesh shape fits {format_bytes(budget)} per device", min(over))
-            return best_plan(results)
-
-        bounds = self._mesh_spec or MeshSpec((len(self.devices),), default_axis_names(1))
-        acc = plan_accumulation(fn, graph, self.options.accumulate, self.options.memory_budget, plan_micro,
-                                bounds, self.options.unshard)
-        plan = dataclasses.replace(_record_user_constraints(acc.graph, acc.plan),
-                                   options={**acc.plan.options, "accumulate": self.options.accumulate})
-        acc = dataclasses.replace(acc, plan=plan)
-        jitted = jit_accumulated(acc, self.donate_argnums) if acc.k > 1 else jit_planned(acc.graph, plan,
-                                                                                           self.donate_argnums)
-        return acc.graph, plan, jitted
-
-    def _candidate_meshes(self) -> list:
-        """The mesh search's candidates for these devices (3-D ones when they span several processes,
-        `search.default_mesh_ndim`)."""
-        hosts = len({getattr(d, "process_index", 0) for d in self.devices})
-        return candidate_meshes(len(self.devices), default_mesh_ndim(self.options.mesh_ndim, hosts))
-
-    def _choose_mesh(self, graph: Graph) -> Plan:
-        return best_plan(search_meshes(graph, self._candidate_meshes(), self.options, devices=self.devices),
-                         self.options.memory_budget)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments (arrays or ShapeDtypeStructs; other leaves are static, as
@@ -257,7 +134,7 @@ class PlannedFunction:
         """The `jax.stages.Lowered` planned program; for a multi-stage pipeline plan, one
         `planner.emit.pipeline.runtime.StageLowered` per stage (its forward, backward and update programs)."""
         args, key = self._split(self._positional(args, kwargs))
-        graph, plan, jitted = self._entry(args, key)
+        _, plan, jitted = self._entry(args, key)
         if plan.stages:
             return jitted.lower(*args)
         if offload_emit.positions(plan)[0]:  # host-offloaded arguments lower in their host shardings
@@ -304,31 +181,6 @@ class PlannedFunction:
             outs = jax.device_put(outs, on_mesh(offload_emit.out_shardings(plan), user))
         return outs
 
-
-def _axes(entry, mesh) -> tuple[str, ...]:
-    """A PartitionSpec entry as the mesh axes (of more than one device) that split the dim."""
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    return tuple(n for n in names if n not in mesh.axis_names or mesh.shape[mesh.axis_names.index(n)] > 1)
-
-
-def _record_user_constraints(graph: Graph, plan: Plan) -> Plan:
-    """The plan with its record of the step's own sharding constraints: the user's spec, the
-    planned one, and whether they agree (always, when pinned)."""
-    planned = {op: spec for op, k, spec in plan.op_specs if k == 0}
-    out = []
-    for op in graph.ops:
-        if op.name not in USER_CONSTRAINTS or op.index not in planned:
-            continue
-        user = user_sharding(op.params).spec
-        got = to_partition_spec(planned[op.index], plan.mesh)
-        rank = len(graph.tensors[op.outputs[0]].shape)
-        pad = lambda p: tuple(p) + (None,) * (rank - len(p))  # noqa: E731
-        kept = all(u is PartitionSpec.UNCONSTRAINED or _axes(u, plan.mesh) == _axes(g, plan.mesh)
-                   for u, g in zip(pad(user), pad(got)))
-        out.append(MappingProxyType({
-            "where": f"{op.name} {op.name_stack}".strip(), "user_spec": str(user),
-            "planned_spec": str(PartitionSpec(*pad(got))), "kept": kept, "mode": graph.user_constraints}))
-    return dataclasses.replace(plan, user_constraints=tuple(out)) if out else plan
 
 
 def plan_parallel(fn: Callable[..., Any] | None = None, *, mesh: Any = None,

@@ -39,6 +39,20 @@ def devices8():
     return jax.devices()[:8]
 
 
+@pytest.fixture
+def mesh_2x4(devices8):
+    """A jax mesh of 8 devices, 2x4, axes ("x", "y"), both Auto."""
+    return jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+@pytest.fixture(scope="module")
+def gpt_tiny():
+    """The zoo's gpt-tiny: bundle, optimizer, state, batch and its unsharded first step (`ReferenceStep`)."""
+    from tests.helpers import reference_step  # here: tests that need no planner collect while it does not import
+
+    return reference_step("gpt-tiny")
+
+
 # The longest tests start first, so that two workers do not end on one long test each.
 _FIRST = ("test_multihost.py", "test_zoo_numerics.py", "test_pipeline_runtime.py", "test_large_models.py",
           "test_stages_planning.py", "test_numerics.py", "test_memory.py")

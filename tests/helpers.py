@@ -1,11 +1,15 @@
 """Shared test helpers: models with known answers and comparisons against the unsharded program."""
 from __future__ import annotations
 
+import textwrap
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from planner.graph.trace import trace
 from zoo import get_model, make_optimizer
 
 # MLP shapes with a textbook answer (2-layer MLP, AdamW):
@@ -15,9 +19,57 @@ TALL = dict(batch=16384, in_dim=64, hidden=64, out_dim=64)
 WIDE = dict(batch=16, in_dim=256, hidden=8192, out_dim=256)
 
 
+# A user's module for `planner plan --fn FILE:FACTORY`: `make` an MLP step, `bad_trace` a step that
+# fails while tracing, `raises` a factory that raises.
+USER_STEP = textwrap.dedent("""
+    import jax, jax.numpy as jnp
+
+    def make(batch=16):
+        def step(params, x):
+            loss = lambda p: jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])
+            value, g = jax.value_and_grad(loss)(params)
+            return jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, params, g), value
+        params = {"w1": jax.ShapeDtypeStruct((32, 64), jnp.float32),
+                  "w2": jax.ShapeDtypeStruct((64, 8), jnp.float32)}
+        return step, (params, jax.ShapeDtypeStruct((batch, 32), jnp.float32))
+
+    def bad_trace():
+        def step(params, x):
+            return x @ params["w1"].T  # shapes do not match
+        return step, ({"w1": jax.ShapeDtypeStruct((32, 64), jnp.float32)}, jax.ShapeDtypeStruct((16, 32), jnp.float32))
+
+    def raises():
+        raise RuntimeError("no data\\nsecond line")
+""")
+
+
+def zoo_graph(name: str, **overrides):
+    """The traced train step of a zoo model on its abstract state and batch (nothing allocated)."""
+    b = get_model(name, **overrides)
+    return trace(b.train_step, b.abstract_state(), b.abstract_batch())
+
+
 def concrete(name: str, **overrides):
     b = get_model(name, **overrides)
     return b, b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
+
+
+class ReferenceStep(NamedTuple):
+    """A zoo model's first train step, run unsharded: what planned steps are compared against."""
+    bundle: Any
+    optimizer: Any  # the step's AdamW, from the model's config
+    state: Any
+    batch: Any
+    ref_state: Any  # the unsharded step's new state
+    ref_metrics: Any
+
+
+def reference_step(name: str) -> ReferenceStep:
+    """`concrete(name)` and its unsharded first step (jitted)."""
+    b, state, batch = concrete(name)
+    optimizer = make_optimizer(b.config.learning_rate, b.config.weight_decay)
+    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
+    return ReferenceStep(b, optimizer, state, batch, ref_state, ref_metrics)
 
 
 def max_abs_diff(a, b) -> float:

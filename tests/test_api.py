@@ -1,4 +1,4 @@
-"""Public API contract: plan_parallel (call and decorator), plan, caching, lowering, JSON, errors."""
+"""Public API contract: plan_parallel (call and decorator), plan, caching, lowering, JSON, errors, donation."""
 from __future__ import annotations
 
 import jax
@@ -8,7 +8,7 @@ import pytest
 
 import planner
 from zoo import get_model
-from tests.helpers import concrete
+from tests.helpers import assert_bundle_step_close, concrete
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +32,9 @@ def test_decorator_form_and_plan_cache(mlp, devices8):
     assert p2 is p1
 
 
-def test_mesh_forms_are_equivalent(mlp, devices8):
+def test_mesh_forms_are_equivalent(mlp, mesh_2x4):
     b, state, batch = mlp
-    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    plans = [planner.plan(b.train_step, state, batch, mesh=m) for m in (mesh, (2, 4), "2x4")]
+    plans = [planner.plan(b.train_step, state, batch, mesh=m) for m in (mesh_2x4, (2, 4), "2x4")]
     assert plans[0] == plans[1] == plans[2]
     shardings = jax.tree_util.tree_leaves(plans[0].in_shardings)
     assert all(isinstance(s, jax.sharding.NamedSharding) for s in shardings)
@@ -227,3 +226,15 @@ def test_a_step_on_an_explicit_mesh_takes_and_hands_back_its_arrays_as_they_are(
     assert float(metrics["loss"]) == float(auto_metrics["loss"])
     assert all(np.array_equal(np.asarray(x), np.asarray(y))
                for x, y in zip(jax.tree.leaves(s2), jax.tree.leaves(auto_state)))
+
+
+def test_donated_state(devices8):
+    b, state, batch = concrete("mlp-tiny")
+    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
+    step = planner.plan_parallel(b.train_step, mesh="2x4", donate_argnums=0)
+    copy = jax.tree_util.tree_map(lambda x: x.copy(), state)  # donation consumes the buffers
+    placed = jax.device_put(copy, step.plan(state, batch).in_shardings[0])
+    new_state, metrics = step(placed, batch)
+    assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
+    leaf = jax.tree_util.tree_leaves(placed)[0]
+    assert leaf.is_deleted()  # the old state's buffers went to the new state

@@ -1,4 +1,4 @@
-"""Named baselines as pins (planner/baselines.py) and `evaluate` (planner/evaluation.py)."""
+"""Named baselines as pins (planner/configs/baselines.py) and `evaluate` (planner/planning/evaluate.py)."""
 from __future__ import annotations
 
 import jax
@@ -64,20 +64,20 @@ def test_unknown_baseline_is_a_one_line_error():
         evaluate(b.train_step, *args, mesh="2x4", baseline="dp", pins={"x": P()})
 
 
-def test_pinned_plan_predicts_what_evaluate_predicts():
+def test_pinned_plan_predicts_what_evaluate_predicts(mesh_2x4):
     """One code path: a plan with every argument pinned to a baseline (written as a user would,
     as jit in_shardings) predicts exactly the baseline's evaluation."""
     b, args, paths, shapes = _leaves("mlp-tiny")
-    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    spec, _ = parse_mesh(mesh)
+    spec, _ = parse_mesh(mesh_2x4)
     for name in ("fsdp", "zero1"):
-        ev = evaluate(b.train_step, *args, mesh=mesh, baseline=name)
+        ev = evaluate(b.train_step, *args, mesh=mesh_2x4, baseline=name)
         assert ev.solver["configuration"] == f"baseline {name}"
         specs = baseline_specs(name, paths, shapes, spec)
-        tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), [NamedSharding(mesh, s) for s in specs])
-        by_jit = evaluate(b.train_step, *args, mesh=mesh, shardings=tree)
-        by_pins = planner.plan(b.train_step, *args, mesh=mesh, pins=baseline_pins(name)(paths, shapes, spec))
+        tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args),
+                                            [NamedSharding(mesh_2x4, s) for s in specs])
+        by_jit = evaluate(b.train_step, *args, mesh=mesh_2x4, shardings=tree)
+        by_pins = planner.plan(b.train_step, *args, mesh=mesh_2x4, pins=baseline_pins(name)(paths, shapes, spec))
         assert by_jit.prediction.step_time_s == ev.prediction.step_time_s == by_pins.prediction.step_time_s
         assert by_pins.input_specs == ev.input_specs
-    dp = evaluate(b.train_step, *args, mesh=mesh, baseline="dp")
+    dp = evaluate(b.train_step, *args, mesh=mesh_2x4, baseline="dp")
     assert dp.prediction.memory_bytes_per_device > ev.prediction.memory_bytes_per_device  # zero1 shards Adam state

@@ -1,4 +1,4 @@
-"""experiments/bench_suite.py (issue 12's comparison suite): which configurations it runs where,
+"""experiments/bench_suite.py (the plan beside every named baseline): which configurations it runs where,
 and how its goal summary counts them (synthetic rows: nothing is planned here)."""
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The `planner` command line, run in-process through `main([...])` plus one real console-script run."""
+"""The `planner` command line, run in-process through `main([...])` plus one real console-script run;
+its errors are one line with exit status 2 (broken --fn steps, output paths refused before planning,
+a profile database given where a plan is expected)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,6 +15,7 @@ import types
 import pytest
 
 from planner import Plan, cli
+from tests.helpers import USER_STEP
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,7 +60,7 @@ def test_permuted_mesh_is_the_same_problem():
     from planner.core.mesh import MeshSpec
     from planner.core.options import PlanOptions
     from planner.search.mesh_plan import make_plan
-    from planner.search.meshes import mirror_key
+    from planner.search.candidates import mirror_key
     from zoo import get_model
     assert mirror_key(MeshSpec((2, 4), ("x", "y")), ()) == mirror_key(MeshSpec((4, 2), ("x", "y")), ())
     assert mirror_key(MeshSpec((2, 4), ("x", "y")), (0,)) != mirror_key(MeshSpec((4, 2), ("x", "y")), (0,))
@@ -127,7 +130,7 @@ def test_cluster_marks_inter_host_axes(capsys, tmp_path):
     ((2, 4), 8, ()), ((4, 4), 2, (0, 1)),
 ])
 def test_inter_host_axes(shape, per_host, expected):
-    from planner.cli.commands import inter_host_axes
+    from planner.search.candidates import inter_host_axes
     assert inter_host_axes(shape, per_host) == expected
 
 
@@ -270,7 +273,7 @@ def test_pipeline_on_plans_stages(capsys, tmp_path):
 
 
 def test_profile_subcommand(capsys, monkeypatch):
-    from planner.cli import commands
+    from planner.cli import profile as commands
     monkeypatch.setattr(commands, "_profiling_module", lambda: None)
     code, _, err = run(capsys, "profile", "--out", "db.json")
     assert code == 2 and "planner profile" in err and "not available" in err
@@ -309,3 +312,45 @@ def test_pipeline_of_a_scanned_model_says_its_weights_stay_on_one_stage(capsys, 
     assert code == 0
     assert "layers unrolled for pipelining" in out
     assert not [line for line in out.splitlines() if line.strip().startswith("note:")]
+
+
+# --- a broken --fn step, unwritable outputs, a profile given as a plan: one line, exit 2 ----------
+
+
+@pytest.fixture
+def user_module(tmp_path):
+    path = tmp_path / "userstep.py"
+    path.write_text(USER_STEP)
+    return path
+
+
+def _one_line_exit_2(code, err, needle):
+    assert code == 2, err
+    assert needle in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("factory,needle", [("bad_trace", "tracing the step raised"),
+                                            ("raises", "raises() raised RuntimeError")])
+def test_fn_that_fails_to_trace_or_run_is_one_line(capsys, user_module, factory, needle):
+    code, _, err = run(capsys, "plan", "--fn", f"{user_module}:{factory}", "--mesh", "8", "--quiet")
+    _one_line_exit_2(code, err, needle)
+
+
+@pytest.mark.parametrize("flag", ["--json", "--html"])
+def test_output_paths_checked_before_planning(capsys, user_module, tmp_path, flag):
+    # bad_trace would fail while tracing: the path error comes first, so nothing was planned
+    code, _, err = run(capsys, "plan", "--fn", f"{user_module}:bad_trace", "--mesh", "8", "--quiet",
+                       flag, str(tmp_path / "missing" / "out"))
+    _one_line_exit_2(code, err, "does not exist")
+    code, _, err = run(capsys, "plan", "--fn", f"{user_module}:bad_trace", "--mesh", "8", "--quiet",
+                       flag, str(tmp_path))
+    _one_line_exit_2(code, err, "is a directory")
+
+
+def test_profile_database_where_a_plan_is_expected(capsys, tmp_path):
+    prof = tmp_path / "prof.json"
+    prof.write_text(json.dumps({"format": "planner-profile", "version": 1, "collectives": []}))
+    for argv in (["explain", str(prof)], ["diff", str(prof), str(prof)], ["plan", "--from", str(prof)]):
+        code, _, err = run(capsys, *argv)
+        _one_line_exit_2(code, err, "is a profile database")

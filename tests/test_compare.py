@@ -1,5 +1,5 @@
 """The plan beside hand configurations: `planner.compare`, logical-axis rules in, and the CLI's
---pin / --rules / --baseline / compare (planner/evaluation.py, planner/present/compare.py)."""
+--pin / --rules / --baseline / compare (planner/planning/evaluate.py, planner/present/compare.py)."""
 from __future__ import annotations
 
 import base64

@@ -1,18 +1,23 @@
-"""Explanations, plan diffs, the per-layer table and logical axis rules (planner/explain.py, report.py,
-logical_axes.py)."""
+"""Explanations, plan diffs, the per-layer table and logical axis rules (planner/present/explain.py,
+report.py, logical_axes.py): the `explain` text (legend, one row per distinct decision, decision
+count), `explain_plan` in Python, the pipeline figure and the summary's size units."""
 from __future__ import annotations
 
 import contextlib
 import io
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
 
+import planner
 from planner import cli
 from planner.present.diff import diff
-from planner.present.explain import decision_comm, explain, readable_strategy
+from planner.present.explain import decision_comm, explain, explain_plan, readable_strategy
 from planner.present.logical_axes import apply_rules, classify, infer_rules, path_tokens
 from planner.present.report import PlanView, collapse_layers, fmt_bytes, fmt_time, format_layer_table, memory_breakdown
+from tests.helpers import USER_STEP
 
 
 def _plan(tmp, *argv) -> PlanView:
@@ -250,3 +255,69 @@ def test_decision_records_carry_their_collectives(views):
                    op=label)
     kind, axes, nbytes, _ = d.collectives[0]
     assert f"{kind} over {'*'.join(axes)}" in text
+
+
+# --- a user's --fn step, planned and explained through the CLI -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def mlp_plan_and_text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("user_step") / "userstep.py"
+    path.write_text(USER_STEP)
+    plan_file = path.parent / "plan.json"
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert cli.main(["plan", "--fn", f"{path}:make", "--mesh", "2x4", "--quiet", "--json", str(plan_file)]) == 0
+        out.truncate(0)
+        assert cli.main(["explain", str(plan_file)]) == 0
+    return json.loads(plan_file.read_text()), out.getvalue()
+
+
+def test_explain_legend_rows_and_count(mlp_plan_and_text):
+    data, text = mlp_plan_and_text
+    assert "notation:" in text
+    for section in text.split("\n\n"):  # no table repeats a row
+        rows = [l for l in section.splitlines()[3:] if l.startswith("  ")]
+        assert len(rows) == len(set(rows)), section
+    decided = len(data["decisions"])
+    shared = data["solver"]["variables_shared"]
+    assert (f"{decided} of the plan's {shared} decisions" in text
+            or (decided == shared and f"{decided} decisions" in text))
+
+
+def test_explain_plan_in_python_shows_kept_constraints(devices8):
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+    def step(w, x):
+        def loss(w):
+            h = jax.lax.with_sharding_constraint(jnp.tanh(x @ w), jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec("data", None)))
+            return jnp.mean(h ** 2)
+        value, g = jax.value_and_grad(loss)(w)
+        return w - 0.1 * g, value
+
+    args = (jax.ShapeDtypeStruct((16, 32), jnp.float32), jax.ShapeDtypeStruct((8, 16), jnp.float32))
+    plan = planner.plan(step, *args, mesh=mesh)
+    assert plan.user_constraints and all(c["kept"] for c in plan.user_constraints)
+    assert planner.Plan.from_json(plan.to_json()).user_constraints == plan.user_constraints
+    text = explain_plan(plan)
+    n = len(plan.user_constraints)  # the constraint and its transpose in the backward pass
+    assert f"Your sharding constraints ({n} of {n} kept; pinned" in text
+
+
+def test_pipeline_figure_draws_the_chosen_microbatch_count(mlp_plan_and_text):
+    from planner.present.html_report import pipeline_figure
+    from planner.present.report import PlanView
+    data = json.loads(json.dumps(mlp_plan_and_text[0]))
+    data["stages"] = [{"layers": [f"blocks_{i}"], "submesh": [1, 2], "mesh": {"x": 2}} for i in range(3)]
+    data["options"]["num_microbatches"] = None  # "choose": the plan's pipeline record holds the choice
+    data["pipeline"] = {"num_microbatches": 4, "num_stages": 3, "schedule": "1f1b"}
+    fig = pipeline_figure(PlanView.from_dict(data))
+    assert "3 stages x 4 microbatches" in fig.axes[0].get_title()
+
+
+def test_summary_and_cli_print_sizes_in_the_same_units(mlp_plan_and_text):
+    from planner.present.report import fmt_bytes
+    plan = planner.Plan.from_json(json.dumps(mlp_plan_and_text[0]))
+    memory = plan.prediction.memory_bytes_per_device
+    assert fmt_bytes(memory) in plan.summary()

@@ -1,4 +1,4 @@
-"""Fusion-aware memory traffic (planner/fusion.py) against XLA's compiled programs and by hand."""
+"""Fusion-aware memory traffic (planner/graph/fusion.py) against XLA's compiled programs and by hand."""
 from __future__ import annotations
 
 import jax
@@ -8,7 +8,8 @@ import pytest
 from planner.cost_model import CostModel
 from planner.graph.fusion import fusions, memory_traffic_bytes, recomputed
 from planner.graph.trace import trace
-from planner.ilp.problem import TIE_BREAK_S_PER_BYTE, last_reads
+from planner.ilp.live_ranges import last_reads
+from planner.ilp.problem import TIE_BREAK_S_PER_BYTE
 from planner.core.mesh import MeshSpec
 from planner.core.options import PlanOptions
 from planner.search.mesh_plan import make_plan

@@ -1,5 +1,5 @@
 """Achieved matmul rates: the presets' cited efficiency, a profile's measured GEMM curve, and the
-analytic fallback when a profile has none (issue 11, item 1)."""
+analytic fallback when a profile has none."""
 from __future__ import annotations
 
 import dataclasses
@@ -86,7 +86,7 @@ def test_bad_curves_are_rejected():
     assert isinstance(dataclasses.replace(base, matmul_curve=(("16bit", ((1.0, 2.0),)),)), Hardware)
 
 
-# --- attention shapes: batched narrow GEMMs (issue 11, item 1) ------------------------------------
+# --- attention shapes: batched narrow GEMMs -----------------------------------------------------
 
 
 def _attention_sample(d, seq, g, rate, dtype="bfloat16"):

@@ -1,11 +1,13 @@
 """Hardware presets price work at achieved rates, each with its source: no preset runs a matmul or
-streams memory at its datasheet peak, and a printed plan says where its rates come from."""
+streams memory at its datasheet peak, GPU presets carry a kernel launch floor, and a printed plan
+says where its rates come from."""
 from __future__ import annotations
 
 import contextlib
 import io
 import re
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,6 +16,9 @@ from planner.cost_model.hardware import PRESETS, matmul_rate, peak_flops
 from planner.cost_model.model import CostModel, profiled_hardware
 from planner.cost_model.profile_db import ProfileDB
 from planner.core.mesh import MeshSpec
+from planner.core.options import PlanOptions
+from planner.graph.trace import trace
+from planner.search.mesh_plan import make_plan
 
 SOURCE = re.compile(r"measured|stand-in|Bekman|profile", re.IGNORECASE)
 
@@ -78,3 +83,13 @@ def test_the_printed_plan_names_where_its_rates_come_from(tmp_path):
     text = out.getvalue()
     line = next(l for l in text.splitlines() if l.strip().startswith("achieved rates"))
     assert "stand-in" in line
+
+
+def test_gpu_presets_carry_a_launch_floor_and_tiny_dots_pay_it():
+    for name in ("h100-sxm", "a100-80gb", "v100-16gb"):
+        assert 1e-6 <= PRESETS[name].kernel_launch_s <= 1e-5
+    graph = trace(lambda a, b: a @ b, jnp.ones((8, 8)), jnp.ones((8, 8)))
+    plan = make_plan(graph, MeshSpec((1,), ("x",)), PlanOptions(hardware="h100"))
+    tie_break = sum(1e-13 * graph.tensors[t].nbytes for t in graph.inputs)
+    assert plan.prediction.compute_time_s == pytest.approx(PRESETS["h100-sxm"].kernel_launch_s + tie_break)
+

@@ -10,7 +10,9 @@ import planner
 from planner.cost_model import CostModel
 from planner.graph.trace import trace
 from planner.ilp.problem import build_problem
-from planner.ilp.solver import memory_lower_bound, memory_profile, solve
+from planner.ilp.liveness import memory_profile
+from planner.ilp.memory_bounds import memory_lower_bound
+from planner.ilp.solver import solve
 from planner.core.mesh import MeshSpec
 
 
@@ -151,7 +153,7 @@ def test_strategies_ruled_out_by_the_bound_never_fit(hardware):
     some (else it would not narrow the search)."""
     import random
 
-    from planner.ilp.solver import over_budget_strategies
+    from planner.ilp.memory_bounds import over_budget_strategies
     from zoo import get_model
 
     bundle = get_model("mlp-tiny")
@@ -182,8 +184,8 @@ def test_limit_never_returns_a_plan_slower_than_a_fitting_start(monkeypatch):
     a fitting one slower than the start."""
     from ortools.sat.python import cp_model
 
-    from planner.ilp import solver as solver_module
-    from planner.ilp.solver import plan_cost
+    from planner.ilp import cpsat as solver_module
+    from planner.ilp.cpsat import plan_cost
 
     problem = _mlp_grad_problem(layers=6)
     free = solve(problem)
@@ -230,7 +232,7 @@ def test_no_fit_answer_with_some_meshes_solved_or_pruned_is_one_line():
     """A search where some meshes were solved or pruned (no error of their own) and the rest are over
     the budget answers "does not fit" in one line; it used to read `.levers` of a missing error."""
     from planner.core.errors import InfeasiblePlanError
-    from planner.search.meshes import MeshResult, no_fit_error
+    from planner.search.results import MeshResult, no_fit_error
 
     over = InfeasiblePlanError("over", 2e9, 1e9, levers=())
     results = [MeshResult(MeshSpec((8,), ("x",)), None, None, (), 0.1, pruned="bound"),

@@ -15,11 +15,6 @@ COLS = ((0, 4), (1, 5), (2, 6), (3, 7))  # its 'x' groups
 YX = ((0, 4, 1, 5, 2, 6, 3, 7),)  # one group over ('y', 'x'), y major
 
 
-@pytest.fixture
-def mesh(devices8):
-    return jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-
-
 def _compile(mesh, f, args, in_specs, out_spec):
     shard = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     outs = jax.tree.map(shard, out_spec, is_leaf=lambda x: isinstance(x, P))
@@ -35,9 +30,9 @@ def _only(cols: tuple[Collective, ...], kind: str) -> Collective:
 # --- real compiled programs -------------------------------------------------------------------
 
 
-def test_contraction_split_over_y_all_reduces_the_output(mesh):
+def test_contraction_split_over_y_all_reduces_the_output(mesh_2x4):
     a, b = jnp.ones((16, 32)), jnp.ones((32, 64))
-    compiled = _compile(mesh, jnp.matmul, (a, b), (P(None, "y"), P("y", None)), P())
+    compiled = _compile(mesh_2x4, jnp.matmul, (a, b), (P(None, "y"), P("y", None)), P())
     c = _only(collectives(compiled), "all-reduce")
     assert (c.group_size, c.num_groups, c.groups) == (4, 2, ROWS)
     assert c.dtype == "f32" and c.shape == (16, 64)
@@ -45,57 +40,57 @@ def test_contraction_split_over_y_all_reduces_the_output(mesh):
     assert c.bytes_moved_per_device == pytest.approx(2 * 3 / 4 * 16 * 64 * F32)
 
 
-def test_all_gather_from_dim0_sharding(mesh):
-    compiled = _compile(mesh, lambda x: x * 2, (jnp.ones((16, 32)),), (P("y", None),), P())
+def test_all_gather_from_dim0_sharding(mesh_2x4):
+    compiled = _compile(mesh_2x4, lambda x: x * 2, (jnp.ones((16, 32)),), (P("y", None),), P())
     c = _only(collectives(compiled), "all-gather")
     assert (c.group_size, c.groups) == (4, ROWS)
     assert (c.result_bytes, c.operand_bytes) == (16 * 32 * F32, 4 * 32 * F32)
     assert c.bytes_moved_per_device == pytest.approx(3 / 4 * 16 * 32 * F32)
 
 
-def test_all_gather_over_x_groups_columns(mesh):
-    compiled = _compile(mesh, lambda x: x * 2, (jnp.ones((16, 32)),), (P("x", None),), P())
+def test_all_gather_over_x_groups_columns(mesh_2x4):
+    compiled = _compile(mesh_2x4, lambda x: x * 2, (jnp.ones((16, 32)),), (P("x", None),), P())
     c = _only(collectives(compiled), "all-gather")
     assert c.groups == COLS
 
 
-def test_reduce_scatter_from_shard_map(mesh):
+def test_reduce_scatter_from_shard_map(mesh_2x4):
     def f(x):
         return jax.lax.psum_scatter(x, "y", scatter_dimension=0, tiled=True)
 
-    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P("y"), check_vma=False))
+    g = jax.jit(jax.shard_map(f, mesh=mesh_2x4, in_specs=P(), out_specs=P("y"), check_vma=False))
     c = _only(collectives(g.lower(jnp.ones((16, 32))).compile()), "reduce-scatter")
     assert (c.group_size, c.num_groups, c.groups) == (4, 2, ROWS)
     assert (c.operand_bytes, c.result_bytes) == (16 * 32 * F32, 4 * 32 * F32)
     assert c.bytes_moved_per_device == pytest.approx(3 / 4 * 16 * 32 * F32)
 
 
-def test_resharding_dim0_to_dim1_is_an_all_to_all(mesh):
+def test_resharding_dim0_to_dim1_is_an_all_to_all(mesh_2x4):
     def f(x):
-        return jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh, P(None, "y")))
+        return jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh_2x4, P(None, "y")))
 
-    compiled = _compile(mesh, f, (jnp.ones((32, 32)),), (P("y", None),), P(None, "y"))
+    compiled = _compile(mesh_2x4, f, (jnp.ones((32, 32)),), (P("y", None),), P(None, "y"))
     c = _only(collectives(compiled), "all-to-all")
     assert (c.group_size, c.groups) == (4, ROWS)
     assert c.result_bytes == 8 * 32 * F32  # tuple elements summed
     assert c.bytes_moved_per_device == pytest.approx(3 / 4 * 8 * 32 * F32)
 
 
-def test_collective_inside_scan_records_its_computation(mesh):
+def test_collective_inside_scan_records_its_computation(mesh_2x4):
     def f(a, b):
         return jax.lax.scan(lambda c, _: (c @ b, None), a, None, length=3)[0]
 
     a, b = jnp.ones((16, 32)), jnp.ones((32, 32))
-    compiled = _compile(mesh, f, (a, b), (P(None, "y"), P("y", None)), P())
+    compiled = _compile(mesh_2x4, f, (a, b), (P(None, "y"), P("y", None)), P())
     cols = collectives(compiled)
     entry = next(c.computation for c in cols if c.kind == "all-gather")
     loop = [c for c in cols if c.kind == "all-reduce"]
     assert loop and all(c.computation != entry for c in loop)
 
 
-def test_memory_stats_counts_per_device_arguments(mesh):
+def test_memory_stats_counts_per_device_arguments(mesh_2x4):
     a, b = jnp.ones((16, 32)), jnp.ones((32, 64))
-    compiled = _compile(mesh, jnp.matmul, (a, b), (P(None, "y"), P("y", None)), P())
+    compiled = _compile(mesh_2x4, jnp.matmul, (a, b), (P(None, "y"), P("y", None)), P())
     mem = memory_stats(compiled)
     assert isinstance(mem, MemoryStats)
     assert mem.argument_bytes == (16 * 8 + 8 * 64) * F32
@@ -103,9 +98,9 @@ def test_memory_stats_counts_per_device_arguments(mesh):
     assert mem.peak_bytes == mem.argument_bytes + mem.output_bytes + mem.temp_bytes - mem.alias_bytes
 
 
-def test_report_combines_collectives_memory_and_flops(mesh):
+def test_report_combines_collectives_memory_and_flops(mesh_2x4):
     a, b = jnp.ones((16, 32)), jnp.ones((32, 64))
-    compiled = _compile(mesh, jnp.matmul, (a, b), (P(None, "y"), P("y", None)), P())
+    compiled = _compile(mesh_2x4, jnp.matmul, (a, b), (P(None, "y"), P("y", None)), P())
     rep = report(compiled)
     assert isinstance(rep, HloReport)
     assert rep.counts() == {"all-reduce": 1}
@@ -115,8 +110,8 @@ def test_report_combines_collectives_memory_and_flops(mesh):
     assert "all-reduce" in rep.summary()
 
 
-def test_program_without_collectives(mesh):
-    compiled = _compile(mesh, lambda x: x + 1, (jnp.ones((16, 32)),), (P("y", None),), P("y", None))
+def test_program_without_collectives(mesh_2x4):
+    compiled = _compile(mesh_2x4, lambda x: x + 1, (jnp.ones((16, 32)),), (P("y", None),), P("y", None))
     assert collectives(compiled) == ()
     assert report(compiled).bytes_moved_per_device() == 0
 
@@ -271,20 +266,20 @@ def test_kernels_counts_top_level_work_through_control_flow():
         kernels("not hlo at all")
 
 
-def test_kernels_of_a_compiled_cpu_program(mesh):
+def test_kernels_of_a_compiled_cpu_program(mesh_2x4):
     """A compiled elementwise chain is one loop fusion on XLA:CPU."""
     compiled = jax.jit(lambda x: jnp.sin(x) * 2.0 + 1.0).lower(jnp.ones((64, 64))).compile()
     found = kernels(compiled)
     assert sum(v for k, v in found.items() if k.startswith("fusion")) == 1, found
 
 
-def test_program_collectives_read_bf16_traffic_before_xla_cpu_widens_it(mesh):
+def test_program_collectives_read_bf16_traffic_before_xla_cpu_widens_it(mesh_2x4):
     """XLA:CPU has no 16-bit collectives: a bf16 psum compiles to a float32 all-reduce (twice the
     bytes a GPU's NCCL moves). `compile_with_program_collectives` reads the partitioned program
     before that pass: the same all-reduce, in bf16. A float32 one is the same in both."""
     from xla_hooks.inspect import compile_with_program_collectives
 
-    g = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "y"), mesh=mesh, in_specs=P(), out_specs=P(),
+    g = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "y"), mesh=mesh_2x4, in_specs=P(), out_specs=P(),
                               check_vma=False))
     for dtype, name, width in ((jnp.bfloat16, "bf16", 2), (jnp.float32, "f32", 4)):
         executable, program = compile_with_program_collectives(g.lower(jnp.ones((16, 32), dtype)))
@@ -295,7 +290,7 @@ def test_program_collectives_read_bf16_traffic_before_xla_cpu_widens_it(mesh):
         assert (program.group_size, program.groups) == (compiled.group_size, compiled.groups) == (4, ROWS)
 
 
-def test_collectives_in_a_scan_run_once_per_iteration(mesh):
+def test_collectives_in_a_scan_run_once_per_iteration(mesh_2x4):
     """A psum inside a 3-step scan is one instruction of the loop body that runs three times: its
     `trips` is the loop's known trip count, and the executed bytes are three times the static."""
     def f(x):
@@ -303,7 +298,7 @@ def test_collectives_in_a_scan_run_once_per_iteration(mesh):
             return jax.lax.psum(c * 2.0, "y"), None
         return jax.lax.scan(body, x, None, length=3)[0]
 
-    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    g = jax.jit(jax.shard_map(f, mesh=mesh_2x4, in_specs=P(), out_specs=P(), check_vma=False))
     r = report(g.lower(jnp.ones((16, 32))).compile())
     c = _only(r.collectives, "all-reduce")
     assert c.trips == 3 and c.computation != "main"

@@ -1,4 +1,6 @@
-"""Textbook answers, asserted on the compiled HLO, not only on the plan."""
+"""Textbook answers, asserted on the compiled HLO, not only on the plan: data parallelism when the
+batch dwarfs the weights, Megatron's column-then-row split when the weights dwarf the batch, expert
+parallelism (all-to-all) when MoE experts hold the weights and many tokens flow."""
 from __future__ import annotations
 
 import jax
@@ -54,3 +56,19 @@ def test_hidden_much_larger_than_batch_is_megatron(devices8):
     ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
     new_state, metrics = step(state, batch)
     assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
+
+
+def test_large_experts_many_tokens_give_expert_parallelism(devices8):
+    """Experts hold >90% of the weights and 4096 tokens flow per step: the planner splits the
+    expert dim of every expert weight over the mesh and moves tokens with all-to-all."""
+    b = get_model("moe-large-experts")
+    state, batch = b.abstract_state(), b.abstract_batch()
+    step = planner.plan_parallel(b.train_step, mesh="1x8")
+    plan = step.plan(state, batch)
+    experts = [(p, s) for p, s in zip(plan.input_paths, plan.input_specs)
+               if p.startswith("[0]['params']") and ("['wi']" in p or "['wo']" in p)]
+    assert experts
+    for path, spec in experts:
+        assert spec[0] and plan.mesh.axis_size(spec[0]) == 8 and not any(spec[1:]), (path, spec)
+    a2a = [c for c in collectives(step.lower(state, batch).compile()) if c.kind == "all-to-all"]
+    assert a2a and all(c.group_size == 8 for c in a2a)

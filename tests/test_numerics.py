@@ -5,20 +5,13 @@ import jax
 import pytest
 
 import planner
-from tests.helpers import assert_bundle_step_close, concrete
+from tests.helpers import assert_bundle_step_close
 from xla_hooks.fidelity import check_fidelity
 
 
-@pytest.fixture(scope="module")
-def gpt():
-    b, state, batch = concrete("gpt-tiny")
-    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
-    return b, state, batch, ref_state, ref_metrics
-
-
 @pytest.mark.parametrize("mesh", ["2x4", "1x8", "8x1"])
-def test_gpt_train_step_matches_unsharded(gpt, mesh, devices8):
-    b, state, batch, ref_state, ref_metrics = gpt
+def test_gpt_train_step_matches_unsharded(gpt_tiny, mesh, devices8):
+    b, _, state, batch, ref_state, ref_metrics = gpt_tiny
     step = planner.plan_parallel(b.train_step, mesh=mesh)
     new_state, metrics = step(state, batch)
     assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
@@ -32,9 +25,9 @@ def test_gpt_train_step_matches_unsharded(gpt, mesh, devices8):
     assert report.ok, report.table()
 
 
-def test_fidelity_reports_a_mismatch(gpt, devices8):
+def test_fidelity_reports_a_mismatch(gpt_tiny, devices8):
     """A program compiled from one plan, checked against another plan's prediction, must not pass."""
-    b, state, batch, *_ = gpt
+    b, _, state, batch, *_ = gpt_tiny
     dp = planner.plan_parallel(b.train_step, mesh="1x8")
     compiled = dp.lower(state, batch).compile()
     plan = dp.plan(state, batch)

@@ -1,4 +1,5 @@
-"""Host offload of optimizer state (planner/offload.py, issue 13 item 2), on XLA:CPU.
+"""Host offload of optimizer state (planned by planner/ilp/offload.py, emitted by planner/emit/offload.py),
+on XLA:CPU.
 
 What XLA:CPU shows and what it cannot:
   - Placement: a host-offloaded argument or result carries memory space 5 ("pinned_host") in the
@@ -149,7 +150,7 @@ def test_auto_offloads_only_the_overflow_and_fits(devices8):
     host_args, _, host_outs, _ = entry_bytes(compiled)
     assert host_args == host_outs == record["host_bytes_per_device"]
     # The predicted peak falls by the offloaded arguments, and by their new values' buffers less what
-    # those buffers held before they were written (`solver._borrowed`: temporaries that fit, which
+    # those buffers held before they were written (`liveness._borrowed`: temporaries that fit, which
     # now count): between once and twice the offloaded bytes. XLA:CPU's device bytes fall by at
     # least twice that (jax 0.10: exactly; jax 0.12's buffer assignment also drops a temporary of the
     # update fusion that reads the host-placed moments: 2880 B more here): the prediction is on the

@@ -1,4 +1,4 @@
-"""Pins: argument shardings fixed by the user, the rest planned (planner/pins.py, ILP restriction)."""
+"""Pins: argument shardings fixed by the user, the rest planned (planner/configs/pins.py, ILP restriction)."""
 from __future__ import annotations
 
 import jax

@@ -1,4 +1,4 @@
-"""Pins on named intermediates (`jax.ad_checkpoint.checkpoint_name` values; planner/pins.py)."""
+"""Pins on named intermediates (`jax.ad_checkpoint.checkpoint_name` values; planner/configs/pins.py)."""
 from __future__ import annotations
 
 import jax

@@ -12,25 +12,13 @@ from planner.core.mesh import MeshSpec
 from planner.core.options import PlanOptions
 from planner.emit.pipeline.planned import run_plan
 from planner.emit.pipeline.planned import cluster_for, plan_stages, stage_plans_of
-from tests.conftest import skip_if_fewer_devices
 from tests.helpers import assert_first_step_close
 from xla_hooks.fidelity import check_stage_fidelity
 from xla_hooks.inspect import collectives
-from zoo import get_model, make_optimizer
+from zoo import get_model
 
 
-@pytest.fixture(scope="module")
-def gpt():
-    skip_if_fewer_devices(8)
-    b = get_model("gpt-tiny")
-    opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
-    state = b.init_state(jax.random.key(0))
-    batch = b.make_batch(jax.random.key(1))
-    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
-    return b, opt, state, batch, ref_state, ref_metrics
-
-
-def test_pipeline_stages_compile_to_their_planned_collectives(gpt):
+def test_pipeline_stages_compile_to_their_planned_collectives(gpt_tiny, devices8):
     """gpt-tiny in 2 stages on 1x4 submeshes of 8 devices. The plan records each stage's intra-op
     plan (one microbatch's forward + backward); the plan loaded from JSON runs those plans (every
     planned intermediate pinned, as single-stage emission does), equals the unpipelined step, and
@@ -39,7 +27,7 @@ def test_pipeline_stages_compile_to_their_planned_collectives(gpt):
     its gradient reduction compiles into its update, once per step). The pipeline's prediction is
     every stage's collectives per microbatch (its gradient reduction once per step) plus the
     stage-to-stage transfers, and splits the step into compute and exposed communication."""
-    b, opt, state, batch, ref_state, ref_metrics = gpt
+    b, opt, state, batch, ref_state, ref_metrics = gpt_tiny
     options = PlanOptions(hardware="cpu", inter_host_axes=(0,), pipeline=True, num_microbatches=2)
     cluster = cluster_for(MeshSpec((2, 4), ("host", "device")), 8, options)
     graph = trace(b.train_step, state, batch)

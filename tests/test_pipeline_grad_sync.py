@@ -1,5 +1,5 @@
 """Pipeline stages reduce their data-parallel gradients once per step, not once per microbatch
-(planner/stages/stage_cost.py `grad_sync`, planner/stages/inter_op.py `_once_per_step_max`)."""
+(planner/stages/layer_cost.py `grad_sync`, planner/stages/candidate.py `once_per_step_max`)."""
 from __future__ import annotations
 
 import jax

@@ -15,22 +15,17 @@ from planner.core.mesh import MeshSpec
 from zoo import get_model, make_optimizer
 from planner.stages.step import pipelinable
 from planner.graph.trace import trace
-from planner.emit.pipeline.planned import cluster_for, plan_stages
+from planner.emit.pipeline.planned import cluster_for, plan_stages, run_plan
 from planner.emit.pipeline.runtime import PipelinedStep, StageLayout, even_layouts, layer_names
 from tests.conftest import skip_if_fewer_devices
 from tests.helpers import assert_first_step_close, assert_loss_close, assert_sgd_step_close, longest_reduction
 
 
 @pytest.fixture(scope="module")
-def gpt():
-    skip_if_fewer_devices(8)
-    b = get_model("gpt-tiny")
-    opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
-    state = b.init_state(jax.random.key(0))
-    batch = b.make_batch(jax.random.key(1))
-    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
-    names = layer_names(b.loss_fn, b.abstract_state()["params"], b.abstract_batch())
-    return b, opt, state, batch, ref_state, ref_metrics, names
+def gpt_layers(gpt_tiny):
+    """gpt-tiny's layer names, the units the pipeline runtime splits into stages."""
+    b = gpt_tiny.bundle
+    return layer_names(b.loss_fn, b.abstract_state()["params"], b.abstract_batch())
 
 
 def _close(b, opt, state, batch, new_state, metrics, ref_state, ref_metrics):
@@ -41,8 +36,9 @@ def _close(b, opt, state, batch, new_state, metrics, ref_state, ref_metrics):
 
 
 @pytest.mark.parametrize("num_stages,num_microbatches", [(2, 2)])  # 4 stages: Llama in test_pipeline_e2e.py
-def test_pipelined_step_equals_unpipelined(gpt, num_stages, num_microbatches, monkeypatch):
-    b, opt, state, batch, ref_state, ref_metrics, names = gpt
+def test_pipelined_step_equals_unpipelined(gpt_tiny, gpt_layers, num_stages, num_microbatches, monkeypatch, devices8):
+    b, opt, state, batch, ref_state, ref_metrics = gpt_tiny
+    names = gpt_layers
     assert names == ("pre", "blocks_0", "blocks_1", "post")
     layouts = even_layouts(names, jax.devices()[:8], num_stages)
     step = PipelinedStep(b.loss_fn, opt, layouts, num_microbatches, "1f1b")
@@ -81,8 +77,9 @@ def test_remat_tied_embeddings_and_sgd_gradients():
     assert_sgd_step_close(b.loss_fn, 1.0, params, batch, new["params"], n=n)
 
 
-def test_bad_layouts_are_rejected(gpt):
-    b, opt, state, batch, _, _, names = gpt
+def test_bad_layouts_are_rejected(gpt_tiny, gpt_layers, devices8):
+    b, opt, state, batch, _, _ = gpt_tiny
+    names = gpt_layers
     devs = jax.devices()
     partial = [StageLayout(("pre", "blocks_0"), tuple(devs[:4]), MeshSpec((4,), ("x",)))]
     with pytest.raises(InvalidArgumentError, match="belong to no stage"):
@@ -96,9 +93,9 @@ def test_bad_layouts_are_rejected(gpt):
         StageLayout(("pre",), tuple(devs[:2]), MeshSpec((4,), ("x",)))
 
 
-def test_plan_parallel_with_pipeline(gpt):
+def test_plan_parallel_with_pipeline(gpt_tiny, devices8):
     """The public API end to end: plan stages on 2 hosts x 4 devices, run them, reload the plan."""
-    b, opt, state, batch, ref_state, ref_metrics, _ = gpt
+    b, opt, state, batch, ref_state, ref_metrics = gpt_tiny
     train_step = pipelinable(b.loss_fn, opt)
     step = planner.plan_parallel(train_step, mesh=(2, 4), inter_host_axes=(0,), hardware="cpu", pipeline=True,
                                  num_microbatches=2, schedule="gpipe")
@@ -134,13 +131,13 @@ def test_plan_parallel_with_pipeline(gpt):
     lowered = step.lower(state, batch)  # one StageLowered per stage: forward, backward, update
     assert [set(st.programs()) for st in lowered] == [{"forward", "backward", "update"}] * len(plan.stages)
     # A saved plan runs again from its JSON form alone.
-    runner = planner.stages.run_plan(train_step, loaded)
+    runner = run_plan(train_step, loaded)
     again_state, again_metrics = runner(state, batch)
     _close(b, opt, state, batch, again_state, again_metrics, ref_state, ref_metrics)
 
 
-def test_auto_pipeline_on_one_device_is_the_intra_op_plan(gpt):
-    b, _, state, batch, _, _, _ = gpt
+def test_auto_pipeline_on_one_device_is_the_intra_op_plan(gpt_tiny, devices8):
+    b, _, state, batch, _, _ = gpt_tiny
     step = planner.plan_parallel(b.train_step, mesh=(1,), devices=jax.devices()[:1], pipeline="auto")
     plan = step.plan(b.abstract_state(), b.abstract_batch())
     assert plan.stages == () and plan.pipeline["num_stages"] == 1

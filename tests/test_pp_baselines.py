@@ -1,5 +1,5 @@
-"""Pipeline baselines (`evaluate(..., baseline="NAME+ppN")`, planner/evaluation.py and
-planner/stages/inter_op.fixed_pipeline) and pins with pipeline stages."""
+"""Pipeline baselines (`evaluate(..., baseline="NAME+ppN")`, planner/planning/evaluate.py and
+planner/stages/fixed_pipeline.py) and pins with pipeline stages."""
 from __future__ import annotations
 
 import jax
@@ -15,7 +15,8 @@ from planner.configs.pins import stage_pins
 from planner.stages.submesh import make_cluster
 from planner.emit.pipeline.planned import run_plan
 from planner.stages.clustering import cluster_layers
-from planner.stages.inter_op import even_stage_ranges, even_submesh, plan_pipeline
+from planner.stages.fixed_pipeline import even_stage_ranges, even_submesh
+from planner.stages.inter_op import plan_pipeline
 from planner.stages.submesh import logical_meshes
 from tests.conftest import skip_if_fewer_devices
 from tests.helpers import assert_first_step_close
@@ -177,7 +178,7 @@ def test_pipeline_search_pinned_to_a_baseline_predicts_what_the_baseline_predict
     """One code path: the planner's stage DP with every leaf pinned to megatron-tp (on each stage's
     mesh) picks the even split here, and then predicts exactly the pp baseline's step time."""
     from planner.planning.evaluate import pipeline_baseline_pins
-    from planner.stages.inter_op import fixed_pipeline
+    from planner.stages.fixed_pipeline import fixed_pipeline
     b = get_model("gpt-tiny")
     args, cluster = _abstract(b), make_cluster(1, 4, "cpu")
     options = PlanOptions(pipeline=True, num_microbatches=2)

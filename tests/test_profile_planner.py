@@ -1,12 +1,19 @@
-"""The planner follows the profile: data parallelism on the slow mesh axis, tensor parallelism on the fast one."""
+"""The planner follows the profile: the profiled devices name the plan, its budget and its rates;
+data parallelism on the slow mesh axis, tensor parallelism on the fast one."""
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import planner
-from planner.cost_model import AxisLink, ProfileDB
+from planner import cli
+from planner.cost_model import PRESETS, AxisLink, CostModel, ProfileDB, profiled_hardware
 from planner.core.errors import ProfileError
+from planner.core.mesh import MeshSpec
 from zoo import get_model
 from tests.conftest import skip_if_fewer_devices
 
@@ -60,3 +67,45 @@ def test_plan_with_a_corrupt_profile_is_a_profile_error(tmp_path):
     path.write_text('{"format": "planner-profile", "version": 1')
     with pytest.raises(ProfileError, match=f"{path}.*not valid JSON"):
         planner.plan(lambda x: x * 2.0, jnp.ones((8, 8)), mesh="2x4", profile=str(path))
+
+
+# --- the profiled devices name the plan, its budget and its MFU ------------------------------------
+
+MESH_2x4 = MeshSpec((2, 4), ("x", "y"))
+
+
+def _profile(**kw) -> ProfileDB:
+    db = ProfileDB.synthetic(MESH_2x4, (AxisLink(10e-6, 1 / 3e9), AxisLink(10e-6, 1 / 3e9)), device_kind="cpu",
+                             sizes=(1024, 65536), matmul_flops={"float32": 3e10, "bfloat16": 3e10},
+                             memory_bandwidth=5e9)
+    return dataclasses.replace(db, **kw)
+
+
+def test_profiled_hardware_comes_from_the_profile():
+    hw = profiled_hardware(_profile(kernel_launch_s=7e-6, device_memory_bytes=2e9))
+    assert hw.name == "cpu" and hw.flops_f32 == 3e10 and hw.memory_bandwidth == 5e9
+    assert hw.memory_bytes == 2e9 and hw.kernel_launch_s == 7e-6
+    cm = CostModel.from_profile(MESH_2x4, _profile(kernel_launch_s=7e-6), device_kind="cpu")
+    assert cm.hardware.kernel_launch_s == 7e-6  # the measured launch floor is read and used
+    assert cm.compute_time(1.0, 1.0, (np.dtype(np.float32),), kernels=1) == 7e-6
+    # without a measured figure: the preset of the device kind; no preset: its kind as the name
+    assert profiled_hardware(_profile()).memory_bytes == PRESETS["cpu"].memory_bytes
+    assert profiled_hardware(_profile(device_kind="Imaginary X1")).name == "imaginary x1"
+    # the host link: measured where the profile has it (GPU), else the preset's figure
+    assert profiled_hardware(_profile(host_bandwidth=4e10)).host_bandwidth == 4e10
+    assert profiled_hardware(_profile()).host_bandwidth == PRESETS["cpu"].host_bandwidth
+
+
+def test_cli_plans_for_the_profiled_devices(tmp_path, capsys):
+    path = tmp_path / "prof.json"
+    _profile(device_memory_bytes=2e9).save(path)
+    out_json = tmp_path / "plan.json"
+    code = cli.main(["plan", "--model", "mlp-tiny", "--mesh", "2x4", "--profile", str(path), "--quiet",
+                     "--time-limit", "10", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "(cpu)" in out and "a100" not in out
+    assert "of 2.00 GB budget" in out
+    data = json.loads(out_json.read_text())
+    assert data["context"]["hardware"]["name"] == "cpu" and data["context"]["hardware"]["flops_f32"] == 3e10
+

@@ -14,24 +14,24 @@ from planner import cli
 from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.graph.trace import trace
 from planner.ilp.objective import step_time
-from planner.ilp.solver import liveness_floor, memory_floor, memory_lower_bound, memory_profile
+from planner.ilp.liveness import memory_profile
+from planner.ilp.memory_bounds import liveness_floor, memory_floor, memory_lower_bound
 from planner.core.options import PlanOptions
 from planner.search.mesh_plan import plan_problem
 from planner.core.mesh import MeshSpec
-from planner.search.meshes import (_one_axis_away, best_plan, candidate_meshes, coarsenings, keeps_together, neighbourhood,
-                             refined_choice, search_meshes, spare_cores,
-                             step_time_lower_bound)
+from planner.search.build import step_time_lower_bound
+from planner.search.candidates import candidate_meshes
+from planner.search.cores import spare_cores
+from planner.search.meshes import search_meshes
+from planner.search.refinement import _one_axis_away, coarsenings, keeps_together, neighbourhood, refined_choice
+from planner.search.results import best_plan
+from tests.helpers import zoo_graph
 from zoo import get_model
-
-
-def _mlp_tiny_graph():
-    bundle = get_model("mlp-tiny")
-    return trace(bundle.train_step, bundle.abstract_state(), bundle.abstract_batch())
 
 
 @pytest.fixture(scope="module")
 def mlp_graph():
-    return _mlp_tiny_graph()
+    return zoo_graph("mlp-tiny")
 
 
 def test_step_time_bound_is_below_every_choice(mlp_graph):
@@ -238,7 +238,7 @@ def test_three_axis_meshes_are_searched_near_the_fastest_2d_plan():
     assert (2, 2, 2) not in [m.shape for m in candidate_meshes(8)]
     assert [m.shape for m in candidate_meshes(8, 3)][-1] == (2, 2, 2)
     assert coarsenings((2, 2, 2)) == [((4, 2), ((0, 1), (2,))), ((2, 4), ((0,), (1, 2)))]
-    graph = trace(*_gpt_tiny_step())
+    graph = zoo_graph("gpt-tiny")
     # One host: the 1-D mesh's plan is the fastest, so no 3-D mesh refines its mesh: none is searched.
     results = {r.mesh.shape: r for r in search_meshes(graph, candidate_meshes(8, 3), PlanOptions(hardware="a100"))}
     assert min((r for r in results.values() if r.plan), key=lambda r: r.plan.prediction.step_time_s).mesh.shape == (8,)
@@ -275,11 +275,6 @@ def _as_plan(plan, input_specs):
     return dataclasses.replace(plan, input_specs=tuple(input_specs), op_specs=())
 
 
-def _gpt_tiny_step():
-    b = get_model("gpt-tiny")
-    return b.train_step, b.abstract_state(), b.abstract_batch()
-
-
 @pytest.mark.parametrize("bad", [0, 4, True, "3"])
 def test_mesh_ndim_out_of_range_is_a_one_line_error(bad):
     with pytest.raises(InvalidArgumentError, match="mesh_ndim"):
@@ -289,9 +284,12 @@ def test_mesh_ndim_out_of_range_is_a_one_line_error(bad):
 def test_a_fitting_start_is_the_answer_when_the_limit_cuts_the_memory_rounds():
     """The unconstrained optimum is over the budget, the greedy start is under it: whatever the
     limit, the solver answers with a plan that fits (its own or the start), never "not decided"."""
-    from planner.ilp.solver import greedy, improve, memory_profile, solve
+    from planner.ilp.greedy import greedy
+    from planner.ilp.liveness import memory_profile
+    from planner.ilp.local_search import improve
+    from planner.ilp.solver import solve
 
-    graph = trace(*_gpt_tiny_step())
+    graph = zoo_graph("gpt-tiny")
     problem = plan_problem(graph, MeshSpec((2, 4), ("x", "y")), PlanOptions(hardware="a100"))
     start_peak = memory_profile(problem, improve(problem, greedy(problem))).max()
     best = solve(problem)
@@ -308,7 +306,8 @@ def test_probe_bound_under_a_binding_budget_is_sound_and_orders_the_search():
     2-D meshes, whose solves the search then skips). gpt-tiny on 16 devices under a budget between
     the memory lower bound and the smallest unbudgeted peak: the probe is above the per-op bound and
     below the plan the solver finds, and the search keeps the raised bound of every such mesh."""
-    from planner.ilp.solver import over_budget_strategies, probe_bound
+    from planner.ilp.memory_bounds import over_budget_strategies
+    from planner.ilp.solver import probe_bound
     from planner.search.mesh_plan import make_plan
 
     b = get_model("gpt-tiny")

@@ -10,7 +10,9 @@ import pytest
 from planner.cost_model import CostModel
 from planner.graph.trace import trace
 from planner.ilp.problem import build_problem
-from planner.ilp.solver import memory_profile, plan_cost, solve
+from planner.ilp.cpsat import plan_cost
+from planner.ilp.liveness import memory_profile
+from planner.ilp.solver import solve
 from planner.core.mesh import MeshSpec
 
 
@@ -79,7 +81,7 @@ def test_greedy_plan_keeps_tied_outputs_with_shared_layers(name):
     """The greedy plan (the solver's hint and its answer of last resort) keeps every updated
     parameter in its input layout even where layer sharing makes one decision serve several
     layers' updates whose parameters are separate decisions."""
-    from planner.ilp.solver import greedy
+    from planner.ilp.greedy import greedy
     from zoo import get_model
 
     b = get_model(name)
@@ -91,7 +93,7 @@ def test_greedy_plan_keeps_tied_outputs_with_shared_layers(name):
     broken = [(a, b) for a, b in problem.ties if problem.spec(a, choice) != problem.spec(b, choice)]
     assert not broken
     # Coordinate descent from it keeps the ties and the sharing and never costs more.
-    from planner.ilp.solver import improve
+    from planner.ilp.local_search import improve
 
     better = improve(problem, choice)
     assert all(better[i] == better[r] for i, r in enumerate(problem.rep))
@@ -109,7 +111,8 @@ def test_repair_moves_an_over_budget_plan_under_the_budget(name):
     budget below every plan's peak it gives up (None). (It is a heuristic: from gpt-tiny's free plan
     on 2x4 it reaches 2.36 of the 3.24 MB, not the 0.71 MB lower bound; the solver then starts from the
     over-budget plan as before.)"""
-    from planner.ilp.solver import memory_lower_bound, over_budget_strategies, repair
+    from planner.ilp.local_search import repair
+    from planner.ilp.memory_bounds import memory_lower_bound, over_budget_strategies
     from zoo import get_model
 
     b = get_model(name)

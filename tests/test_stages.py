@@ -22,7 +22,7 @@ from planner.stages.clustering import (
 )
 from planner.stages.dp import brute_force, bubble_fraction, pipeline_dp, pipeline_latency
 from planner.stages.schedule import dispatch_order, peak_inflight, simulate, stage_tasks
-from planner.stages.stage_cost import boundary_bytes, layer_facts, subgraph
+from planner.stages.layer_facts import boundary_bytes, layer_facts, subgraph
 from planner.stages.submesh import boundary_link, logical_meshes, make_cluster, place_submeshes, submesh_shapes
 
 
@@ -240,7 +240,9 @@ def test_resharding_between_layers_of_one_stage_is_costed():
     the resharding time the intra-op ILP prices, and by nothing when the layouts agree."""
     from planner.ilp.strategies import reshard_cost
     from planner.core.options import PlanOptions
-    from planner.stages.stage_cost import LayerCostTable, StageOption, layer_edges, stage_ranges
+    from planner.stages.cost_table import LayerCostTable
+    from planner.stages.layer_facts import layer_edges
+    from planner.stages.stage_cost import StageOption, stage_ranges
 
     ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
     graph = trace(_tanh_chain_step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
@@ -297,7 +299,7 @@ def test_layer_tables_filled_in_parallel_equal_the_serial_ones():
     """`LayerCostTable.fill` with two threads gives every layer on every logical mesh exactly the
     cost the one-by-one fill gives (each ILP solved alone, deterministic limits)."""
     from planner.core.options import PlanOptions
-    from planner.stages.stage_cost import LayerCostTable
+    from planner.stages.cost_table import LayerCostTable
 
     ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
     graph = trace(_tanh_chain_step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
@@ -323,7 +325,8 @@ def test_sharded_state_stages_list_their_parameter_gathers():
     layers' planned collectives, each priced as `zero_extra_s` prices it; the "plan" layout lists
     the layers' collectives alone."""
     from planner.core.options import PlanOptions
-    from planner.stages.stage_cost import LayerCostTable, StageOption, stage_collectives
+    from planner.stages.cost_table import LayerCostTable
+    from planner.stages.stage_cost import StageOption, stage_collectives
     from planner.stages.submesh import effective_hardware
 
     ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
@@ -354,8 +357,9 @@ def test_sharded_state_stages_reduce_gradients_every_microbatch():
     the stage tables price that reduction in the stage time per microbatch and not once per step;
     the "plan" layout keeps it once per step."""
     from planner.core.options import PlanOptions
-    from planner.stages.inter_op import _once_per_step
-    from planner.stages.stage_cost import LayerCostTable, StageOption, _columns
+    from planner.stages.candidate import once_per_step as _once_per_step
+    from planner.stages.cost_table import LayerCostTable
+    from planner.stages.stage_cost import StageOption, _columns
 
     ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
     graph = trace(_tanh_chain_step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))

@@ -9,7 +9,8 @@ import pytest
 from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
 from zoo import get_model
 from planner.core.options import PlanOptions
-from planner.stages.inter_op import microbatch_counts, plan_pipeline
+from planner.stages.inter_op import plan_pipeline
+from planner.stages.microbatches import microbatch_counts
 from planner.stages.submesh import make_cluster
 
 
@@ -129,7 +130,8 @@ def test_pipeline_auto_single_stage_is_the_mesh_search_best():
     single stage competes as the best plan of every mesh shape of the cluster (what `planner plan
     --pipeline off` finds), and that plan is the one kept to run."""
     from planner.graph.trace import trace
-    from planner.search.meshes import candidate_meshes, search_meshes
+    from planner.search.candidates import candidate_meshes
+    from planner.search.meshes import search_meshes
     from planner.stages.submesh import effective_hardware
 
     cluster = make_cluster(1, 8, "a100")

@@ -1,4 +1,4 @@
-"""Layer sharing by structure (issue 14): repeated blocks without indexed module names (plain JAX,
+"""Layer sharing by structure: repeated blocks without indexed module names (plain JAX,
 a list of layer dicts, blocks wrapped in `jax.checkpoint`, any naming) share one set of decisions."""
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from ortools.sat.python import cp_model
 from planner.graph.trace import trace
 from planner.ilp.objective import hidden_time
 from planner.ilp.problem import build_problem
-from planner.ilp.solver import _NS, _Model, plan_cost
+from planner.ilp.cpsat import _Model, plan_cost
+from planner.ilp.ticks import _NS
 from planner.core.mesh import MeshSpec
 from planner.core.options import PlanOptions
 from planner.search.mesh_plan import cost_model_for, make_plan
@@ -117,8 +118,9 @@ def test_overlap_in_closed_form_is_the_step_time_of_any_choice():
 
 def test_coordinate_descent_improves_the_greedy_hint():
     """Three remat-wrapped blocks on 2x4: the greedy plan is well above the optimum; coordinate
-    descent (`solver.improve`, the solver's hint and answer of last resort) lowers it, keeping ties."""
-    from planner.ilp.solver import _ties_hold, greedy, improve
+    descent (`local_search.improve`, the solver's hint and answer of last resort) lowers it, keeping ties."""
+    from planner.ilp.greedy import _ties_hold, greedy
+    from planner.ilp.local_search import improve
 
     problem = _problem(_step(3))
     start = greedy(problem)

@@ -5,27 +5,18 @@ from __future__ import annotations
 import jax
 import pytest
 
-from tests.helpers import assert_first_step_close, assert_gradients_close, concrete, longest_reduction
-from zoo import make_optimizer
+from tests.helpers import assert_first_step_close, assert_gradients_close, longest_reduction
 
 
-@pytest.fixture(scope="module")
-def gpt():
-    b, state, batch = concrete("gpt-tiny")
-    opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
-    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
-    return b, opt, state, batch, ref_state, ref_metrics
-
-
-def test_longest_reduction_reads_the_program(gpt):
-    b, _, state, batch, *_ = gpt
+def test_longest_reduction_reads_the_program(gpt_tiny):
+    b, _, state, batch, *_ = gpt_tiny
     c = b.config
     # The weight gradients contract over every token of the batch.
     assert longest_reduction(b.train_step, state, batch) == max(c.batch * c.seq, c.vocab, c.mlp_ratio * c.d_model)
 
 
-def test_reordered_microbatch_sum_passes_and_half_batch_fails(gpt):
-    b, _, state, batch, ref_state, _ = gpt
+def test_reordered_microbatch_sum_passes_and_half_batch_fails(gpt_tiny):
+    b, _, state, batch, ref_state, _ = gpt_tiny
     n = longest_reduction(b.train_step, state, batch)
     grad = jax.jit(jax.grad(b.loss_fn))
     want = grad(state["params"], batch)
@@ -36,8 +27,8 @@ def test_reordered_microbatch_sum_passes_and_half_batch_fails(gpt):
         assert_gradients_close(b.loss_fn, state["params"], batch, grad(state["params"], halves[0]), want, n)
 
 
-def test_a_wrong_update_fails(gpt):
-    b, opt, state, batch, ref_state, ref_metrics = gpt
+def test_a_wrong_update_fails(gpt_tiny):
+    b, opt, state, batch, ref_state, ref_metrics = gpt_tiny
     assert_first_step_close(b.loss_fn, opt, state, batch, ref_state, ref_metrics, ref_state, ref_metrics)
     # Same gradients, but one parameter moved by a tenth of a learning rate too far.
     bad = jax.tree.map(lambda x: x, ref_state)

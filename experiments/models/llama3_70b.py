@@ -1,4 +1,4 @@
-"""A Llama-3-70B-shaped train step for `planner plan/compare --fn` (issue 13's row): 80 layers,
+"""A Llama-3-70B-shaped train step for `planner plan/compare --fn`: 80 layers,
 d_model 8192, 64 heads with 8 KV heads (GQA), MLP 28672, vocabulary 128256 (Meta's Llama 3 model
 card), seq 4096, bf16 activations with fp32 parameters and AdamW state, each layer recomputed in the
 backward (nn.remat inside the scanned layer), as 70B models are trained.

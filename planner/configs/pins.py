@@ -29,9 +29,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax.extend.core as jax_core
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
+from planner.core.compat import PLANNER_CONSTRAINT
 from planner.core.errors import InvalidArgumentError
 from planner.core.mesh import MeshSpec
 from planner.core.sharding import Spec
@@ -43,11 +43,12 @@ _TOKEN = re.compile(r"\['([^']*)'\]|\[(\d+)\]|\.(\w+)")
 _SPEC_TEXT = re.compile(r"^\s*(?:P|PartitionSpec)\s*\((.*)\)\s*$", re.DOTALL)
 
 
-def path_tokens(path: str) -> tuple[str, ...]:
-    """`"[0]['params']['wte']['embedding']"` -> `("0", "params", "wte", "embedding")`; an nnx
-    Variable's trailing `.value` is dropped."""
+def path_tokens(path: str, keep_value: bool = False) -> tuple[str, ...]:
+    """`"[0]['params']['wte']['embedding']"` (a `jax.tree_util.keystr`) -> `("0", "params", "wte",
+    "embedding")`; an nnx Variable's trailing `.value` is dropped unless `keep_value` (the plan
+    tables' path columns keep it)."""
     tokens = tuple(next(g for g in m.groups() if g is not None) for m in _TOKEN.finditer(path))
-    return tokens[:-1] if path.endswith(".value") and tokens else tokens
+    return tokens[:-1] if path.endswith(".value") and tokens and not keep_value else tokens
 
 
 def leaf_names(path: str) -> tuple[str, ...]:
@@ -327,8 +328,7 @@ def stage_pins(pins: Any) -> Any:
 
 # ----- pins on named intermediates ---------------------------------------------------------------
 # A pinned intermediate becomes the op the planner already honours as a pin: a sharding constraint
-# (`compat.USER_CONSTRAINTS`; evaluated as identity, the plan's own constraint places the value).
-_PINNED_NAME = jax_core.Primitive("sharding_constraint")
+# (`compat.PLANNER_CONSTRAINT`; evaluated as identity, the plan's own constraint places the value).
 
 
 def intermediate_name(op: Any) -> str | None:
@@ -379,7 +379,7 @@ def pin_intermediates(graph: Any, pins: Pins, mesh: MeshSpec) -> Any:
         shape = tuple(graph.tensors[op.outputs[0]].shape)
         pspec = as_partition_spec(pins[pattern], mesh, f"pin {str(pattern)!r}")
         to_spec(pspec, shape, mesh, name, str(pattern))  # checked here: one line naming the value
-        ops[k] = dataclasses.replace(op, primitive=_PINNED_NAME, params={
+        ops[k] = dataclasses.replace(op, primitive=PLANNER_CONSTRAINT, params={
             "sharding": NamedSharding(abstract, pspec), "checkpoint_name": op.params.get("name",
                                                                                           op.params.get("checkpoint_name"))})
     return dataclasses.replace(graph, ops=tuple(ops))

@@ -14,9 +14,10 @@ from jax.extend import core as jcore
 # The planner decides their results' sharding (pinned to the user's spec by default) and emission
 # applies it, so re-evaluating them is the identity.
 USER_CONSTRAINTS = frozenset({"sharding_constraint", "reshard"})
-# The primitive of the pins the planner itself adds where a nested `jax.jit` states in/out
-# shardings: planned and evaluated exactly as a user's `with_sharding_constraint` (never bound).
-JIT_BOUNDARY = jcore.Primitive("sharding_constraint")
+# The primitive of the sharding constraints the planner itself adds: pins where a nested `jax.jit`
+# states in/out shardings (`graph.trace`) and pinned `checkpoint_name` values (`configs.pins`).
+# Planned and evaluated exactly as a user's `with_sharding_constraint` (never bound).
+PLANNER_CONSTRAINT = jcore.Primitive("sharding_constraint")
 # Op parameters that may name a sharding of the traced mesh (explicit-axis tracing).
 _SHARDING_PARAMS = ("out_sharding", "sharding")
 

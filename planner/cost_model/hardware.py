@@ -149,10 +149,9 @@ _CUDA_KERNEL_LAUNCH_S = 3.8e-6
 #
 # Measured sweeps (`planner profile`, square bf16 GEMMs of n = 128 .. 8192 timed inside one program, the
 # difference between k = 1 and k = 9 dependent copies, experiments/results/profile_h100.json and
-# profile_h200.json, jax 0.11.2): one H100 SXM 80GB HBM3 (2026-11-26) and one H200 (2026-11-26).
-# n -> TFLOP/s: H100 128: 1.2, 256: 10.7, 512: 46.5, 1024: 243.3, 2048: 622.4, 4096: 737.6,
-# 8192: 813.1; H200 128: 1.5, 256: 10.6, 512: 41.5, 1024: 255.2, 2048: 626.0, 4096: 757.2. Streaming
-# bandwidth in the same runs: H100 2.783 TB/s of the datasheet's 3.35 (83.1%), H200 3.994 of 4.8 (83.2%).
+# profile_h200.json, jax 0.11.2): one H100 SXM 80GB HBM3 (2026-11-26) and one H200 (2026-11-26),
+# (n, FLOP/s) below. Streaming bandwidth in the same runs: H100 2.783 TB/s of the datasheet's 3.35
+# (83.1%), H200 3.994 of 4.8 (83.2%).
 _H100_BF16_SWEEP = ((128, 1.2e12), (256, 10.7e12), (512, 46.5e12), (1024, 243.3e12), (2048, 622.4e12),
                     (4096, 737.6e12), (8192, 813.1e12))
 _H200_BF16_SWEEP = ((128, 1.5e12), (256, 10.6e12), (512, 41.5e12), (1024, 255.2e12), (2048, 626.0e12),

@@ -173,69 +173,11 @@ class ProfileDB:
         if version > VERSION or version < 1:
             raise ProfileError(f"profile {name}: format version {version} is not supported (this planner reads "
                                f"version {VERSION}); re-run `planner profile` with this planner")
-        mesh_d = reader.get(data, "mesh", Mapping)
-        shape = tuple(reader.get_list(mesh_d, "shape", int, "mesh"))
-        names = tuple(reader.get_list(mesh_d, "axis_names", str, "mesh"))
-        try:
-            mesh = MeshSpec(shape, names)
-        except ValueError as e:
-            raise ProfileError(f"profile {name}: bad mesh: {e}") from None
-        num_devices = reader.get(data, "num_devices", int)
-        if num_devices != mesh.size:
-            raise ProfileError(f"profile {name}: num_devices={num_devices} differs from the mesh {mesh} "
-                               f"({mesh.size} devices)")
-        host_of = tuple(reader.get_list(data, "host_of", int))
-        if len(host_of) != num_devices:
-            raise ProfileError(f"profile {name}: host_of lists {len(host_of)} devices, expected {num_devices}")
+        mesh, num_devices, host_of = reader.devices(data)
         overhead = reader.get(data, "dispatch_overhead_s", float)
-        entries = []
-        for i, e in enumerate(reader.get_list(data, "collectives", Mapping)):
-            where = f"collectives[{i}]"
-            kind = reader.get(e, "collective", str, where)
-            if kind not in COLLECTIVES:
-                raise ProfileError(f"profile {name}: {where}.collective={kind!r} is not one of {COLLECTIVES}")
-            axes = tuple(reader.get_list(e, "axes", int, where))
-            if not axes or any(not 0 <= a < mesh.ndim for a in axes):
-                raise ProfileError(f"profile {name}: {where}.axes={list(axes)} are not axes of the mesh {mesh}")
-            devices = tuple(reader.get_list(e, "devices", int, where))
-            if len(devices) != mesh.axis_size(axes):
-                raise ProfileError(f"profile {name}: {where}.devices lists {len(devices)} devices but axes "
-                                   f"{list(axes)} span {mesh.axis_size(axes)}")
-            nbytes, seconds = [], []
-            for j, s in enumerate(reader.get_list(e, "samples", Mapping, where)):
-                nbytes.append(reader.get(s, "nbytes", int, f"{where}.samples[{j}]"))
-                reps = tuple(reader.get_list(s, "seconds", float, f"{where}.samples[{j}]"))
-                if not reps or any(not (math.isfinite(r) and r > 0) for r in reps):
-                    raise ProfileError(f"profile {name}: {where}.samples[{j}].seconds must be positive numbers")
-                seconds.append(reps)
-            if not nbytes:
-                raise ProfileError(f"profile {name}: {where} has no samples")
-            fd = reader.get(e, "fit", Mapping, where)
-            fit = Fit(reader.get(fd, "alpha", float, f"{where}.fit"), reader.get(fd, "beta", float, f"{where}.fit"),
-                      float(fd.get("rel_rmse", 0.0)), int(fd.get("samples", 0)))
-            if not (fit.alpha >= 0 and fit.beta >= 0 and math.isfinite(fit.alpha) and math.isfinite(fit.beta)):
-                raise ProfileError(f"profile {name}: {where}.fit has alpha={fit.alpha}, beta={fit.beta}; "
-                                   "both must be finite and >= 0")
-            entries.append(CollectiveSamples(kind, axes, devices, tuple(nbytes), tuple(seconds), fit))
-        compute = data.get("compute") or {}
-        if not isinstance(compute, Mapping):
-            raise ProfileError(f"profile {name}: compute must be an object")
-        flops = compute.get("matmul_flops") or {}
-        if not isinstance(flops, Mapping) or any(not _positive(v) for v in flops.values()):
-            raise ProfileError(f"profile {name}: compute.matmul_flops must map dtype names to positive FLOP/s")
-        bw = compute.get("memory_bandwidth")
-        if bw is not None and not _positive(bw):
-            raise ProfileError(f"profile {name}: compute.memory_bandwidth={bw!r} must be a positive number or null")
-        launch = compute.get("kernel_launch_s")
-        if launch is not None and not (_positive(launch) or launch == 0):
-            raise ProfileError(f"profile {name}: compute.kernel_launch_s={launch!r} must be a number >= 0 or null")
-        capacity = compute.get("device_memory_bytes")
-        if capacity is not None and not _positive(capacity):
-            raise ProfileError(f"profile {name}: compute.device_memory_bytes={capacity!r} must be a positive number "
-                               "or null")
-        host = compute.get("host_bandwidth")
-        if host is not None and not _positive(host):
-            raise ProfileError(f"profile {name}: compute.host_bandwidth={host!r} must be a positive number or null")
+        entries = [reader.collective(e, f"collectives[{i}]", mesh)
+                   for i, e in enumerate(reader.get_list(data, "collectives", Mapping))]
+        compute, flops, bw, launch, capacity, host = reader.compute(data)
         return cls(
             device_kind=reader.get(data, "device_kind", str),
             platform=str(data.get("platform", "")),
@@ -496,3 +438,77 @@ class _Reader:
     def get_list(self, d: Mapping, key: str, typ: type, where: str = "") -> list:
         items = self.get(d, key, list, where)
         return [self._check(v, typ, where, f"{key}[{i}]") for i, v in enumerate(items)]
+
+    def devices(self, data: Mapping) -> tuple[MeshSpec, int, tuple[int, ...]]:
+        """(mesh, number of devices, host of each device), checked against each other."""
+        name = self.name
+        mesh_d = self.get(data, "mesh", Mapping)
+        shape = tuple(self.get_list(mesh_d, "shape", int, "mesh"))
+        names = tuple(self.get_list(mesh_d, "axis_names", str, "mesh"))
+        try:
+            mesh = MeshSpec(shape, names)
+        except ValueError as e:
+            raise ProfileError(f"profile {name}: bad mesh: {e}") from None
+        num_devices = self.get(data, "num_devices", int)
+        if num_devices != mesh.size:
+            raise ProfileError(f"profile {name}: num_devices={num_devices} differs from the mesh {mesh} "
+                               f"({mesh.size} devices)")
+        host_of = tuple(self.get_list(data, "host_of", int))
+        if len(host_of) != num_devices:
+            raise ProfileError(f"profile {name}: host_of lists {len(host_of)} devices, expected {num_devices}")
+        return mesh, num_devices, host_of
+
+    def collective(self, e: Mapping, where: str, mesh: MeshSpec) -> CollectiveSamples:
+        """One collective's samples and fit (`where`: its place in the file, for errors)."""
+        name = self.name
+        kind = self.get(e, "collective", str, where)
+        if kind not in COLLECTIVES:
+            raise ProfileError(f"profile {name}: {where}.collective={kind!r} is not one of {COLLECTIVES}")
+        axes = tuple(self.get_list(e, "axes", int, where))
+        if not axes or any(not 0 <= a < mesh.ndim for a in axes):
+            raise ProfileError(f"profile {name}: {where}.axes={list(axes)} are not axes of the mesh {mesh}")
+        devices = tuple(self.get_list(e, "devices", int, where))
+        if len(devices) != mesh.axis_size(axes):
+            raise ProfileError(f"profile {name}: {where}.devices lists {len(devices)} devices but axes "
+                               f"{list(axes)} span {mesh.axis_size(axes)}")
+        nbytes, seconds = [], []
+        for j, s in enumerate(self.get_list(e, "samples", Mapping, where)):
+            nbytes.append(self.get(s, "nbytes", int, f"{where}.samples[{j}]"))
+            reps = tuple(self.get_list(s, "seconds", float, f"{where}.samples[{j}]"))
+            if not reps or any(not (math.isfinite(r) and r > 0) for r in reps):
+                raise ProfileError(f"profile {name}: {where}.samples[{j}].seconds must be positive numbers")
+            seconds.append(reps)
+        if not nbytes:
+            raise ProfileError(f"profile {name}: {where} has no samples")
+        fd = self.get(e, "fit", Mapping, where)
+        fit = Fit(self.get(fd, "alpha", float, f"{where}.fit"), self.get(fd, "beta", float, f"{where}.fit"),
+                  float(fd.get("rel_rmse", 0.0)), int(fd.get("samples", 0)))
+        if not (fit.alpha >= 0 and fit.beta >= 0 and math.isfinite(fit.alpha) and math.isfinite(fit.beta)):
+            raise ProfileError(f"profile {name}: {where}.fit has alpha={fit.alpha}, beta={fit.beta}; "
+                               "both must be finite and >= 0")
+        return CollectiveSamples(kind, axes, devices, tuple(nbytes), tuple(seconds), fit)
+
+    def compute(self, data: Mapping) -> tuple[Mapping, Mapping, Any, Any, Any, Any]:
+        """(the compute block, matmul FLOP/s, memory bandwidth, kernel launch, device memory, host
+        bandwidth), each checked (None where the file has none)."""
+        name = self.name
+        compute = data.get("compute") or {}
+        if not isinstance(compute, Mapping):
+            raise ProfileError(f"profile {name}: compute must be an object")
+        flops = compute.get("matmul_flops") or {}
+        if not isinstance(flops, Mapping) or any(not _positive(v) for v in flops.values()):
+            raise ProfileError(f"profile {name}: compute.matmul_flops must map dtype names to positive FLOP/s")
+        bw = compute.get("memory_bandwidth")
+        if bw is not None and not _positive(bw):
+            raise ProfileError(f"profile {name}: compute.memory_bandwidth={bw!r} must be a positive number or null")
+        launch = compute.get("kernel_launch_s")
+        if launch is not None and not (_positive(launch) or launch == 0):
+            raise ProfileError(f"profile {name}: compute.kernel_launch_s={launch!r} must be a number >= 0 or null")
+        capacity = compute.get("device_memory_bytes")
+        if capacity is not None and not _positive(capacity):
+            raise ProfileError(f"profile {name}: compute.device_memory_bytes={capacity!r} must be a positive number "
+                               "or null")
+        host = compute.get("host_bandwidth")
+        if host is not None and not _positive(host):
+            raise ProfileError(f"profile {name}: compute.host_bandwidth={host!r} must be a positive number or null")
+        return compute, flops, bw, launch, capacity, host

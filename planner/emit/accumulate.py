@@ -1,14 +1,17 @@
-"""TODO docstring."""
+"""Emitting gradient accumulation: the microbatch plan's step run k times in a `lax.scan`, gradients summed."""
 from __future__ import annotations
+
 from collections.abc import Callable
 from typing import Any
+
 import jax
 import jax.numpy as jnp
+
+from planner.core.sharding import named_sharding
 from planner.emit.single import constraint_hooks
 from planner.graph.trace import Literal
-from planner.core.sharding import named_sharding
-from planner.stages.derived import op_ranges
 from planner.levers.accumulate import Accumulated, grad_specs
+from planner.stages.derived import op_ranges
 
 
 def accumulated_function(acc: Accumulated) -> Callable[..., Any]:

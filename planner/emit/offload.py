@@ -1,9 +1,12 @@
-"""TODO docstring."""
+"""Emitting a plan that offloads: its host-memory shardings and the copies between host and device in the step."""
 from __future__ import annotations
+
 from collections import defaultdict
 from typing import Any
+
 import jax
 import numpy as np
+
 from planner.graph.trace import Graph
 from planner.ilp.offload import DEVICE, HOST
 

@@ -50,8 +50,10 @@ import numpy as np
 from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.graph.trace import Graph
 from planner.ilp.objective import offload_hidden, offload_transfer
-from planner.ilp.problem import Problem, combinable_ops, fused_away, live_ranges, offloaded_live_ranges
-from planner.ilp.solver import Solution, memory_lower_bound
+from planner.ilp.live_ranges import fused_away, live_ranges, offloaded_live_ranges
+from planner.ilp.problem import Problem, combinable_ops
+from planner.ilp.memory_bounds import memory_lower_bound
+from planner.ilp.solver import Solution
 from planner.ilp.strategies import shard_bytes
 
 log = logging.getLogger("planner")

@@ -33,7 +33,7 @@ that plan (prediction P, objective parts `plan.solver["step_parts"]`):
   activations, its gradients). accumulator = what a float32 accumulator adds to the gradients the
   microbatch step already holds, in the layout the plan gives each gradient (0 for float32
   gradients: the loop carry is the gradients' buffer, XLA adds each microbatch's gradient into it
-  in place; measured on CPU, see tests/test_accumulation.py); batch = k x the microbatch's bytes
+  in place, as tests/test_accumulation.py checks on CPU); batch = k x the microbatch's bytes
   per device: the rest of the full batch argument ((k-1) x) plus the copy of the microbatch the
   loop body reads (the dynamic index copies its strided rows).
 
@@ -96,9 +96,8 @@ def micro_options(options, budget: float | None):
     """The options the microbatch step is planned with: `budget`, no accumulation of its own, and no
     donated arguments. `combine` adds the accumulator to the microbatch plan's peak, which holds
     every gradient only when the state is not freed early; with the state donated that peak moves
-    into the backward and the sum fell short of XLA's (gpt-tiny 1x8, k=2: predicted 2.70 MB vs
-    3.21 MB compiled, 0.84x; undonated 3.26 MB, 1.02x of the donated program's peak). The
-    accumulated program is still emitted with the caller's donation."""
+    into the backward and the sum falls short of the compiled program's peak. The accumulated
+    program is still emitted with the caller's donation."""
     return dataclasses.replace(options, memory_budget=budget, accumulate=None, donate_argnums=())
 
 
@@ -254,8 +253,8 @@ def unshard(graph: Graph, parts: StepParts, plan: Plan, k: int, budget: float | 
     with the most resharding time saved per byte held, while the budget allows (all of them without
     one), are resharded once before the microbatch loop; the prediction loses their (k - 1)
     repeated reshardings and holds their copies for the loop. The others stay in the loop:
-    XLA's while-loop invariant code motion would hoist them too (measured on XLA:CPU: a ZeRO-3
-    parameter's all-gather leaves the loop by itself), so the emitted loop reads their arguments
+    XLA's while-loop invariant code motion would hoist them too (on XLA:CPU a ZeRO-3 parameter's
+    all-gather leaves the loop by itself), so the emitted loop reads their arguments
     through an `optimization_barrier` with the microbatch index, which keeps them in it, as
     predicted. `levers["accumulation"]` records both ("unsharded", "resharded_per_microbatch")."""
     found = hoistable(graph, parts, plan, k)

@@ -18,11 +18,11 @@ each layer's copies behind one `optimization_barrier` on their inputs and the in
 and makes their activation inputs depend on that cotangent (`graph.Recompute`), so XLA neither
 merges them back into the forward (CSE) nor hoists them. The barrier alone is not enough: XLA
 removes barriers before scheduling, and XLA:CPU's default (concurrency-optimised) scheduler then
-computed the recomputation during the forward (8 unrolled 2048x256 -> 1024 MLP layers: 243 MB of
-temporaries with and without `jax.checkpoint`, and with this module's barrier alone; with the
-dependency 126 MB "dots", 80 MB "full"). `--xla_cpu_enable_concurrency_optimized_scheduler=false`
-also helps `jax.checkpoint` (149 MB) but only as a process-wide XLA_FLAGS: passed per program
-(`jax.jit(compiler_options=...)`) it changed nothing (jax 0.10.2), so plans do not rely on it.
+computes the recomputation during the forward, saving no memory (with `jax.checkpoint` too, and with
+this module's barrier alone); the dependency on the cotangent is what keeps it in the backward.
+`--xla_cpu_enable_concurrency_optimized_scheduler=false` also helps `jax.checkpoint`, but only as a
+process-wide XLA_FLAGS: passed per program (`jax.jit(compiler_options=...)`) it changed nothing
+(jax 0.10.2), so plans do not rely on it.
 
 Out of scope: layers inside a scan or other control-flow region (a scanned stack is recomputed by the
 model's own `jax.checkpoint`, which tracing keeps as its saved/recomputed split), and layers a
@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.graph.trace import Body, Graph, Op, Recompute
-from planner.ilp.solver import LEVERS, levers_text
+from planner.ilp.levers import LEVERS, levers_text
 from planner.core.layer_index import find_indexed
 from planner.core.options import REMAT
 from planner.core.plan import Plan
@@ -316,6 +316,12 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
     names = remat_layers(graph) if remat == "auto" and budget is not None else []
     if not names:
         return graph, plan_fn(graph, True), "off"
+    return _plan_auto(graph, names, plan_fn, plan_of)
+
+
+def _plan_auto(graph: Graph, names: Sequence[str], plan_fn: Callable[[Graph, bool], T],
+               plan_of: Callable[[T], Plan]) -> tuple[Graph, T, str]:
+    """`plan_remat`'s "auto" with a budget and recomputable layers `names` (see there)."""
     failed: dict[str, InfeasiblePlanError] = {}
     found: list[tuple[float, int, Graph, T, str]] = []  # (step time, layers recomputed, graph, result, policy)
     try:
@@ -344,6 +350,13 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
     if found:
         _, _, g, result, policy = min(found, key=lambda x: x[:2])  # on a tie, fewer layers recomputed
         return g, result, policy
+    return _fully_recomputed(graph, failed, plan_fn)
+
+
+def _fully_recomputed(graph: Graph, failed: dict[str, InfeasiblePlanError],
+                      plan_fn: Callable[[Graph, bool], T]) -> tuple[Graph, T, str]:
+    """When no policy tried fits: full recomputation planned with the smallest-peak search, or the
+    error naming the smallest peaks found (`failed`: each policy tried's error)."""
     floors = [e.lower_bound_bytes for e in failed.values() if e.lower_bound_bytes is not None]
     off = failed["off"]
     # the smallest peak with full recomputation, now searched for (the attempts above did not)

@@ -16,18 +16,19 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from planner.api import PlannedFunction
-from planner.configs.baselines import APPROXIMATIONS, NAMES, baseline_pins, batch_ways, check_name, parse_baseline, replica_ways
+from planner.configs.baselines import (APPROXIMATIONS, NAMES, baseline_pins, batch_ways, check_name, parse_baseline,
+                                       replica_ways)
 from planner.configs.baselines import stage_baseline_pins as pipeline_baseline_pins
-from planner.cost_model import Cluster
+from planner.configs.pins import exact_pattern
 from planner.core.errors import InfeasiblePlanError, InvalidArgumentError, PlannerError
-from planner.graph.trace import Graph, trace
 from planner.core.mesh import parse_mesh
 from planner.core.options import PlanOptions
-from planner.configs.pins import exact_pattern
 from planner.core.plan import Plan
-from planner.search.mesh_plan import check_options
+from planner.cost_model import Cluster
 from planner.emit.pipeline.planned import pipeline_cluster, plan_fixed_stages
+from planner.graph.trace import Graph, trace
+from planner.planning.step import plan_step
+from planner.search.mesh_plan import check_options
 
 
 def _is_spec_leaf(x: Any) -> bool:
@@ -149,8 +150,8 @@ def evaluate(fn: Callable[..., Any], *args: Any, mesh: Any = None, shardings: An
                                    "give the mesh with mesh= and its links with inter_host=")
     config, label = _configuration(shardings, pins, baseline, rules, args)
     options = {k: v for k, v in options.items() if k != "memory_budget"}  # reported, not enforced
-    plan = PlannedFunction(fn, mesh=mesh, pins=config, unpinned="replicate", rules=rules, logical=logical,
-                           **options).plan(*args)
+    plan = plan_step(fn, *args, mesh=mesh, pins=config, unpinned="replicate", rules=rules, logical=logical,
+                     **options)
     return labelled(plan, label)
 
 
@@ -240,7 +241,7 @@ def compare(fn: Callable[..., Any], *args: Any, mesh: Any, baselines: Sequence[s
     names = list(NAMES if baselines is None else baselines)
     for n in names:
         parse_baseline(n)
-    plan = PlannedFunction(fn, mesh=mesh, **options).plan(*args)
+    plan = plan_step(fn, *args, mesh=mesh, **options)
     configs: list[tuple[str, dict]] = [(n, {"baseline": n}) for n in names]
     if pins is not None:
         configs.append(("yours", {"pins": pins}))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from planner.configs.pins import path_tokens
 from planner.present.explain import collectives_by_kind, shorten, collective_timer, readable_strategy
-from planner.present.logical_axes import path_tokens
 from planner.present.report import PlanView, collapse_layers, fmt_axes_spec, fmt_bytes, fmt_time, table
 
 
@@ -16,8 +16,13 @@ def _pct(a: float, b: float) -> str:
 
 def diff(a: PlanView, b: PlanView, top: int = 20) -> str:
     """The text of `planner diff`: headline numbers, shardings, communication and decisions that differ."""
+    out = _headline(a, b) + _input_shardings(a, b, top) + _communication(a, b) + _decisions(a, b, top)
+    return "\n".join(out)
+
+
+def _headline(a: PlanView, b: PlanView) -> list[str]:
+    """The meshes, and the predicted step time, compute, communication and memory side by side."""
     pa, pb = a.plan.prediction, b.plan.prediction
-    ta, tb = collective_timer(a), collective_timer(b)
     out = [f"A: mesh {a.mesh_text()}  {a.context.get('model', '')}".rstrip(),
            f"B: mesh {b.mesh_text()}  {b.context.get('model', '')}".rstrip(), ""]
     rows = []
@@ -35,7 +40,11 @@ def diff(a: PlanView, b: PlanView, top: int = 20) -> str:
         out.append(f"  {faster} is faster by {fmt_time(abs(pb.step_time_s - pa.step_time_s))} per step")
     if a.plan.mesh != b.plan.mesh:
         out.append("  the meshes differ; shardings are compared by mesh axis name and by shards per dimension")
+    return out
 
+
+def _input_shardings(a: PlanView, b: PlanView, top: int) -> list[str]:
+    """The argument leaves whose shardings differ (not merely their axes' names)."""
     spec_a = dict(zip(a.plan.input_paths, a.specs))
     spec_b = dict(zip(b.plan.input_paths, b.specs))
     size_a = dict(zip(a.axis_names, a.plan.mesh.shape))
@@ -52,9 +61,9 @@ def diff(a: PlanView, b: PlanView, top: int = 20) -> str:
         if sa is not None and sb is not None and splits(sa, size_a) == splits(sb, size_b):
             renamed += 1  # the same number of shards per dimension, over differently named axes
             continue
-        items.append((tuple(t for t in path_tokens(path) if not t.isdigit()),
+        items.append((tuple(t for t in path_tokens(path, keep_value=True) if not t.isdigit()),
                       ("-" if sa is None else fmt_axes_spec(sa), "-" if sb is None else fmt_axes_spec(sb))))
-    out.append("")
+    out = [""]
     if items:
         rows = [(("/".join((layer, leaf)) if layer != "-" else leaf), f"x{n}" if n > 1 else "", *c)
                 for layer, leaf, n, c in collapse_layers(items)]
@@ -67,26 +76,38 @@ def diff(a: PlanView, b: PlanView, top: int = 20) -> str:
     if renamed:
         out.append(f"  {renamed}{' more' if items else ''} leaves are split into the same number of shards per "
                    "dimension, over differently named mesh axes")
+    return out
 
+
+def _communication(a: PlanView, b: PlanView) -> list[str]:
+    """Count, bytes and time of each kind of collective in both plans."""
+    pa, pb = a.plan.prediction, b.plan.prediction
+    ta, tb = collective_timer(a), collective_timer(b)
     ka, kb = collectives_by_kind(pa.collectives, ta), collectives_by_kind(pb.collectives, tb)
     kinds = sorted(set(ka) | set(kb))
-    if kinds:
-        zero = [0, 0.0, 0.0, 0.0]
-        out += ["", "Communication by collective (A -> B):"]
-        rows = [(k, f"{int(ka.get(k, zero)[0])} -> {int(kb.get(k, zero)[0])}",
-                 f"{fmt_bytes(ka.get(k, zero)[2])} -> {fmt_bytes(kb.get(k, zero)[2])}",
-                 f"{fmt_time(ka.get(k, zero)[3])} -> {fmt_time(kb.get(k, zero)[3])}") for k in kinds]
-        out.append(table(("collective", "count", "sent/device", "time"), rows, "lrrr"))
+    if not kinds:
+        return []
+    zero = [0, 0.0, 0.0, 0.0]
+    rows = [(k, f"{int(ka.get(k, zero)[0])} -> {int(kb.get(k, zero)[0])}",
+             f"{fmt_bytes(ka.get(k, zero)[2])} -> {fmt_bytes(kb.get(k, zero)[2])}",
+             f"{fmt_time(ka.get(k, zero)[3])} -> {fmt_time(kb.get(k, zero)[3])}") for k in kinds]
+    return ["", "Communication by collective (A -> B):", table(("collective", "count", "sent/device", "time"), rows,
+                                                                 "lrrr")]
 
-    def keyed(decisions):
-        seen: dict[str, int] = defaultdict(int)
-        out_ = {}
-        for d in decisions:
-            out_[(d.label, seen[d.label])] = d
-            seen[d.label] += 1
-        return out_
 
-    da, db = keyed(a.plan.decisions), keyed(b.plan.decisions)
+def _keyed(decisions) -> dict:
+    """(label, occurrence of that label) -> decision."""
+    seen: dict[str, int] = defaultdict(int)
+    out = {}
+    for d in decisions:
+        out[(d.label, seen[d.label])] = d
+        seen[d.label] += 1
+    return out
+
+
+def _decisions(a: PlanView, b: PlanView, top: int) -> list[str]:
+    """The decisions the two plans make differently, the costliest difference first."""
+    da, db = _keyed(a.plan.decisions), _keyed(b.plan.decisions)
     changed = []
     for key in da.keys() & db.keys():
         x, y = da[key], db[key]
@@ -94,7 +115,7 @@ def diff(a: PlanView, b: PlanView, top: int = 20) -> str:
         if cx != cy:
             changed.append((y.cost_s - x.cost_s, x, y, cx, cy))
     changed.sort(key=lambda r: -abs(r[0]))
-    out.append("")
+    out = [""]
     if changed:
         out.append(f"Decisions that differ ({len(changed)}; local cost = own cost + resharding on its edges):")
         rows = [(shorten(x.label, 56), cx, fmt_time(x.cost_s), cy, fmt_time(y.cost_s), ("+" if dt > 0 else "") + fmt_time(dt))
@@ -111,4 +132,4 @@ def diff(a: PlanView, b: PlanView, top: int = 20) -> str:
     only = len(da.keys() ^ db.keys())
     if only and changed:
         out.append(f"  {only} decisions exist in only one plan")
-    return "\n".join(out)
+    return out

@@ -42,8 +42,8 @@ import re
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 
+from planner.configs.pins import path_tokens, rules_to_pins
 from planner.core.errors import InvalidArgumentError
-from planner.configs.pins import rules_to_pins
 
 Shape = tuple[int, ...]
 Axes = tuple[str, ...]  # mesh axis names splitting one dimension, major to minor; () = not split
@@ -51,7 +51,6 @@ LogicalNames = tuple[str | None, ...]
 
 LOGICAL_ORDER = ("batch", "length", "vocab", "embed", "mlp", "heads", "kv", "exp", "layers")
 
-_TOKEN = re.compile(r"\['([^']*)'\]|\[(\d+)\]|\.(\w+)")
 _NORM = re.compile(r"norm|^ln(_|\d|$)|^bn(_|\d|$)", re.IGNORECASE)
 _STACKED = re.compile(r"^(layers|blocks|layer|block|stack|stacked|scan|scanned|scanned_layers|repeat)$", re.IGNORECASE)
 _KERNEL = ("kernel", "w")
@@ -59,11 +58,6 @@ _EXPERTS = re.compile(r"moe|expert", re.IGNORECASE)
 _BIAS = ("bias", "b")
 _POSITION = re.compile(r"^(wpe|pos.*|position.*)$", re.IGNORECASE)
 _HEAD = re.compile(r"^(lm_head|head|logits|unembed|output_head|decoder_head)$", re.IGNORECASE)
-
-
-def path_tokens(path: str) -> tuple[str, ...]:
-    """`"[0]['params']['dense_0']['kernel']"` -> `("0", "params", "dense_0", "kernel")`."""
-    return tuple(next(g for g in m.groups() if g is not None) for m in _TOKEN.finditer(path))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -188,7 +182,7 @@ def _data_names(shape: Shape, dtype: str, embed: int | None) -> LogicalNames:
 def classify(paths: Sequence[str], shapes: Sequence[Shape], dtypes: Sequence[str],
              specs: Sequence[Sequence[Axes]]) -> tuple[Leaf, ...]:
     """Role and logical names of every argument leaf (see the module docstring for the inference)."""
-    tokens = [path_tokens(p)[:-1] if p.endswith(".value") else path_tokens(p) for p in paths]  # nnx Variables
+    tokens = [path_tokens(p) for p in paths]  # an nnx Variable's `.value` dropped
     params = {}
     for tok, shape in zip(tokens, shapes):
         key = _param_key(tok)

@@ -13,8 +13,8 @@ from planner.cost_model import Cluster, get_hardware
 from planner.graph.trace import Graph
 from planner.core.plan import Plan
 from planner.present.report import PlanView, fmt_bytes, fmt_time, mfu
-from planner.search.meshes import MeshResult
-from planner.stages.inter_op import PipelinePlan
+from planner.search.results import MeshResult
+from planner.stages.pipeline_plan import PipelinePlan
 
 Ranked = list[tuple[dict, Plan | None]]  # (ranking row, plan or None), best first
 

@@ -12,14 +12,15 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from planner.cost_model import peak_flops
+from planner.configs.pins import path_tokens
 from planner.core.errors import InvalidArgumentError
-from planner.ilp.solver import LEVERS
 from planner.core.layer_index import split_indexed
-from planner.present.logical_axes import Axes, AxisRules, Leaf, classify, infer_rules, path_tokens
 from planner.core.plan import Plan, solver_quality as _solver_quality, stage_way
-from planner.stages.clustering import stacked_note
 from planner.core.units import format_bytes
+from planner.cost_model import peak_flops
+from planner.ilp.levers import LEVERS
+from planner.present.logical_axes import Axes, AxisRules, Leaf, classify, infer_rules
+from planner.stages.clustering import stacked_note
 
 
 
@@ -144,7 +145,8 @@ class PlanView:
 
 
 # ----- per-device memory by kind of leaf --------------------------------------------------------
-def shard_bytes(leaf: Leaf, mesh_sizes: Mapping[str, int]) -> float:
+def leaf_bytes_per_device(leaf: Leaf, mesh_sizes: Mapping[str, int]) -> float:
+    """A leaf's bytes on one device: its bytes (from its dtype's name) over its shards, unrounded."""
     shards = math.prod(mesh_sizes[a] for axes in leaf.spec for a in axes)
     return leaf.nbytes / shards
 
@@ -157,7 +159,7 @@ def memory_breakdown(view: PlanView) -> dict[str, float] | None:
     out = {"parameters": 0.0, "optimizer state": 0.0, "data": 0.0}
     for leaf in view.leaves:
         kind = {"param": "parameters", "data": "data"}.get(leaf.role, "optimizer state")
-        out[kind] += shard_bytes(leaf, sizes)
+        out[kind] += leaf_bytes_per_device(leaf, sizes)
     peak = view.plan.prediction.memory_bytes_per_device
     out["activations and temporaries"] = max(0.0, peak - sum(out.values()))
     return out
@@ -167,7 +169,7 @@ def display_tokens(leaf: Leaf) -> tuple[str, ...]:
     """Path tokens to show: the parameter path, `data/...`, `opt_state/mu/...`, without argument indices."""
     if leaf.role == "param":
         return leaf.key
-    tokens = tuple(t for t in path_tokens(leaf.path) if not t.isdigit())
+    tokens = tuple(t for t in path_tokens(leaf.path, keep_value=True) if not t.isdigit())
     return ("data",) + tokens if leaf.role == "data" else tokens
 
 
@@ -234,7 +236,8 @@ def format_layer_table(view: PlanView, max_rows: int = 60) -> str:
     """Per-layer PartitionSpecs of the parameters (and of data and diverging optimizer state)."""
     lines = []
     if view.leaves is None:
-        items = [(path_tokens(p), (fmt_axes_spec(s),)) for p, s in zip(view.plan.input_paths, view.specs)]
+        items = [(path_tokens(p, keep_value=True), (fmt_axes_spec(s),))
+                 for p, s in zip(view.plan.input_paths, view.specs)]
         rows = collapse_layers(items)
         body = [(layer, leaf, f"x{n}" if n > 1 else "", *cells) for layer, leaf, n, cells in rows]
         lines.append(table(("layer", "leaf", "count", "spec"), body[:max_rows]))
@@ -276,7 +279,7 @@ def format_rules(view: PlanView, max_exceptions: int = 8) -> str:
     lines.append(f"  the rules reproduce the planned spec of {r.coverage:.0%} of parameter and data bytes")
     if r.exceptions:
         by_path = {leaf.path: leaf for leaf in view.leaves or ()}
-        items = [(display_tokens(by_path[p]) if p in by_path else path_tokens(p),
+        items = [(display_tokens(by_path[p]) if p in by_path else path_tokens(p, keep_value=True),
                   (", ".join(n or "-" for n in names), fmt_axes_spec(s), fmt_axes_spec(b)))
                  for p, names, s, b in r.exceptions]
         rows = [(("/".join((layer, leaf)) if layer != "-" else leaf), f"x{n}" if n > 1 else "", *c)

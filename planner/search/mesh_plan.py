@@ -255,7 +255,42 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     t0 = time.perf_counter()
     if problem is None:
         problem = plan_problem(graph, mesh, options, jax_mesh, pins)
-    problem, sol = plan_offload(  # host offload of optimizer state (`planner.ilp.offload`; "off": a plain solve)
+    problem, sol = _solve(problem, options, jax_mesh, min_peak_search, start, lp_level, beat)
+    op_specs = _op_specs(graph, problem, sol.choice)
+    operand_specs = _operand_specs(problem, sol.choice)
+    scatter_specs = _scatter_specs(graph, problem, sol.choice)
+    in_specs = tuple(problem.spec(t, sol.choice) for t in graph.inputs)
+    out_specs = _output_specs(graph, problem, sol.choice)
+    prediction = _predict(problem, sol)
+    solver_info = _solver_info(graph, problem, sol, t0, pins)
+    levers = {"offload": offload_record(problem, sol.choice, options.offload)} if options.offload != "off" else {}
+    return Plan(
+        mesh=mesh,
+        input_paths=graph.input_paths,
+        input_specs=in_specs,
+        output_paths=graph.output_paths,
+        output_specs=out_specs,
+        op_specs=op_specs,
+        prediction=prediction,
+        decisions=_decisions(problem, sol.choice),
+        solver=solver_info,
+        options=options.to_json(),
+        fallback_primitives=problem.fallback_primitives,
+        scatter_specs=scatter_specs,
+        operand_specs=operand_specs,
+        in_tree=graph.in_tree,
+        out_tree=graph.out_tree,
+        jax_mesh=jax_mesh,
+        assumed_xla_flags=_xla_flags(problem, sol.choice),
+        levers=MappingProxyType(levers),
+    )
+
+
+def _solve(problem: Problem, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None, min_peak_search: bool,
+           start: Sequence[int] | None, lp_level: int, beat: Callable[[], float] | None) -> tuple[Problem, Solution]:
+    """`make_plan`'s solve, with host offload of optimizer state (`planner.ilp.offload`; "off": a
+    plain solve): the problem solved (with its offload choice) and its solution."""
+    problem, sol = plan_offload(
         problem, options.offload, options.memory_budget,
         list(jax_mesh.devices.flat) if isinstance(jax_mesh, jax.sharding.Mesh) else [],
         lambda p, search: solve(p, options.memory_budget, options.solver_time_limit, options.solver_workers,
@@ -263,41 +298,65 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
                                 lp_level=lp_level, beat=beat if options.offload == "off" else None))
     log.info("solved: %s in %.2fs, predicted %.4g s/step, peak %s/device", sol.status, sol.solve_time_s,
              sol.objective_s, format_bytes(sol.peak_memory_bytes))
+    return problem, sol
+
+
+def _op_specs(graph: Graph, problem: Problem, choice: Sequence[int]) -> tuple:
+    """(op, output position, spec) of each op result the plan lays out: its node's choice, or for a
+    result only read (`Node.free_requires`), the layout its readers can each slice from (`_common`)."""
     producers = graph.producers()
     op_specs = []
     for tid, node in sorted(problem.owner.items()):
         if tid in producers:
             op, k = producers[tid]
-            op_specs.append((op, k, problem.nodes[node].owned[tid][sol.choice[node]]))
+            op_specs.append((op, k, problem.nodes[node].owned[tid][choice[node]]))
     wanted_free: dict[int, list] = defaultdict(list)
     for node in problem.nodes:
         for tid, specs in node.free_requires:
-            wanted_free[tid].append(specs[sol.choice[node.index]])
+            wanted_free[tid].append(specs[choice[node.index]])
     for tid, specs in sorted(wanted_free.items()):
         if tid in producers:
             op, k = producers[tid]
             op_specs.append((op, k, _common(specs)))
+    return tuple(sorted(op_specs))
+
+
+def _operand_specs(problem: Problem, choice: Sequence[int]) -> tuple:
+    """(op, operand position, spec) of each operand an op reads resharded."""
     operand_specs = []
     for e in problem.edges:
-        src, dst = e.src_specs[sol.choice[e.src]], e.dst_specs[sol.choice[e.dst]]
+        src, dst = e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]]
         if src != dst and e.op >= 0:
             operand_specs.append((e.op, e.pos, dst))
+    return tuple(sorted(set(operand_specs)))
+
+
+def _scatter_specs(graph: Graph, problem: Problem, choice: Sequence[int]) -> tuple:
+    """(op, 0, spec) of each op whose result is reduce-scattered: its layout before the scatter."""
     scatter_specs = []
     for node in problem.nodes:
-        i = sol.choice[node.index]
+        i = choice[node.index]
         rs_axes = {a for kind, axes, _ in node.comms[i] if kind == "reduce-scatter" for a in axes}
         if rs_axes and node.label.split()[0] != "input":
             root = graph.ops[node.ops[0]]
             spec = node.owned[root.outputs[0]][i]
             pre = tuple(tuple(a for a in axes if a not in rs_axes) for axes in spec)
             scatter_specs.append((root.index, 0, pre))
-    in_specs = tuple(problem.spec(t, sol.choice) for t in graph.inputs)
-    out_specs = tuple(
+    return tuple(sorted(scatter_specs))
+
+
+def _output_specs(graph: Graph, problem: Problem, choice: Sequence[int]) -> tuple:
+    """The spec of each output: pinned, as the plan lays it out, or replicated (a constant)."""
+    return tuple(
         (problem.pinned_outputs[t] if isinstance(t, int) and t in problem.pinned_outputs
-         else problem.spec(t, sol.choice) if isinstance(t, int) else replicated(len(t.tensor.shape)))
+         else problem.spec(t, choice) if isinstance(t, int) else replicated(len(t.tensor.shape)))
         for t in graph.outputs
     )
-    prediction = _predict(problem, sol)
+
+
+def _solver_info(graph: Graph, problem: Problem, sol: Solution, t0: float,
+                 pins: Mapping[int, Spec] | None) -> dict:
+    """`Plan.solver`: how the solve went, the problem's size, and the parts of the step time."""
     solver_info = {
         "status": sol.status,
         "solve_time_s": round(sol.solve_time_s, 3),
@@ -320,24 +379,4 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     solver_info["step_parts"] = step_parts(problem, sol.choice)
     if not problem.prefetch:  # exposed: a loop over microbatches may do them once (`accumulate.unshard`)
         solver_info["argument_reshards"] = _argument_reshards(problem, sol.choice)
-    levers = {"offload": offload_record(problem, sol.choice, options.offload)} if options.offload != "off" else {}
-    return Plan(
-        mesh=mesh,
-        input_paths=graph.input_paths,
-        input_specs=in_specs,
-        output_paths=graph.output_paths,
-        output_specs=out_specs,
-        op_specs=tuple(sorted(op_specs)),
-        prediction=prediction,
-        decisions=_decisions(problem, sol.choice),
-        solver=solver_info,
-        options=options.to_json(),
-        fallback_primitives=problem.fallback_primitives,
-        scatter_specs=tuple(sorted(scatter_specs)),
-        operand_specs=tuple(sorted(set(operand_specs))),
-        in_tree=graph.in_tree,
-        out_tree=graph.out_tree,
-        jax_mesh=jax_mesh,
-        assumed_xla_flags=_xla_flags(problem, sol.choice),
-        levers=MappingProxyType(levers),
-    )
+    return solver_info

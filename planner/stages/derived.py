@@ -19,16 +19,16 @@ gets a one-line `InvalidArgumentError` saying why and what to pass instead.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from planner.core.errors import InvalidArgumentError
 from planner.graph.trace import Graph, Literal, trace
 from planner.stages.clustering import APPLY, BACKWARD, FORWARD, op_phases
-import jax.numpy as jnp
 
 FIX = "build the step with planner.stages.pipelinable(loss_fn, optimizer) to pipeline it"
 
@@ -73,14 +73,7 @@ def split_step(graph: Graph) -> StepParts:
     if BACKWARD not in phases:
         _fail("it computes no gradient (no jax.grad / jax.value_and_grad in its trace)")
     producer = {t: op.index for op in graph.ops for t in op.outputs}
-    read_by_grad = {t for op in graph.ops if phases[op.index] != APPLY for t in op.tensor_inputs}
-    candidates = [t for op in graph.ops if phases[op.index] == FORWARD for t in op.outputs
-                  if not graph.tensors[t].shape and is_float(graph.tensors[t].dtype) and t not in read_by_grad]
-    if len(candidates) > 1:
-        candidates = [t for t in candidates if t in graph.outputs]
-    if len(candidates) != 1:
-        _fail(f"found {len(candidates)} candidate losses (scalar floats the forward makes and nothing reads)")
-    loss = candidates[0]
+    loss = _loss(graph, phases)
     forward = _closure(graph, {producer[loss]}, producer, lambda i: phases[i] == FORWARD)
     forward = _whole_regions(graph, forward)
     input_index = {t: k for k, t in enumerate(graph.inputs)}
@@ -145,6 +138,19 @@ def split_step(graph: Graph) -> StepParts:
             _fail(f"output {path} is neither the loss nor the new value of an input")
     return StepParts(loss, tuple(sorted(forward)), update, tuple(params), tuple(grads), tuple(batch), extras,
                      new_value, depends)
+
+
+def _loss(graph: Graph, phases: Sequence[str]) -> int:
+    """The loss: the one scalar float the forward makes that nothing else reads (a program output,
+    when there are several)."""
+    read_by_grad = {t for op in graph.ops if phases[op.index] != APPLY for t in op.tensor_inputs}
+    candidates = [t for op in graph.ops if phases[op.index] == FORWARD for t in op.outputs
+                  if not graph.tensors[t].shape and is_float(graph.tensors[t].dtype) and t not in read_by_grad]
+    if len(candidates) > 1:
+        candidates = [t for t in candidates if t in graph.outputs]
+    if len(candidates) != 1:
+        _fail(f"found {len(candidates)} candidate losses (scalar floats the forward makes and nothing reads)")
+    return candidates[0]
 
 
 def _closure(graph: Graph, start: set[int], producer: Mapping[int, int], keep: Callable[[int], bool]) -> set[int]:

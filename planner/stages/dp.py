@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -194,6 +194,20 @@ def pipeline_dp(times: np.ndarray, sizes: Sequence[int], num_devices: int, num_m
     if B == 1:
         lo = values.size - 1
 
+    best_t = _best_bound(F, values, lo, B, rel_gap)
+    total, s, pointers = _solve(times, sizes, num_devices, best_t, max_stages, min_stages, keep=True)
+    evaluations += 1
+    if not math.isfinite(total):
+        return None
+    stages = _read_back(times, sizes, num_devices, best_t, s, pointers)
+    ts = [st.time_s for st in stages]
+    return DPResult(stages, pipeline_latency(ts, B), max(ts), evaluations)
+
+
+def _best_bound(F: Callable[[int], float], values: np.ndarray, lo: int, B: int, rel_gap: float) -> float:
+    """The `t_max` candidate (`values[j]`, j >= lo, the smallest feasible) of least objective
+    `F(j) + (B - 1) * values[j]`, by interval splitting (see the module docstring); ties to the smallest."""
+
     def objective(j: int) -> tuple[float, float]:
         return F(j) + (B - 1) * float(values[j]), float(values[j])
 
@@ -210,22 +224,24 @@ def pipeline_dp(times: np.ndarray, sizes: Sequence[int], num_devices: int, num_m
         mid = (a + b) // 2
         best_obj, best_t = min((best_obj, best_t), objective(mid))
         intervals += [(mid, b), (a, mid)]
-    total, s, pointers = _solve(times, sizes, num_devices, best_t, max_stages, min_stages, keep=True)
-    evaluations += 1
-    if not math.isfinite(total):
-        return None
+    return best_t
+
+
+def _read_back(times: np.ndarray, sizes: Sequence[int], num_devices: int, t_max: float, num_stages: int,
+               pointers: list) -> tuple[StageChoice, ...]:
+    """The stages of `_solve`'s best pipeline of `num_stages` stages under `t_max`, from its back-pointers."""
+    Q, L = times.shape[0], times.shape[1]
     stages = []
     k, d = 0, num_devices
-    masked = np.where(times <= best_t, times, math.inf)
-    for left in range(s, 0, -1):
+    masked = np.where(times <= t_max, times, math.inf)
+    for left in range(num_stages, 0, -1):
         arg_i, arg_m = pointers[left - 1]
         i, m = int(arg_i[k, d]), int(arg_m[k, d])
         q = min(left, Q) - 1
         stages.append(StageChoice(k, i, m, float(masked[q, k, i, m])))
         k, d = i + 1, d - sizes[m]
     assert k == L and d == 0, (k, d)
-    ts = [st.time_s for st in stages]
-    return DPResult(tuple(stages), pipeline_latency(ts, B), max(ts), evaluations)
+    return tuple(stages)
 
 
 def brute_force(times: np.ndarray, sizes: Sequence[int], num_devices: int, num_microbatches: int,

@@ -64,10 +64,10 @@ class LogicalMesh:
 
 
 # Clusters of more hosts than this plan stages on whole hosts, 2^k of them (or all): Alpa's space, every
-# (1, 2^k) and every (n, M), makes the stage DP's work grow as (shapes x devices) = N^2 M (131 shapes x
-# 1025 device counts on 128 x 8, minutes per DP pass); whole hosts in powers of two keep it to log2(N)
-# shapes over N host counts. A pipeline of at most L stages on so many hosts gives each stage more than
-# a host on average, and a stage on part of a host would need other part-host stages to fill it.
+# (1, 2^k) and every (n, M), makes the stage DP's work grow as (shapes x devices) = N^2 M; whole hosts
+# in powers of two keep it to log2(N) shapes over N host counts. A pipeline of at most L stages on so
+# many hosts gives each stage more than a host on average, and a stage on part of a host would need
+# other part-host stages to fill it.
 # The divisors of N are kept too: N / S hosts per stage is how S equal stages split the cluster
 # (Megatron-LM's PP = S on 192 hosts: 24 hosts per stage), so even pipelines stay in the space.
 WHOLE_HOSTS_ABOVE = 16

@@ -35,7 +35,11 @@ from planner.core.plan import Plan, PredictedCollective, Prediction
 from planner.search.mesh_plan import make_plan
 from planner.core.sharding import replicated
 from planner.stages.derived import DerivedStep
-from planner.stages.inter_op import PipelinePlan, UntraceableMicrobatches, fixed_pipeline, input_pins, plan_pipeline
+from planner.stages.fixed_pipeline import fixed_pipeline
+from planner.stages.inter_op import plan_pipeline
+from planner.stages.microbatches import UntraceableMicrobatches
+from planner.stages.pipeline_plan import PipelinePlan
+from planner.stages.single_stage import input_pins
 from planner.emit.pipeline.runtime import PipelinedStep, StageLowered, plain_record
 from planner.stages.submesh import LogicalMesh, effective_hardware, make_cluster
 

@@ -51,18 +51,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from planner.graph.batch_mixing import mixing_ops, summary
-from planner.core.errors import InvalidArgumentError, MeshError, PlannerError, first_line
-from planner.graph.trace import trace
+from planner.core.errors import InvalidArgumentError
 from planner.ilp.strategies import shard_bytes
 from planner.core.mesh import MeshSpec
-from planner.core.options import PlanOptions
-from planner.core.plan import Plan, Prediction
-from planner.search.mesh_plan import make_plan
-from planner.core.sharding import named_sharding, replicated, spec_axes
-from planner.emit.pipeline.layout import StageLayout, data_axes, data_spec, even_layouts, find_spec, layer_names
+from planner.core.plan import Plan
+from planner.core.sharding import named_sharding
+from planner.emit.pipeline.layout import StageLayout, even_layouts, layer_names
 from planner.emit.pipeline.opt_state import opt_layouts, opt_shardings
-from planner.emit.pipeline.partition import partition
-from planner.emit.pipeline.programs import Replica, build_programs, replica_sharding, stage_graph
+from planner.emit.pipeline.programs import build_programs, replica_sharding
+from planner.emit.pipeline.stage_records import stage_plan, stage_records
 from planner.stages.derived import is_float
 from planner.stages.schedule import dispatch_order, stage_tasks
 
@@ -78,6 +75,7 @@ def _put(x: Any, sharding: Any) -> Any:
 def _axis_indices(mesh: MeshSpec, names) -> tuple[int, ...]:
     """Positions in `mesh` of the axis `names` a plan records (`StagePlan.data_axes`)."""
     return tuple(sorted(mesh.axis_names.index(a) for a in names))
+
 
 __all__ = ["PipelinedStep", "StageLayout", "StageLowered", "even_layouts", "layer_names"]
 
@@ -183,63 +181,8 @@ class PipelinedStep:
 
     # ----- building ------------------------------------------------------------------------
     def _layout(self, params: Any, batch: Any):
-        """What each stage runs, devices aside: per stage its op, parameter, batch and boundary
-        tensors, the specs of its inputs, and its `StageGraph` (forward + backward per microbatch)."""
-        B = self.num_microbatches
-        leaves = jax.tree_util.tree_leaves(batch)
-        size = int(np.shape(leaves[0])[0]) if leaves else 0
-        if not leaves or any(np.ndim(x) < 1 or np.shape(x)[0] != size for x in leaves) or size % B:
-            raise InvalidArgumentError(
-                f"every batch leaf must have a leading dimension divisible by num_microbatches={B}; "
-                f"got shapes {[np.shape(x) for x in leaves]}")
-        mb = size // B
-        abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
-        abstract_mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb,) + tuple(np.shape(x)[1:]), x.dtype), batch)
-        graph = trace(self.loss_fn, abstract_params, abstract_mb)
-        if len(graph.outputs) != 1 or not isinstance(graph.outputs[0], int) or graph.tensors[graph.outputs[0]].shape:
-            raise InvalidArgumentError("loss_fn must return one scalar (the mean loss over the batch)")
-        n_params = len(jax.tree_util.tree_leaves(params))
-        parts = partition(graph, self.layouts, n_params)
-        op_stage, param_owner, producer, needed_by = parts.op_stage, parts.param_owner, parts.producer, parts.needed_by
-        loss = graph.outputs[0]
-        batch_ids = set(graph.inputs[n_params:])
-        param_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-        batch_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(batch)[0]]
-        flat_params = jax.tree_util.tree_leaves(params)
-        flat_mb = jax.tree_util.tree_leaves(abstract_mb)
-        stages = []
-        op_inputs = parts.reads
-        for s, lay in enumerate(self.layouts):
-            ops = tuple(op.index for op in graph.ops if op_stage[op.index] == s)
-            own = tuple(k for k in range(n_params) if param_owner[k] == s)
-            reads = {t for i in ops for t in op_inputs[i]}
-            bl = tuple(k for k, t in enumerate(graph.inputs[n_params:]) if t in reads)
-            incoming = sorted(t for t in reads if t in producer and producer[t] < s and t not in batch_ids)
-            made = {t for i in ops for t in graph.ops[i].outputs} | {graph.inputs[k] for k in own}
-            outgoing = sorted(t for t in made if any(u > s for u in needed_by.get(t, ())))
-            if s == len(self.layouts) - 1:
-                outgoing = [loss] + [t for t in outgoing if t != loss]
-            fl = lambda ts: tuple(t for t in ts if is_float(graph.tensors[t].dtype))  # noqa: E731
-            nf = lambda ts: tuple(t for t in ts if not is_float(graph.tensors[t].dtype))  # noqa: E731
-            axes = data_axes(lay, batch_paths, abstract_mb)
-            p_spec = []
-            for k in own:
-                shape = tuple(np.shape(flat_params[k]))
-                p_spec.append(find_spec(lay.specs, param_paths[k], shape, lay.mesh) or replicated(len(shape)))
-            b_spec = []
-            for k in bl:
-                shape = tuple(flat_mb[k].shape)
-                b_spec.append(find_spec(lay.specs, batch_paths[k], shape, lay.mesh) or data_spec(shape, axes, lay.mesh))
-            act = {t: data_spec(graph.tensors[t].shape, axes, lay.mesh) for t in incoming + outgoing}
-            acts_in, aux_in, outs, aux_out = fl(incoming), nf(incoming), fl(outgoing), nf(outgoing)
-            sg = stage_graph(graph, ops, tuple(graph.inputs[k] for k in own),
-                             acts_in, aux_in, tuple(graph.inputs[n_params + k] for k in bl), outs, aux_out)
-            stages.append(dict(index=s, layout=lay, ops=ops, own=own, bl=bl, acts_in=acts_in, aux_in=aux_in,
-                               outs=outs, aux_out=aux_out, p_spec=tuple(p_spec), b_spec=tuple(b_spec), act=act,
-                               sg=sg, axes=axes, replica=None))
-        if self.replica_grads:
-            self._replicas(graph, stages, abstract_params, batch, mb, loss)
-        return graph, stages, needed_by, param_owner, mb
+        """What each stage runs, devices aside (`stage_records.stage_records`)."""
+        return stage_records(self.loss_fn, self.layouts, self.num_microbatches, self.replica_grads, params, batch)
 
     def _say_if_mixing(self, graph, n_params: int, mb: int) -> None:
         """Logs once, when the stages are planned, that the loss mixes the examples of its batch
@@ -253,98 +196,10 @@ class PipelinedStep:
                         "microbatches of %d examples and averages, so its loss and gradients differ from the "
                         "unpipelined step's", summary(found), self.num_microbatches, mb)
 
-    def _replicas(self, graph, stages: list[dict], abstract_params: Any, batch: Any, mb: int, loss: int) -> None:
-        """Sets each data-parallel stage's `programs.Replica` (its program traced at `mb / ways` rows)
-        where every value it exchanges is batch-major or the loss and no parameter is split over a
-        data axis; the other stages keep reducing gradients per microbatch."""
-        traced: dict[int, Any] = {}
-        for st in stages:
-            lay, axes = st["layout"], tuple(a for a in st["axes"] if st["layout"].mesh.shape[a] > 1)
-            ways = lay.mesh.axis_size(axes) if axes else 1
-            if ways <= 1 or mb % ways or any(set(axes) & spec_axes(sp) for sp in st["p_spec"]):
-                continue
-            if ways not in traced:
-                small = jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb // ways,) + tuple(np.shape(x)[1:]), x.dtype),
-                                     batch)
-                try:
-                    g = trace(self.loss_fn, abstract_params, small)
-                except PlannerError:
-                    raise
-                except Exception as e:  # the user's step on fewer rows (an MoE's routing groups): not ours to fix
-                    log.warning("the loss does not trace on one of %d data-parallel replicas' share of a microbatch "
-                                "(%d of %d rows: %s: %s); stages split %d ways reduce their gradients every "
-                                "microbatch instead of once per step", ways, mb // ways, mb, type(e).__name__,
-                                first_line(e), ways)
-                    g = None
-                same = g is not None and len(g.ops) == len(graph.ops) and all(
-                    a.name == b.name and a.outputs == b.outputs for a, b in zip(g.ops, graph.ops))
-                traced[ways] = g if same else None
-            g = traced[ways]
-            if g is None:
-                continue
-
-            def kind(t, output=False):
-                full, small = graph.tensors[t].shape, g.tensors[t].shape
-                if full and small and small[0] * ways == full[0] and small[1:] == full[1:]:
-                    return "batch"
-                if full == small and (not output or t == loss):
-                    return "mean" if output else "same"
-                return None
-
-            ins = {"a": [kind(t) for t in st["acts_in"]], "aux": [kind(t) for t in st["aux_in"]],
-                   "b": [kind(g.inputs[len(g.inputs) - len(jax.tree_util.tree_leaves(batch)) + k]) for k in st["bl"]]}
-            outs = {"ct": [kind(t, True) for t in st["outs"]], "aux_out": [kind(t, True) for t in st["aux_out"]]}
-            if any(k is None for ks in list(ins.values()) + list(outs.values()) for k in ks) or \
-                    "mean" in outs["aux_out"]:
-                continue
-            sg = stage_graph(g, st["ops"], tuple(g.inputs[k] for k in st["own"]), st["acts_in"], st["aux_in"],
-                             tuple(g.inputs[len(g.inputs) - len(jax.tree_util.tree_leaves(batch)) + k]
-                                   for k in st["bl"]), st["outs"], st["aux_out"])
-            full = st["sg"]
-            planned = len(sg.graph.ops) == len(full.graph.ops) and sg.split == full.split and all(
-                x.name == y.name for x, y in zip(sg.graph.ops, full.graph.ops))
-            if sg.split is None and not lay.remat:
-                continue
-            names = lay.mesh.axis_names
-            st["replica"] = Replica(tuple(names[a] for a in axes), ways, sg,
-                                    {k: tuple(v) for k, v in ins.items()}, {k: tuple(v) for k, v in outs.items()},
-                                    planned)
-
     def _stage_plan(self, st: dict, options: Any = None):
-        """The stage's intra-op `Plan` of its `StageGraph`: the one given (`stage_plans`, as a saved
-        plan records it) when it was made for this program, else planned now with the stage's
-        parameter, batch and boundary shardings pinned."""
-        sg, lay, s = st["sg"], st["layout"], st["index"]
-        given = self.stage_plans[s] if s < len(self.stage_plans) else None
-        if given is not None:
-            if given.solver.get("ops") != len(sg.graph.ops) or len(given.input_specs) != len(sg.graph.inputs) \
-                    or given.mesh != lay.mesh:
-                raise InvalidArgumentError(
-                    f"stage {s}'s saved intra-op plan is for a program of {given.solver.get('ops')} ops on "
-                    f"{given.mesh}, this step's stage has {len(sg.graph.ops)} ops on {lay.mesh}; re-plan")
-            return given
-        pins = {}
-        for group, specs in (("p", st["p_spec"]), ("b", st["b_spec"]),
-                             ("a", [st["act"][t] for t in st["acts_in"]]),
-                             ("aux", [st["act"][t] for t in st["aux_in"]]),
-                             ("ct", [st["act"][t] for t in st["outs"]])):
-            pins.update(zip(sg.input_positions(group), specs))
-        if isinstance(options, Sequence):
-            options = options[s]
-        opts = dataclasses.replace(options or PlanOptions(), memory_budget=None, pipeline=False, tie_outputs=True,
-                                   donate_argnums=())  # a stage program's own inputs, not the step's arguments
-        try:
-            return make_plan(sg.graph, lay.mesh, opts, pins=pins)
-        except MeshError:
-            # No input of the stage can be split on its mesh (scalars, say): it runs replicated.
-            g = sg.graph
-            rank = [len(g.tensors[t].shape) if isinstance(t, int) else len(t.tensor.shape) for t in g.outputs]
-            return Plan(mesh=lay.mesh, input_paths=g.input_paths,
-                        input_specs=tuple(replicated(len(g.tensors[t].shape)) for t in g.inputs),
-                        output_paths=g.output_paths, output_specs=tuple(replicated(r) for r in rank), op_specs=(),
-                        prediction=Prediction(0.0, 0.0, 0.0, 0, 0.0, ()), decisions=(),
-                        solver={"status": "replicated", "ops": len(g.ops)}, options=opts.to_json(),
-                        in_tree=g.in_tree, out_tree=g.out_tree)
+        """The stage's intra-op `Plan` (`stage_records.stage_plan`): the one given in `stage_plans`
+        when it was made for this program, else planned now."""
+        return stage_plan(st, self.stage_plans, options)
 
     def stage_plan_records(self, params: Any, batch: Any,
                            options: Any = None) -> tuple[tuple[Plan, ...], tuple, tuple[tuple[str, ...], ...]]:
@@ -355,7 +210,7 @@ class PipelinedStep:
           (plans, transfers, once): transfers are `(from stage, to stage, bytes per receiving device,
           float)` per value and microbatch (a float value's cotangent travels back as many bytes);
           `once[s]` names the mesh axes over which stage s reduces its gradients once per step (its
-          data-parallel replicas, `_replicas`; empty where it reduces them per microbatch).
+          data-parallel replicas, `stage_records.set_replicas`; empty where it reduces them per microbatch).
         """
         graph, stages, needed_by, _, mb = self._layout(params, batch)
         self._say_if_mixing(graph, len(jax.tree_util.tree_leaves(params)), mb)
@@ -462,72 +317,20 @@ class PipelinedStep:
         p = [[_put(flat_params[k], sh) for k, sh in zip(st.params, st.param_shardings)] for st in stages]
         mbatch = [[[jax.device_put(flat_batch[k][i * mb:(i + 1) * mb], sh)
                     for k, sh in zip(st.batch, st.batch_shardings)] for i in range(B)] for st in stages]
-        inbox: dict[tuple[int, int, int], Any] = {}      # (stage, tensor, microbatch) -> value
-        ctbox: dict[tuple[int, int, int], list] = defaultdict(list)  # (owner stage, tensor, mb) -> cotangents
-        saved: dict[tuple[int, int], Any] = {}
-        acc = [None] * len(stages)
-        losses = []
-        last = len(stages) - 1
-        seed = jax.device_put(jnp.asarray(1.0 / B, graph.tensors[graph.outputs[0]].dtype),
-                              jax.sharding.NamedSharding(stages[last].mesh, jax.sharding.PartitionSpec()))
+        run = _Run(graph, stages, act_spec, needed_by, p, mbatch, [None] * len(stages), len(stages) - 1,
+                   jax.device_put(jnp.asarray(1.0 / B, graph.tensors[graph.outputs[0]].dtype),
+                                  jax.sharding.NamedSharding(stages[-1].mesh, jax.sharding.PartitionSpec())))
         for s, kind, i in self.order:
-            st = stages[s]
             if kind == "F":
-                a = [inbox.pop((s, t, i)) for t in st.acts_in]
-                aux = [inbox.pop((s, t, i)) for t in st.aux_in]
-                if st.layout.remat:
-                    outs, aux_out = st.fwd(p[s], a, aux, mbatch[s][i])
-                    saved[(s, i)] = (a, aux)
-                else:
-                    outs, aux_out, pull = st.fwd(p[s], a, aux, mbatch[s][i])
-                    saved[(s, i)] = pull
-                for t, v in list(zip(st.outs, outs)) + list(zip(st.aux_out, aux_out)):
-                    for u in needed_by.get(t, ()):
-                        if u > s:
-                            inbox[(u, t, i)] = jax.device_put(v, act_spec[(u, t)])
-                if s == last:
-                    losses.append(outs[0])
+                _forward(run, s, i)
             else:
-                cts = []
-                for t in st.outs:
-                    got = ctbox.pop((s, t, i), [])
-                    if s == last and t == graph.outputs[0]:
-                        got = got + [seed]
-                    if not got:
-                        got = [jnp.zeros(graph.tensors[t].shape, graph.tensors[t].dtype, device=act_spec[(s, t)])]
-                    cts.append(got)
-                if acc[s] is None:
-                    acc[s] = st.zeros()
-                if st.layout.remat:
-                    a, aux = saved.pop((s, i))
-                    acc[s], ga = st.bwd(p[s], a, aux, mbatch[s][i], cts, acc[s])
-                else:
-                    acc[s], ga = st.bwd(saved.pop((s, i)), cts, acc[s])
-                for t, g in zip(st.acts_in, ga):
-                    owner = self._producer_stage(stages, t)
-                    ctbox[(owner, t, i)].append(jax.device_put(g, act_spec[(owner, t)]))
-        loss = losses[0]
-        for x in losses[1:]:
+                _backward(run, s, i, self._producer_stage)
+        loss = run.losses[0]
+        for x in run.losses[1:]:
             loss = loss + x
         loss = loss / B
 
-        new_flat = list(flat_params)
-        new_opt: dict[str, Any] = {}
-        for s, st in enumerate(stages):
-            ptree, odef, okeys = opt_trees[s]
-            n = ptree.num_leaves
-            pos = {k: j for j, k in enumerate(st.params)}
-            mask = lambda xs: jax.tree_util.tree_unflatten(  # noqa: E731
-                ptree, [xs[pos[k]] if k in pos else None for k in range(n)])
-            shard_of = opt_shardings(okeys, st, flat_params, treedef)
-            o = jax.tree_util.tree_unflatten(odef, [_put(full_opt[k], shard_of(k, full_opt[k]))
-                                                    for k in okeys])
-            grads = acc[s] if acc[s] is not None else st.zeros()
-            new_p, new_o = st.apply(mask(p[s]), o, mask(grads))
-            for k, x in zip(st.params, [x for x in jax.tree_util.tree_leaves(new_p)]):
-                new_flat[k] = x
-            for key, x in zip(okeys, jax.tree_util.tree_leaves(new_o)):
-                new_opt.setdefault(key, x)
+        new_flat, new_opt = _updated(stages, opt_trees, full_opt, flat_params, treedef, p, run.acc)
         opt_paths, opt_def = jax.tree_util.tree_flatten_with_path(opt_state)
         opt_out = jax.tree_util.tree_unflatten(opt_def, [new_opt.get(jax.tree_util.keystr(pth), x)
                                                           for pth, x in opt_paths])
@@ -540,6 +343,92 @@ class PipelinedStep:
                 return st.index
         raise AssertionError(f"tensor {t} has no producing stage")
 
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """One step's tasks in flight: what the stages read and the values moving between them (the
+    mailboxes and accumulators fill and empty as the schedule's tasks run)."""
+
+    graph: Any
+    stages: tuple
+    act_spec: dict  # (stage, tensor) -> the sharding the stage receives the tensor in
+    needed_by: dict  # tensor -> the stages that read it
+    params: list  # per stage: its parameters on its mesh
+    batches: list  # per stage and microbatch: its batch leaves
+    acc: list  # per stage: its gradient accumulator (None until its first backward)
+    last: int  # the last stage, whose first output is the loss
+    seed: Any  # the loss's cotangent, 1/B, on the last stage
+    inbox: dict = dataclasses.field(default_factory=dict)  # (stage, tensor, microbatch) -> value
+    ctbox: dict = dataclasses.field(default_factory=lambda: defaultdict(list))  # (owner, tensor, mb) -> cotangents
+    saved: dict = dataclasses.field(default_factory=dict)  # (stage, microbatch) -> what its backward reads
+    losses: list = dataclasses.field(default_factory=list)
+
+
+def _forward(run: _Run, s: int, i: int) -> None:
+    """Stage s's forward of microbatch i: its outputs sent to the later stages that read them."""
+    st = run.stages[s]
+    a = [run.inbox.pop((s, t, i)) for t in st.acts_in]
+    aux = [run.inbox.pop((s, t, i)) for t in st.aux_in]
+    if st.layout.remat:
+        outs, aux_out = st.fwd(run.params[s], a, aux, run.batches[s][i])
+        run.saved[(s, i)] = (a, aux)
+    else:
+        outs, aux_out, pull = st.fwd(run.params[s], a, aux, run.batches[s][i])
+        run.saved[(s, i)] = pull
+    for t, v in list(zip(st.outs, outs)) + list(zip(st.aux_out, aux_out)):
+        for u in run.needed_by.get(t, ()):
+            if u > s:
+                run.inbox[(u, t, i)] = jax.device_put(v, run.act_spec[(u, t)])
+    if s == run.last:
+        run.losses.append(outs[0])
+
+
+def _backward(run: _Run, s: int, i: int, producer_stage: Callable[[Any, int], int]) -> None:
+    """Stage s's backward of microbatch i: its gradients accumulated, its input cotangents sent back
+    to the stages that made those inputs."""
+    st, graph = run.stages[s], run.graph
+    cts = []
+    for t in st.outs:
+        got = run.ctbox.pop((s, t, i), [])
+        if s == run.last and t == graph.outputs[0]:
+            got = got + [run.seed]
+        if not got:
+            got = [jnp.zeros(graph.tensors[t].shape, graph.tensors[t].dtype, device=run.act_spec[(s, t)])]
+        cts.append(got)
+    if run.acc[s] is None:
+        run.acc[s] = st.zeros()
+    if st.layout.remat:
+        a, aux = run.saved.pop((s, i))
+        run.acc[s], ga = st.bwd(run.params[s], a, aux, run.batches[s][i], cts, run.acc[s])
+    else:
+        run.acc[s], ga = st.bwd(run.saved.pop((s, i)), cts, run.acc[s])
+    for t, g in zip(st.acts_in, ga):
+        owner = producer_stage(run.stages, t)
+        run.ctbox[(owner, t, i)].append(jax.device_put(g, run.act_spec[(owner, t)]))
+
+
+def _updated(stages, opt_trees, full_opt, flat_params, treedef, p, acc) -> tuple[list, dict[str, Any]]:
+    """Every stage's optimizer update of its own parameters: (the new flat parameters, the new
+    optimizer state leaves by path)."""
+    new_flat = list(flat_params)
+    new_opt: dict[str, Any] = {}
+    for s, st in enumerate(stages):
+        ptree, odef, okeys = opt_trees[s]
+        n = ptree.num_leaves
+        pos = {k: j for j, k in enumerate(st.params)}
+        mask = lambda xs: jax.tree_util.tree_unflatten(  # noqa: E731
+            ptree, [xs[pos[k]] if k in pos else None for k in range(n)])
+        shard_of = opt_shardings(okeys, st, flat_params, treedef)
+        o = jax.tree_util.tree_unflatten(odef, [_put(full_opt[k], shard_of(k, full_opt[k]))
+                                                for k in okeys])
+        grads = acc[s] if acc[s] is not None else st.zeros()
+        new_p, new_o = st.apply(mask(p[s]), o, mask(grads))
+        for k, x in zip(st.params, [x for x in jax.tree_util.tree_leaves(new_p)]):
+            new_flat[k] = x
+        for key, x in zip(okeys, jax.tree_util.tree_leaves(new_o)):
+            new_opt.setdefault(key, x)
+    return new_flat, new_opt
 
 def plain_record(value: Any) -> Any:
     """A plan record's read-only mappings and tuples as JSON dicts and lists."""

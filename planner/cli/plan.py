@@ -1,0 +1,271 @@
+"""`planner plan`: trace the step, plan it for the target, print the best plans and write them."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from typing import Any
+
+from planner.core.errors import InfeasiblePlanError, PlannerError, first_line
+from planner.core.mesh import MeshSpec, default_axis_names
+from planner.core.options import PlanOptions
+from planner.cost_model import Cluster, get_hardware, profiled_hardware
+from planner.emit.pipeline.planned import plan_stages
+from planner.graph.ir import Graph, matmul_flops
+from planner.graph.trace import trace
+from planner.ilp.offload import streamed as offload_streamed
+from planner.levers.accumulate import micro_options, plan_accumulation
+from planner.levers.remat import plan_remat, record as remat_record
+from planner.planning.evaluate import pipeline_baseline
+from planner.present.ranking import hardware_record, mesh_ranking, pipeline_ranking, plan_view
+from planner.present.report import fmt_bytes, format_levers, format_plan
+from planner.search.meshes import search_meshes
+from planner.search.results import MeshResult, no_fit_error
+from planner.cli.configured import configured_results
+from planner.cli.errors import CLIError
+from planner.cli.options import budget, hand_configured, plan_options, pp_baseline, unlimited
+from planner.cli.output import check_output_paths, load_plan, print_xla_flags, write_outputs
+from planner.cli.target import candidate_specs, pipeline_target, target
+from planner.cli.workloads import load_factory, load_model
+from zoo import model_names
+
+log = logging.getLogger("planner")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanTarget:
+    """What `planner plan` plans for, read and checked from the flags before anything is traced."""
+
+    num_devices: int
+    cluster: Cluster | None
+    pipelined: bool
+    meshes: list
+    target_hw: Any  # the cost model's `Hardware` (a profile's devices under --profile)
+    hardware: dict  # its record, as the plan prints it
+    budget: float | None
+    options: PlanOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """The step to plan and its graph; `t0`: when loading it began (the planning time counts from there)."""
+
+    label: str
+    step: Any
+    example: Any
+    graph: Graph
+    flops: dict
+    t0: float
+
+
+def cmd_plan(args, out) -> int:
+    if args.list_models:
+        print("\n".join(model_names()), file=out)
+        return 0
+    check_output_paths(args)
+    if args.from_file is not None:
+        return _reprint(args, out)
+    if bool(args.model) == bool(args.fn):
+        raise CLIError("name what to plan: --model NAME (see --list-models) or --fn MODULE:FACTORY, exactly one")
+    where = _plan_target(args)
+    traced = _trace_step(args, where)
+    pp_name, pp_stages = pp_baseline(args)
+    ranked, graph = _rank(args, where, traced, pp_name, pp_stages)
+    view = plan_view(ranked, graph, traced.label, where.num_devices, where.cluster, where.hardware, where.budget,
+                     traced.flops, time.perf_counter() - traced.t0)
+    _print_plan(args, view, pp_stages, out)
+    return 0
+
+
+def _reprint(args, out) -> int:
+    """--from FILE: a saved plan printed (and written) again."""
+    if args.model or args.fn:
+        raise CLIError("--from FILE re-prints a saved plan; drop --model / --fn")
+    view = load_plan(args.from_file, "--from")
+    print(format_plan(view, args.top), file=out)
+    print_xla_flags(view.plan, out)
+    write_outputs(args, view, out)
+    return 0
+
+
+def _plan_target(args) -> PlanTarget:
+    """The target, its hardware and budget, and the options, with every flag conflict refused."""
+    num_devices, cluster = target(args)
+    pipelined = args.pipeline in ("on", "auto")
+    if pipelined and args.mesh is not None:
+        raise CLIError("--mesh fixes one logical mesh but --pipeline searches submeshes and their meshes itself; "
+                       "drop --mesh or use --pipeline off")
+    if (pipelined or pp_baseline(args)[1]) and unlimited(args):
+        raise CLIError(f"--memory-budget {args.memory_budget} with --pipeline: pipeline stages are planned to fit a "
+                       "memory budget (default: the device memory); give a size such as 80GB")
+    meshes = [] if pipelined else candidate_specs(args, num_devices, cluster.hosts if cluster is not None else 1)
+    if args.profile is not None and not os.path.isfile(args.profile):
+        raise CLIError(f"--profile {args.profile!r} does not exist; write one with `planner profile` or drop --profile")
+    try:
+        # With a profile, the devices it measured: their name, memory and measured peaks.
+        target_hw = profiled_hardware(args.profile, args.hardware) if args.profile else get_hardware(args.hardware)
+        hardware = hardware_record(target_hw)
+    except ValueError as e:
+        raise CLIError(f"--hardware {args.hardware!r}: {e}") from None
+    limit = budget(args, hardware)
+    return PlanTarget(num_devices, cluster, pipelined, meshes, target_hw, hardware, limit,
+                      plan_options(args, limit, cluster))
+
+
+def _trace_step(args, where: PlanTarget) -> Traced:
+    """The --model or --fn step, traced; a --fn step that fails to trace is named in one line."""
+    t0 = time.perf_counter()
+    label, step, example = (load_model(args.model, args.batch, args.seq, args.dtype, where.target_hw.default_dtype,
+                                       pipelined=where.pipelined)
+                            if args.model else load_factory(args.fn, args.batch, args.seq, args.dtype))
+    log.info("tracing %s (compute dtype %s) ...", label, args.dtype or
+             (where.target_hw.default_dtype if args.model else "the factory's"))
+    try:
+        graph = trace(step, *example)
+    except PlannerError:
+        raise
+    except Exception as e:  # the user's step failed to trace: one line naming it, no traceback
+        if not args.fn:
+            raise
+        raise CLIError(f"--fn {args.fn!r}: tracing the step raised {type(e).__name__}: "
+                       f"{first_line(e)}; fix the step") from None
+    log.info("traced %d ops, %d inputs in %.1fs", len(graph.ops), len(graph.inputs), time.perf_counter() - t0)
+    return Traced(label, step, example, graph, matmul_flops(graph), t0)
+
+
+def _rank(args, where: PlanTarget, traced: Traced, pp_name, pp_stages):
+    """The ranked plans (`present.ranking`) of the way the flags ask to plan, and the graph planned."""
+    if pp_stages:
+        return _rank_pipeline_baseline(args, where, traced, pp_name, pp_stages), traced.graph
+    if where.pipelined:
+        return _rank_pipeline(args, where, traced), traced.graph
+    if hand_configured(args):
+        results = configured_results(args, traced.graph, where.meshes, where.options, where.cluster)
+        return mesh_ranking(results, traced.flops, where.hardware), traced.graph
+    if where.options.accumulate not in (None, 1):
+        results, graph = accumulated_results(traced.step, traced.graph, where.meshes, where.options, where.cluster,
+                                             where.budget)
+        return mesh_ranking(results, traced.flops, where.hardware), graph
+    return _rank_searched(where, traced)
+
+
+def _rank_pipeline_baseline(args, where: PlanTarget, traced: Traced, pp_name: str, pp_stages: int):
+    """--baseline NAME+ppN: the configuration in N even pipeline stages."""
+    cluster = pipeline_target(args, where.cluster, where.num_devices)
+    log.info("evaluating baseline %s on %s ...", args.baseline, cluster)
+    t1 = time.perf_counter()
+    plan, pp = pipeline_baseline(traced.step, traced.example, traced.graph, pp_name, pp_stages, cluster, where.options)
+    return pipeline_ranking(plan, pp, cluster, traced.flops, where.hardware, time.perf_counter() - t1)
+
+
+def _rank_pipeline(args, where: PlanTarget, traced: Traced):
+    """--pipeline on / auto: the stages, their submeshes and their plans."""
+    cluster = pipeline_target(args, where.cluster, where.num_devices)
+    hosts, per_host = cluster.hosts, cluster.devices_per_host
+    log.info("planning pipeline stages on %d host(s) x %d device(s) ...", hosts, per_host)
+    t1 = time.perf_counter()
+    plan, pp = plan_stages(traced.step, traced.example, traced.graph, cluster, where.options)
+    ranked = pipeline_ranking(plan, pp, cluster, traced.flops, where.hardware, time.perf_counter() - t1)
+    log.info("pipeline: %d stage(s), %.4g s/step, planned in %.1fs", pp.num_stages,
+             plan.prediction.step_time_s, time.perf_counter() - t1)
+    return ranked
+
+
+def _rank_searched(where: PlanTarget, traced: Traced):
+    """Every candidate mesh planned (`search_meshes`), with --remat's recomputation and --offload's
+    streamed optimizer update where asked for; the ranking and the graph planned."""
+    options, graph = where.options, traced.graph
+
+    def search(g, smallest_peak: bool):
+        if options.offload != "off":  # a streamed optimizer update (`offload.streamed`)
+            g = offload_streamed(g)
+        found = search_meshes(g, where.meshes, options, where.cluster.devices_per_host if where.cluster else None,
+                              min_peak_search=smallest_peak)
+        if found[0].plan is None:
+            raise no_plan(found, where.budget)
+        return found
+
+    # --remat: the graph planned is the one with recomputation (`planner.levers.remat`)
+    graph, results, policy = plan_remat(graph, options.remat, where.budget, search, lambda found: found[0].plan)
+    if options.remat != "off":
+        results = [dataclasses.replace(r, plan=remat_record(r.plan, traced.graph, graph, policy)) if r.plan else r
+                   for r in results]
+    if options.offload != "off":
+        graph = offload_streamed(graph)
+    ranked = mesh_ranking(results, traced.flops, where.hardware)
+    log.info("planned %d mesh shape(s) in %.1fs", len(where.meshes), time.perf_counter() - traced.t0)
+    return ranked, graph
+
+
+def _print_plan(args, view, pp_stages, out) -> None:
+    """The plan's tables, the user's configuration, the memory levers and XLA flags; then the files."""
+    print(format_plan(view, args.top), file=out)
+    if hand_configured(args):
+        print(_configuration_line(args, view.plan, pp_stages), file=out)
+    levers = format_levers(view.plan)
+    if levers:
+        print("\n" + levers, file=out)
+    print_xla_flags(view.plan, out)
+    write_outputs(args, view, out)
+
+
+def _configuration_line(args, plan, pp_stages) -> str:
+    """What --pin / --rules / --baseline configured, and what the evaluation approximated."""
+    solver = plan.solver
+    pinned = (f"{len(plan.stages)} even pipeline stages, {solver.get('configuration', '').split('+')[0][9:]} "
+              "pins in each" if pp_stages else
+              f"{solver.get('pinned_inputs', 0)} argument leaves pinned" + (", the rest planned" if not args.baseline
+                                                                           else ""))
+    return (f"\nYour configuration: {solver.get('configuration')}, {pinned}"
+            + (f"; approximated: {solver['approximation']}" if solver.get("approximation") else ""))
+
+
+def no_plan(results, budget: float | None, accumulated: bool = False) -> Exception:
+    """The error of a search where no mesh shape gave a plan: what did not fit, and what to try."""
+    over = [r for r in results if r.over_budget]
+    if not over:
+        return CLIError("no mesh shape could be planned: " + "; ".join(f"{r.mesh}: {r.error}" for r in results))
+    if not accumulated:
+        return no_fit_error(results, budget)
+    need = min((r.min_memory_bytes or math.inf) for r in over)
+    floor = min((getattr(r.error, "lower_bound_bytes", None) or math.inf) for r in over)
+    return InfeasiblePlanError(
+        f"no mesh shape fits the memory budget of {fmt_bytes(budget) if budget else 'no limit'} per device"
+        + (f" (the smallest reachable peak is {fmt_bytes(need)}" if need < math.inf else "")
+        + (f"; no plan goes below {fmt_bytes(floor)}" if floor < math.inf else "")
+        + (")" if need < math.inf else "")
+        + "; tried: sharding" + (", gradient accumulation" if accumulated else "")
+        + "; not available in single-stage plans yet: rematerialisation, host offload"
+        + ("" if accumulated else "; try --accumulate auto (gradient accumulation)")
+        + "; raise --memory-budget, plan for more devices, or enable --pipeline (recompute)")
+
+
+def accumulated_results(step, graph, meshes, options, cluster, budget):
+    """--accumulate: the microbatch step planned on every mesh (`search_meshes`), k chosen by
+    `planner.levers.accumulate`; the best plan as the one ranked row, with the microbatch trace."""
+    per_host = cluster.devices_per_host if cluster else None
+    seen: list = []
+
+    def plan_micro(g, inner):
+        results = search_meshes(g, meshes, micro_options(options, inner), per_host)
+        seen.append(results)
+        if results[0].plan is None:
+            over = [r for r in results if r.over_budget]
+            if not over:
+                raise CLIError("no mesh shape could be planned: " + "; ".join(f"{r.mesh}: {r.error}" for r in results))
+            need = [r.min_memory_bytes for r in over if r.min_memory_bytes is not None]
+            floor = [r.error.lower_bound_bytes for r in over if r.error.lower_bound_bytes is not None]
+            raise InfeasiblePlanError(str(no_plan(results, inner, accumulated=True)), min(need, default=None),
+                                      min(floor, default=None))
+        return results[0].plan
+
+    bounds = MeshSpec((meshes[0].size,), default_axis_names(1))
+    t0 = time.perf_counter()
+    acc = plan_accumulation(step, graph, options.accumulate, budget, plan_micro, bounds, options.unshard)
+    plan = dataclasses.replace(acc.plan, options={**acc.plan.options, "accumulate": options.accumulate})
+    record = plan.levers["accumulation"]
+    log.info("gradient accumulation: %d microbatch(es) of %d rows", record["microbatches"], record["microbatch_rows"])
+    inter = next((r.inter_host_axes for rs in seen for r in rs if r.plan is not None and r.mesh == plan.mesh), ())
+    return (MeshResult(plan.mesh, plan, None, inter, time.perf_counter() - t0),), acc.graph

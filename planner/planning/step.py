@@ -1,0 +1,235 @@
+"""Planning one step: (the step, its array arguments, the mesh, devices, pins or rules, options)
+-> (graph, plan, compiled program or pipeline runner); the one place where the levers compose."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+
+from planner.configs.pins import (check_stage_pins, intermediate_patterns, logical_names, pin_intermediates,
+                                  resolve as resolve_pins, rules_to_pins, stage_pins)
+from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
+from planner.core.mesh import MeshSpec, context_mesh, default_axis_names, parse_mesh
+from planner.core.options import PlanOptions
+from planner.core.plan import Plan
+from planner.core.static_args import StaticResults, array_function, split
+from planner.core.units import format_bytes
+from planner.emit.accumulate import jit_accumulated
+from planner.emit.pipeline.planned import plan_with_stages
+from planner.emit.single import jit_planned
+from planner.graph.trace import Graph, trace
+from planner.ilp import offload
+from planner.levers.accumulate import micro_options, plan_accumulation
+from planner.levers.remat import plan_remat, record as remat_record
+from planner.planning.user_constraints import record_user_constraints
+from planner.search.candidates import candidate_meshes, default_mesh_ndim
+from planner.search.mesh_plan import check_options, make_plan
+from planner.search.meshes import search_meshes
+from planner.search.results import best_plan
+
+Entry = tuple[Graph, Plan, Any]  # (the planned graph, its plan, the jitted program or pipeline runner)
+
+
+def check_step(fn: Any) -> None:
+    """Raises InvalidArgumentError unless `fn` is callable."""
+    if not callable(fn):
+        raise InvalidArgumentError(f"plan_parallel needs a callable train step, got {type(fn).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlanner:
+    """What a step is planned with (`create` checks and normalises it); `plan` plans one.
+
+    Attributes:
+      options: the checked options (`donate_argnums` among them).
+      devices: the devices planned for.
+      mesh: the logical mesh, or None: the planner chooses the mesh shape as well.
+      jax_mesh: `mesh` bound to `devices` (the Auto view of the user's mesh), or None.
+      user_mesh: the user's mesh as given or from `jax.set_mesh` (the step is traced under it), or None.
+      pins: {path pattern: spec}, a function (paths, shapes, mesh) -> such a mapping, or None.
+      unpinned: "plan", or "replicate": the leaves no pin names are pinned replicated.
+      rules: logical-axis rules (`planner.configs.pins.rules_to_pins`), or None.
+      logical: the arguments' logical PartitionSpecs for `rules` (None: read off the arguments).
+      donate_argnums: arguments whose buffers the program may reuse (as in `jax.jit`).
+    """
+
+    options: PlanOptions
+    devices: tuple[Any, ...]
+    mesh: MeshSpec | None
+    jax_mesh: jax.sharding.Mesh | None
+    user_mesh: Any
+    pins: Any = None
+    unpinned: str = "plan"
+    rules: Any = None
+    logical: Any = None
+    donate_argnums: int | tuple[int, ...] = ()
+
+    @classmethod
+    def create(cls, mesh: Any = None, devices=None, donate_argnums: int | tuple[int, ...] = (),
+               pins: Mapping[str, Any] | None = None, unpinned: str = "plan", rules: Any = None,
+               logical: Any = None, **options: Any) -> StepPlanner:
+        """The planner of `plan_parallel`'s arguments (see there).
+
+        Raises:
+          InvalidArgumentError: a bad `unpinned`, `pins` or option; MeshError: a mesh the devices do not fill.
+        """
+        if unpinned not in ("plan", "replicate"):
+            raise InvalidArgumentError(f"unpinned={unpinned!r} must be 'plan' or 'replicate'")
+        if pins is not None and not isinstance(pins, Mapping) and not callable(pins):
+            raise InvalidArgumentError(f"pins must map path patterns to PartitionSpecs, got {type(pins).__name__}")
+        checked = check_options(PlanOptions.from_kwargs({**options, "donate_argnums": donate_argnums}))
+        found = list(devices) if devices is not None else jax.devices()
+        user_mesh = context_mesh() if mesh is None else mesh
+        spec, jax_mesh = None, None
+        if user_mesh is not None:
+            spec, jax_mesh = parse_mesh(user_mesh, len(found))
+            if jax_mesh is None:
+                jax_mesh = spec.to_jax_mesh(found)
+            elif jax_mesh.devices.size != len(found) and devices is None:
+                found = list(jax_mesh.devices.flat)
+        return cls(checked, tuple(found), spec, jax_mesh, user_mesh,
+                   pins if callable(pins) else dict(pins) if pins else None, unpinned, rules, logical, donate_argnums)
+
+    def plan(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Entry:
+        """(graph, plan, program) of `fn` on its array arguments `args`: traced, its pins applied,
+        then planned in pipeline stages, with gradient accumulation, or on one mesh with
+        recomputation and offloading; the step's own sharding constraints recorded."""
+        graph = self.trace(fn, args)
+        if self.options.pipeline:
+            return self._pipelined(fn, args, graph)
+        graph = self._pin_intermediates(graph)
+        pinned = self.pinned(graph, args)  # checks the pins before anything is planned
+        if self.options.accumulate not in (None, 1):
+            return self._accumulated(fn, graph, args)
+        graph, plan = self._rematerialized(graph, pinned)
+        graph = offload.graph_for(graph, plan)
+        plan = record_user_constraints(graph, plan)
+        return graph, plan, jit_planned(graph, plan, self.donate_argnums)
+
+    def trace(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Graph:
+        """The step's graph, traced under the user's mesh (its own `reshard`/`shard_map` calls see it)."""
+        with self._user_context():
+            return trace(fn, *args, user_constraints=self.options.user_constraints)
+
+    def _user_context(self):
+        """The user's mesh as the context mesh (tracing), or nothing when no JAX mesh was given."""
+        m = self.user_mesh
+        if isinstance(m, jax.sharding.Mesh):
+            return jax.sharding.set_mesh(m)
+        if isinstance(m, jax.sharding.AbstractMesh):
+            return jax.sharding.use_abstract_mesh(m)
+        return contextlib.nullcontext()
+
+    def _pin_intermediates(self, graph: Graph) -> Graph:
+        """Pins on `checkpoint_name` values (`planner.configs.pins.pin_intermediates`)."""
+        if isinstance(self.pins, Mapping) and self.mesh is not None:
+            return pin_intermediates(graph, self.pins, self.mesh)
+        return graph
+
+    def pinned(self, graph: Graph, args: tuple[Any, ...]) -> dict[int, Any] | None:
+        """Input position -> pinned spec (`planner.configs.pins`), or None without pins."""
+        if self.pins is None and self.rules is None and self.unpinned == "plan":
+            return None
+        if self.mesh is None:
+            raise InvalidArgumentError("pins need a mesh (their specs name its axes): pass mesh=")
+        shapes = [graph.tensors[t].shape for t in graph.inputs]
+        pins = self.pins(graph.input_paths, shapes, self.mesh) if callable(self.pins) else self.pins
+        if pins:  # patterns naming intermediates were applied to the graph (`pin_intermediates`)
+            inner = intermediate_patterns(pins, graph)
+            pins = {k: v for k, v in pins.items() if str(k) not in inner}
+        if self.rules is not None:
+            named = logical_names(args if self.logical is None else self.logical)
+            if not named:
+                raise InvalidArgumentError("rules need logical axis names: the arguments carry no flax logical "
+                                           "partitioning metadata; pass logical=(nn.get_partition_spec(state), None)")
+            pins = {**(pins or {}), **rules_to_pins(self.rules, named, self.mesh)}
+        return resolve_pins(pins, graph.input_paths, shapes, self.mesh, complete=self.unpinned == "replicate")
+
+    def _pipelined(self, fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph) -> Entry:
+        """Pipeline stages (`planner.emit.pipeline.planned.plan_with_stages`): the plan and its runner."""
+        plan, runner = plan_with_stages(fn, args, graph, self.mesh, self.devices, self.options,
+                                        **self._stage_pins(graph))
+        return graph, plan, runner
+
+    def _stage_pins(self, graph: Graph) -> dict[str, Any]:
+        """Pins with pipeline stages (`planner.configs.pins.stage_pins`): each pin applies on the stage that
+        holds the pinned leaf, naming that stage mesh's axes (x, y)."""
+        if self.rules is not None:
+            raise InvalidArgumentError("logical-axis rules are not supported with pipeline stages yet: pass pins= "
+                                       "or pipeline=False")
+        if self.pins is None:
+            return {}
+        if not callable(self.pins):
+            check_stage_pins(self.pins, graph.input_paths)
+        return {"pins": stage_pins(self.pins)}
+
+    def _accumulated(self, fn: Callable[..., Any], graph: Graph, args: tuple[Any, ...]) -> Entry:
+        """Gradient accumulation (`planner.levers.accumulate`): the microbatch step planned as any step
+        (on the mesh, or by the mesh search), k chosen or given; the entry holds the microbatch trace."""
+        bounds = self.mesh or MeshSpec((len(self.devices),), default_axis_names(1))
+        acc = plan_accumulation(fn, graph, self.options.accumulate, self.options.memory_budget,
+                                lambda g, budget: self._plan_micro(g, budget, args), bounds, self.options.unshard)
+        plan = dataclasses.replace(record_user_constraints(acc.graph, acc.plan),
+                                   options={**acc.plan.options, "accumulate": self.options.accumulate})
+        acc = dataclasses.replace(acc, plan=plan)
+        jitted = jit_accumulated(acc, self.donate_argnums) if acc.k > 1 else jit_planned(acc.graph, plan,
+                                                                                           self.donate_argnums)
+        return acc.graph, plan, jitted
+
+    def _plan_micro(self, g: Graph, budget: float | None, args: tuple[Any, ...]) -> Plan:
+        """The microbatch step `g` planned under `budget` (`planner.levers.accumulate.micro_options`)."""
+        options = micro_options(self.options, budget)
+        if self.mesh is not None:
+            return make_plan(g, self.mesh, options, self.jax_mesh, pins=self.pinned(g, args))
+        results = search_meshes(g, self._candidate_meshes(), options, devices=self.devices)
+        over = [r.min_memory_bytes for r in results if r.over_budget and r.min_memory_bytes is not None]
+        if results[0].plan is None and over:
+            raise InfeasiblePlanError(f"no mesh shape fits {format_bytes(budget)} per device", min(over))
+        return best_plan(results)
+
+    def _rematerialized(self, graph: Graph, pinned: dict[int, Any] | None) -> tuple[Graph, Plan]:
+        """Recomputation (`planner.levers.remat`): the planned graph is the rewritten one, and the
+        plan records the policy and layers (unless remat is off)."""
+        rewritten, plan, policy = plan_remat(graph, self.options.remat, self.options.memory_budget,
+                                             lambda g, search: self._plan_graph(g, search, pinned), lambda p: p)
+        if self.options.remat != "off":
+            plan = remat_record(plan, graph, rewritten, policy)
+        return rewritten, plan
+
+    def _plan_graph(self, g: Graph, search: bool, pinned: dict[int, Any] | None) -> Plan:
+        """`g` planned on the mesh (`search`: for the smallest peak when nothing fits), or by the
+        mesh search; with a streamed optimizer update when it offloads (`offload.streamed`)."""
+        if self.options.offload != "off":
+            g = offload.streamed(g)
+        if self.mesh is not None:
+            return make_plan(g, self.mesh, self.options, self.jax_mesh, pins=pinned, min_peak_search=search)
+        return best_plan(search_meshes(g, self._candidate_meshes(), self.options, devices=self.devices),
+                         self.options.memory_budget)
+
+    def _candidate_meshes(self) -> list:
+        """The mesh search's candidates for these devices (3-D ones when they span several processes,
+        `search.default_mesh_ndim`)."""
+        hosts = len({getattr(d, "process_index", 0) for d in self.devices})
+        return candidate_meshes(len(self.devices), default_mesh_ndim(self.options.mesh_ndim, hosts))
+
+
+def array_step(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """(the step over its arguments' array leaves, those arguments: non-array leaves None), as a
+    planned step takes non-array leaves (`planner.core.static_args`); (fn, args) when all are arrays."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    dyn, static = split(args, leaves, tree)
+    if static is None:
+        return fn, args
+    return array_function(fn, static, StaticResults()), dyn
+
+
+def plan_step(fn: Callable[..., Any], *args: Any, mesh: Any = None, pins: Mapping[str, Any] | None = None,
+              unpinned: str = "plan", rules: Any = None, logical: Any = None, **options: Any) -> Plan:
+    """The plan `plan_parallel(fn, mesh=mesh, pins=pins, ...).plan(*args)` makes, without the wrapper
+    and its cache (`evaluate` and `compare` plan this way)."""
+    check_step(fn)
+    planner = StepPlanner.create(mesh=mesh, pins=pins, unpinned=unpinned, rules=rules, logical=logical, **options)
+    return planner.plan(*array_step(fn, args))[1]

@@ -1,0 +1,180 @@
+"""The layer cost table: every layer on every logical mesh, planned once per distinct layer.
+
+Layers with equal `Layers.keys` are identical (same ops, same shapes), so each distinct layer is
+planned once per logical mesh (`layer_cost`): for a GPT that is three ILPs per logical mesh
+(embedding, one block, head and loss), whatever the depth: GPT-39B's 48 blocks cost one block's plan.
+
+Each layer's plan also chooses the layouts its inputs are read in and its outputs made in; where
+one layer of a stage makes a value in another layout than a later layer of the same stage reads it
+in, the stage pays the resharding, forward and backward (`LayerCostTable.inner`, priced by the
+ILP's `reshard_cost`).
+
+The per-layer ILP plans for time alone, so each layer's plan is the fastest and, where memory
+binds, often not the leanest: a stage of Megatron-style tensor-parallel layers, or of fully
+sharded (ZeRO-3) ones, can fit where the fastest plans only fit with recomputation or more stages.
+So the table holds, besides each layer's own plan, *variants*: the layer planned again with the
+program inputs it reads (parameters, optimizer state, the batch) pinned to a hand layout
+(`LayerCostTable.variants`, `LAYER_VARIANTS`: the named baselines `megatron-tp` and `fsdp`,
+`planner.configs.baselines`), everything else still chosen by the ILP. Every variant of a stage
+runs in each of the stage's ways (`stage_cost`), and the DP picks among all of them
+(`StageOption.variant`). Those hand layouts are then points of the search: a `NAME+ppN` baseline
+(`fixed_pipeline.fixed_pipeline`) is one of the pipelines the DP prices.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from planner.core.options import PlanOptions
+from planner.core.sharding import Spec
+from planner.cost_model import Cluster
+from planner.graph.trace import Graph
+from planner.ilp.strategies import reshard_cost
+from planner.search.cores import idle_cores
+from planner.stages.clustering import Layers
+from planner.stages.layer_cost import LayerCost, layer_cost
+from planner.stages.layer_facts import LayerFacts, external_inputs, layer_edges, layer_facts
+from planner.stages.submesh import LogicalMesh, effective_hardware
+
+
+# The hand layouts each layer is also planned in (`LayerCostTable.variants`; see the module docstring).
+LAYER_VARIANTS = ("megatron-tp", "fsdp")
+
+
+@dataclasses.dataclass(slots=True)
+class LayerCostTable:
+    """Costs of every layer on every logical mesh, planned once per distinct layer.
+
+    `cost(layer, mesh_index)` is a LayerCost; `cache` maps (layer key, mesh shape, links, pinned
+    specs) to it and may be shared between tables (e.g. for several microbatch sizes whose layers
+    coincide). `pins(logical_mesh)`, when given, fixes the sharding of program inputs on that mesh
+    ({tensor id: Spec}, e.g. a baseline's or the user's pins): each layer's ILP is planned with the
+    pinned inputs it reads fixed, so a stage holding a pinned parameter keeps it as pinned; an
+    exception in place of a Spec (a pin that mesh cannot take) makes the layers reading that input
+    infeasible on that mesh.
+
+    `variants` names further per-layer plans: name -> `pins(logical_mesh)` in the form above,
+    each layer on that mesh planned again with the inputs it reads pinned so (`cost(layer, mesh_index,
+    variant)`; "" is the layer's own plan, pinned by `pins` only). A variant whose pins map is empty on
+    a mesh is not planned there (`has_variant`).
+    """
+
+    graph: Graph
+    layers: Layers
+    meshes: tuple[LogicalMesh, ...]
+    cluster: Cluster
+    options: PlanOptions
+    cache: dict = dataclasses.field(default_factory=dict)
+    facts: tuple[LayerFacts, ...] = ()
+    solves: int = 0
+    pins: Callable[[LogicalMesh], Mapping[int, Spec]] | None = None
+    variants: Mapping[str, Callable[[LogicalMesh], Mapping[int, Spec]]] = dataclasses.field(default_factory=dict)
+    _pinned: dict = dataclasses.field(default_factory=dict)
+    _inner: dict = dataclasses.field(default_factory=dict)
+    _edges: tuple | None = None
+    _inputs: dict = dataclasses.field(default_factory=dict)  # layer -> its `external_inputs`
+
+    def __post_init__(self):
+        if not self.facts:
+            self.facts = layer_facts(self.graph, self.layers)
+
+    def inner(self, mesh_index: int, variant: str = "") -> np.ndarray:
+        """`out[k, i]`: seconds per microbatch spent resharding values passed between layers k..i
+        when they run in one stage on that mesh (meaningful for i >= k).
+
+        Each layer's plan chooses the layout it reads its inputs in and the layout it makes its
+        outputs in; where a value made by layer l is read by a later layer c of the same stage in
+        another layout, the stage reshards it in the forward and its gradient (the same bytes, the
+        other way) in the backward: twice `reshard_cost` of the value on the stage's logical mesh
+        (the one pricing of resharding the intra-op ILP uses). Values crossing a stage boundary are
+        the send's business (`stage_ranges`)."""
+        if (mesh_index, variant) in self._inner:
+            return self._inner[mesh_index, variant]
+        if self._edges is None:
+            self._edges = layer_edges(self.graph, self.layers, self.facts)
+        L = self.layers.num_layers
+        pair = np.zeros((L, L))
+        cost = self.meshes[mesh_index].cost_model(effective_hardware(self.cluster))
+        for l, key, c, j, t in self._edges:
+            made, read = self.cost(l, mesh_index, variant), self.cost(c, mesh_index, variant)
+            src = made.produced_specs.get(key)
+            dst = read.input_specs[j] if j < len(read.input_specs) else None
+            if src is None or dst is None or src == dst:
+                continue
+            pair[l, c] += 2 * reshard_cost(self.graph.tensors[t], src, dst, cost)[1]
+        # out[k, i] = sum over k <= l < c <= i of pair[l, c]
+        out = np.flip(np.cumsum(np.flip(np.cumsum(pair, axis=1), axis=0), axis=0), axis=0)
+        self._inner[mesh_index, variant] = out
+        return out
+
+    def _pins_on(self, mesh_index: int, variant: str) -> Mapping[int, Spec]:
+        if (variant, mesh_index) not in self._pinned:
+            source = self.pins if not variant else self.variants[variant]
+            self._pinned[variant, mesh_index] = {} if source is None else dict(source(self.meshes[mesh_index]))
+        return self._pinned[variant, mesh_index]
+
+    def has_variant(self, variant: str, mesh_index: int) -> bool:
+        """Whether the variant is planned on that mesh ("": always; a named one: its pins say something)."""
+        return not variant or bool(self._pins_on(mesh_index, variant))
+
+    def pinned(self, layer: int, mesh_index: int, variant: str = "") -> tuple[Mapping[int, Spec], tuple]:
+        """The pinned inputs the layer reads on that mesh ({tensor id: Spec}) and their specs in the
+        layer's input order (part of the cache key: identical layers pinned alike share a plan)."""
+        if self.pins is None and not variant:
+            return {}, ()
+        by_tensor = self._pins_on(mesh_index, variant)
+        ext = self._inputs.get(layer)
+        if ext is None:  # looked up on every `cost` of a pinned or variant layer
+            ext = self._inputs[layer] = external_inputs(self.graph, self.facts[layer].ops)
+        key = tuple(str(v) if isinstance(v, Exception) else by_tensor.get(t)
+                    for t in ext for v in (by_tensor.get(t),))
+        return by_tensor, (() if all(k is None for k in key) else key)
+
+    def _key(self, layer: int, mesh_index: int, variant: str = "") -> tuple[tuple, Mapping[int, Spec]]:
+        lm = self.meshes[mesh_index]
+        pinned, pin_key = self.pinned(layer, mesh_index, variant)
+        return (self.layers.keys[layer], lm.mesh.shape, lm.links, self.cluster.hardware.name, pin_key), pinned
+
+    def _solve(self, layer: int, mesh_index: int, pinned: Mapping[int, Spec]) -> LayerCost:
+        return layer_cost(self.graph, self.layers, self.facts[layer], layer, self.meshes[mesh_index],
+                           effective_hardware(self.cluster), self.options, pinned)
+
+    def cost(self, layer: int, mesh_index: int, variant: str = "") -> LayerCost:
+        key, pinned = self._key(layer, mesh_index, variant)
+        hit = self.cache.get(key)
+        if hit is None:
+            hit = self.cache[key] = self._solve(layer, mesh_index, pinned)
+            self.solves += 1
+        return hit
+
+    def fill(self, mesh_indices: Sequence[int], threads: int | None = None, variants: Sequence[str] = ("",)) -> None:
+        """Plans every distinct layer on each of `mesh_indices` (in each of `variants` the mesh has,
+        `has_variant`) not planned yet, `threads` at once
+        (None: the idle cores, `search.idle_cores`, divided by `options.solver_workers`). CP-SAT
+        releases the GIL while it searches, so the solves run side by side; each is planned alone (one
+        CP-SAT worker, deterministic limits), so the table is the one `cost` fills one by one."""
+        todo: dict[tuple, tuple[int, int, Mapping[int, Spec]]] = {}
+        for variant in variants:
+            for mi in mesh_indices:
+                if not self.has_variant(variant, mi):
+                    continue
+                for layer in range(self.layers.num_layers):
+                    key, pinned = self._key(layer, mi, variant)
+                    if key not in self.cache and key not in todo:
+                        todo[key] = (layer, mi, pinned)
+        if threads is None:
+            threads = idle_cores() // max(1, self.options.solver_workers)
+        threads = max(1, min(threads, len(todo)))
+        if threads == 1:
+            for key, (layer, mi, pinned) in todo.items():
+                self.cache[key] = self._solve(layer, mi, pinned)
+                self.solves += 1
+            return
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            futures = {key: pool.submit(self._solve, *job) for key, job in todo.items()}
+            for key, future in futures.items():  # in submission order: the cache's order is the serial one's
+                self.cache[key] = future.result()
+                self.solves += 1

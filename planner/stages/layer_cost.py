@@ -1,0 +1,219 @@
+"""One layer's cost on one logical mesh: the intra-op ILP's plan of the layer alone.
+
+Alpa compiled and profiled every (layer range, submesh) pair; here each distinct layer is planned
+by the intra-op ILP (`make_plan`) on the subgraph of its forward and backward ops at the microbatch
+size, plus a one-op stand-in for each parameter's update (`param + grad`, tied to the parameter,
+so the plan stores parameters where their update is cheap). A range of layers then costs the sum
+of its layers' times, and its memory is assembled from theirs (`stage_cost`).
+
+Per layer and logical mesh the plan gives:
+  time_s      forward + backward time of one microbatch (compute and collectives, ILP prediction)
+              without the data-parallel gradient reduction,
+  sync_s      that gradient reduction, once per step (see below),
+  apply_s     the optimizer update once per step (roofline of the update ops, sharded like the params),
+  state_bytes parameters + gradient accumulator + optimizer state per device,
+  act_bytes   activations kept from forward to backward, per microbatch in flight, per device,
+  work_bytes  transient working memory of the layer's step beyond those;
+and the same for the sharded-state layout (`zero_*`: every parameter split over every device of
+the stage, `zero_spec`, the plan's layout all-gathered before the forward and the backward).
+
+Gradients are accumulated over the microbatches on each data-parallel replica and reduced once per
+step, before the update (as Megatron-LM and any gradient-accumulating trainer do), so the layer's
+data-parallel gradient reduction is taken out of its per-microbatch time (`grad_sync`): the
+collectives the plan predicts with reason "partial sum" over only the axes that split the
+layer's batch dimension (dim 0 of its non-parameter inputs), i.e. the reductions of batch
+contractions (weight, bias and norm-scale gradients; the loss mean's scalar one too). They are
+priced as the ILP priced them (combined: bandwidth per collective, one latency per (kind, axes)
+group); the per-microbatch time drops by their exposed part (their time beyond the communication
+the plan hides behind compute, which they are first to use), and `sync_s` keeps all of it, exposed:
+the stage pays it once after its last backward (`candidate.once_per_step_max`), not overlapped
+with other stages' remaining backwards (a simplification, stated).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Mapping, Sequence
+
+from planner.cost_model import Hardware
+from planner.core.errors import MeshError, PlannerError
+from planner.core.options import PlanOptions
+from planner.core.plan import PredictedCollective
+from planner.core.sharding import Spec, active_axes, replicated, spec_axes
+from planner.graph.trace import Graph
+from planner.ilp.strategies import shard_bytes
+from planner.search.mesh_plan import make_plan
+from planner.stages.clustering import Layers
+from planner.stages.layer_facts import LayerFacts, subgraph
+from planner.stages.submesh import LogicalMesh
+
+log = logging.getLogger("planner")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayerCost:
+    """Predicted cost of one layer on one logical mesh (see the module docstring).
+
+    Attributes:
+      fwd_fraction: the forward's share of the layer's FLOPs (what rematerialisation repeats).
+      input_specs: the plan's sharding of each external input of the layer's subgraph, in the
+        subgraph's input order (identical layers list their inputs in the same order).
+      zero_extra_s: extra all-gather time per microbatch of the sharded-state layout.
+      zero_state_bytes: state bytes per device of the sharded-state layout.
+      zero_specs: per external input, its sharded-state layout (None: not a parameter).
+      sync_s: the data-parallel gradient reduction, once per step (not in `time_s`).
+      comm_s: the exposed communication inside `time_s` (the plan's exposed communication without
+        the part of the gradient reduction taken out to `sync_s`).
+      hidden_s: communication the plan hides behind compute, per microbatch.
+      data_axes: names of the mesh axes splitting the layer's batch (`batch_axes`).
+      collectives: the layer plan's predicted collectives per microbatch (what a pipeline plan lists
+        for the stage when the stage programs cannot be built, `planned.to_plan`).
+      zero_collectives: the sharded-state layout's parameter all-gathers per microbatch (each
+        gathered parameter twice: forward and backward), priced as `zero_extra_s` prices them.
+      produced_specs: the plan's sharding of each value the layer makes that is used outside it,
+        keyed by (position of the making op among the layer's ops, result index), so that identical
+        layers key alike (`LayerCostTable.inner`: resharding between layers of one stage).
+    """
+
+    time_s: float
+    apply_s: float
+    state_bytes: float
+    act_bytes: float
+    work_bytes: float
+    fwd_fraction: float = 0.0
+    input_specs: tuple[Spec | None, ...] = ()
+    zero_extra_s: float = 0.0
+    zero_state_bytes: float = 0.0
+    zero_work_bytes: float = 0.0
+    zero_specs: tuple[Spec | None, ...] = ()
+    sync_s: float = 0.0
+    produced_specs: Mapping[tuple[int, int], Spec] = dataclasses.field(default_factory=dict)
+    comm_s: float = 0.0
+    hidden_s: float = 0.0
+    data_axes: frozenset[str] = frozenset()
+    collectives: tuple = ()
+    zero_collectives: tuple = ()
+
+
+# A layer that cannot be planned on a mesh (a pin the mesh cannot take, or no plan): never chosen.
+INFEASIBLE = LayerCost(math.inf, math.inf, math.inf, math.inf, math.inf, 0.0, (), math.inf, math.inf, math.inf, (),
+                       math.inf)
+
+
+def zero_spec(shape: tuple[int, ...], spec: Spec, mesh) -> Spec:
+    """`spec` with every mesh axis it leaves unused added to a dimension it divides (largest first)."""
+    out = [list(axes) for axes in spec]
+    used = {a for axes in spec for a in axes}
+    for a in active_axes(mesh):
+        if a in used:
+            continue
+        for d in sorted(range(len(shape)), key=lambda d: -shape[d] // max(1, mesh.axis_size(out[d]))):
+            have = mesh.axis_size(out[d])
+            if (shape[d] // have) % mesh.shape[a] == 0 and shape[d] % have == 0:
+                out[d].append(a)
+                break
+    return tuple(tuple(axes) for axes in out)
+
+
+def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmesh: LogicalMesh,
+               hardware: Hardware, options: PlanOptions, pinned: Mapping[int, Spec] | None = None) -> LayerCost:
+    """The layer planned alone on `lmesh` with the inputs `pinned` fixes (see the module docstring)."""
+    sub, ext = subgraph(graph, facts.ops, f"{layers.names[layer]}/", facts.param_grads, facts.exported)
+    if not sub.ops:
+        return LayerCost(0.0, 0.0, 0.0, 0.0, 0.0)
+    cost = lmesh.cost_model(hardware)
+    opts = dataclasses.replace(options, memory_budget=None, pipeline=False, tie_outputs=True,
+                               inter_host_axes=lmesh.host_axes, hardware=hardware,
+                               donate_argnums=())  # a layer's subgraph: no step arguments of its own
+    pins = {j: pinned[t] for j, t in enumerate(ext) if pinned and t in pinned} or None
+    refused = [v for v in (pins or {}).values() if isinstance(v, Exception)]
+    if refused:  # a pinned leaf this mesh cannot hold as pinned
+        log.info("layer %s on %s: %s", layers.names[layer], lmesh.mesh, refused[0])
+        return INFEASIBLE
+    try:
+        plan = make_plan(sub, lmesh.mesh, opts, pins=pins, lp_level=2)  # small ILPs: see `ilp.solver.solve`
+    except (MeshError, PlannerError) as e:
+        log.info("layer %s on %s: %s", layers.names[layer], lmesh.mesh, e)
+        return INFEASIBLE
+    mesh = lmesh.mesh
+    spec_of_input = dict(zip(ext, plan.input_specs))
+    param_set = set(facts.param_inputs)
+    param_shard = sum(shard_bytes(graph.tensors[t], spec_of_input.get(t) or replicated(len(graph.tensors[t].shape)),
+                                  mesh) for t in ext if t in param_set)
+    ratio = param_shard / facts.param_bytes_total if facts.param_bytes_total else 1.0 / mesh.size
+    state = 2 * param_shard + (facts.state_bytes_total - facts.param_bytes_total) * ratio
+    # Activations kept for the backward pass: values made by forward ops, read by this layer's backward ops.
+    produced_spec = {}
+    for op_index, k, spec in plan.op_specs:
+        produced_spec[sub.ops[op_index].outputs[k]] = spec
+    produced_spec.update(spec_of_input)
+    act = 0.0
+    for t in facts.saved:
+        spec = produced_spec.get(t)
+        act += shard_bytes(graph.tensors[t], spec, mesh) if spec is not None else graph.tensors[t].nbytes
+    peak = float(plan.prediction.memory_bytes_per_device)
+    work = max(0.0, peak - param_shard - act)
+    apply_bytes = 2 * facts.state_bytes_total + facts.param_bytes_total
+    apply_s = cost.compute_time(facts.apply_flops * ratio, apply_bytes * ratio, facts.apply_dtypes)
+    # Sharded-state variant: store each parameter split over all axes, gather the plan's layout twice.
+    zero_specs, zero_extra, zero_param, zero_gathers = [], 0.0, 0.0, []
+    for j, t in enumerate(ext):
+        spec = spec_of_input.get(t)
+        if t not in param_set or spec is None:
+            zero_specs.append(None)
+            continue
+        tensor = graph.tensors[t]
+        z = zero_spec(tensor.shape, spec, mesh)
+        zero_specs.append(z)
+        zero_param += shard_bytes(tensor, z, mesh)
+        extra_axes = tuple(sorted({a for axes in z for a in axes} - {a for axes in spec for a in axes}))
+        if extra_axes:
+            gathered = shard_bytes(tensor, spec, mesh)
+            zero_extra += 2 * cost.collective_time("all-gather", gathered, extra_axes)
+            gather = PredictedCollective("all-gather", tuple(mesh.axis_names[a] for a in extra_axes), gathered,
+                                         mesh.axis_size(extra_axes),
+                                         f"{layers.names[layer]} input {j} (forward and backward)", "sharded state")
+            zero_gathers += [gather, gather]
+    zratio = zero_param / facts.param_bytes_total if facts.param_bytes_total else 1.0 / mesh.size
+    zero_state = 2 * zero_param + (facts.state_bytes_total - facts.param_bytes_total) * zratio
+    data = batch_axes([spec_of_input.get(t) for t in ext if t not in param_set], mesh)
+    sync, exposed = grad_sync(plan.prediction, data, cost)
+    data_index = {mesh.axis_names.index(a) for a in data}
+    if any(data_index & spec_axes(spec_of_input.get(t) or ()) for t in ext if t in param_set):
+        # a parameter split over a data axis: the pipeline runtime reduces every microbatch
+        # (`runtime.PipelinedStep._replicas`), as the layer's plan prices it; nothing once per step
+        sync, exposed = 0.0, 0.0
+    exported = set(sub.outputs)
+    produced = {(op_index, k): spec for op_index, k, spec in plan.op_specs
+                if sub.ops[op_index].outputs[k] in exported}
+    pred = plan.prediction
+    return LayerCost(pred.step_time_s - exposed, apply_s, state, act, work, facts.fwd_fraction,
+                     tuple(spec_of_input.get(t) for t in ext), zero_extra, zero_state, work + param_shard,
+                     tuple(zero_specs), sync, produced, max(0.0, pred.communication_time_s - exposed),
+                     pred.hidden_communication_time_s, data, tuple(pred.collectives), tuple(zero_gathers))
+
+
+def batch_axes(specs: Sequence[Spec | None], mesh) -> frozenset[str]:
+    """Names of the mesh axes splitting dim 0 (the batch) of any of `specs` (the layer's inputs
+    other than parameters: activations and batch leaves)."""
+    return frozenset(mesh.axis_names[a] for spec in specs if spec for a in spec[0] if mesh.shape[a] > 1)
+
+
+def grad_sync(prediction, data_axes: frozenset[str], cost) -> tuple[float, float]:
+    """(its time, the part of it exposed in `prediction.step_time_s`) of the data-parallel gradient
+    reduction of a plan (see the module docstring): the "partial sum" collectives over data axes only,
+    priced combined as the ILP prices them."""
+    axes_of = {n: i for i, n in enumerate(cost.mesh.axis_names)}
+    groups: set[tuple[str, tuple[int, ...]]] = set()
+    total = 0.0
+    for c in prediction.collectives:
+        if c.reason != "partial sum" or not c.axes or not set(c.axes) <= data_axes:
+            continue
+        axes = tuple(sorted(axes_of[a] for a in c.axes))
+        total += cost.collective_time(c.kind, c.nbytes, axes, True)
+        groups.add((c.kind, axes))
+    total += sum(cost.collective_latency(kind, axes) for kind, axes in groups)
+    hidden = float(getattr(prediction, "hidden_communication_time_s", 0.0) or 0.0)
+    exposed = min(max(0.0, total - hidden), max(0.0, prediction.step_time_s - prediction.compute_time_s))
+    return total, exposed

@@ -1,0 +1,105 @@
+"""Microbatches: the counts to try, the arguments cut to one microbatch, and the step traced on it.
+
+The batch is the last positional argument (or the `batch_argnum` ones); every leaf of it is split
+along axis 0. A step that does not trace on some microbatch size drops that count from the search
+(`UntraceableMicrobatches`) instead of stopping it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from planner.core.errors import InvalidArgumentError, PlannerError, first_line
+from planner.graph.trace import Graph, trace
+
+
+def batch_argnums(batch_argnum: int | tuple[int, ...]) -> tuple[int, ...]:
+    """The batch argument position(s) as a tuple."""
+    return (batch_argnum,) if isinstance(batch_argnum, int) else tuple(batch_argnum)
+
+
+def batch_size(args: tuple[Any, ...], batch_argnum: int | tuple[int, ...] = -1) -> int:
+    """The leading dimension shared by every leaf of the batch argument(s)."""
+    leaves = jax.tree_util.tree_leaves([args[a] for a in batch_argnums(batch_argnum)])
+    sizes = {int(np.shape(x)[0]) for x in leaves if np.ndim(x) >= 1}
+    if len(sizes) != 1:
+        raise InvalidArgumentError(
+            f"the batch argument (position {batch_argnum}) must have leaves with one common leading dimension "
+            f"to split into microbatches; found leading dimensions {sorted(sizes)}")
+    return sizes.pop()
+
+
+def microbatch_args(args: tuple[Any, ...], microbatch: int,
+                    batch_argnum: int | tuple[int, ...] = -1) -> tuple[Any, ...]:
+    """`args` as ShapeDtypeStructs with the batch argument(s)' leaves cut to `microbatch` rows."""
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
+    out = list(abstract)
+    for a in batch_argnums(batch_argnum):
+        out[a] = jax.tree.map(lambda x: jax.ShapeDtypeStruct((microbatch,) + tuple(x.shape[1:]), x.dtype),
+                              abstract[a])
+    return tuple(out)
+
+
+class UntraceableMicrobatches(InvalidArgumentError):
+    """The step does not trace on microbatches of some size (`trace_microbatch`); out of
+    `plan_pipeline` / `fixed_pipeline` when no count tried traces (`none_traces`). A caller that
+    knows why the step cannot be split (`stages.derived`) says that instead
+    (`planned.plan_with_stages`)."""
+
+
+def none_traces(untraceable: Sequence[str], counts: Sequence[int]) -> UntraceableMicrobatches:
+    """The one-line error when no microbatch count traces: the first count's reason."""
+    return UntraceableMicrobatches(f"{untraceable[0]}; no microbatch count tried traces "
+                                   f"({', '.join(map(str, counts))})")
+
+
+def trace_microbatch(fn: Callable, args: Sequence[Any], count: int, rows: int, replicas: int = 1) -> Graph:
+    """`fn` traced on one microbatch (`args` cut to `rows // replicas` rows: one of `replicas`
+    data-parallel replicas' share of it when more than one); a step that cannot run on them (it
+    traced on the whole batch: the caller's graph) raises `UntraceableMicrobatches` with the step's
+    own error in one line, so the pipeline search drops that microbatch count instead of stopping.
+    Found on gshard-moe-1.3b at 1024 microbatches: one 1024-token sequence per microbatch, and its
+    experts route tokens in groups of 2048 (a reshape to (0, 2048, 768))."""
+    try:
+        return trace(fn, *args)
+    except PlannerError:
+        raise
+    except Exception as e:  # the user's step, not the planner: its message, first line
+        share = f" split {replicas} ways ({rows // replicas} per data-parallel replica)" if replicas > 1 else ""
+        raise UntraceableMicrobatches(f"the step does not trace on {count} microbatches of {rows} rows{share} "
+                                      f"({type(e).__name__}: {first_line(e)})") from None
+
+
+def trace_replica(fn: Callable, args: tuple[Any, ...], count: int, rows: int, replicas: int,
+                  batch_argnum: int | tuple[int, ...] = -1) -> None:
+    """Raises `UntraceableMicrobatches` (`trace_microbatch`) unless `fn` traces on one of
+    `replicas` data-parallel replicas' share of a microbatch of `rows` rows, as the pipeline runtime
+    traces the loss to accumulate gradients per replica (`runtime.PipelinedStep._replicas`). The
+    whole microbatch tracing does not imply it: gshard-moe-1.3b as megatron-tp+pp2 on 128x8 at 16
+    microbatches of 64 rows has one 1024-token row per replica of 64, under its 2048-token routing
+    groups."""
+    if replicas > 1 and rows % replicas == 0:
+        trace_microbatch(fn, microbatch_args(args, rows // replicas, batch_argnum), count, rows, replicas)
+
+
+def microbatch_counts(batch: int, requested: int | None, limit: int | None = None) -> tuple[int, ...]:
+    """Microbatch counts to try: the requested one, else every count >= 2 dividing the batch, largest
+    first; with a `limit`, that many of them spread evenly in log scale from the largest count
+    (microbatches of one sample: the smallest bubble) to the smallest (the most data parallelism
+    inside a stage)."""
+    if requested is not None:
+        if batch % requested:
+            raise InvalidArgumentError(
+                f"num_microbatches={requested} does not divide the batch size {batch}; choose a divisor of {batch}")
+        return (requested,)
+    counts = [b for b in range(batch, 1, -1) if batch % b == 0]
+    if limit is None or limit >= len(counts):
+        return tuple(counts)
+    if limit <= 1:
+        return tuple(counts[:limit])
+    logs = np.log([float(b) for b in counts])
+    picked = {int(np.argmin(np.abs(logs - x))) for x in np.linspace(logs[0], logs[-1], limit)}
+    return tuple(counts[i] for i in sorted(picked))

@@ -1,0 +1,154 @@
+"""What `plan_pipeline` searches: microbatch counts, submeshes and their logical meshes; and the
+layer cost table and DP of one microbatch count over them.
+
+Alpa's space: the submesh shapes that always tile the cluster (`submesh.submesh_shapes`), each
+viewed as one or more logical meshes (`submesh.logical_meshes`), and every microbatch count the
+batch divides into (`microbatches.microbatch_counts`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from planner.configs.baselines import layer_variant_pins
+from planner.core.options import PlanOptions
+from planner.cost_model import Cluster
+from planner.graph.trace import Graph
+from planner.stages.candidate import once_per_step_max
+from planner.stages.clustering import Layers, cluster_layers
+from planner.stages.cost_table import LayerCostTable
+from planner.stages.dp import DPResult, pipeline_dp
+from planner.stages.microbatches import batch_size, microbatch_args, microbatch_counts, trace_microbatch
+from planner.stages.stage_cost import StageTimes, stage_times
+from planner.stages.submesh import LogicalMesh, logical_meshes, submesh_shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSpace:
+    """`plan_pipeline`'s arguments and what follows from them, fixed for the whole search.
+
+    Attributes:
+      t_start: when planning began.
+      batch: the batch size; counts: the microbatch counts tried.
+      min_stages: 2 when a pipeline is required (`pipeline=True`), else 1.
+      budget: the memory budget per device.
+      shapes: the submesh shapes, the whole cluster last; sizes: their device counts.
+      meshes: every logical mesh of every submesh; per_submesh: each submesh's indices into `meshes`.
+      cache: the layer plans of every count's table (shared: identical layers are planned once).
+      timings: seconds spent per planning phase, accumulated.
+    """
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    cluster: Cluster
+    options: PlanOptions
+    batch_argnum: int | tuple[int, ...]
+    rel_gap: float
+    num_layers: int | None
+    full_graph: Graph | None
+    pins: Callable[[Graph, LogicalMesh], Mapping[int, Any]] | None
+    devices: Sequence[Any]
+    layer_variants: Sequence[str]
+    t_start: float
+    batch: int
+    counts: tuple[int, ...]
+    min_stages: int
+    budget: float
+    shapes: tuple[tuple[int, int], ...]
+    sizes: tuple[int, ...]
+    meshes: tuple[LogicalMesh, ...]
+    per_submesh: tuple[tuple[int, ...], ...]
+    cache: dict
+    timings: dict[str, float]
+
+    @property
+    def hand_layouts(self) -> bool:
+        """Whether layers are also planned in the hand layouts (`layer_variants`; pins fix the layout)."""
+        return bool(self.layer_variants) and self.pins is None
+
+
+def search_space(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster, options: PlanOptions, *,
+                 batch_argnum: int | tuple[int, ...], max_mesh_ndim: int, microbatch_limit: int | None,
+                 rel_gap: float, num_layers: int | None, full_graph: Graph | None,
+                 pins: Callable[[Graph, LogicalMesh], Mapping[int, Any]] | None, devices: Sequence[Any],
+                 layer_variants: Sequence[str]) -> SearchSpace:
+    """The space `plan_pipeline` searches for these arguments (see its Args)."""
+    t_start = time.perf_counter()
+    batch = batch_size(args, batch_argnum)
+    counts = microbatch_counts(batch, options.num_microbatches, microbatch_limit)
+    shapes = submesh_shapes(cluster.hosts, cluster.devices_per_host)
+    meshes: list[LogicalMesh] = []
+    per_submesh: list[tuple[int, ...]] = []
+    for shape in shapes:
+        idx = []
+        for lm in logical_meshes(shape, cluster, max_mesh_ndim):
+            idx.append(len(meshes))
+            meshes.append(lm)
+        per_submesh.append(tuple(idx))
+    return SearchSpace(
+        fn=fn, args=args, cluster=cluster, options=options, batch_argnum=batch_argnum, rel_gap=rel_gap,
+        num_layers=num_layers, full_graph=full_graph, pins=pins, devices=devices, layer_variants=layer_variants,
+        t_start=t_start, batch=batch, counts=counts, min_stages=2 if options.pipeline is True else 1,
+        budget=options.memory_budget or cluster.hardware.memory_bytes, shapes=shapes,
+        sizes=tuple(n * m for n, m in shapes), meshes=tuple(meshes), per_submesh=tuple(per_submesh),
+        cache={}, timings={"trace_s": 0.0, "layer_costs_s": 0.0, "dp_s": 0.0})
+
+
+def layer_table(space: SearchSpace, B: int) -> tuple[Graph, Layers, LayerCostTable, float]:
+    """The step traced at `B` microbatches, its layers, their cost table on every logical mesh (not
+    filled yet) and when the table was made (its filling is timed from there).
+
+    Raises:
+      UntraceableMicrobatches: the step does not trace on microbatches of that size.
+    """
+    t0 = time.perf_counter()
+    if B == 1 and space.full_graph is not None:
+        graph = space.full_graph
+    else:
+        rows = space.batch // B
+        graph = trace_microbatch(space.fn, microbatch_args(space.args, rows, space.batch_argnum), B, rows)
+    layers = cluster_layers(graph, space.num_layers)
+    space.timings["trace_s"] += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    pins = space.pins
+    # The hand layouts as per-layer plan variants (`cost_table.LAYER_VARIANTS`), unless pins fix the layout.
+    variants = {} if pins is not None else {
+        name: (lambda m, g=graph, f=layer_variant_pins(name): f(g, m)) for name in space.layer_variants}
+    table = LayerCostTable(graph, layers, space.meshes, space.cluster, space.options, space.cache,
+                           pins=None if pins is None else (lambda m, g=graph: pins(g, m)), variants=variants)
+    return graph, layers, table, t0
+
+
+def price(space: SearchSpace, B: int, table: LayerCostTable, boundary: np.ndarray, variants: Sequence[str]
+          ) -> tuple[StageTimes, DPResult | None, float]:
+    """The stage latency table of `B` microbatches in the per-layer plans `variants`, the DP's
+    pipeline over it (None: none fits) and its step time (the pipeline latency plus the largest
+    per-stage once-per-step term)."""
+    t0 = time.perf_counter()
+    st = stage_times(table, space.shapes, space.per_submesh, B, space.options.schedule, space.budget, boundary,
+                     variants=variants)
+    space.timings["layer_costs_s"] += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    dp = pipeline_dp(st.times, space.sizes, space.cluster.num_devices, B, min_stages=space.min_stages,
+                     rel_gap=space.rel_gap)
+    space.timings["dp_s"] += time.perf_counter() - t0
+    step = math.inf if dp is None else dp.objective_s + once_per_step_max(table, st, dp.stages)
+    return st, dp, step
+
+
+def ignoring_memory(space: SearchSpace, B: int, table: LayerCostTable, boundary: np.ndarray
+                    ) -> tuple[StageTimes, DPResult | None]:
+    """The stage latency table of `B` microbatches in the layers' own plans with no memory limit, and
+    the DP's pipeline over it."""
+    t0 = time.perf_counter()
+    free = stage_times(table, space.shapes, space.per_submesh, B, space.options.schedule, math.inf, boundary,
+                       variants=("",))
+    bound = pipeline_dp(free.times, space.sizes, space.cluster.num_devices, B, min_stages=space.min_stages,
+                        rel_gap=space.rel_gap)
+    space.timings["dp_s"] += time.perf_counter() - t0
+    return free, bound
