@@ -7,7 +7,8 @@
 from planner.api import PlannedFunction, plan, plan_parallel
 from planner.planning.evaluate import Comparison, compare, evaluate
 from planner.core.errors import InfeasiblePlanError, InvalidArgumentError, MeshError, PlannerError, ProfileError
-from planner.graph.trace import Graph, trace
+from planner.graph.ir import Graph
+from planner.graph.trace import trace
 from planner.core.mesh import MeshSpec
 from planner.core.options import PlanOptions
 from planner.core.plan import Plan

@@ -13,7 +13,7 @@ from planner.core.plan import Plan
 from planner.core.static_args import StaticResults, array_function, split
 from planner.emit import offload as offload_emit
 from planner.emit.single import jit_on_mesh, on_mesh
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 from planner.planning.step import StepPlanner, check_step
 from planner.search.candidates import candidate_meshes
 

@@ -70,7 +70,7 @@ def test_enumerate_specs_counts():
 def test_reshard_cost_per_axis():
     mesh = MeshSpec((2, 4), ("x", "y"))
     cm = CostModel.default(mesh)
-    t = planner.graph.trace.Tensor((8, 16), jnp.dtype("float32"))
+    t = planner.graph.ir.Tensor((8, 16), jnp.dtype("float32"))
     comms, time = reshard_cost(t, ((0,), (1,)), ((), (1,)), cm)
     assert [c[0] for c in comms] == ["all-gather"] and time > 0
     comms, _ = reshard_cost(t, ((1,), ()), ((), (1,)), cm)

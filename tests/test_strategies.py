@@ -17,7 +17,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from planner.cost_model import CostModel, get_hardware, peak_flops, ring_bytes
-from planner.graph.trace import Tensor, trace
+from planner.graph.ir import Tensor
+from planner.graph.trace import trace
 from planner.ilp.problem import TIE_BREAK_S_PER_BYTE, build_problem
 from planner.ilp.rules import signature
 from planner.ilp.cpsat import plan_cost

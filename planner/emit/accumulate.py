@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from planner.core.sharding import named_sharding
 from planner.emit.single import constraint_hooks
-from planner.graph.trace import Literal
+from planner.graph.ir import Literal
 from planner.levers.accumulate import Accumulated, grad_specs
 from planner.stages.derived import op_ranges
 

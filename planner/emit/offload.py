@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 from planner.ilp.offload import DEVICE, HOST
 
 

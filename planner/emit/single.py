@@ -10,7 +10,7 @@ import jax
 from planner.emit import offload
 from planner.core.compat import USER_CONSTRAINTS
 from planner.core.errors import InvalidArgumentError
-from planner.graph.trace import Graph, Op
+from planner.graph.ir import Graph, Op
 from planner.core.plan import Plan
 from planner.core.sharding import named_sharding
 

@@ -17,7 +17,7 @@ import dataclasses
 import math
 from collections.abc import Collection, Sequence
 
-from planner.graph.trace import Graph, Literal, Op
+from planner.graph.ir import Graph, Literal, Op
 
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                          "reduce_xor", "argmax", "argmin"})

@@ -39,7 +39,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 
 # Ops XLA fuses into loop / input fusions: elementwise arithmetic and comparisons, conversions,
 # broadcasts and layout-only ops, slices and pads, iota, and reductions (as fusion roots).

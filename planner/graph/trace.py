@@ -22,11 +22,10 @@ from planner.core.compat import PLANNER_CONSTRAINT as JIT_BOUNDARY, scan_counts
 from planner.core.errors import InvalidArgumentError
 from planner.core.layer_index import COND_BRANCH, SCAN_ITERATION
 from planner.core.static_args import is_array
-from planner.graph.ir import Body, Graph, Literal, Op, Recompute, Region, Shape, Tensor, matmul_flops, tensor_of
+from planner.graph.ir import Body, Graph, Literal, Op, Region, Tensor, tensor_of
 
 # The records are `planner.graph.ir`'s; importers name them from here too.
-__all__ = ["Body", "CUSTOM_CALLS", "Graph", "Literal", "MAX_UNROLL", "Op", "Recompute", "Region", "Shape", "Tensor",
-           "matmul_flops", "trace"]
+__all__ = ["CUSTOM_CALLS", "MAX_UNROLL", "trace"]
 
 # Scans up to this many iterations are unrolled for planning (see `_Builder.unroll_scan`).
 MAX_UNROLL = 512

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from planner.core.sharding import Spec
 from planner.cost_model import CostModel
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 from planner.ilp.rules import ELEMENTWISE
 from planner.ilp.strategies import Comm, follow
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from planner.graph.trace import Graph, Literal, Op
+from planner.graph.ir import Graph, Literal, Op
 from planner.ilp.opsig import OpSig, dim_labels
 
 

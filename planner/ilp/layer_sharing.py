@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from planner.core.layer_index import find_indexed, star_indices
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 from planner.ilp.followers import HEAVY
 from planner.ilp.nodes import Edge, Node
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 
 # Backends that never write a value XLA keeps inside a fusion (experiments/check_gpu.py); XLA:CPU writes
 # all but the optimizer update's (`kept_in_fusion`).

@@ -8,7 +8,7 @@ from collections import defaultdict
 import numpy as np
 
 from planner.core.sharding import num_shards
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 from planner.ilp.liveness import (
     _combined_point,
     _copied_only_if_resharded,

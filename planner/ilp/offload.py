@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 from planner.ilp.objective import offload_hidden, offload_transfer
 from planner.ilp.live_ranges import fused_away, live_ranges, offloaded_live_ranges
 from planner.ilp.problem import Problem, combinable_ops

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
-from planner.graph.trace import Graph, Literal, Op, Tensor
+from planner.graph.ir import Graph, Literal, Op, Tensor
 
 Labels = tuple[str | None, ...]
 

@@ -17,7 +17,7 @@ from typing import Any
 from planner.core.sharding import Spec, enumerate_specs
 from planner.cost_model import CostModel
 from planner.graph.fusion import fusions, recomputed
-from planner.graph.trace import Graph, Literal, Tensor
+from planner.graph.ir import Graph, Literal, Tensor
 from planner.ilp.followers import HEAVY, _followed, _followed_operand, _groups, _sig_key
 from planner.ilp.layer_sharing import layer_representatives, structural_representatives
 from planner.ilp.live_ranges import fused_away, live_ranges

@@ -17,7 +17,7 @@ from types import MappingProxyType
 from jax.sharding import PartitionSpec
 
 from planner.core.compat import user_sharding
-from planner.graph.trace import Graph, Literal, Op
+from planner.graph.ir import Graph, Literal, Op
 from planner.ilp.index_rules import (
     conv_rule,
     dynamic_update_slice_rule,

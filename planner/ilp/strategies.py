@@ -10,7 +10,7 @@ import numpy as np
 
 from planner.cost_model import CostModel
 from planner.core.errors import MeshError
-from planner.graph.trace import Tensor
+from planner.graph.ir import Tensor
 from planner.ilp.rules import OpSig
 from planner.core.mesh import MeshSpec
 from planner.core.sharding import Spec, active_axes, axis_dim, num_shards

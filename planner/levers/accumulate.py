@@ -66,7 +66,8 @@ import numpy as np
 from planner.graph.batch_mixing import mixing_ops, summary
 from planner.cost_model import ring_bytes
 from planner.core.errors import InfeasiblePlanError, InvalidArgumentError, PlannerError
-from planner.graph.trace import Graph, Tensor, trace
+from planner.graph.ir import Graph, Tensor
+from planner.graph.trace import trace
 from planner.ilp.strategies import shard_bytes
 from planner.core.mesh import MeshSpec
 from planner.core.plan import Plan, Prediction

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
-from planner.graph.trace import Body, Graph, Op, Recompute
+from planner.graph.ir import Body, Graph, Op, Recompute
 from planner.ilp.levers import LEVERS, levers_text
 from planner.core.layer_index import find_indexed
 from planner.core.options import REMAT

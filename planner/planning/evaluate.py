@@ -26,7 +26,8 @@ from planner.core.options import PlanOptions
 from planner.core.plan import Plan
 from planner.cost_model import Cluster
 from planner.emit.pipeline.planned import pipeline_cluster, plan_fixed_stages
-from planner.graph.trace import Graph, trace
+from planner.graph.ir import Graph
+from planner.graph.trace import trace
 from planner.planning.step import plan_step
 from planner.search.mesh_plan import check_options
 

@@ -20,7 +20,8 @@ from planner.core.units import format_bytes
 from planner.emit.accumulate import jit_accumulated
 from planner.emit.pipeline.planned import plan_with_stages
 from planner.emit.single import jit_planned
-from planner.graph.trace import Graph, trace
+from planner.graph.ir import Graph
+from planner.graph.trace import trace
 from planner.ilp import offload
 from planner.levers.accumulate import micro_options, plan_accumulation
 from planner.levers.remat import plan_remat, record as remat_record

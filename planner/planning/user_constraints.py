@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec
 from planner.core.compat import USER_CONSTRAINTS, user_sharding
 from planner.core.plan import Plan
 from planner.core.sharding import to_partition_spec
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 
 
 def _axes(entry, mesh) -> tuple[str, ...]:

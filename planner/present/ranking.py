@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from planner.cost_model import Cluster, get_hardware
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 from planner.core.plan import Plan
 from planner.present.report import PlanView, fmt_bytes, fmt_time, mfu
 from planner.search.results import MeshResult

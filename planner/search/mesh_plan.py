@@ -12,7 +12,7 @@ import jax
 
 from planner.cost_model import Cluster, CostModel, get_hardware, hardware_with_links, ring_bytes, xla_flags
 from planner.core.errors import InvalidArgumentError, MeshError
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 from planner.ilp.objective import step_parts, step_time
 from planner.ilp.problem import Problem, build_problem
 from planner.ilp.solver import Solution, solve

@@ -23,7 +23,7 @@ from planner.core.errors import InfeasiblePlanError, MeshError, OutboundError, P
 from planner.core.mesh import MeshSpec
 from planner.core.options import PlanOptions
 from planner.core.units import format_bytes
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 from planner.ilp.offload import bounding_problem
 from planner.ilp.infeasible import MIN_MEMORY_LIMIT, smallest_peak
 from planner.ilp.memory_bounds import memory_lower_bound

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from planner.core.mesh import MeshSpec
 from planner.core.plan import Plan
 from planner.core.sharding import active_axes
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 from planner.ilp.problem import Problem
 
 

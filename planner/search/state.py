@@ -7,7 +7,7 @@ from typing import Any
 
 from planner.core.mesh import MeshSpec
 from planner.core.options import PlanOptions
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 from planner.ilp.problem import Problem
 from planner.search.results import MeshResult
 

@@ -14,7 +14,7 @@ from types import MappingProxyType
 from planner.core.options import PlanOptions
 from planner.core.sharding import Spec
 from planner.cost_model import Cluster
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 from planner.stages.clustering import Layers
 from planner.stages.cost_table import LayerCostTable
 from planner.stages.dp import DPResult, StageChoice, bubble_fraction, pipeline_latency

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from planner.core.errors import InvalidArgumentError
-from planner.graph.trace import Graph, Literal
+from planner.graph.ir import Graph, Literal
 from planner.ilp.rules import signature
 from planner.core.layer_index import COND_BRANCH, SCAN_ITERATION, find_indexed, star_indices
 

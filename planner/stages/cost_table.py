@@ -31,7 +31,7 @@ import numpy as np
 from planner.core.options import PlanOptions
 from planner.core.sharding import Spec
 from planner.cost_model import Cluster
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 from planner.ilp.strategies import reshard_cost
 from planner.search.cores import idle_cores
 from planner.stages.clustering import Layers

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from planner.core.errors import InvalidArgumentError
-from planner.graph.trace import Graph, Literal, trace
+from planner.graph.ir import Graph, Literal
+from planner.graph.trace import trace
 from planner.stages.clustering import APPLY, BACKWARD, FORWARD, op_phases
 
 FIX = "build the step with planner.stages.pipelinable(loss_fn, optimizer) to pipeline it"

@@ -18,7 +18,7 @@ from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.core.options import PlanOptions
 from planner.core.sharding import Spec
 from planner.cost_model import Cluster
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 from planner.stages.candidate import Candidate, once_per_step_max, stage_plans, to_pipeline_plan
 from planner.stages.clustering import Layers, cluster_layers
 from planner.stages.cost_table import LayerCostTable

@@ -22,7 +22,7 @@ from planner.core.errors import InfeasiblePlanError
 from planner.core.options import PlanOptions
 from planner.core.units import format_bytes
 from planner.cost_model import Cluster
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 from planner.stages.candidate import Candidate, once_per_step_max, stage_plans, to_pipeline_plan
 from planner.stages.clustering import stacked_inputs, stacked_note
 from planner.stages.cost_table import LAYER_VARIANTS

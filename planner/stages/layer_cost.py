@@ -41,7 +41,7 @@ from planner.core.errors import MeshError, PlannerError
 from planner.core.options import PlanOptions
 from planner.core.plan import PredictedCollective
 from planner.core.sharding import Spec, active_axes, replicated, spec_axes
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 from planner.ilp.strategies import shard_bytes
 from planner.search.mesh_plan import make_plan
 from planner.stages.clustering import Layers

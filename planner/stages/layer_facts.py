@@ -13,7 +13,7 @@ from collections.abc import Collection, Sequence
 import jax
 import numpy as np
 
-from planner.graph.trace import Graph, Op
+from planner.graph.ir import Graph, Op
 from planner.ilp.rules import OpSig, signature
 from planner.ilp.strategies import rate_dtypes
 from planner.stages.clustering import APPLY, BACKWARD, FORWARD, Layers

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 
 from planner.core.errors import InvalidArgumentError, PlannerError, first_line
-from planner.graph.trace import Graph, trace
+from planner.graph.ir import Graph
+from planner.graph.trace import trace
 
 
 def batch_argnums(batch_argnum: int | tuple[int, ...]) -> tuple[int, ...]:

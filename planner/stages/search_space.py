@@ -18,7 +18,7 @@ import numpy as np
 from planner.configs.baselines import layer_variant_pins
 from planner.core.options import PlanOptions
 from planner.cost_model import Cluster
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 from planner.stages.candidate import once_per_step_max
 from planner.stages.clustering import Layers, cluster_layers
 from planner.stages.cost_table import LayerCostTable

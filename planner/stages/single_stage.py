@@ -21,7 +21,7 @@ from planner.core.errors import PlannerError
 from planner.core.options import PlanOptions
 from planner.core.sharding import Spec
 from planner.cost_model import Cluster
-from planner.graph.trace import Graph
+from planner.graph.ir import Graph
 from planner.search.mesh_plan import make_plan
 from planner.search.candidates import candidate_meshes
 from planner.search.meshes import search_meshes

@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 from planner.core.errors import InvalidArgumentError
-from planner.graph.trace import Graph, Region
+from planner.graph.ir import Graph, Region
 from planner.stages.clustering import cluster_layers
 from planner.emit.pipeline.layout import StageLayout
 

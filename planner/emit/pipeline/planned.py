@@ -28,7 +28,8 @@ import jax
 from planner.cost_model import Cluster, get_hardware, hardware_with_links, ring_bytes
 from planner.emit.single import jit_planned
 from planner.core.errors import InvalidArgumentError, PlannerError
-from planner.graph.trace import Graph, trace
+from planner.graph.ir import Graph
+from planner.graph.trace import trace
 from planner.core.mesh import MeshSpec
 from planner.core.options import PlanOptions
 from planner.core.plan import Plan, PredictedCollective, Prediction

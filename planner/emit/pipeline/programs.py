@@ -28,7 +28,8 @@ import optax
 
 from planner.emit.single import constraint_hooks
 from planner.core.errors import InvalidArgumentError
-from planner.graph.trace import Graph, Literal, trace
+from planner.graph.ir import Graph, Literal
+from planner.graph.trace import trace
 from planner.emit.pipeline.layout import StageLayout
 from planner.stages.derived import op_ranges
 
