@@ -38,7 +38,7 @@ bench: $(STAMP)
 	XLA_FLAGS="--xla_force_host_platform_device_count=8" $(BIN)/python experiments/bench_gpt_baselines.py
 	XLA_FLAGS="--xla_force_host_platform_device_count=8" $(BIN)/python experiments/bench_suite.py
 
-# The rest of issue 12's suite (every zoo size on 1x8/2x4/8x8/128x8, added to bench's suite.csv): hours on 2 cores.
+# The rest of the comparison suite (every zoo size on 1x8/2x4/8x8/128x8, added to suite.csv): hours on 2 cores.
 bench-full: $(STAMP)
 	XLA_FLAGS="--xla_force_host_platform_device_count=8" $(BIN)/python experiments/bench_suite.py --set full --append
 

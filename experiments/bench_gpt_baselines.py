@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     full_plan = planner.plan(full.train_step, full.abstract_state(), full.abstract_batch(), mesh=mesh)
     full_s = time.perf_counter() - t
-    print(f"[planner] full {args.model} planned in {full_s:.1f} s ({full_plan.solver['status']})", file=sys.stderr)
+    print(f"[planner] full {args.model} planned in {full_s:.1f} s ({full_plan.solver.status})", file=sys.stderr)
 
     dominated_by = [k for k in ("dp", "fsdp", "dp_tp")
                     if rows[k]["peak_memory_bytes"] <= rows["planner"]["peak_memory_bytes"]
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
               f"{r['peak_memory_bytes'] / 2**20:>15.2f}{r['peak_memory_bytes'] / ref_mem:>8.2f}{r['compile_s']:>11.1f}")
     print(f"planning time: {plan_s:.1f} s; on the (memory, bytes) Pareto front of the baselines: "
           f"{'yes' if not dominated_by else 'no, dominated by ' + ', '.join(dominated_by)}")
-    solver = {k: v for k, v in full_plan.solver.items() if k != "step_parts"}  # facts, not the per-op split
+    solver = {k: v for k, v in full_plan.solver.to_json().items() if k != "step_parts"}  # facts, not the per-op split
     print(f"full-size {args.model} (all layers, abstract) planning time: {full_s:.1f} s, solver {solver}")
     out = {"config": vars(args), "rows": rows, "planner_dominated_by": dominated_by,
            "full_model_planning_s": full_s, "full_model_solver": solver,

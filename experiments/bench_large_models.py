@@ -31,8 +31,8 @@ def run(name: str, time_limit: float) -> dict:
     t2 = time.perf_counter()
     return {
         "model": name, "mesh": "8x8", "trace_s": round(t1 - t0, 2), "plan_s": round(t2 - t1, 2),
-        "ops": len(graph.ops), "decisions": plan.solver["decisions"],
-        "distinct_decisions": plan.solver["variables_shared"], "status": plan.solver["status"],
+        "ops": len(graph.ops), "decisions": plan.solver.decisions,
+        "distinct_decisions": plan.solver.variables_shared, "status": plan.solver.status,
         "predicted_step_s": plan.prediction.step_time_s,
         "memory_gb_per_device": plan.prediction.memory_bytes_per_device / 1e9,
     }

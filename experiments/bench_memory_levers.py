@@ -84,12 +84,12 @@ def run(model: str, cluster: str, layers: int | None, levers: str, time_limit: f
         else:
             plan = make_plan(graph, mesh, options)
         p = plan.prediction
-        off = plan.levers.get("offload") or {}
+        off, acc = plan.levers.offload, plan.levers.accumulation
         row.update(fits=True, memory=format_bytes(p.memory_bytes_per_device), step_time_s=p.step_time_s,
-                   microbatches=plan.levers.get("accumulation", {}).get("microbatches", 1),
-                   offloaded=f"{len(off.get('inputs', ()))} of {off.get('candidates', 0)} optimizer-state leaves "
-                             f"({off.get('params', 0)} master parameters), "
-                             f"{format_bytes(off.get('host_bytes_per_device', 0))}/device" if off else "none")
+                   microbatches=acc.microbatches if acc is not None else 1,
+                   offloaded=f"{len(off.inputs)} of {off.candidates} optimizer-state leaves "
+                             f"({off.params} master parameters), "
+                             f"{format_bytes(off.host_bytes_per_device)}/device" if off is not None else "none")
     except PlannerError as e:
         row.update(fits=False, memory=format_bytes(e.min_memory_bytes) if getattr(e, "min_memory_bytes", None) else "?",
                    lower_bound=format_bytes(e.lower_bound_bytes) if getattr(e, "lower_bound_bytes", None) else "?",

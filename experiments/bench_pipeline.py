@@ -76,11 +76,11 @@ def main(argv: list[str] | None = None) -> dict:
               f"{'does not fit' if single == float('inf') else f'{single:.3f} s'}"
               f" (ignoring memory: {free:.3f} s, {free / pp.step_time_s:.2f}x the pipeline's time)")
     print(f"  microbatch counts tried (B, step s, stages): {[(b, round(t, 4), s) for b, t, s in pp.candidates]}")
-    print(f"  planning time {elapsed:.1f} s: " + ", ".join(f"{k}={v}" for k, v in pp.planning.items()))
+    print(f"  planning time {elapsed:.1f} s: " + ", ".join(f"{k}={v}" for k, v in pp.planning.to_json().items()))
     result = {
         "model": args.model, "dtype": args.dtype, "cluster": str(cluster), "inter_host_gbit": args.inter_host_gbit,
-        "planning_time_s": round(elapsed, 2), "hosts_aligned": hosts_aligned, **pp.to_dict(),
-        "stages": [dict(s) for s in pp.stage_dicts()],
+        "planning_time_s": round(elapsed, 2), "hosts_aligned": hosts_aligned, **pp.facts().to_json(),
+        "stages": [s.to_json() for s in pp.stage_records()],
     }
     for s in result["stages"]:
         s.pop("shardings")

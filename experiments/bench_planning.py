@@ -26,6 +26,7 @@ import time
 import planner
 from planner.core.mesh import MeshSpec
 from planner.core.options import PlanOptions
+from planner.core.pipeline_records import PipelinePlanning
 from planner.search.mesh_plan import make_plan
 from zoo import get_model
 
@@ -38,15 +39,15 @@ def single_stage(model: str, layers: int, mesh: tuple[int, int], time_limit: flo
     graph = planner.trace(b.train_step, b.abstract_state(), b.abstract_batch())
     trace_s = time.perf_counter() - t0
     plan = make_plan(graph, MeshSpec(mesh, ("data", "model")), PlanOptions(solver_time_limit=time_limit))
-    total = plan.solver["planning_time_s"]
-    solve = plan.solver["solve_time_s"]
+    total = plan.solver.planning_time_s
+    solve = plan.solver.solve_time_s
     return {
         "sweep": "", "model": model, "layers": layers, "devices": mesh[0] * mesh[1], "mesh": f"{mesh[0]}x{mesh[1]}",
         "trace_s": round(trace_s, 2), "build_s": round(total - solve, 2), "solve_s": round(solve, 2),
         "stage_dp_s": 0.0, "total_s": round(trace_s + total, 2), "ops": len(graph.ops),
-        "det_units": plan.solver.get("deterministic_time"),
-        "decisions": plan.solver.get("decisions"), "distinct": plan.solver.get("variables_shared"),
-        "status": plan.solver.get("status"), "predicted_step_s": plan.prediction.step_time_s,
+        "det_units": plan.solver.deterministic_time,
+        "decisions": plan.solver.decisions, "distinct": plan.solver.variables_shared,
+        "status": plan.solver.status, "predicted_step_s": plan.prediction.step_time_s,
     }
 
 
@@ -56,13 +57,13 @@ def pipeline(model: str, cluster: str, time_limit: float, config: dict | None = 
     plan = planner.plan(b.train_step, b.abstract_state(), b.abstract_batch(), hardware=cluster,
                         pipeline="auto", solver_time_limit=time_limit)
     total = time.perf_counter() - t0
-    info = dict((plan.pipeline or {}).get("planning") or {})
+    info = (plan.pipeline.planning if plan.pipeline is not None else None) or PipelinePlanning()
     hosts, per_host = (int(x) for x in cluster.split(":")[0].split("x"))
     return {
         "sweep": "pipeline", "model": model, "layers": b.config.layers, "devices": hosts * per_host, "mesh": cluster,
-        "trace_s": info.get("trace_s"), "build_s": info.get("layer_costs_s"), "solve_s": None,
-        "stage_dp_s": info.get("dp_s"), "total_s": round(total, 2), "ops": None, "det_units": None,
-        "decisions": info.get("ilp_solves"), "distinct": info.get("distinct_layers"),
+        "trace_s": info.trace_s, "build_s": info.layer_costs_s, "solve_s": None,
+        "stage_dp_s": info.dp_s, "total_s": round(total, 2), "ops": None, "det_units": None,
+        "decisions": info.ilp_solves, "distinct": info.distinct_layers,
         "status": f"{len(plan.stages) or 1} stage(s)", "predicted_step_s": plan.prediction.step_time_s,
     }
 

@@ -34,7 +34,7 @@ Two kinds of rows (the "mode" column says which):
 
 On the clusters of several hosts (8x8, 128x8) the abstract rows add pipelines:
   planner         the pipeline-auto plan, as `planner plan --cluster 8x8:a100-80gb --pipeline auto`
-                  makes it (`planner.stages.plan_stages` with `pipeline="auto"`, the shared trace reused
+                  makes it (`planner.emit.pipeline.planned.plan_stages` with `pipeline="auto"`, the shared trace reused
                   for the unsplit batch): every microbatch count dividing the batch, Alpa's stage DP over
                   submeshes and their logical meshes, and the single-stage plan on the whole cluster
                   competing; when that wins, the plan is `make_plan`'s on the chosen mesh.
@@ -75,7 +75,7 @@ several hosts, `NAME+ppN`) the call plans many small ILPs (one per distinct laye
 microbatch size, then each chosen stage's plan): `trace_s` is the traces of the microbatched steps
 inside the call (part of `plan_s`; the whole step's shared trace is reused), `build_s` / `solve_s`
 the sums of the build and solve times `make_plan` logs for all of them (the note gives their
-count), `stage_dp_s` the stage DP (`plan.pipeline["planning"]["dp_s"]`; 0 for fixed stages), and
+count), `stage_dp_s` the stage DP (`plan.pipeline.planning.dp_s`; 0 for fixed stages), and
 `other_s` the rest (stage time tables, predictions, the stage plans' records); `decisions` /
 `distinct` are those of the plan when it has one stage.
 
@@ -115,6 +115,7 @@ from planner.planning.evaluate import pipeline_baseline  # noqa: E402
 from planner.graph.trace import trace  # noqa: E402
 from planner.core.mesh import MeshSpec  # noqa: E402
 from planner.core.options import PlanOptions  # noqa: E402
+from planner.core.pipeline_records import PipelineFacts, PipelinePlanning  # noqa: E402
 from planner.configs.pins import resolve as resolve_pins  # noqa: E402
 from planner.search.mesh_plan import check_options, make_plan  # noqa: E402
 from planner.emit.pipeline.planned import plan_stages  # noqa: E402
@@ -174,13 +175,13 @@ FIELDS = ("model", "cluster", "mode", "batch", "config", "step_time_s", "vs_plan
 
 def _timing(plan, wall: float, trace_s: float | None) -> dict:
     s = plan.solver
-    planning, solve = s.get("planning_time_s"), s.get("solve_time_s")
+    planning, solve = s.planning_time_s, s.solve_time_s
     return {"plan_s": f"{wall:.2f}", "trace_s": "" if trace_s is None else f"{trace_s:.2f}",
             "build_s": "" if planning is None or solve is None else f"{planning - solve:.2f}",
             "solve_s": "" if solve is None else f"{solve:.2f}",
             "other_s": "" if planning is None else f"{wall - planning:.2f}", "stage_dp_s": "",
-            "decisions": s.get("decisions", ""), "distinct": s.get("variables_shared", ""), "ops": s.get("ops", ""),
-            "solver": s.get("status", "")}
+            "decisions": _or(s.decisions, ""), "distinct": _or(s.variables_shared, ""), "ops": _or(s.ops, ""),
+            "solver": _or(s.status, "")}
 
 
 def _prediction(plan) -> dict:
@@ -188,7 +189,7 @@ def _prediction(plan) -> dict:
     return {"step_time_s": pr.step_time_s, "exposed_comm_s": f"{pr.communication_time_s:.4g}",
             "memory_bytes": int(pr.memory_bytes_per_device), "bytes_moved": int(pr.bytes_moved_per_device),
             "fits": "yes" if pr.memory_bytes_per_device <= BUDGET else "no",
-            "note": plan.solver.get("approximation", "")}
+            "note": plan.solver.approximation or ""}
 
 
 def run_compiled(model: str, cluster: str, time_limit: float, configs: tuple[str, ...]) -> list[dict]:
@@ -255,33 +256,38 @@ def _ilp_times():
         logger.setLevel(level)
 
 
+def _or(value, default):
+    """`value`, or `default` where the plan's record has none (None)."""
+    return default if value is None else value
+
+
 def _pipeline_fields(plan, wall: float, ilp: _ILPTimes, fits_memory: bool = True) -> dict:
     """Prediction and timing columns of a configuration planned by the pipeline path (the pipeline-auto
     plan, a `NAME+ppN` baseline)."""
-    pipe = dict(plan.pipeline or {})
-    info = dict(pipe.get("planning") or {})
+    pipe = plan.pipeline or PipelineFacts()
+    info = pipe.planning or PipelinePlanning()
     pr = plan.prediction
     multi = bool(plan.stages)
-    trace_s, dp_s = float(info.get("trace_s", 0.0)), float(info.get("dp_s", 0.0))
-    pruned = set(dict(info.get("hand_layout_counts") or {}).get("pruned", ()))
-    note = (f"{ilp.solves} ILPs solved ({info.get('distinct_layers', '?')} distinct layers x "
-            f"{info.get('logical_meshes', '?')} logical meshes x microbatch sizes, then the chosen stages' plans)")
+    trace_s, dp_s = float(_or(info.trace_s, 0.0)), float(_or(info.dp_s, 0.0))
+    pruned = set(info.hand_layout_counts.pruned if info.hand_layout_counts is not None else ())
+    note = (f"{ilp.solves} ILPs solved ({_or(info.distinct_layers, '?')} distinct layers x "
+            f"{_or(info.logical_meshes, '?')} logical meshes x microbatch sizes, then the chosen stages' plans)")
     if not fits_memory:
         note += "; no microbatch count fits the budget: costed ignoring memory"
     return {
         "step_time_s": pr.step_time_s, "exposed_comm_s": f"{pr.communication_time_s:.4g}",
         "memory_bytes": int(pr.memory_bytes_per_device), "bytes_moved": int(pr.bytes_moved_per_device),
         "fits": "yes" if pr.memory_bytes_per_device <= BUDGET and fits_memory else "no",
-        "stages": pipe.get("num_stages", len(plan.stages) or 1), "microbatches": pipe.get("num_microbatches", ""),
+        "stages": _or(pipe.num_stages, len(plan.stages) or 1), "microbatches": _or(pipe.num_microbatches, ""),
         "plan_s": f"{wall:.2f}", "trace_s": f"{trace_s:.2f}", "build_s": f"{ilp.build_s:.2f}",
         "solve_s": f"{ilp.solve_s:.2f}", "stage_dp_s": f"{dp_s:.2f}",
         "other_s": f"{wall - trace_s - ilp.build_s - ilp.solve_s - dp_s:.2f}",
-        "decisions": "" if multi else plan.solver.get("decisions", ""),
-        "distinct": "" if multi else plan.solver.get("variables_shared", ""),
-        "solver": "pipeline" if multi else plan.solver.get("status", ""),
-        "pp_candidates": ";".join(f"{c['num_microbatches']}:{c['step_time_s']:.6g}:{c['stages']}"
-                                  + (":own" if c["num_microbatches"] in pruned else "")
-                                  for c in pipe.get("candidates", ()) if c.get("step_time_s") is not None),
+        "decisions": "" if multi else _or(plan.solver.decisions, ""),
+        "distinct": "" if multi else _or(plan.solver.variables_shared, ""),
+        "solver": "pipeline" if multi else _or(plan.solver.status, ""),
+        "pp_candidates": ";".join(f"{c.num_microbatches}:{c.step_time_s:.6g}:{c.stages}"
+                                  + (":own" if c.num_microbatches in pruned else "")
+                                  for c in pipe.candidates or () if c.step_time_s is not None),
         "note": note,
     }
 
@@ -322,7 +328,7 @@ def run_abstract(model: str, cluster: str, time_limit: float, configs: tuple[str
                 with _ilp_times() as ilp:
                     plan, _ = pipeline_baseline(b.train_step, args, graph, name, stages, Cluster.parse(hardware),
                                                 check_options(opts))
-                fits = bool(dict(plan.pipeline["planning"]).get("fits_memory", True))
+                fits = bool(_or(plan.pipeline.planning.fits_memory, True))
                 rows.append(row | _pipeline_fields(plan, time.perf_counter() - t, ilp, fits))
                 continue
             if config in PLANNERS:

@@ -104,12 +104,12 @@ def check(name: str, overrides: dict, hardware: str, profile: str | None, warmup
             q = planner.plan(b.train_step, state, batch, mesh="1", devices=[device], donate_argnums=(0,),
                              offload=mode, hardware=hardware, profile=profile)
             r["profiled_step_s"] = q.prediction.step_time_s
-            copies = q.levers.get("offload") or {}
-            r["profiled_copy_s"] = copies.get("copy_in_s", 0.0) + copies.get("copy_back_s", 0.0)
-        record = plan.levers.get("offload") or {}
+            copies = q.levers.offload
+            r["profiled_copy_s"] = copies.copy_in_s + copies.copy_back_s if copies is not None else 0.0
+        record = plan.levers.offload
         for k in ("host_bytes_per_device", "copy_in_s", "copy_back_s", "hidden_s", "candidates", "streamed"):
-            if k in record:
-                r[f"offload_{k}"] = record[k]
+            if record is not None:
+                r[f"offload_{k}"] = getattr(record, k)
         if record:
             r["offload_leaves"] = len(record.get("inputs", ()))
         t0 = time.perf_counter()

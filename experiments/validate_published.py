@@ -15,7 +15,7 @@ For each row this prints, as TFLOP/s per GPU (F / predicted step time / GPUs):
     out: `planner.evaluate(..., baseline="megatron-tp+ppP", tensor_parallel=T, remat=True)`,
     costed by the planner's pipeline path), and its ratio to the measured figure;
   - planner: the planner's own best plan on the same cluster at the same batch
-    (`planner.stages.plan_pipeline`, pipeline "auto"; stages, meshes, microbatches, remat chosen),
+    (`planner.stages.inter_op.plan_pipeline`, pipeline "auto"; stages, meshes, microbatches, remat chosen),
     and its ratio to the measured figure;
   - planning time of each.
 No per-row constant is fitted: every figure comes from the presets (their sources are cited in
@@ -115,7 +115,7 @@ def published(row: Row, bundle, microbatch_size: int) -> dict:
     pred = plan.prediction
     return {"step_s": pred.step_time_s, "planning_s": round(time.perf_counter() - t0, 1),
             "memory_gb": pred.memory_bytes_per_device / 1e9,
-            "microbatches": (plan.pipeline or {}).get("num_microbatches"),
+            "microbatches": plan.pipeline.num_microbatches if plan.pipeline is not None else None,
             # `Prediction.communication_time_s` is the exposed part already (step = compute + it)
             "exposed_comm_s": pred.communication_time_s, "hidden_comm_s": pred.hidden_communication_time_s}
 
@@ -393,7 +393,7 @@ def maxtext_flops(batch: int, seq: int = H100_SEQ, emb: int = 4096, mlp: int = 1
 
 def h100_row(row: H100Row, dtype: str) -> dict:
     """The published configuration (FSDP over the 8 GPUs of a VM, data parallel across VMs), costed
-    by the planner's single-stage path with those shardings pinned (`planning.make_plan`) on the
+    by the planner's single-stage path with those shardings pinned (`search.mesh_plan.make_plan`) on the
     h100-sxm preset. MaxText's minimal_flash recomputation (elementwise work only) is not modelled."""
     import jax
 

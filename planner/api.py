@@ -65,7 +65,7 @@ class PlannedFunction:
         self._user_mesh = self._planner.user_mesh
         self._cache: dict[tuple, tuple[Graph, Plan, Any]] = {}
         self._targets: dict[tuple, list] = {}  # signature -> each argument leaf's planned sharding
-        self._on_user_mesh: dict[tuple, Any] = {}  # signature -> `emit.jit_on_mesh`'s program (None: none)
+        self._on_user_mesh: dict[tuple, Any] = {}  # signature -> `emit.single.jit_on_mesh`'s program (None: none)
         self._static: dict[tuple, tuple] = {}  # key -> (the step over its array leaves, its static results)
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", "planned")
@@ -147,7 +147,7 @@ class PlannedFunction:
         view (`planner.core.mesh.auto_view`: same devices, names and sizes); results come back placed with
         the planned specs on the user's own mesh (Explicit axes included), as `jax.jit` on it would:
         on a mesh with Explicit axes the program runs inside `jax.sharding.auto_axes` with its
-        arguments and results on that mesh (`emit.jit_on_mesh`), so the state a step hands back goes
+        arguments and results on that mesh (`emit.single.jit_on_mesh`), so the state a step hands back goes
         into the next one as it is; a plan that offloads runs on the Auto view and its results are
         placed on the user's mesh after it."""
         args, key = self._split(self._positional(args, kwargs))
@@ -172,7 +172,7 @@ class PlannedFunction:
                 targets = shardings
             self._targets[key] = targets
         placed = _placed(args, targets) if isinstance(targets, list) else jax.device_put(args, targets)
-        if on_user:  # the user's Explicit mesh in and out (`emit.jit_on_mesh`)
+        if on_user:  # the user's Explicit mesh in and out (`emit.single.jit_on_mesh`)
             with jax.sharding.set_mesh(user):
                 return on_user(*placed)
         with jax.sharding.set_mesh(plan._mesh()):
@@ -218,12 +218,12 @@ def plan_parallel(fn: Callable[..., Any] | None = None, *, mesh: Any = None,
         and nested jit in/out shardings fix those values' sharding) or `"hint"` (the planner may
         choose another); `Plan.user_constraints` records which were kept. `accumulate=k` or
         `"auto"`: gradient accumulation over k microbatches inside the step (`planner.levers.accumulate`;
-        `plan.levers["accumulation"]` records k); the planned graph is then the microbatch trace.
+        `plan.levers.accumulation` records k); the planned graph is then the microbatch trace.
         `offload="opt-state"` or `"auto"`: Adam moments (optimizer state) kept in host memory
         between steps, all of them or only what `memory_budget` needs (`planner.ilp.offload`;
-        `plan.levers["offload"]` records which, their bytes and copy times).
+        `plan.levers.offload` records which, their bytes and copy times).
         `remat="full"`, `"dots"` or `"auto"`: repeated layers' forward recomputed in the backward
-        (`planner.levers.remat`; `plan.levers["remat"]` records the policy and layers); the planned and
+        (`planner.levers.remat`; `plan.levers.remat` records the policy and layers); the planned and
         emitted graph (`.graph(...)`) is then the rewritten one.
 
     Returns:

@@ -32,8 +32,8 @@ def test_microbatches_save_activation_memory_as_predicted_and_match_the_unsharde
     plain = planner.plan_parallel(b.train_step, mesh="1", devices=one)
     acc = planner.plan_parallel(b.train_step, mesh="1", devices=one, accumulate=2)
     plan = acc.plan(state, batch)
-    record = plan.levers["accumulation"]
-    assert record["microbatches"] == 2 and record["microbatch_rows"] == b.config.batch // 2
+    record = plan.levers.accumulation
+    assert record.microbatches == 2 and record.microbatch_rows == b.config.batch // 2
     compiled = acc.lower(state, batch).compile()
     measured, measured_plain = memory_stats(compiled).peak_bytes, _peak(plain, state, batch)
     # The prediction holds as XLA measures it; predicted and measured both drop against k = 1
@@ -49,7 +49,7 @@ def test_microbatches_save_activation_memory_as_predicted_and_match_the_unsharde
 
 def test_donated_state_with_accumulation_stays_within_the_prediction(devices8):
     """With the train state donated (as training loops do), the accumulated program's peak as XLA
-    measures it stays within the prediction (`accumulate.micro_options`: modelling the donation in
+    measures it stays within the prediction (`levers.accumulate.micro_options`: modelling the donation in
     the microbatch plan put the prediction at 0.84x of this peak)."""
     b, state, batch = concrete("gpt-tiny")
     donated = planner.plan_parallel(b.train_step, mesh="1x8", accumulate=2, donate_argnums=0)
@@ -62,11 +62,11 @@ def test_sharded_accumulation_matches_the_unsharded_step(devices8):
     b, state, batch = concrete("mlp-tiny")
     step = planner.plan_parallel(b.train_step, mesh="2x4", accumulate=2)
     plan = step.plan(state, batch)
-    assert plan.levers["accumulation"]["microbatches"] == 2
+    assert plan.levers.accumulation.microbatches == 2
     # Costed from the microbatch plan: forward/backward twice, the update once.
-    record = plan.levers["accumulation"]
+    record = plan.levers.accumulation
     assert plan.prediction.step_time_s == pytest.approx(
-        2 * record["microbatch_step_time_s"] - record["update_time_s"])
+        2 * record.microbatch_step_time_s - record.update_time_s)
     ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
     new_state, metrics = step(state, batch)
     assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
@@ -101,14 +101,14 @@ def test_selective_unsharding_gathers_invariant_parameters_once_per_step(devices
     graph = steps[True].graph(state, batch)
     kernels = {t for t, path in zip(graph.inputs, graph.input_paths)
                if "['params']" in path and "['mlp']" in path and path.endswith("['kernel']")}
-    record = on.levers["accumulation"]
-    assert {h["tensor"] for h in record["unsharded"]} == kernels and record["resharded_per_microbatch"] == []
-    assert off.levers["accumulation"]["unsharded"] == []
-    assert set(off.levers["accumulation"]["resharded_per_microbatch"]) == kernels
-    gathers = sum(r[3] for r in off.solver["argument_reshards"] if r[2] in kernels)
+    record = on.levers.accumulation
+    assert {h.tensor for h in record.unsharded} == kernels and record.resharded_per_microbatch == ()
+    assert off.levers.accumulation.unsharded == ()
+    assert set(off.levers.accumulation.resharded_per_microbatch) == kernels
+    gathers = sum(r.seconds for r in off.solver.argument_reshards if r.tensor in kernels)
     assert off.prediction.step_time_s - on.prediction.step_time_s == pytest.approx(3 * gathers, rel=1e-9)
     assert (on.prediction.memory_bytes_per_device - off.prediction.memory_bytes_per_device
-            == sum(h["bytes"] for h in record["unsharded"]))
+            == sum(h.bytes for h in record.unsharded))
     compiled = {x: steps[x].lower(state, batch).compile() for x in (True, False)}
     assert _kernel_gathers(compiled[True]) == (0, 4) and _kernel_gathers(compiled[False]) == (4, 0)
     ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
@@ -118,8 +118,8 @@ def test_selective_unsharding_gathers_invariant_parameters_once_per_step(devices
     # under a budget between the two, only what fits is gathered once
     budget = (on.prediction.memory_bytes_per_device + off.prediction.memory_bytes_per_device) // 2
     part = planner.plan(b.train_step, state, batch, mesh="1x8", accumulate=4, pins=pins, memory_budget=budget)
-    record = part.levers["accumulation"]
-    assert 0 < len(record["unsharded"]) < len(kernels) and part.prediction.memory_bytes_per_device <= budget
+    record = part.levers.accumulation
+    assert 0 < len(record.unsharded) < len(kernels) and part.prediction.memory_bytes_per_device <= budget
 
 
 def test_auto_chooses_microbatches_that_fit_the_budget():
@@ -129,7 +129,7 @@ def test_auto_chooses_microbatches_that_fit_the_budget():
     budget = int(0.8 * full)
     step = planner.plan_parallel(b.train_step, mesh="1", devices=one, accumulate="auto", memory_budget=budget)
     plan = step.plan(state, batch)
-    k = plan.levers["accumulation"]["microbatches"]
+    k = plan.levers.accumulation.microbatches
     assert k > 1 and plan.prediction.memory_bytes_per_device <= budget
     assert _peak(step, state, batch) <= budget
     with pytest.raises(InfeasiblePlanError, match=r"gradient accumulation over \d+ microbatch count") as e:

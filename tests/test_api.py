@@ -202,7 +202,7 @@ def test_a_step_moves_only_the_arguments_not_yet_where_the_plan_puts_them(device
 def test_a_step_on_an_explicit_mesh_takes_and_hands_back_its_arrays_as_they_are(devices8, monkeypatch):
     """On a mesh of Explicit axes (`jax.make_mesh`'s default) the planned program runs inside
     `jax.sharding.auto_axes` (the plan is made on the mesh's Auto view) with its arguments and
-    results on the user's mesh (`emit.jit_on_mesh`): the next step takes the state as it came back
+    results on the user's mesh (`emit.single.jit_on_mesh`): the next step takes the state as it came back
     and only the new batch is placed, with the state donated as a training loop does. It computes
     what the plan's Auto-view program computes, bit for bit."""
     b, state, batch = concrete("gpt-tiny")

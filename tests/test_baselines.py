@@ -71,7 +71,7 @@ def test_pinned_plan_predicts_what_evaluate_predicts(mesh_2x4):
     spec, _ = parse_mesh(mesh_2x4)
     for name in ("fsdp", "zero1"):
         ev = evaluate(b.train_step, *args, mesh=mesh_2x4, baseline=name)
-        assert ev.solver["configuration"] == f"baseline {name}"
+        assert ev.solver.configuration == f"baseline {name}"
         specs = baseline_specs(name, paths, shapes, spec)
         tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args),
                                             [NamedSharding(mesh_2x4, s) for s in specs])

@@ -67,7 +67,7 @@ def test_permuted_mesh_is_the_same_problem():
     b = get_model("mlp-tiny")
     g = trace(b.train_step, b.abstract_state(), b.abstract_batch())
     a, c = (make_plan(g, MeshSpec(shape, ("x", "y")), PlanOptions(solver_time_limit=20)) for shape in ((2, 4), (4, 2)))
-    assert a.solver["status"] == c.solver["status"] == "optimal"
+    assert a.solver.status == c.solver.status == "optimal"
     assert a.prediction.step_time_s == pytest.approx(c.prediction.step_time_s, rel=1e-9)
 
 
@@ -179,7 +179,7 @@ def test_donate_reaches_the_plan(capsys, tmp_path):
     code, out, _ = run(capsys, "plan", "--model", "mlp-tiny", "--mesh", "8", "--donate", "0", "--quiet",
                        "--json", str(path))
     assert code == 0 and "argument(s) 0 donated" in out
-    assert Plan.from_json(path.read_text()).options["donate_argnums"] == [0]
+    assert Plan.from_json(path.read_text()).options.donate_argnums == (0,)
     assert run(capsys, "frobnicate")[0] == 2
     assert run(capsys, "--help")[0] == 0
 
@@ -191,9 +191,9 @@ def test_offload_of_master_parameters_reaches_the_plan(capsys, tmp_path):
     code, out, err = run(capsys, "plan", "--model", "gpt-tiny", "--mesh", "1x8", "--dtype", "bfloat16",
                          "--offload", "opt-state+params", "--quiet", "--json", str(path))
     assert code == 0, err
-    record = Plan.from_json(path.read_text()).levers["offload"]
-    assert record["mode"] == "opt-state+params" and record["params"] > 0
-    assert f"({record['params']} master parameters, copied in for their casts too)" in out
+    record = Plan.from_json(path.read_text()).levers.offload
+    assert record.mode == "opt-state+params" and record.params > 0
+    assert f"({record.params} master parameters, copied in for their casts too)" in out
     code, _, err = run(capsys, "plan", "--model", "gpt-tiny", "--mesh", "1x8", "--offload", "params")
     assert code == 2 and "opt-state+params" in err
 

@@ -41,9 +41,9 @@ def test_compare_api_and_table(mlp_comparison):
 
 def test_differences_account_for_the_step_time_gap(mlp_comparison):
     _, _, c = mlp_comparison
-    parts = c.plan.solver["step_parts"]  # the plan's step time, split by where it is paid
-    total = (sum(sum(item[2:]) for item in parts["items"]) + sum(t for *_, t in parts["combined_latency"])
-             - parts["hidden_s"])
+    parts = c.plan.solver.step_parts  # the plan's step time, split by where it is paid
+    total = (sum(sum(item[2:]) for item in parts.items) + sum(t for *_, t in parts.combined_latency)
+             - parts.hidden_s)
     assert total == pytest.approx(c.plan.prediction.step_time_s, rel=1e-9)
     for name, p in c.others:
         gap = p.prediction.step_time_s - c.plan.prediction.step_time_s

@@ -36,7 +36,7 @@ def test_scanned_layers_plan_once():
     for layers in (2, 4):
         b = get_model("llama-tiny", layers=layers)
         p = planner.plan(b.train_step, b.abstract_state(), b.abstract_batch(), mesh="2x4")
-        sizes[layers] = (p.solver["decisions"], p.solver["variables_shared"])
+        sizes[layers] = (p.solver.decisions, p.solver.variables_shared)
         stacked = [s for path, s in zip(p.input_paths, p.input_specs) if path.startswith("[0]['params']['layers']")]
         assert stacked and all(s[0] == () for s in stacked)  # the layer dim is never split
     assert sizes[4][0] > sizes[2][0]  # more layers, more ops ...

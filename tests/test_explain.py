@@ -298,7 +298,7 @@ def test_explain_plan_in_python_shows_kept_constraints(devices8):
 
     args = (jax.ShapeDtypeStruct((16, 32), jnp.float32), jax.ShapeDtypeStruct((8, 16), jnp.float32))
     plan = planner.plan(step, *args, mesh=mesh)
-    assert plan.user_constraints and all(c["kept"] for c in plan.user_constraints)
+    assert plan.user_constraints and all(c.kept for c in plan.user_constraints)
     assert planner.Plan.from_json(plan.to_json()).user_constraints == plan.user_constraints
     text = explain_plan(plan)
     n = len(plan.user_constraints)  # the constraint and its transpose in the backward pass

@@ -48,7 +48,7 @@ def test_plan_records_proven_optimality_and_prints_it(devices8):
 
     w, x = jax.ShapeDtypeStruct((64, 64), jnp.float32), jax.ShapeDtypeStruct((32, 64), jnp.float32)
     plan = planner.plan(jax.grad(loss), w, x, mesh="2x4")
-    assert plan.solver["optimal"] is True and plan.solver["gap"] == 0.0 and plan.solver["limit"] is None
+    assert plan.solver.optimal is True and plan.solver.gap == 0.0 and plan.solver.limit is None
     assert "proven optimal" in plan.summary()
 
 

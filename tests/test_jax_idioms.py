@@ -100,9 +100,9 @@ def test_with_sharding_constraint_is_pinned_and_hint_is_free(devices8):
     got = _constraint_spec(planned, (_params(), _batch()), "sharding_constraint")
     assert got and all(s == want for s in got)
     _check(loss, planned)
-    assert all(c["kept"] and c["mode"] == "pin" for c in planned.plan(_params(), _batch()).user_constraints)
+    assert all(c.kept and c.mode == "pin" for c in planned.plan(_params(), _batch()).user_constraints)
     hinted = planner.plan_parallel(_sgd(loss), mesh=mesh, user_constraints="hint")
-    assert {c["mode"] for c in hinted.plan(_params(), _batch()).user_constraints} == {"hint"}
+    assert {c.mode for c in hinted.plan(_params(), _batch()).user_constraints} == {"hint"}
     _check(loss, hinted)
 
 
@@ -169,6 +169,6 @@ def test_nested_jit_shardings_pin_its_boundary(devices8):
 
     planned = planner.plan_parallel(_sgd(loss), mesh=mesh)
     record = planned.plan(_params(), _batch()).user_constraints
-    assert {c["user_spec"] for c in record} >= {str(P("data", None)), str(P(None, "model"))}
-    assert all(c["kept"] for c in record)
+    assert {c.user_spec for c in record} >= {str(P("data", None)), str(P(None, "model"))}
+    assert all(c.kept for c in record)
     _check(loss, planned, same_loss=_loss)

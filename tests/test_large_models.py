@@ -31,10 +31,10 @@ def test_large_widths_plan_on_8x8_description(name):
     graph2, plan2 = _plan(name, 2)
     graph3, plan3 = _plan(name, 3)
     for plan in (plan2, plan3):
-        assert plan.solver["status"] in ("optimal", "feasible")
+        assert plan.solver.status in ("optimal", "feasible")
     # Repeated layers are planned once: one more layer add decisions but no distinct ones.
-    assert plan3.solver["decisions"] > plan2.solver["decisions"]
-    assert plan3.solver["variables_shared"] == plan2.solver["variables_shared"]
+    assert plan3.solver.decisions > plan2.solver.decisions
+    assert plan3.solver.variables_shared == plan2.solver.variables_shared
     for t, spec in zip(graph3.inputs, plan3.input_specs):
         assert is_valid(graph3.tensors[t].shape, spec, MESH)
     # Per-device train state: a replicated copy would not fit any device; the big weights and

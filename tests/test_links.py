@@ -64,3 +64,15 @@ def test_cluster_file_and_flags(tmp_path, capsys):
     assert "devices_per_host" in capsys.readouterr().err
     assert math.isclose(hardware_with_links("v100", "10Gbit", None, 4).inter_bandwidth, 10e9 / 8 / 4)
 
+
+
+def test_positive_counts_on_the_command_line():
+    """One argparse type for every count the CLI and the profiling job take."""
+    import argparse
+
+    from planner.core.units import positive_int
+
+    assert positive_int("4") == 4
+    for text, message in (("x", "is not an integer"), ("0", "must be >= 1"), ("-3", "must be >= 1")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            positive_int(text)

@@ -28,12 +28,12 @@ def test_budget_below_data_parallel_is_met_as_measured(devices8):
     predicted = plan.prediction.memory_bytes_per_device
     assert predicted <= budget
     # The budget bound the solve: what it cost is recorded and printed with the levers not used.
-    first = plan.solver["unbudgeted"]
-    assert first["peak_bytes"] > budget and first["step_time_s"] <= plan.prediction.step_time_s * (1 + 1e-9)
+    first = plan.solver.unbudgeted
+    assert first.peak_bytes > budget and first.step_time_s <= plan.prediction.step_time_s * (1 + 1e-9)
     from planner.present.report import format_levers
     text = format_levers(plan)
     assert text.startswith("Memory budget: it binds.") and "--remat auto" in text
-    assert ("ruled out" in text) == (first["strategies_ruled_out"] > 0) and "--donate 0" in text and "Levers not tried: " in text
+    assert ("ruled out" in text) == (first.strategies_ruled_out > 0) and "--donate 0" in text and "Levers not tried: " in text
     assert "\n" not in text
     measured = memory_stats(step.lower(state, batch).compile()).peak_bytes
     # The prediction within 10% of XLA's compiled peak, for this sharded plan too

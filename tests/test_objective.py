@@ -47,7 +47,7 @@ def test_solver_objective_progress_line_and_prediction_are_one_number():
     options = PlanOptions(solver_time_limit=20)
     plan = make_plan(graph, MESH_2x4, options)
     p = plan.prediction
-    assert plan.solver["objective_s"] == pytest.approx(p.step_time_s, rel=1e-12)
+    assert plan.solver.objective_s == pytest.approx(p.step_time_s, rel=1e-12)
     assert p.step_time_s == pytest.approx(p.compute_time_s + p.communication_time_s, rel=1e-12)
 
     problem = build_problem(graph, cost_model_for(MESH_2x4, options))
@@ -87,7 +87,7 @@ def test_gradient_all_reduce_hides_behind_the_backward_and_the_flags_say_so():
     assert p.step_time_s < q.step_time_s
     assert p.step_time_s == pytest.approx(q.step_time_s - p.hidden_communication_time_s, rel=1e-9)
     assert p.communication_time_s + p.hidden_communication_time_s == pytest.approx(q.communication_time_s, rel=1e-9)
-    assert on.solver["objective_s"] == pytest.approx(p.step_time_s, rel=1e-12)
+    assert on.solver.objective_s == pytest.approx(p.step_time_s, rel=1e-12)
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in on.xla_flags() and off.xla_flags() == []
     back = type(on).from_json(on.to_json())
     assert back.xla_flags() == on.xla_flags()

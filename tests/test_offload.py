@@ -72,9 +72,9 @@ def test_offloaded_state_runs_equal_on_the_host_as_predicted(devices8):
     b, state, batch = concrete("mlp-tiny")
     step = planner.plan_parallel(b.train_step, mesh="1x8", offload="opt-state")
     plan = step.plan(state, batch)
-    record = plan.levers["offload"]
-    assert record["candidates"] == len(record["inputs"]) == len(record["outputs"]) > 0
-    assert all(".mu[" in p or ".nu[" in p for p in record["paths"])  # Adam moments, not params or count
+    record = plan.levers.offload
+    assert record.candidates == len(record.inputs) == len(record.outputs) > 0
+    assert all(".mu[" in p or ".nu[" in p for p in record.paths)  # Adam moments, not params or count
     # The same numbers as the unsharded step; the new moments come back in host memory.
     new_state, metrics = step(state, batch)
     ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
@@ -84,33 +84,33 @@ def test_offloaded_state_runs_equal_on_the_host_as_predicted(devices8):
     assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(new_state["params"])} == {"device"}
 
     # The update is streamed: each group's copies to the device wait on the previous group.
-    assert record["streamed"] and step.graph(state, batch).update_groups
+    assert record.streamed and step.graph(state, batch).update_groups
     lowered = step.lower(state, batch)
     assert "optimization_barrier" in lowered.as_text()
 
     # Host bytes as predicted; device bytes drop by them against the same plan without offload.
     compiled = lowered.compile()
     host_args, _, host_outs, _ = entry_bytes(compiled)
-    assert host_args == host_outs == record["host_bytes_per_device"]
-    plain_plan = dataclasses.replace(plan, levers={k: v for k, v in plan.levers.items() if k != "offload"})
+    assert host_args == host_outs == record.host_bytes_per_device
+    plain_plan = dataclasses.replace(plan, levers=dataclasses.replace(plan.levers, offload=None))
     with jax.sharding.set_mesh(plan._mesh()):
         plain = jit_planned(step.graph(state, batch), plain_plan).lower(state, batch).compile()
     assert entry_bytes(plain)[0] == 0
-    assert _device_bytes(plain) - _device_bytes(compiled) == 2 * record["host_bytes_per_device"]
+    assert _device_bytes(plain) - _device_bytes(compiled) == 2 * record.host_bytes_per_device
     predicted = plan.prediction.memory_bytes_per_device
     assert predicted < planner.plan(b.train_step, state, batch, mesh="1x8").prediction.memory_bytes_per_device
     assert predicted >= 0.9 * _device_bytes(compiled)  # never under what XLA:CPU keeps on the device
 
     # Time: the copies in and back at the preset's host link, in the prediction's communication.
     hw = PRESETS["a100-80gb"]  # the default preset
-    assert record["copy_in_s"] == record["copy_back_s"] == pytest.approx(record["host_bytes_per_device"] / hw.host_bandwidth)
+    assert record.copy_in_s == record.copy_back_s == pytest.approx(record.host_bytes_per_device / hw.host_bandwidth)
     p = plan.prediction
-    assert 0 <= record["hidden_s"] <= record["copy_in_s"]
-    transfer = record["copy_in_s"] + record["copy_back_s"]
+    assert 0 <= record.hidden_s <= record.copy_in_s
+    transfer = record.copy_in_s + record.copy_back_s
     assert p.communication_time_s + p.hidden_communication_time_s >= transfer
-    parts = {item[0]: item for item in plan.solver["step_parts"]["items"]}
+    parts = {item[0]: item for item in plan.solver.step_parts.items}
     assert parts["host offload"][3] == pytest.approx(transfer)
-    assert plan.solver["objective_s"] == pytest.approx(p.step_time_s, rel=1e-6)  # CP-SAT saw the same number
+    assert plan.solver.objective_s == pytest.approx(p.step_time_s, rel=1e-6)  # CP-SAT saw the same number
 
 
 def test_infeasible_with_offload_says_it_was_tried(devices8):
@@ -139,16 +139,16 @@ def test_auto_offloads_only_the_overflow_and_fits(devices8):
 
     step = planner.plan_parallel(_mlp_step, mesh="1x8", offload="auto", memory_budget=budget)
     plan = step.plan(state, batch)
-    record = plan.levers["offload"]
-    assert 0 < len(record["inputs"]) < record["candidates"]
-    assert record["paths"][0] == "[0]['opt_state'][0].mu['w1']"  # the largest leaf first
+    record = plan.levers.offload
+    assert 0 < len(record.inputs) < record.candidates
+    assert record.paths[0] == "[0]['opt_state'][0].mu['w1']"  # the largest leaf first
     assert plan.prediction.memory_bytes_per_device <= budget
     # Without a budget problem, auto keeps everything on the device.
-    assert not planner.plan(_mlp_step, state, batch, mesh="1x8", offload="auto").levers["offload"]["inputs"]
+    assert not planner.plan(_mlp_step, state, batch, mesh="1x8", offload="auto").levers.offload.inputs
 
     compiled = step.lower(state, batch).compile()
     host_args, _, host_outs, _ = entry_bytes(compiled)
-    assert host_args == host_outs == record["host_bytes_per_device"]
+    assert host_args == host_outs == record.host_bytes_per_device
     # The predicted peak falls by the offloaded arguments, and by their new values' buffers less what
     # those buffers held before they were written (`liveness._borrowed`: temporaries that fit, which
     # now count): between once and twice the offloaded bytes. XLA:CPU's device bytes fall by at
@@ -158,7 +158,7 @@ def test_auto_offloads_only_the_overflow_and_fits(devices8):
     drop = _device_bytes(plain.lower(state, batch).compile()) - _device_bytes(compiled)
     predicted_drop = (plain.plan(state, batch).prediction.memory_bytes_per_device
                       - plan.prediction.memory_bytes_per_device)
-    host = record["host_bytes_per_device"]
+    host = record.host_bytes_per_device
     assert host <= predicted_drop <= 2 * host <= drop
     new_state, metrics = step(state, batch)
     ref_state, ref_metrics = jax.jit(_mlp_step)(state, batch)
@@ -191,7 +191,7 @@ def test_offload_is_unavailable_in_one_line():
 
 
 def test_streamed_update_groups_each_parameters_state():
-    """`offload.streamed`: one contiguous group per parameter (its two Adam moments meet in its
+    """`ilp.offload.streamed`: one contiguous group per parameter (its two Adam moments meet in its
     update), the ops a topological permutation of the traced ones, the results bit-identical."""
     from planner.graph.trace import trace
     from planner.ilp.offload import streamed
@@ -260,13 +260,13 @@ def test_streamed_offload_keeps_one_groups_state_on_the_device():
     options = PlanOptions(hardware="h100", offload="opt-state", donate_argnums=(0,))
     mesh = MeshSpec((1, 8), ("x", "y"))
     plain, stream = make_plan(graph, mesh, options), make_plan(streamed(graph), mesh, options)
-    rec = stream.levers["offload"]
-    assert rec["streamed"] and not plain.levers["offload"]["streamed"]
-    assert rec["host_bytes_per_device"] == plain.levers["offload"]["host_bytes_per_device"]
+    rec = stream.levers.offload
+    assert rec.streamed and not plain.levers.offload.streamed
+    assert rec.host_bytes_per_device == plain.levers.offload.host_bytes_per_device
     largest = max(w.size for w in params.values()) * 4
     drop = plain.prediction.memory_bytes_per_device - stream.prediction.memory_bytes_per_device
-    assert drop >= rec["host_bytes_per_device"] / 2 - largest
-    assert rec["hidden_s"] == 0 < plain.levers["offload"]["hidden_s"]
+    assert drop >= rec.host_bytes_per_device / 2 - largest
+    assert rec.hidden_s == 0 < plain.levers.offload.hidden_s
 
 
 def test_auto_narrows_the_doubling_to_the_fewest_leaves_that_fit():
@@ -307,9 +307,9 @@ def test_master_parameters_offload_runs_equal_and_leaves_the_device(devices8):
     b, state, batch = concrete("gpt-tiny", dtype="bfloat16")
     both = planner.plan_parallel(b.train_step, mesh="1x8", offload="opt-state+params")
     plan = both.plan(state, batch)
-    record = plan.levers["offload"]
-    params = [p for p in record["paths"] if "['params']" in p and "opt_state" not in p]
-    assert record["params"] == len(params) > 0 and record["host_reads"]
+    record = plan.levers.offload
+    params = [p for p in record.paths if "['params']" in p and "opt_state" not in p]
+    assert record.params == len(params) > 0 and record.host_reads
     # the weights and embeddings the bf16 layers cast; not the layer norms' (read in float32)
     assert not any("['ln_" in p for p in params) and any(p.endswith("['kernel']") for p in params)
     new_state, metrics = both(state, batch)
@@ -320,10 +320,10 @@ def test_master_parameters_offload_runs_equal_and_leaves_the_device(devices8):
 
     compiled = both.lower(state, batch).compile()
     host_args, _, host_outs, _ = entry_bytes(compiled)
-    assert host_args == host_outs == record["host_bytes_per_device"]
+    assert host_args == host_outs == record.host_bytes_per_device
     moments = planner.plan_parallel(b.train_step, mesh="1x8", offload="opt-state")
-    moments_host = moments.plan(state, batch).levers["offload"]["host_bytes_per_device"]
-    params_host = record["host_bytes_per_device"] - moments_host
+    moments_host = moments.plan(state, batch).levers.offload.host_bytes_per_device
+    params_host = record.host_bytes_per_device - moments_host
     assert params_host > 0
     assert _device_bytes(moments.lower(state, batch).compile()) - _device_bytes(compiled) == 2 * params_host
 
@@ -347,18 +347,18 @@ def test_master_parameters_on_the_host_are_copied_in_for_each_cast_and_for_the_u
     mesh = MeshSpec((1, 8), ("x", "y"))
     plans = {mode: make_plan(graph, mesh, PlanOptions(hardware="h100", offload=mode, donate_argnums=(0,)))
              for mode in ("opt-state", "opt-state+params")}
-    moments, both = (plans[m].levers["offload"] for m in ("opt-state", "opt-state+params"))
+    moments, both = (plans[m].levers.offload for m in ("opt-state", "opt-state+params"))
     param_bytes = sum(w.size * 4 for w in params.values())
-    assert both["params"] == 4 and len(both["host_reads"]) == 4  # one cast per weight
-    assert both["host_bytes_per_device"] == moments["host_bytes_per_device"] + param_bytes
+    assert both.params == 4 and len(both.host_reads) == 4  # one cast per weight
+    assert both.host_bytes_per_device == moments.host_bytes_per_device + param_bytes
     link = get_hardware("h100").host_bandwidth
-    assert both["copy_in_s"] == pytest.approx((moments["host_bytes_per_device"] + 2 * param_bytes) / link)
-    assert both["copy_back_s"] == pytest.approx((moments["host_bytes_per_device"] + param_bytes) / link)
+    assert both.copy_in_s == pytest.approx((moments.host_bytes_per_device + 2 * param_bytes) / link)
+    assert both.copy_back_s == pytest.approx((moments.host_bytes_per_device + param_bytes) / link)
     two_largest = sum(sorted(w.size * 4 for w in params.values())[-2:])
     drop = (plans["opt-state"].prediction.memory_bytes_per_device
             - plans["opt-state+params"].prediction.memory_bytes_per_device)
     assert drop >= param_bytes - two_largest
-    assert plans["opt-state+params"].solver["objective_s"] == pytest.approx(
+    assert plans["opt-state+params"].solver.objective_s == pytest.approx(
         plans["opt-state+params"].prediction.step_time_s, rel=1e-6)  # CP-SAT saw the same copies
 
 
@@ -368,6 +368,6 @@ def test_master_parameters_of_a_float32_step_do_not_qualify_and_the_plan_says_so
     b, state, batch = concrete("mlp-tiny")
     with caplog.at_level("WARNING", logger="planner"):
         plan = planner.plan(b.train_step, state, batch, mesh="1x8", offload="opt-state+params")
-    record = plan.levers["offload"]
-    assert record["params"] == 0 and len(record["inputs"]) == record["candidates"] > 0
+    record = plan.levers.offload
+    assert record.params == 0 and len(record.inputs) == record.candidates > 0
     assert any("no master parameter qualifies" in r.getMessage() for r in caplog.records)

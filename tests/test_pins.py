@@ -95,7 +95,7 @@ def test_plan_honours_pins_and_plans_the_rest(devices8):
     for i, p in enumerate(paths):
         if p.endswith("['dense_0']['kernel']"):  # the parameter and its Adam moments
             assert plan.input_specs[i] == ((0,), ()), p
-    assert plan.solver["pinned_inputs"] == 3
+    assert plan.solver.pinned_inputs == 3
     assert plan.prediction.step_time_s >= free.prediction.step_time_s
     ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
     new_state, metrics = step(state, batch)

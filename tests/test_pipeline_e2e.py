@@ -134,7 +134,7 @@ def test_plain_value_and_grad_optax_step_pipelines(pipeline):
     for st, stage, rep in zip(lowered, plan.stages, reports):
         assert set(rep) == {"forward", "backward", "update"}
         assert {d.id for d in st.devices} == {d.id for d in st.mesh.devices.flat} == {
-            jax.devices()[i].id for i in stage["devices"]}
+            jax.devices()[i].id for i in stage.devices}
         assert all(r.memory is not None and r.memory.peak_bytes > 0 for r in rep.values())
 
 

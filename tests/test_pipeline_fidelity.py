@@ -32,8 +32,8 @@ def test_pipeline_stages_compile_to_their_planned_collectives(gpt_tiny, devices8
     cluster = cluster_for(MeshSpec((2, 4), ("host", "device")), 8, options)
     graph = trace(b.train_step, state, batch)
     plan, _ = plan_stages(b.train_step, (state, batch), graph, cluster, options, jax.devices(), max_mesh_ndim=1)
-    assert len(plan.stages) == 2 and all(st.get("plan") for st in plan.stages)
-    B = plan.pipeline["num_microbatches"]
+    assert len(plan.stages) == 2 and all(st.plan is not None for st in plan.stages)
+    B = plan.pipeline.num_microbatches
     loaded = planner.Plan.from_json(plan.to_json())
     runner = run_plan(b.train_step, loaded)
     new_state, metrics = runner(state, batch)
@@ -68,10 +68,10 @@ def test_pipeline_stages_compile_to_their_planned_collectives(gpt_tiny, devices8
     from planner.stages.dp import pipeline_latency
 
     stages = plan.stages
-    compute = pipeline_latency([st["time_per_microbatch_s"] - st["exposed_communication_per_microbatch_s"]
-                                for st in stages], B) + max(st["apply_time_s"] for st in stages)
+    compute = pipeline_latency([st.time_per_microbatch_s - st.exposed_communication_per_microbatch_s
+                                for st in stages], B) + max(st.apply_time_s for st in stages)
     assert pred.compute_time_s == pytest.approx(compute, rel=1e-9)
-    assert pred.communication_time_s > 0 and all(st["exposed_communication_per_microbatch_s"] > 0 for st in stages)
+    assert pred.communication_time_s > 0 and all(st.exposed_communication_per_microbatch_s > 0 for st in stages)
     assert pred.compute_time_s + pred.communication_time_s == pytest.approx(pred.step_time_s, rel=1e-12)
     reports = check_stage_fidelity(lowered)
     for st, rep in zip(lowered, reports):
@@ -105,7 +105,7 @@ def test_pipeline_of_a_step_the_runtime_cannot_split_still_lists_its_communicati
     options = PlanOptions(hardware="a100-80gb", pipeline=True)
     cluster = cluster_for(MeshSpec((2, 4), ("host", "device")), 8, options)
     plan, pp = plan_stages(b.train_step, args, graph, cluster, options)
-    assert len(pp.stages) > 1 and not any(st.get("plan") for st in plan.stages)  # no stage programs
+    assert len(pp.stages) > 1 and all(st.plan is None for st in plan.stages)  # no stage programs
     B, pred = pp.num_microbatches, plan.prediction
     per_stage = []
     for s, st in enumerate(pp.stages):

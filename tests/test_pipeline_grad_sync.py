@@ -14,8 +14,8 @@ from xla_hooks.inspect import collectives
 from zoo import get_model, make_optimizer
 
 
-def _stages(plan) -> list[dict]:
-    return [dict(s) for s in plan.stages]
+def _stages(plan) -> list:
+    return list(plan.stages)
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +36,15 @@ def test_gradient_sync_is_charged_once_per_step(dp_pp2):
     once = {}
     for B, plan in dp_pp2.items():
         stages = _stages(plan)
-        assert len(stages) == 2 and plan.pipeline["num_microbatches"] == B
-        assert all(s["grad_sync_time_s"] > 0 for s in stages)  # the stages are data parallel
-        latency = pipeline_latency([s["time_per_microbatch_s"] for s in stages], B)
-        once[B] = max(s["grad_sync_time_s"] + s["apply_time_s"] for s in stages)
+        assert len(stages) == 2 and plan.pipeline.num_microbatches == B
+        assert all(s.grad_sync_time_s > 0 for s in stages)  # the stages are data parallel
+        latency = pipeline_latency([s.time_per_microbatch_s for s in stages], B)
+        once[B] = max(s.grad_sync_time_s + s.apply_time_s for s in stages)
         assert plan.prediction.step_time_s == pytest.approx(latency + once[B], rel=1e-9)
     step2, step4 = dp_pp2[2].prediction.step_time_s, dp_pp2[4].prediction.step_time_s
-    lat2 = pipeline_latency([s["time_per_microbatch_s"] for s in _stages(dp_pp2[2])], 2)
-    lat4 = pipeline_latency([s["time_per_microbatch_s"] for s in _stages(dp_pp2[4])], 4)
-    sync = max(s["grad_sync_time_s"] for s in _stages(dp_pp2[4]))
+    lat2 = pipeline_latency([s.time_per_microbatch_s for s in _stages(dp_pp2[2])], 2)
+    lat4 = pipeline_latency([s.time_per_microbatch_s for s in _stages(dp_pp2[4])], 4)
+    sync = max(s.grad_sync_time_s for s in _stages(dp_pp2[4]))
     assert step4 - step2 == pytest.approx(lat4 - lat2 + once[4] - once[2], rel=1e-9)
     assert abs(once[4] - once[2]) < 0.1 * sync  # paying it per microbatch would add 2 * sync
 
@@ -99,6 +99,6 @@ def test_runtime_takes_the_plans_data_axes():
     opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
     step = PipelinedStep.from_plan(b.loss_fn, opt, plan, jax.devices()[:8])
     _, stages, *_ = step._layout(state["params"], batch)
-    planned = [tuple(sorted(s["data_axes"])) for s in plan.stages]
+    planned = [tuple(sorted(s.data_axes)) for s in plan.stages]
     assert any(planned)  # some stage is data-parallel
-    assert [tuple(st["layout"].mesh.axis_names[a] for a in st["axes"]) for st in stages] == planned
+    assert [tuple(st.layout.mesh.axis_names[a] for a in st.axes) for st in stages] == planned

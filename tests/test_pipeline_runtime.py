@@ -101,29 +101,29 @@ def test_plan_parallel_with_pipeline(gpt_tiny, devices8):
                                  num_microbatches=2, schedule="gpipe")
     plan = step.plan(state, batch)
     assert len(plan.stages) >= 2
-    assert plan.pipeline["num_microbatches"] == 2 and plan.pipeline["schedule"] == "gpipe"
-    assert 0 < plan.pipeline["bubble_fraction"] < 1
-    assert all({"layers", "submesh", "mesh", "devices", "shardings"} <= set(st) for st in plan.stages)
+    assert plan.pipeline.num_microbatches == 2 and plan.pipeline.schedule == "gpipe"
+    assert 0 < plan.pipeline.bubble_fraction < 1
+    assert all(None not in (st.layers, st.submesh, st.mesh, st.devices, st.shardings) for st in plan.stages)
     assert "pipeline" in plan.summary() and "stage 1" in plan.summary()
     new_state, metrics = step(state, batch)
     _close(b, opt, state, batch, new_state, metrics, ref_state, ref_metrics)
     # Each stage's parameters live on its submesh, laid out as the stage's intra-op plan says.
     devices = jax.devices()
     for st in plan.stages:
-        path = next(p for p, spec in st["shardings"].items() if "['params']" in p and any(spec))
+        path, spec = next((p, spec) for p, spec in st.shardings if "['params']" in p and any(spec))
         leaf = new_state["params"]
         for key in path.split("['params']")[1].strip("[]'").split("']['"):
             leaf = leaf[key]
-        assert leaf.sharding.device_set == {devices[i] for i in st["devices"]}
-        assert dict(leaf.sharding.mesh.shape) == dict(st["mesh"])
-        names = [tuple(a) if isinstance(a, list) else a for a in st["shardings"][path]]
+        assert leaf.sharding.device_set == {devices[i] for i in st.devices}
+        assert dict(leaf.sharding.mesh.shape) == dict(zip(st.mesh.axis_names, st.mesh.shape))
+        names = [tuple(st.mesh.axis_names[a] for a in axes) or None for axes in spec]
         assert tuple(leaf.sharding.spec) + (None,) * (len(names) - len(leaf.sharding.spec)) == tuple(
             None if a is None else a[0] if len(a) == 1 else a for a in names)
     again, _ = step(new_state, batch)  # the returned state feeds the next step where it lies
     assert np.isfinite(np.asarray(jax.tree.leaves(again)[0])).all()
     # The JSON form carries everything needed to run the pipeline again.
     loaded = planner.Plan.from_json(plan.to_json())
-    assert loaded.pipeline["num_microbatches"] == 2
+    assert loaded.pipeline.num_microbatches == 2
     assert planner.Plan.from_json(loaded.to_json()).to_dict() == loaded.to_dict()
     rebuilt = PipelinedStep.from_plan(b.loss_fn, opt, loaded)
     assert rebuilt.layouts == step.jitted(state, batch)._runtime().layouts
@@ -140,8 +140,8 @@ def test_auto_pipeline_on_one_device_is_the_intra_op_plan(gpt_tiny, devices8):
     b, _, state, batch, _, _ = gpt_tiny
     step = planner.plan_parallel(b.train_step, mesh=(1,), devices=jax.devices()[:1], pipeline="auto")
     plan = step.plan(b.abstract_state(), b.abstract_batch())
-    assert plan.stages == () and plan.pipeline["num_stages"] == 1
-    assert plan.pipeline["bubble_fraction"] == 0.0
+    assert plan.stages == () and plan.pipeline.num_stages == 1
+    assert plan.pipeline.bubble_fraction == 0.0
     # The single-stage plan the search priced is the one returned, bound to the devices: one solve.
     args = (b.abstract_state(), b.abstract_batch())
     one = jax.devices()[:1]

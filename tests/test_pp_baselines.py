@@ -10,7 +10,9 @@ import planner
 from planner.configs.baselines import baseline_specs, batch_ways, parse_baseline
 from planner.planning.evaluate import evaluate
 from planner.graph.trace import trace
+from planner.core.mesh import MeshSpec
 from planner.core.options import PlanOptions
+from planner.core.pipeline_records import HandLayoutCounts
 from planner.configs.pins import stage_pins
 from planner.stages.submesh import make_cluster
 from planner.emit.pipeline.planned import run_plan
@@ -37,14 +39,16 @@ def test_megatron_tp_pp2_runs_equal_to_the_unsharded_step():
     state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
     plan = evaluate(b.train_step, state, batch, mesh="1x8", baseline="megatron-tp+pp2", hardware="cpu",
                     num_microbatches=2)
-    assert plan.solver["configuration"] == "baseline megatron-tp+pp2"
-    assert plan.pipeline["num_microbatches"] == 2 and plan.pipeline["num_stages"] == 2
-    assert [st["layers"] for st in plan.stages] == [["pre", "blocks_0"], ["blocks_1", "post"]]
-    assert [st["devices"] for st in plan.stages] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert plan.solver.configuration == "baseline megatron-tp+pp2"
+    assert plan.pipeline.num_microbatches == 2 and plan.pipeline.num_stages == 2
+    assert [st.layers for st in plan.stages] == [("pre", "blocks_0"), ("blocks_1", "post")]
+    assert [st.devices for st in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert [st.mesh.axis_names for st in plan.stages] == [("x", "y")] * 2
     query = "[0]['params']['blocks_1']['attn']['query']['kernel']"
-    assert plan.stages[1]["shardings"][query] == [None, ["x", "y"], None]  # column parallel: heads
-    assert plan.stages[0]["shardings"]["[0]['params']['wte']['embedding']"] == [["x", "y"], None]  # vocab
-    assert plan.stages[0]["shardings"]["[1]['inputs']"] == [None, None]  # megatron-tp: batch replicated
+    first, second = (dict(st.shardings) for st in plan.stages)
+    assert second[query] == ((), (0, 1), ())  # column parallel: heads over (x, y)
+    assert first["[0]['params']['wte']['embedding']"] == ((0, 1), ())  # vocab
+    assert first["[1]['inputs']"] == ((), ())  # megatron-tp: batch replicated
     assert plan.prediction.bytes_moved_per_device > 0
     ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
     new_state, metrics = run_plan(b.train_step, planner.Plan.from_json(plan.to_json()))(state, batch)
@@ -110,8 +114,8 @@ def test_counts_whose_replica_share_does_not_trace_are_skipped(caplog):
     b = get_model("moe-tiny", batch=8, seq=8, group_size=16)
     with caplog.at_level(logging.WARNING, logger="planner"):
         plan = evaluate(b.train_step, *_abstract(b), baseline="megatron-tp+pp2", cluster="4x2:cpu")
-    assert plan.pipeline["num_microbatches"] == 2
-    assert [c["num_microbatches"] for c in plan.pipeline["candidates"]] == [2]
+    assert plan.pipeline.num_microbatches == 2
+    assert [c.num_microbatches for c in plan.pipeline.candidates] == [2]
     assert any("B=4: the step does not trace on 4 microbatches of 2 rows split 2 ways (1 per data-parallel "
                "replica) (TypeError" in r.getMessage() for r in caplog.records)
     for base, B, message in (("megatron-tp+pp2", 4, "4 microbatches of 2 rows split 2 ways"),
@@ -120,7 +124,7 @@ def test_counts_whose_replica_share_does_not_trace_are_skipped(caplog):
                                                                rf"no microbatch count tried traces \({B or 2}\)$"):
             evaluate(b.train_step, *_abstract(b), baseline=base, cluster="4x2:cpu", num_microbatches=B)
     fsdp = evaluate(b.train_step, *_abstract(b), baseline="fsdp+pp2", cluster="4x2:cpu")
-    assert fsdp.pipeline["num_microbatches"] == 2 and fsdp.prediction.step_time_s > 0
+    assert fsdp.pipeline.num_microbatches == 2 and fsdp.prediction.step_time_s > 0
 
 
 def test_tensor_parallel_degree_lays_stages_out_as_megatron():
@@ -129,8 +133,8 @@ def test_tensor_parallel_degree_lays_stages_out_as_megatron():
     b = get_model("gpt-tiny", batch=16)
     kw = dict(baseline="megatron-tp+pp2", cluster="4x8:a100-80gb", num_microbatches=2, remat=True)
     plan = evaluate(b.train_step, *_abstract(b), tensor_parallel=2, **kw)
-    assert [dict(st["mesh"]) for st in plan.stages] == [{"x": 8, "y": 2}] * 2  # 2 hosts per stage
-    assert plan.solver["configuration"] == "baseline megatron-tp+pp2 (tensor parallel 2)"
+    assert [st.mesh for st in plan.stages] == [MeshSpec((8, 2), ("x", "y"))] * 2  # 2 hosts per stage
+    assert plan.solver.configuration == "baseline megatron-tp+pp2 (tensor parallel 2)"
     with pytest.raises(planner.InvalidArgumentError, match="tensor_parallel=3 must be") as e:
         evaluate(b.train_step, *_abstract(b), tensor_parallel=3, **kw)
     assert "\n" not in str(e.value)
@@ -206,19 +210,19 @@ def test_pipeline_search_holds_the_hand_layouts_as_points():
     ways = set()
     for budget, name in ((1.0e6, "fsdp"), (1.0e6, "megatron-tp"), (1.6e6, "megatron-tp")):
         base = evaluate(b.train_step, *args, baseline=f"{name}+pp2", cluster=hw, memory_budget=budget)
-        assert dict(base.pipeline["planning"]).get("fits_memory", True)
-        B = base.pipeline["num_microbatches"]
+        assert base.pipeline.planning.fits_memory in (None, True)
+        B = base.pipeline.num_microbatches
         searched = plan_pipeline(b.train_step, args, cluster,
                                  PlanOptions(pipeline=True, num_microbatches=B, memory_budget=budget), full_graph=graph)
         assert searched.step_time_s <= base.prediction.step_time_s * (1 + 1e-9), (budget, name)
         assert max(s.memory_bytes for s in searched.stages) <= budget
-        assert searched.planning["hand_layout_counts"] == {"priced": [B], "pruned": []}  # memory binds
+        assert searched.planning.hand_layout_counts == HandLayoutCounts((B,), ())  # memory binds
         ways |= {s.layer_plans for s in searched.stages}
     assert ways & {"megatron-tp", "fsdp"}
     # Where memory does not bind, the layers' own plans are the fastest: the hand layouts are not priced.
     roomy = plan_pipeline(b.train_step, args, cluster, PlanOptions(pipeline=True, num_microbatches=2,
                                                                    memory_budget=1e9), full_graph=graph)
-    assert roomy.planning["hand_layout_counts"] == {"priced": [], "pruned": [2]}
+    assert roomy.planning.hand_layout_counts == HandLayoutCounts((), (2,))
     assert {s.layer_plans for s in roomy.stages} == {"planned"}
 
 
@@ -234,7 +238,7 @@ def test_a_stage_in_a_hand_layout_runs_equal_to_the_unsharded_step():
     step = planner.plan_parallel(pipelinable(b.loss_fn, opt), mesh=(2, 4), inter_host_axes=(0,),
                                  hardware="a100-80gb", pipeline=True, num_microbatches=2, memory_budget=1.6e6)
     plan = step.plan(state, batch)
-    assert "megatron-tp" in {st["layer_plans"] for st in plan.stages}
+    assert "megatron-tp" in {st.layer_plans for st in plan.stages}
     assert "megatron-tp:" in plan.summary()
     new_state, metrics = step(state, batch)
     assert_first_step_close(b.loss_fn, opt, state, batch, new_state, metrics, ref_state, ref_metrics,
@@ -253,7 +257,7 @@ def test_megatron_tp_pp2_runs_the_scanned_llama_equal_to_the_unsharded_step():
     state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
     plan = evaluate(b.train_step, state, batch, mesh="1x8", baseline="megatron-tp+pp2", hardware="cpu",
                     num_microbatches=2)
-    assert [st["layers"] for st in plan.stages] == [["pre", "scaniter_0"], ["scaniter_1", "post"]]
+    assert [st.layers for st in plan.stages] == [("pre", "scaniter_0"), ("scaniter_1", "post")]
     ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
     new_state, metrics = run_plan(b.train_step, planner.Plan.from_json(plan.to_json()))(state, batch)
     assert_first_step_close(b.loss_fn, opt, state, batch, new_state, metrics, ref_state, ref_metrics,

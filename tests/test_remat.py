@@ -16,6 +16,7 @@ from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.graph.trace import trace
 from planner.core.mesh import parse_mesh
 from planner.core.options import PlanOptions
+from planner.core.plan_records import RematRecord
 from planner.search.mesh_plan import make_plan
 from planner.levers.remat import WRAPPER, graph_for, rematerialize, remat_layers
 from tests.helpers import (assert_gradients_close, assert_loss_close, assert_sgd_step_close, concrete,
@@ -100,7 +101,7 @@ def test_planned_remat_step_matches_the_unsharded_step(devices8):
 
     planned = planner.plan_parallel(step, mesh="2x4", remat="dots")
     plan = planned.plan(params, x)
-    assert plan.levers["remat"]["layers"] == ["blocks_0", "blocks_1", "blocks_2"]
+    assert plan.levers.remat.layers == ("blocks_0", "blocks_1", "blocks_2")
     new_params = planned(params, x)
     assert_sgd_step_close(_blocks_loss, lr, params, x, new_params)
     # A saved plan is emitted on the graph it was made for, rewritten from a fresh trace.
@@ -115,7 +116,7 @@ def test_planned_remat_step_matches_the_unsharded_step(devices8):
 
 def test_remat_plan_compiles_to_less_memory_as_predicted(planned, devices8):
     (off, off_compiled), (full, full_compiled) = planned["off"], planned["full"]
-    assert full.levers["remat"]["layers"] == ["blocks_0", "blocks_1"]
+    assert full.levers.remat.layers == ("blocks_0", "blocks_1")
     measured = {k: memory_stats(c).peak_bytes for k, (_, c) in planned.items()}
     for k, (plan, _) in planned.items():  # within 10% of the compiled peak, as tests/test_memory.py asserts
         assert 0.9 <= plan.prediction.memory_bytes_per_device / measured[k] <= 1.1, (k, plan.prediction, measured)
@@ -130,7 +131,7 @@ def test_auto_recomputes_only_when_the_budget_needs_it(gpt, planned, devices8):
     off, full = planned["off"][0], planned["full"][0]
     roomy = planner.plan(b.train_step, state, batch, mesh="1x8", remat="auto",
                          memory_budget=int(1.05 * off.prediction.memory_bytes_per_device))
-    assert roomy.levers["remat"] == {"policy": "off"} and roomy.prediction == off.prediction
+    assert roomy.levers.remat == RematRecord("off") and roomy.prediction == off.prediction
     budget = int(1.02 * full.prediction.memory_bytes_per_device)
     assert budget < off.prediction.memory_bytes_per_device
     tight = planner.plan(b.train_step, state, batch, mesh="1x8", remat="auto", memory_budget=budget)
@@ -166,28 +167,28 @@ def test_auto_recomputes_the_fewest_first_layers_that_fit(devices8, partial):
     layers; its plan fits, and the same policy on the first n - 1 layers, planned the same way (no
     smallest-peak search), does not."""
     params, x, budget, _, plan = partial
-    record = plan.levers["remat"]
+    record = plan.levers.remat
     graph = trace(_sgd_step, params, x)
     layers = remat_layers(graph)
-    n = len(record["layers"])
-    assert record["policy"] in ("dots", "full") and record["recomputable"] == len(layers) == 6
-    assert 1 <= n < len(layers) and record["layers"] == layers[:n], record
+    n = len(record.layers)
+    assert record.policy in ("dots", "full") and record.recomputable == len(layers) == 6
+    assert 1 <= n < len(layers) and record.layers == tuple(layers[:n]), record
     assert plan.prediction.memory_bytes_per_device <= budget
     spec, _ = parse_mesh("2x4")  # planned as plan_parallel plans it: on that mesh of the devices
     jax_mesh, options = spec.to_jax_mesh(devices8), PlanOptions(remat="auto", memory_budget=budget)
     with pytest.raises(InfeasiblePlanError):
-        make_plan(rematerialize(graph, layers[:n - 1], record["policy"]), spec, options, jax_mesh,
+        make_plan(rematerialize(graph, layers[:n - 1], record.policy), spec, options, jax_mesh,
                   min_peak_search=False)
 
 
 def test_partial_remat_plan_matches_the_unsharded_step_and_re_emits(devices8, partial):
     params, x, _, planned, plan = partial
-    assert 0 < len(plan.levers["remat"]["layers"]) < plan.levers["remat"]["recomputable"]
+    assert 0 < len(plan.levers.remat.layers) < plan.levers.remat.recomputable
     new_params = planned(params, x)
     assert_sgd_step_close(_blocks_loss, LR, params, x, new_params)
     # the saved plan names the layers; a fresh trace rewritten from it emits the same program
     loaded = planner.Plan.from_json(plan.to_json()).bind(params, x, mesh=plan.jax_mesh, out_tree=plan.out_tree)
-    assert loaded.levers["remat"] == plan.levers["remat"]
+    assert loaded.levers.remat == plan.levers.remat
     fresh = trace(_sgd_step, params, x)
     assert len(graph_for(fresh, loaded).ops) == len(planned.graph(params, x).ops)
     with jax.sharding.set_mesh(loaded._mesh()):

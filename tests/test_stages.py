@@ -292,7 +292,7 @@ def test_scanned_weights_are_named_when_pipelining():
         pp = plan_pipeline(b.train_step, args, Cluster.parse("1x2:cpu"), PlanOptions(pipeline=True),
                            microbatch_limit=1)
         assert ("stacked over layers" in pp.summary()) == scan
-        assert pp.planning.get("stacked_params", []) == paths
+        assert list(pp.planning.stacked_params or ()) == paths
 
 
 def test_layer_tables_filled_in_parallel_equal_the_serial_ones():
@@ -353,7 +353,7 @@ def test_sharded_state_stages_list_their_parameter_gathers():
 
 def test_sharded_state_stages_reduce_gradients_every_microbatch():
     """In the sharded-state layout a stage's parameters are split over its data axes too, so the
-    pipeline runtime reduces their gradients every microbatch (`runtime.PipelinedStep._replicas`):
+    pipeline runtime reduces their gradients every microbatch (`stage_records.set_replicas`):
     the stage tables price that reduction in the stage time per microbatch and not once per step;
     the "plan" layout keeps it once per step."""
     from planner.core.options import PlanOptions

@@ -58,10 +58,10 @@ def test_slow_host_links_pipeline_along_host_boundaries():
     # What the plan records, in words and in JSON.
     text = pp.summary()
     assert "stage 0" in text and f"{pp.num_microbatches} microbatches" in text and "bubble" in text
-    info = json.loads(json.dumps(pp.to_dict()))
+    info = json.loads(json.dumps(pp.facts().to_json()))
     assert info["schedule"] == "1f1b" and info["num_microbatches"] == pp.num_microbatches
     assert info["bubble_fraction"] == pytest.approx(pp.bubble_fraction)
-    stages = json.loads(json.dumps([dict(s) for s in pp.stage_dicts()]))
+    stages = json.loads(json.dumps([s.to_json() for s in pp.stage_records()]))
     assert [s["layers"] for s in stages] == [list(st.layers) for st in pp.stages]
     assert all(s["submesh"] == [1, 2] or s["submesh"][1] == 2 for s in stages)
     assert all(set(s) >= {"layers", "submesh", "mesh", "devices", "shardings", "inflight_microbatches"}
@@ -75,9 +75,9 @@ def test_slow_host_links_pipeline_along_host_boundaries():
 
     assert info["planning"]["single_stage_mesh_search"] in (True, False)
     unfit = dataclasses.replace(pp, single_stage_time_s=math.inf, single_stage_time_unconstrained_s=2 * pp.step_time_s,
-                                planning={**pp.planning, "single_stage_mesh_search": False})
+                                planning=dataclasses.replace(pp.planning, single_stage_mesh_search=False))
     assert "per-layer tables" in _no_single(unfit) and "2.0x this pipeline" in _no_single(unfit)
-    searched = dataclasses.replace(unfit, planning={**pp.planning, "single_stage_mesh_search": True})
+    searched = dataclasses.replace(unfit, planning=dataclasses.replace(pp.planning, single_stage_mesh_search=True))
     assert _no_single(searched) == "does not fit the budget on any mesh shape searched"
 
 
@@ -122,7 +122,7 @@ def test_gpt39b_on_alpa_testbed_pipelines_along_hosts():
         assert st.memory_bytes <= cluster.hardware.memory_bytes
     assert pp.step_time_s < pp.single_stage_time_s  # the single stage does not even fit (infinite)
     assert pp.step_time_s < pp.single_stage_time_unconstrained_s
-    assert pp.planning["distinct_layers"] == 3 and pp.planning["layers"] == 26
+    assert pp.planning.distinct_layers == 3 and pp.planning.layers == 26
 
 
 def test_pipeline_auto_single_stage_is_the_mesh_search_best():
@@ -170,7 +170,7 @@ def test_microbatch_counts_the_step_cannot_run_are_skipped_in_one_line(caplog):
 
 def test_pipeline_search_prices_the_runtimes_per_microbatch_reduction(caplog):
     """The runtime reduces a data-parallel stage's gradients once per step only where the loss
-    traces on one replica's share of a microbatch (`runtime.PipelinedStep._replicas`). An MoE
+    traces on one replica's share of a microbatch (`stage_records.set_replicas`). An MoE
     routing 32-token groups traces on 8-row microbatches (64 tokens) but not on a quarter of one:
     the search's chosen pipeline prices each stage split 4 ways as the runtime runs it, its
     reduction in every microbatch (in the stage time, none once per step), and says so; the
@@ -185,7 +185,7 @@ def test_pipeline_search_prices_the_runtimes_per_microbatch_reduction(caplog):
     with caplog.at_level(logging.WARNING, logger="planner"):
         pp = plan_pipeline(b.train_step, args, Cluster.parse("2x4:a100"),
                            PlanOptions(pipeline=True, num_microbatches=2))
-    named = pp.planning["grad_sync_per_microbatch"]
+    named = pp.planning.grad_sync_per_microbatch
     assert named and all("split 4 ways" in line for line in named)
     ways = [math.prod(st.mesh.shape[st.mesh.axis_names.index(a)] for a in st.data_axes) for st in pp.stages]
     fallback = {int(line.split(":")[0].split()[1]) for line in named}

@@ -81,12 +81,12 @@ def test_structural_sharing_keeps_the_unshared_optimum():
     shared = make_plan(graph, mesh, PlanOptions(solver_time_limit=30))
     elapsed = time.perf_counter() - start
     full = make_plan(graph, mesh, PlanOptions(solver_time_limit=30, share_layers=False))
-    print(f"\nplanning 3 remat blocks at d={D} on 4 devices: {elapsed:.2f} s, {shared.solver['variables_shared']} "
-          f"distinct of {shared.solver['decisions']} decisions")
-    assert shared.solver["variables_shared"] < full.solver["variables_shared"]
-    assert shared.solver["optimal"] and full.solver["optimal"]
+    print(f"\nplanning 3 remat blocks at d={D} on 4 devices: {elapsed:.2f} s, {shared.solver.variables_shared} "
+          f"distinct of {shared.solver.decisions} decisions")
+    assert shared.solver.variables_shared < full.solver.variables_shared
+    assert shared.solver.optimal and full.solver.optimal
     # each objective term is rounded to one 10 ps tick
-    tolerance = full.solver["decisions"] / _NS
+    tolerance = full.solver.decisions / _NS
     assert shared.prediction.step_time_s == pytest.approx(full.prediction.step_time_s, abs=tolerance)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from planner.core.options import OFFLOAD_MODES
+from planner.core.units import positive_int
 from planner.cost_model import DEFAULT_HARDWARE, PRESETS
 
 # Printed under `planner --help`.
@@ -29,16 +30,6 @@ def argnums(text: str) -> tuple[int, ...]:
     if any(v < 0 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: argument positions are >= 0")
     return values
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
 
 
 def accumulate(text: str):

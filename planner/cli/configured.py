@@ -50,5 +50,5 @@ def configured_results(args, graph, meshes, options, cluster):
     what = [f"baseline {args.baseline}"] if args.baseline else []
     what += ["--pin"] * bool(args.pin) + ["--rules"] * bool(args.rules)
     plan = labelled(plan, " + ".join(what))
-    log.info("%s: %d of %d argument leaves pinned", plan.solver["configuration"], len(pinned), len(graph.inputs))
+    log.info("%s: %d of %d argument leaves pinned", plan.solver.configuration, len(pinned), len(graph.inputs))
     return (MeshResult(mesh, plan, None, inter, time.perf_counter() - t0),)

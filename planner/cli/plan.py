@@ -179,7 +179,7 @@ def _rank_searched(where: PlanTarget, traced: Traced):
     options, graph = where.options, traced.graph
 
     def search(g, smallest_peak: bool):
-        if options.offload != "off":  # a streamed optimizer update (`offload.streamed`)
+        if options.offload != "off":  # a streamed optimizer update (`ilp.offload.streamed`)
             g = offload_streamed(g)
         found = search_meshes(g, where.meshes, options, where.cluster.devices_per_host if where.cluster else None,
                               min_peak_search=smallest_peak)
@@ -214,12 +214,12 @@ def _print_plan(args, view, pp_stages, out) -> None:
 def _configuration_line(args, plan, pp_stages) -> str:
     """What --pin / --rules / --baseline configured, and what the evaluation approximated."""
     solver = plan.solver
-    pinned = (f"{len(plan.stages)} even pipeline stages, {solver.get('configuration', '').split('+')[0][9:]} "
+    pinned = (f"{len(plan.stages)} even pipeline stages, {(solver.configuration or '').split('+')[0][9:]} "
               "pins in each" if pp_stages else
-              f"{solver.get('pinned_inputs', 0)} argument leaves pinned" + (", the rest planned" if not args.baseline
-                                                                           else ""))
-    return (f"\nYour configuration: {solver.get('configuration')}, {pinned}"
-            + (f"; approximated: {solver['approximation']}" if solver.get("approximation") else ""))
+              f"{solver.pinned_inputs or 0} argument leaves pinned" + (", the rest planned" if not args.baseline
+                                                                      else ""))
+    return (f"\nYour configuration: {solver.configuration}, {pinned}"
+            + (f"; approximated: {solver.approximation}" if solver.approximation else ""))
 
 
 def no_plan(results, budget: float | None, accumulated: bool = False) -> Exception:
@@ -264,8 +264,8 @@ def accumulated_results(step, graph, meshes, options, cluster, budget):
     bounds = MeshSpec((meshes[0].size,), default_axis_names(1))
     t0 = time.perf_counter()
     acc = plan_accumulation(step, graph, options.accumulate, budget, plan_micro, bounds, options.unshard)
-    plan = dataclasses.replace(acc.plan, options={**acc.plan.options, "accumulate": options.accumulate})
-    record = plan.levers["accumulation"]
-    log.info("gradient accumulation: %d microbatch(es) of %d rows", record["microbatches"], record["microbatch_rows"])
+    plan = dataclasses.replace(acc.plan, options=dataclasses.replace(acc.plan.options, accumulate=options.accumulate))
+    record = plan.levers.accumulation
+    log.info("gradient accumulation: %d microbatch(es) of %d rows", record.microbatches, record.microbatch_rows)
     inter = next((r.inter_host_axes for rs in seen for r in rs if r.plan is not None and r.mesh == plan.mesh), ())
     return (MeshResult(plan.mesh, plan, None, inter, time.perf_counter() - t0),), acc.graph

@@ -36,7 +36,7 @@ def parse_cluster(text: str) -> Cluster:
 
 def candidate_specs(args, num_devices: int, hosts: int = 1):
     """The MeshSpecs to plan: the --mesh one, or every candidate shape of the device count (on
-    `hosts` hosts: `search.default_mesh_ndim`)."""
+    `hosts` hosts: `search.candidates.default_mesh_ndim`)."""
     if args.mesh is not None:
         if not MESH_SHAPE.match(args.mesh):
             raise CLIError(f"--mesh {args.mesh!r} is not a shape like 2x4; write the axis sizes joined by 'x'")

@@ -31,7 +31,7 @@ row-parallel biases) is replicated.
 
 Pipeline baselines, `NAME+ppN` (`parse_baseline`; `planner.evaluate(..., baseline="megatron-tp+pp2")`):
 the baseline inside each of N hand-chosen even pipeline stages, as Megatron-LM lays out TP x PP x
-DP (`planner.stages.inter_op.fixed_pipeline`). A stage spanning several hosts is the mesh (hosts,
+DP (`planner.stages.fixed_pipeline.fixed_pipeline`). A stage spanning several hosts is the mesh (hosts,
 devices per host); there megatron-tp and megatron-tp-sp put tensor parallelism on the axis inside
 a host and split the batch over the host axis (`host_axes`; with no such split left they keep
 one tensor-parallel group over every axis, as above).
@@ -268,7 +268,7 @@ def _stage_pins(name: str, graph: Any, lm: Any, param_split: bool) -> dict[int, 
 def stage_baseline_pins(name: str) -> Callable[[Any, Any], dict[int, Any]]:
     """The baseline's pins on a pipeline stage's logical mesh (`planner.stages.submesh.LogicalMesh`),
     as `(graph, logical mesh) -> {program input tensor id: Spec}`, every argument leaf pinned
-    (`inter_op.fixed_pipeline`'s `pins`). megatron-tp(-sp) take the mesh's host axes as Megatron
+    (`fixed_pipeline.fixed_pipeline`'s `pins`). megatron-tp(-sp) take the mesh's host axes as Megatron
     does (`baseline_specs`).
 
     Raises:
@@ -281,7 +281,7 @@ def stage_baseline_pins(name: str) -> Callable[[Any, Any], dict[int, Any]]:
 def replica_ways(name: str, graph: Any, lm: Any) -> int:
     """How many data-parallel replicas of a pipeline stage on the logical mesh `lm` accumulate their
     own gradients, so that the pipeline runtime traces the step on one replica's share of a
-    microbatch (`planner.emit.pipeline.runtime.PipelinedStep._replicas`): `batch_ways`, or 1 where the
+    microbatch (`planner.emit.pipeline.stage_records.set_replicas`): `batch_ways`, or 1 where the
     baseline splits a parameter of `graph`'s inputs over a data axis (fsdp), as the runtime then
     reduces gradients in every microbatch's backward instead."""
     ways = batch_ways(name, lm.mesh, lm.host_axes)
@@ -298,7 +298,7 @@ def replica_ways(name: str, graph: Any, lm: Any) -> int:
 
 def layer_variant_pins(name: str) -> Callable[[Any, Any], dict[int, Any]]:
     """`stage_baseline_pins(name)` as a per-layer plan variant of the pipeline's cost tables
-    (`planner.stages.stage_cost.LayerCostTable.variants`): empty (no variant) on a mesh where the
+    (`planner.stages.cost_table.LayerCostTable.variants`): empty (no variant) on a mesh where the
     baseline splits no parameter, since then it is no hand layout of the model's weights (a model
     whose parameter keys Megatron's table does not name, or a mesh it cannot divide).
 

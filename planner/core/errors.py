@@ -21,7 +21,7 @@ class InfeasiblePlanError(PlannerError, ValueError):
       min_memory_bytes: the smallest per-device peak of a plan found, when one was measured.
       lower_bound_bytes: a proven bound: no plan the planner can choose needs less.
       proven: False when the solver's limit stopped the search before the budget was ruled out.
-      levers: the memory levers and whether each was tried (`planner.ilp.solver.Lever`), when known.
+      levers: the memory levers and whether each was tried (`planner.ilp.levers.Lever`), when known.
       deterministic_time: CP-SAT deterministic units spent before giving this answer, when known.
     """
 

@@ -1,7 +1,7 @@
 """Planner options: one frozen record of plain data, filled from keyword arguments with defaults.
 
 Values that need the cost model to check (the hardware preset, the profile) are validated where
-the cost model is built (`planning.check_options`), so this record depends on nothing above it."""
+the cost model is built (`search.mesh_plan.check_options`), so this record depends on nothing above it."""
 from __future__ import annotations
 
 import dataclasses
@@ -31,7 +31,7 @@ class PlanOptions:
       tie_outputs: outputs whose pytree path and type equal an input's (the new train state) get
         that input's sharding, so the next step needs no resharding.
       share_layers: repeated layers share one decision: by module names (`name_0 ... name_N`), else
-        by structure (repeated runs of the same primitives and strategies, `problem.structural_representatives`).
+        by structure (repeated runs of the same primitives and strategies, `ilp.layer_sharing.structural_representatives`).
       constrain_intermediates: emit `with_sharding_constraint` on every planned intermediate.
       inter_host_axes: mesh axes whose links cross hosts (slower links in the cost model).
       profile: path of a profile database written by `planner profile` (measured collective
@@ -67,17 +67,17 @@ class PlanOptions:
         `memory_budget` unconstrained, else the fastest of off / "dots" / "full" that fits).
       donate_argnums: arguments whose buffers the step may reuse (as `jax.jit(donate_argnums=...)`,
         typically the train state): the memory model frees each leaf at its last use and lets its
-        new value take the buffer (`planner.ilp.problem.live_ranges`); `plan_parallel` passes its
+        new value take the buffer (`planner.ilp.live_ranges.live_ranges`); `plan_parallel` passes its
         own `donate_argnums` here and emits them donated.
       unshard: with `accumulate` > 1, selective unsharding (`planner.levers.accumulate.unshard`): values the
         microbatch loop would reshard from the arguments in every microbatch (a ZeRO-3 parameter's
         all-gather) are resharded once before the loop while `memory_budget` allows; False: every
         microbatch reshards them.
       mesh_ndim: the most axes of the logical meshes searched when no mesh is given (1, 2 or 3;
-        None: 3 when the devices span several hosts, else 2, `search.default_mesh_ndim`): 3 adds the
+        None: 3 when the devices span several hosts, else 2, `search.candidates.default_mesh_ndim`): 3 adds the
         3-D factorisations (e.g. data x fsdp x tensor) that refine the mesh of the fastest 2-D plan,
         each searched near that plan: its shardings and those with one mesh axis moved
-        (`search.search_meshes`, `search.neighbourhood`). A 3-D mesh given explicitly is searched whole.
+        (`search.meshes.search_meshes`, `search.refinement.neighbourhood`). A 3-D mesh given explicitly is searched whole.
     """
 
     memory_budget: float | None = None
@@ -167,6 +167,17 @@ class PlanOptions:
         elif isinstance(values.get("donate_argnums"), list):
             values["donate_argnums"] = tuple(values["donate_argnums"])
         return cls(**values)
+
+    def recorded(self) -> PlanOptions:
+        """These options as a plan records them (`Plan.options`): the hardware and the profile by
+        name, as their JSON form keeps them, so a plan and its reloaded copy compare equal."""
+        return PlanOptions.from_json(self.to_json())
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> PlanOptions:
+        """Options of their JSON form (`to_json`); keys that are no option (any more) are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names})
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)

@@ -1,10 +1,10 @@
-"""The Plan: the planner's frozen, JSON-serialisable answer."""
+"""The Plan: the planner's frozen, JSON-serialisable answer (its parts' records: `plan_records`,
+`pipeline_records`)."""
 from __future__ import annotations
 
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
-from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -12,6 +12,9 @@ import jax
 from planner.core.errors import InvalidArgumentError
 from planner.core.layer_index import star_indices
 from planner.core.mesh import MeshSpec
+from planner.core.options import PlanOptions
+from planner.core.pipeline_records import PipelineFacts, PipelineStage, stage_way
+from planner.core.plan_records import LEVER_NAMES, Levers, SolverStats, UserConstraint, solver_quality
 from planner.core.sharding import Spec, format_spec, named_sharding, spec_from_json, spec_to_json
 from planner.core.units import format_bytes
 
@@ -84,19 +87,6 @@ class Decision:
     runner_up_collectives: tuple[tuple[str, tuple[str, ...], int, float], ...] = ()
 
 
-def solver_quality(solver: Mapping) -> str:
-    """How good the solver's answer is, in words: "; proven optimal", "; gap 3.2% to the best
-    bound (deterministic limit reached)", or "" for a record without these fields."""
-    if solver.get("optimal"):
-        return "; proven optimal"
-    if "gap" not in solver:
-        return ""
-    gap = solver.get("gap")
-    limit = solver.get("limit")
-    text = "; not proven optimal, gap " + ("unknown" if gap is None else f"{gap:.2%}") + " to the best bound"
-    return text + (f" ({limit} limit reached)" if limit else "")
-
-
 def _decision_from_json(x: dict) -> Decision:
     def comms(items) -> tuple:
         return tuple((str(k), tuple(str(a) for a in axes), int(b), float(t)) for k, axes, b, t in items)
@@ -105,18 +95,6 @@ def _decision_from_json(x: dict) -> Decision:
     for key in ("collectives", "runner_up_collectives"):
         x[key] = comms(x.get(key, ()))
     return Decision(**x)
-
-
-# `Plan.levers` keys (plans saved before the field kept these records in "solver").
-LEVER_NAMES = ("accumulation", "remat", "offload")
-
-
-def stage_way(stage: Mapping[str, Any]) -> str:
-    """How a pipeline stage (its `to_dict` form) runs: the hand layout its layers were planned in
-    when not their own plans ("megatron-tp:"), its state layout, "+remat" when it recomputes."""
-    plans = stage.get("layer_plans") or "planned"
-    return ("" if plans == "planned" else f"{plans}:") + (stage.get("state_layout") or "-") + \
-        ("+remat" if stage.get("remat") else "")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -130,25 +108,25 @@ class Plan:
       op_specs: (op index, result position, spec) for every intermediate the plan constrains.
       prediction: predicted time, memory and communication.
       decisions: per ILP decision, the choice and the runner-up (for `explain`).
-      solver: solver facts (status, times, problem size).
-      options: the options the plan was made with.
+      solver: how the plan was found (`SolverStats`: status, times, problem size).
+      options: the options the plan was made with, as it records them (`PlanOptions.recorded`).
       fallback_primitives: primitives planned replicated for lack of a rule.
       operand_specs: (op index, operand position, spec) where an op reads an operand in another
         layout than its producer left it: the planned resharding, pinned so XLA reshards there
         instead of picking another decomposition of the op.
-      stages: pipeline stages (each with layers, submesh, mesh, ...); empty for a one-stage plan.
-      pipeline: pipeline-level facts when the plan was made with `pipeline=True/"auto"`: schedule,
-        num_microbatches, num_stages, bubble_fraction, the single-stage comparison (see
-        `planner.stages.PipelinePlan.to_dict`); empty otherwise.
+      stages: pipeline stages (`PipelineStage`: layers, submesh, mesh, ...); empty for a one-stage plan.
+      pipeline: pipeline-level facts when the plan was made with `pipeline=True/"auto"`
+        (`PipelineFacts`: schedule, num_microbatches, num_stages, bubble_fraction, the single-stage
+        comparison; see `planner.stages.pipeline_plan.PipelinePlan.facts`); None otherwise.
       scatter_specs: (op index, result position, spec before the scatter) of partial sums the plan
         reduce-scatters; emission pins the reduced value first so XLA reduces, then slices (the
         pattern its reduce-scatter pass recognises), instead of resharding an operand.
       in_tree / out_tree / jax_mesh: bound at planning time; not serialised (see `bind`).
       user_constraints: the step's own sharding constraints (`with_sharding_constraint`,
-        `jax.sharding.reshard`), each {"where", "user_spec", "planned_spec", "kept", "mode"}.
-      levers: the memory levers the plan uses, each a JSON-ready record that emission reads (so
-        they take part in equality, unlike `solver`): "accumulation" (`planner.levers.accumulate`: k
-        microbatches), "remat" (`planner.levers.remat`: policy and layers recomputed), "offload"
+        `jax.sharding.reshard`), each a `UserConstraint`.
+      levers: the memory levers the plan uses (`Levers`), records that emission reads (so they
+        take part in equality, unlike `solver`): `accumulation` (`planner.levers.accumulate`: k
+        microbatches), `remat` (`planner.levers.remat`: policy and layers recomputed), `offload`
         (`planner.ilp.offload`: argument and output positions kept in host memory).
     """
 
@@ -160,23 +138,23 @@ class Plan:
     op_specs: tuple[tuple[int, int, Spec], ...]
     prediction: Prediction
     decisions: tuple[Decision, ...]
-    solver: Mapping[str, Any] = dataclasses.field(compare=False)  # timings differ run to run
-    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    solver: SolverStats = dataclasses.field(compare=False)  # timings differ run to run
+    options: PlanOptions = dataclasses.field(default_factory=PlanOptions)
     fallback_primitives: tuple[str, ...] = ()
     scatter_specs: tuple[tuple[int, int, Spec], ...] = ()
-    stages: tuple[Mapping[str, Any], ...] = ()
+    stages: tuple[PipelineStage, ...] = ()
     operand_specs: tuple[tuple[int, int, Spec], ...] = ()
-    pipeline: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), compare=False)
+    pipeline: PipelineFacts | None = dataclasses.field(default=None, compare=False)
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     jax_mesh: jax.sharding.Mesh | None = dataclasses.field(default=None, compare=False, repr=False)
     assumed_xla_flags: tuple[str, ...] = ()
-    user_constraints: tuple[Mapping[str, Any], ...] = ()
-    levers: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    user_constraints: tuple[UserConstraint, ...] = ()
+    levers: Levers = dataclasses.field(default_factory=Levers)
 
-    def with_lever(self, name: str, record: Mapping[str, Any]) -> Plan:
-        """This plan with `levers[name] = record`."""
-        return dataclasses.replace(self, levers=MappingProxyType({**self.levers, name: record}))
+    def with_levers(self, **records: Any) -> Plan:
+        """This plan with the lever records given (`Levers` fields: accumulation=, remat=, offload=)."""
+        return dataclasses.replace(self, levers=dataclasses.replace(self.levers, **records))
 
     def xla_flags(self) -> list[str]:
         """The XLA flags the prediction assumes (the latency-hiding scheduler and collective combiner
@@ -243,22 +221,22 @@ class Plan:
             f"communication {p.communication_time_s * 1e3:.3f} ms)",
             f"  memory per device     {format_bytes(p.memory_bytes_per_device):>13}",
             f"  bytes moved / device  {format_bytes(p.bytes_moved_per_device):>13} in {len(p.collectives)} collectives",
-            f"  solver                {self.solver.get('status')} in {self.solver.get('solve_time_s', 0):.2f} s "
-            f"({self.solver.get('decisions')} decisions, {self.solver.get('variables_shared')} after layer sharing)"
+            f"  solver                {self.solver.status} in {self.solver.solve_time_s or 0:.2f} s "
+            f"({self.solver.decisions} decisions, {self.solver.variables_shared} after layer sharing)"
             + solver_quality(self.solver),
         ]
         if self.fallback_primitives:
             lines.append(f"  replicated (no rule)  {', '.join(self.fallback_primitives)}")
         if self.pipeline:
             pl = self.pipeline
-            lines.append(f"  pipeline              {pl.get('num_stages')} stage(s), {pl.get('num_microbatches')} "
-                         f"microbatches, {pl.get('schedule')}, bubble {float(pl.get('bubble_fraction') or 0):.1%}")
+            lines.append(f"  pipeline              {pl.num_stages} stage(s), {pl.num_microbatches} "
+                         f"microbatches, {pl.schedule}, bubble {float(pl.bubble_fraction or 0):.1%}")
             for k, st in enumerate(self.stages):
-                mesh = "x".join(str(v) for v in st.get("mesh", {}).values())
-                layers = list(st.get("layers", ()))
+                mesh = "x".join(str(v) for v in st.mesh.shape) if st.mesh is not None else ""
+                layers = list(st.layers or ())
                 names = layers[0] if len(layers) == 1 else f"{layers[0]}..{layers[-1]} ({len(layers)})" if layers else ""
-                devices = list(st.get("devices", ())) or ["?"]
-                lines.append(f"    stage {k}: {names:<28} submesh {'x'.join(map(str, st.get('submesh', ())))} "
+                devices = list(st.devices or ()) or ["?"]
+                lines.append(f"    stage {k}: {names:<28} submesh {'x'.join(map(str, st.submesh or ()))} "
                              f"mesh {mesh:<5} devices {devices[0]}-{devices[-1]}  {stage_way(st)}")
         if self.stages:
             lines.append("  inputs: sharded per stage, on each stage's own mesh (stages[i]['shardings'])")
@@ -281,7 +259,7 @@ class Plan:
             "format_version": PLAN_FORMAT_VERSION,
             "mesh": {n: int(k) for n, k in zip(self.mesh.axis_names, self.mesh.shape)},
             "shardings": {a: _spec_names(s, self.mesh) for a, s in zip(self.input_paths, self.input_specs)},
-            "stages": [_thaw(st) for st in self.stages] or [{
+            "stages": [st.to_json() for st in self.stages] or [{
                 "layers": "all", "submesh": list(self.mesh.shape),
                 "mesh": {n: int(k) for n, k in zip(self.mesh.axis_names, self.mesh.shape)}}],
             "inputs": [{"path": a, "spec": spec_to_json(s)} for a, s in zip(self.input_paths, self.input_specs)],
@@ -298,21 +276,29 @@ class Plan:
                 "collectives": [dataclasses.asdict(c) for c in p.collectives],
             },
             "decisions": [dataclasses.asdict(d) for d in self.decisions],
-            "solver": dict(self.solver),
-            "options": dict(self.options),
+            "solver": self.solver.to_json(),
+            "options": self.options.to_json(),
             "fallback_primitives": list(self.fallback_primitives),
             "scatter_specs": [[i, k, spec_to_json(s)] for i, k, s in self.scatter_specs],
             "operand_specs": [[i, k, spec_to_json(s)] for i, k, s in self.operand_specs],
-            "pipeline": _thaw(self.pipeline),
+            "pipeline": self.pipeline.to_json() if self.pipeline is not None else {},
             "xla_flags": list(self.assumed_xla_flags),
-            "user_constraints": [dict(c) for c in self.user_constraints],
-            "levers": _thaw(self.levers),
+            "user_constraints": [c.to_json() for c in self.user_constraints],
+            "levers": self.levers.to_json(),
         }
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         try:
             d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InvalidArgumentError(f"not a valid plan JSON: {type(e).__name__}: {e}") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Plan:
+        """The plan of its JSON form (`to_dict`)."""
+        try:
             if d.get("format_version") != PLAN_FORMAT_VERSION:
                 raise InvalidArgumentError(
                     f"plan format version {d.get('format_version')!r} is not {PLAN_FORMAT_VERSION}; re-plan")
@@ -334,19 +320,20 @@ class Plan:
                 op_specs=tuple((int(i), int(k), spec_from_json(s)) for i, k, s in d["op_specs"]),
                 prediction=pred,
                 decisions=tuple(_decision_from_json(x) for x in d["decisions"]),
-                solver=d["solver"],
-                options=d["options"],
+                solver=SolverStats.from_json(d["solver"]),
+                options=PlanOptions.from_json(d["options"]),
                 fallback_primitives=tuple(d.get("fallback_primitives", ())),
                 scatter_specs=tuple((int(i), int(k), spec_from_json(s)) for i, k, s in d.get("scatter_specs", ())),
                 operand_specs=tuple((int(i), int(k), spec_from_json(s)) for i, k, s in d.get("operand_specs", ())),
-                stages=tuple(_freeze(st) for st in d.get("stages", ()) if st.get("layers") != "all"),
-                pipeline=_freeze(d.get("pipeline") or {}),
+                stages=tuple(PipelineStage.from_json(st, cls.from_dict) for st in d.get("stages", ())
+                             if st.get("layers") != "all"),
+                pipeline=PipelineFacts.from_json(d["pipeline"]) if d.get("pipeline") else None,
                 assumed_xla_flags=tuple(d.get("xla_flags", ())),
-                user_constraints=tuple(MappingProxyType(dict(c)) for c in d.get("user_constraints", ())),
-                levers=MappingProxyType(d.get("levers") or {k: d["solver"][k] for k in LEVER_NAMES
-                                                             if k in d["solver"]}),
+                user_constraints=tuple(UserConstraint.from_json(c) for c in d.get("user_constraints", ())),
+                levers=Levers.from_json(d.get("levers") or {k: d["solver"][k] for k in LEVER_NAMES
+                                                            if k in d["solver"]}),
             )
-        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, InvalidArgumentError):
                 raise
             raise InvalidArgumentError(f"not a valid plan JSON: {type(e).__name__}: {e}") from None
@@ -359,24 +346,6 @@ def _spec_names(spec: Spec, mesh: MeshSpec) -> list:
         names = [mesh.axis_names[a] for a in axes]
         out.append(None if not names else names[0] if len(names) == 1 else names)
     return out
-
-
-def _thaw(value: Any) -> Any:
-    """Read-only mappings and tuples back to JSON dicts and lists."""
-    if isinstance(value, Mapping):
-        return {k: _thaw(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_thaw(v) for v in value]
-    return value
-
-
-def _freeze(value: Any) -> Any:
-    """JSON values as hashable tuples / read-only mappings, so a loaded plan compares equal."""
-    if isinstance(value, dict):
-        return MappingProxyType({k: _freeze(v) for k, v in value.items()})
-    if isinstance(value, list):
-        return tuple(_freeze(v) for v in value)
-    return value
 
 
 def _collapse_layers(rows: list[tuple[str, str]]) -> list[tuple[str, str, int]]:

@@ -1,6 +1,7 @@
 """Sizes written by people ("80GB", "1.5GiB", 512e6) as numbers of bytes."""
 from __future__ import annotations
 
+import argparse
 import re
 from typing import Any
 
@@ -98,3 +99,14 @@ def format_bytes(n: float | None) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
+
+
+def positive_int(text: str) -> int:
+    """A count written on a command line (`--microbatches 4`), as an argparse type."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value

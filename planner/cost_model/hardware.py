@@ -42,7 +42,7 @@ class Hardware:
         (case-insensitive, searched); empty for hardware JAX cannot name.
       kernel_launch_s: the least time one kernel (a dot, a convolution) takes however small its
         work: launch and scheduling cost between kernels of one compiled program (`CostModel.
-        compute_time`); `planner profile` measures it (`profiling.measure_kernel_launch`).
+        compute_time`); `planner profile` measures it (`measurements.measure_kernel_launch`).
       default_dtype: the compute dtype people train with on this hardware (mixed precision: 16-bit
         compute, float32 master parameters and optimizer state); `planner plan --dtype` defaults to it.
       platform: "gpu", "tpu" or "cpu": which XLA flags a plan assumes (`xla_flags`); XLA:CPU runs
@@ -300,7 +300,7 @@ TPU_V5P = Hardware("tpu-v5p", flops_f32=459e12, flops_bf16=459e12, memory_bytes=
 # measured here (experiments/bench_collectives.py): ~5.6 GB/s streaming per device; in-process
 # collectives ~10 us per ring step and ~3 GB/s; across 2 processes (gloo over loopback TCP, the
 # "inter-host" link) ~500 us per step and ~0.5 GB/s. Kernel launch floor: 3.7-5.1 us per dot in
-# three runs of `profiling.measure_kernel_launch` (8 devices). Users of XLA:CPU train in float32
+# three runs of `measurements.measure_kernel_launch` (8 devices). Users of XLA:CPU train in float32
 # (it runs bfloat16 dots in float32 anyway). Host offload: XLA:CPU's "pinned_host" memory is the same
 # DRAM, and a copy between two buffers streams at the measured per-device rate (5.6 GB/s); XLA:CPU in
 # fact compiles no copy (a fusion reads a host-placed argument in place, tests/test_offload.py), so

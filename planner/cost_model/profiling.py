@@ -33,7 +33,7 @@ from planner.cost_model.model import attention_curve, matmul_curve
 from planner.cost_model.profile_db import CollectiveSamples, ProfileDB, axis_groups, utc_now
 from planner.core.errors import InvalidArgumentError, PlannerError, ProfileError
 from planner.core.mesh import MeshSpec, default_axis_names, parse_mesh
-from planner.core.units import parse_bytes
+from planner.core.units import parse_bytes, positive_int
 from planner.cost_model.measurements import (device_memory_bytes, measure_attention, measure_collective,
                                              measure_host_link, measure_kernel_launch, measure_matmul,
                                              measure_memory, measure_overhead)
@@ -222,16 +222,6 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
-    return v
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the `planner profile` options to `parser`."""
     parser.add_argument("--out", required=True, metavar="FILE", help="profile database to write (JSON)")
@@ -239,9 +229,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest message per device, e.g. 64MiB (default 256MiB)")
     parser.add_argument("--min-bytes", type=_size, default=1024, metavar="SIZE",
                         help="smallest message per device (default 1KiB)")
-    parser.add_argument("--step", type=_positive_int, default=4, metavar="K",
+    parser.add_argument("--step", type=positive_int, default=4, metavar="K",
                         help="message size grows by this factor, 2 or more (default 4)")
-    parser.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per point (default 5)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per point (default 5)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs before timing (default 2)")
     parser.add_argument("--mesh", default=None, metavar="SHAPE",
                         help="mesh to measure, e.g. 2x4 (default: processes x local devices, or all devices 1-D)")
@@ -251,7 +241,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the matmul, attention and memory-bandwidth runs")
     parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                         help="jax.distributed coordinator address (multi-host runs)")
-    parser.add_argument("--num-processes", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--num-processes", type=positive_int, default=None, metavar="N",
                         help="processes in the jax.distributed run")
     parser.add_argument("--process-id", type=int, default=None, metavar="I", help="this process's index")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or summary")

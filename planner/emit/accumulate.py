@@ -16,17 +16,18 @@ from planner.stages.derived import op_ranges
 
 def accumulated_function(acc: Accumulated) -> Callable[..., Any]:
     """The k-microbatch step as a function of the step's full-batch arguments, every op pinned to
-    the microbatch plan's layouts (`emit.constraint_hooks`). Must run under `jax.jit`."""
+    the microbatch plan's layouts (`emit.single.constraint_hooks`). Must run under `jax.jit`."""
     graph, parts, plan, k = acc.graph, acc.parts, acc.plan, acc.k
     mesh = plan._mesh()
     before_op, after_op = constraint_hooks(plan, mesh, graph)
     upd = set(parts.update)
-    hoisted = plan.levers.get("accumulation", {}).get("unsharded", [])
-    in_loop = plan.levers.get("accumulation", {}).get("resharded_per_microbatch", [])
-    once = sorted({op for h in hoisted for op in h["ops"]})
+    record = plan.levers.accumulation
+    hoisted = (record.unsharded if record is not None else None) or ()
+    in_loop = (record.resharded_per_microbatch if record is not None else None) or ()
+    once = sorted({op for h in hoisted for op in h.ops})
     outside = upd.union(once)  # ops not run in the microbatch loop
     grad_ranges = op_ranges(tuple(i for i in range(len(graph.ops)) if i not in outside))
-    copies = [(h["tensor"], named_sharding(tuple(tuple(a) for a in h["spec"]), plan.mesh, mesh)) for h in hoisted]
+    copies = [(h.tensor, named_sharding(h.spec, plan.mesh, mesh)) for h in hoisted]
     update_ranges = op_ranges(tuple(parts.update))
     grad_shardings = [named_sharding(s, plan.mesh, mesh) for s in grad_specs(graph, parts, plan)]
     batch_shardings = [named_sharding(plan.input_specs[p], plan.mesh, mesh) for p in parts.batch]

@@ -13,8 +13,10 @@ from planner.ilp.offload import DEVICE, HOST
 
 def positions(plan) -> tuple[frozenset[int], frozenset[int]]:
     """(argument positions, output positions) a plan keeps on the host."""
-    info = plan.levers.get("offload") or {}
-    return frozenset(info.get("inputs", ())), frozenset(info.get("outputs", ()))
+    info = plan.levers.offload
+    if info is None:
+        return frozenset(), frozenset()
+    return frozenset(info.inputs), frozenset(info.outputs)
 
 
 def _leaves(tree) -> list:
@@ -56,7 +58,7 @@ def emission_hooks(graph: Graph, plan, before_op, after_op):
     ins, outs = positions(plan)
     if not ins:
         return before_op, after_op, lambda values: values
-    early = frozenset((plan.levers.get("offload") or {}).get("host_reads", ()))  # casts of master parameters
+    early = frozenset(plan.levers.offload.host_reads)  # casts of master parameters
     shardings = _leaves(plan.in_shardings)
     device = {graph.inputs[i]: shardings[i].with_memory_kind(DEVICE) for i in ins}
     host = {i: s.with_memory_kind(HOST) for i, s in enumerate(_leaves(plan.out_shardings)) if i in outs}

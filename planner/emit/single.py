@@ -25,10 +25,11 @@ def constrained_function(graph: Graph, plan: Plan) -> Callable[..., Any]:
     (`mesh.auto_view`), so only `with_sharding_constraint` is needed.
     Must be called under `jax.jit` (sharding constraints need a tracing context).
     """
-    if (plan.levers.get("remat") or {}).get("recomputed_ops") and not graph.recompute:
+    remat, offloaded = plan.levers.remat, plan.levers.offload
+    if remat is not None and remat.recomputed_ops and not graph.recompute:
         raise InvalidArgumentError("this plan recomputes layers: emit it on the graph it was made for, "
                                    "planner.levers.remat.graph_for(trace(fn, *args), plan)")
-    if (plan.levers.get("offload") or {}).get("streamed") and not graph.update_groups:
+    if offloaded is not None and offloaded.streamed and not graph.update_groups:
         raise InvalidArgumentError("this plan streams the optimizer update: emit it on the graph it was made for, "
                                    "planner.ilp.offload.graph_for(trace(fn, *args), plan)")
     before_op, after_op = constraint_hooks(plan, plan._mesh(), graph)
@@ -47,7 +48,7 @@ def constraint_hooks(plan: Plan, mesh: jax.sharding.Mesh, graph: Graph | None = 
     plan's operands and intermediates on `mesh` (a `jax.sharding.Mesh` of `plan.mesh`'s shape).
     With `graph`, the step's own sharding constraints stay pinned when `constrain_intermediates` is off."""
     wanted: dict[tuple[int, int], jax.sharding.NamedSharding] = {}
-    constrain = plan.options.get("constrain_intermediates", True)
+    constrain = plan.options.constrain_intermediates
     if constrain:
         wanted = {(op, k): named_sharding(spec, plan.mesh, mesh) for op, k, spec in plan.op_specs}
     elif graph is not None:  # the step's own constraints evaluate as identity: the plan's constraint places them

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from planner.graph.ir import Graph, Literal, Op
 
@@ -68,98 +68,142 @@ def _reshaped(old: tuple[int, ...], new: tuple[int, ...], b: int) -> int | None:
     return None
 
 
+# A batch rule: (graph, op, the operands' batch dimensions, output shapes, the first batched
+# dimension) -> (batch dimension of each output, or None; why the op mixes examples, or None).
+_Rule = Callable[..., tuple[list, "str | None"]]
+
+
 def _rule(graph: Graph, op: Op, dims: Sequence[int | None]) -> tuple[list[int | None], str | None]:
     """(batch dimension of each output, or None; why the op mixes examples, or None)."""
-    name, p = op.name, op.params
     outs = [graph.tensors[t].shape for t in op.outputs]
     b = next((d for d in dims if d is not None), None)
-    if name == "broadcast_in_dim":
-        return ([p["broadcast_dimensions"][dims[0]]] if dims[0] is not None else [None]), None
-    if name == "transpose":
-        return [list(p["permutation"]).index(dims[0])], None
-    if name == "reshape":
-        k = _reshaped(_shape(graph, op.inputs[0]), outs[0], dims[0])
-        return ([k], None) if k is not None else ([None], "moves the batch dimension")
-    if name == "squeeze":
-        gone = set(p["dimensions"])
-        return [dims[0] - sum(1 for d in gone if d < dims[0])], None
-    if name == "expand_dims":
-        return [dims[0] + sum(1 for d in p["dimensions"] if d <= dims[0])], None
-    if name in _REDUCTIONS:
-        axes = tuple(p["axes"])
-        if dims[0] in axes:
-            return [None] * len(outs), "reduces over the batch dimension"
-        return [dims[0] - sum(1 for a in axes if a < dims[0])] * len(outs), None
-    if name in _SCANS or name in ("sort", "top_k"):
-        axis = p.get("axis", p.get("dimension", len(_shape(graph, op.inputs[0])) - 1))
-        if axis == dims[0] or (name == "sort" and any(d is not None and d == axis for d in dims)):
-            return [None] * len(outs), "runs along the batch dimension"
-        return [b] * len(outs), None
-    if name == "dot_general":
-        (lc, rc), (lb, rb) = p["dimension_numbers"]
-        lhs, rhs = _shape(graph, op.inputs[0]), _shape(graph, op.inputs[1])
-        out = None
-        for side, d, contract, batch, rank in ((0, dims[0], lc, lb, len(lhs)), (1, dims[1], rc, rb, len(rhs))):
-            if d is None:
-                continue
-            if d in contract:
-                return [None], "contracts over the batch dimension"
-            if d in batch:
-                k = list(batch).index(d)
-            else:
-                free = [i for i in range(rank) if i not in contract and i not in batch]
-                k = len(lb) + free.index(d) + (0 if side == 0 else len(lhs) - len(lc) - len(lb))
-            if out is not None and out != k:
-                return [None], "pairs examples of its two operands"
-            out = k
-        return [out], None
-    if name in ("slice", "dynamic_slice", "pad", "rev"):
-        full = _shape(graph, op.inputs[0])[dims[0]]
-        if outs[0][dims[0]] != full or (name == "slice" and (p.get("strides") or [1] * len(outs[0]))[dims[0]] != 1) \
-                or (name == "pad" and any(p["padding_config"][dims[0]])) or (name == "rev" and dims[0] in p["dimensions"]):
-            return [None], "selects, reorders or adds examples"
-        return [dims[0]], None
-    if name == "dynamic_update_slice":  # (operand, update, *start indices: scalars, never batched)
-        d, u = dims[0], dims[1]
-        if d is not None and (u == d or u is None) and _shape(graph, op.inputs[1])[d] == outs[0][d]:
-            return [d], None  # whole rows: each example's own values, or the same for every example
-        return [None], "writes examples into another array"
-    if name == "concatenate":
-        if p["dimension"] == b and any(d is None for d in dims):
-            return [None], "adds rows to the batch dimension"
-        return [b], None
-    if name == "gather":
-        dn = p["dimension_numbers"]
-        if dims[0] is None and dims[1] is not None:  # an unbatched table read at batched indices
-            idx_rank = len(_shape(graph, op.inputs[1]))
-            batch_dims = [i for i in range(idx_rank) if i != idx_rank - 1]
-            if dims[1] in batch_dims:
-                out_batch = [i for i in range(len(outs[0])) if i not in dn.offset_dims]
-                return [out_batch[batch_dims.index(dims[1])]], None
-        if dims[0] is not None and dims[0] in getattr(dn, "operand_batching_dims", ()):
-            out_batch = [i for i in range(len(outs[0])) if i not in dn.offset_dims]
-            k = list(dn.operand_batching_dims).index(dims[0])
-            idx_dim = dn.start_indices_batching_dims[k]
-            idx_rank = len(_shape(graph, op.inputs[1]))
-            return [out_batch[[i for i in range(idx_rank) if i != idx_rank - 1].index(idx_dim)]], None
-        if dims[0] is not None and dims[0] not in dn.start_index_map and dims[0] not in dn.collapsed_slice_dims:
-            slice_sizes = p["slice_sizes"]
-            if slice_sizes[dims[0]] == _shape(graph, op.inputs[0])[dims[0]] and dims[1] is None:
-                offset = [i for i in range(len(slice_sizes)) if i not in dn.collapsed_slice_dims
-                          and i not in getattr(dn, "operand_batching_dims", ())]
-                return [list(dn.offset_dims)[offset.index(dims[0])]], None
-        return [None], "reads another example's values (gather)"
-    if name in ("iota", "rng_bit_generator", "random_bits", "random_seed", "random_wrap", "random_unwrap"):
-        return [b] * len(outs), None
-    # Elementwise (and anything shaped like it): operands' batch dimensions must agree.
+    rule = _RULES.get(op.name)
+    if rule is None:
+        rule = _reduction if op.name in _REDUCTIONS else _scan if op.name in _SCANS else _elementwise
+    return rule(graph, op, dims, outs, b)
+
+
+def _broadcast(graph, op, dims, outs, b):
+    return ([op.params["broadcast_dimensions"][dims[0]]] if dims[0] is not None else [None]), None
+
+
+def _transpose(graph, op, dims, outs, b):
+    return [list(op.params["permutation"]).index(dims[0])], None
+
+
+def _reshape(graph, op, dims, outs, b):
+    k = _reshaped(_shape(graph, op.inputs[0]), outs[0], dims[0])
+    return ([k], None) if k is not None else ([None], "moves the batch dimension")
+
+
+def _squeeze(graph, op, dims, outs, b):
+    gone = set(op.params["dimensions"])
+    return [dims[0] - sum(1 for d in gone if d < dims[0])], None
+
+
+def _expand_dims(graph, op, dims, outs, b):
+    return [dims[0] + sum(1 for d in op.params["dimensions"] if d <= dims[0])], None
+
+
+def _reduction(graph, op, dims, outs, b):
+    axes = tuple(op.params["axes"])
+    if dims[0] in axes:
+        return [None] * len(outs), "reduces over the batch dimension"
+    return [dims[0] - sum(1 for a in axes if a < dims[0])] * len(outs), None
+
+
+def _scan(graph, op, dims, outs, b):
+    p = op.params
+    axis = p.get("axis", p.get("dimension", len(_shape(graph, op.inputs[0])) - 1))
+    if axis == dims[0] or (op.name == "sort" and any(d is not None and d == axis for d in dims)):
+        return [None] * len(outs), "runs along the batch dimension"
+    return [b] * len(outs), None
+
+
+def _dot(graph, op, dims, outs, b):
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    lhs, rhs = _shape(graph, op.inputs[0]), _shape(graph, op.inputs[1])
+    out = None
+    for side, d, contract, batch, rank in ((0, dims[0], lc, lb, len(lhs)), (1, dims[1], rc, rb, len(rhs))):
+        if d is None:
+            continue
+        if d in contract:
+            return [None], "contracts over the batch dimension"
+        if d in batch:
+            k = list(batch).index(d)
+        else:
+            free = [i for i in range(rank) if i not in contract and i not in batch]
+            k = len(lb) + free.index(d) + (0 if side == 0 else len(lhs) - len(lc) - len(lb))
+        if out is not None and out != k:
+            return [None], "pairs examples of its two operands"
+        out = k
+    return [out], None
+
+
+def _slice_like(graph, op, dims, outs, b):
+    name, p = op.name, op.params
+    full = _shape(graph, op.inputs[0])[dims[0]]
+    if outs[0][dims[0]] != full or (name == "slice" and (p.get("strides") or [1] * len(outs[0]))[dims[0]] != 1) \
+            or (name == "pad" and any(p["padding_config"][dims[0]])) or (name == "rev" and dims[0] in p["dimensions"]):
+        return [None], "selects, reorders or adds examples"
+    return [dims[0]], None
+
+
+def _dynamic_update_slice(graph, op, dims, outs, b):  # (operand, update, *start indices: scalars, never batched)
+    d, u = dims[0], dims[1]
+    if d is not None and (u == d or u is None) and _shape(graph, op.inputs[1])[d] == outs[0][d]:
+        return [d], None  # whole rows: each example's own values, or the same for every example
+    return [None], "writes examples into another array"
+
+
+def _concatenate(graph, op, dims, outs, b):
+    if op.params["dimension"] == b and any(d is None for d in dims):
+        return [None], "adds rows to the batch dimension"
+    return [b], None
+
+
+def _gather(graph, op, dims, outs, b):
+    dn = op.params["dimension_numbers"]
+    idx_rank = len(_shape(graph, op.inputs[1]))
+    index_batch = [i for i in range(idx_rank) if i != idx_rank - 1]
+    out_batch = [i for i in range(len(outs[0])) if i not in dn.offset_dims]
+    if dims[0] is None and dims[1] is not None and dims[1] in index_batch:  # an unbatched table, batched indices
+        return [out_batch[index_batch.index(dims[1])]], None
+    if dims[0] is not None and dims[0] in getattr(dn, "operand_batching_dims", ()):
+        idx_dim = dn.start_indices_batching_dims[list(dn.operand_batching_dims).index(dims[0])]
+        return [out_batch[index_batch.index(idx_dim)]], None
+    if dims[0] is not None and dims[0] not in dn.start_index_map and dims[0] not in dn.collapsed_slice_dims:
+        slice_sizes = op.params["slice_sizes"]
+        if slice_sizes[dims[0]] == _shape(graph, op.inputs[0])[dims[0]] and dims[1] is None:
+            offset = [i for i in range(len(slice_sizes)) if i not in dn.collapsed_slice_dims
+                      and i not in getattr(dn, "operand_batching_dims", ())]
+            return [list(dn.offset_dims)[offset.index(dims[0])]], None
+    return [None], "reads another example's values (gather)"
+
+
+def _passthrough(graph, op, dims, outs, b):
+    return [b] * len(outs), None
+
+
+def _elementwise(graph, op, dims, outs, b):
+    """Elementwise (and anything shaped like it): operands' batch dimensions must agree."""
     batched = [(d, _shape(graph, x)) for d, x in zip(dims, op.inputs) if d is not None]
     if len({d for d, _ in batched}) > 1:
         return [None] * len(outs), "pairs different dimensions of its operands with the batch"
     d, shape = batched[0]
-    fits = [len(o) == len(shape) and o[d] == shape[d] for o in outs]
-    if all(fits):
+    if all(len(o) == len(shape) and o[d] == shape[d] for o in outs):
         return [d] * len(outs), None
-    return [None] * len(outs), f"has no batch rule ({name}); taken to mix examples"
+    return [None] * len(outs), f"has no batch rule ({op.name}); taken to mix examples"
+
+
+_RULES: dict[str, _Rule] = {
+    "broadcast_in_dim": _broadcast, "transpose": _transpose, "reshape": _reshape, "squeeze": _squeeze,
+    "expand_dims": _expand_dims, "sort": _scan, "top_k": _scan, "dot_general": _dot,
+    "slice": _slice_like, "dynamic_slice": _slice_like, "pad": _slice_like, "rev": _slice_like,
+    "dynamic_update_slice": _dynamic_update_slice, "concatenate": _concatenate, "gather": _gather,
+    **{name: _passthrough for name in ("iota", "rng_bit_generator", "random_bits", "random_seed", "random_wrap",
+                                       "random_unwrap")},
+}
 
 
 def mixing_ops(graph: Graph, batch_inputs: Sequence[int], loss: int | None = None,

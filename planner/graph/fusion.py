@@ -222,10 +222,8 @@ def memory_traffic_bytes(graph: Graph, traffic: Mapping[int, Traffic] | None = N
     return float(total)
 
 
-# Conversions `recomputed` leaves written: a bf16 wresnet-tiny's batch norms convert each bf16
-# convolution output to float32 for their statistics; with those converts counted as recomputed its
-# planned peak (1x8) was predicted at 0.81x of the compiled one, 0.94x with them kept, as without the
-# rule (XLA:CPU also runs bf16 arithmetic in float32; its buffer assignment for bf16 was not read).
+# Conversions `recomputed` leaves written: batch norms convert each bf16 convolution output to float32
+# for their statistics, and XLA:CPU keeps those converts in memory (it runs bf16 arithmetic in float32).
 _KEPT_ON_CPU = frozenset({"convert_element_type"})
 
 
@@ -245,11 +243,11 @@ def recomputed(graph: Graph, platform: str = "cpu") -> frozenset[int]:
     grouping (`fusions`) and its operands (broadcasts and iotas aside, `_operand_bytes`) are no
     larger than it; then the cheap elementwise values it is made from are recomputed along with it.
     Their operands stay in memory until the last fusion that recomputes them
-    (`ilp.problem.last_reads`). Not covered: a value the grouping puts into a later fusion (the
+    (`ilp.live_ranges.last_reads`). Not covered: a value the grouping puts into a later fusion (the
     GELU's 1 - tanh and 3 c x^2 join the backward's fusion, their only reader) still counts from
     its producer's place in program order (gpt-tiny, 2 layers, batch 16, seq 64 on 1x8: predicted
     1.07x of the compiled peak; 1.16x before this rule). Only XLA:CPU (empty elsewhere): on XLA:GPU
-    no value kept inside a fusion takes memory (`ilp.problem.KEEPS_FUSED_VALUES_IN_REGISTERS`)."""
+    no value kept inside a fusion takes memory (`ilp.live_ranges.KEEPS_FUSED_VALUES_IN_REGISTERS`)."""
     if platform != "cpu":
         return frozenset()
     return graph.cached(("recomputed", platform), lambda: frozenset(_recomputed(graph, platform)))

@@ -161,7 +161,7 @@ class Graph:
     loop_ties: tuple[tuple[int, int], ...] = ()
     user_constraints: str = "pin"
     recompute: Mapping[int, Recompute] = dataclasses.field(default_factory=dict)
-    update_groups: tuple[tuple[int, int], ...] = ()  # streamed optimizer update: op ranges (`offload.streamed`)
+    update_groups: tuple[tuple[int, int], ...] = ()  # streamed optimizer update: op ranges (`ilp.offload.streamed`)
     # Facts computed from the graph alone, kept for the next ILP of the same graph (`cached`); a graph
     # made by `dataclasses.replace` starts with an empty one.
     _memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)

@@ -104,14 +104,14 @@ def _infeasible(problem: Problem, budget: float, time_limit: float, workers: int
         f"go below {_gb(lower)} (lower bound: {_gb(args)} of {'device-resident ' if on_host else ''}arguments split "
         "over every mesh axis that divides "
         f"them, plus what must be live together at {at}). {levers_text(levers)}. Raise memory_budget or use more "
-        "devices", best, lower, levers=levers,  # the mesh search's one-line answer lists them (`search.no_fit_error`)
+        "devices", best, lower, levers=levers,  # the mesh search's one-line answer lists them (`search.results.no_fit_error`)
     )
     return error
 
 
 def _undecided(problem: Problem, budget: float, time_limit: float, peak: float) -> InfeasiblePlanError:
     """The error when the solver's limit stopped the search before a plan under `budget` was found
-    or ruled out (`proven` False: a plan may still fit; `search.no_fit_error` says so): the peak of
+    or ruled out (`proven` False: a plan may still fit; `search.results.no_fit_error` says so): the peak of
     the best plan it had, and the proven lower bound."""
     lower = int(memory_lower_bound(problem).max())
     error = InfeasiblePlanError(

@@ -17,7 +17,7 @@ def memory_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
     Point k+1 is "while op k runs". Counted, in this one model that `memory_lower_bound` and the
     ILP's `memory_constraints.memory_expr` also follow:
       - every tensor a node decides, in its planned layout, from its producer to its last use
-        (arguments and outputs: `problem.live`), except values of the optimizer update that XLA
+        (arguments and outputs: `Problem.live`), except values of the optimizer update that XLA
         keeps inside one fusion (`_materialised`);
       - each operand in the layout its consumer reads it in, at the consumer (a resharded copy is
         a real transient buffer; when no resharding happens this double-counts one op's operands, a
@@ -77,7 +77,7 @@ def _materialised(problem: Problem, tid: int, first: int) -> bool:
     so in program order such values of every leaf are live at once, while XLA fuses each leaf's
     elementwise update into one loop and never writes them (counting them over-predicted the
     compiled peak), and a residual XLA:CPU recomputes in the backward's fusion
-    (`problem.recomputed`, `fusion.recomputed`). Elsewhere on XLA:CPU values kept inside fusions
+    (`Problem.recomputed`, `fusion.recomputed`). Elsewhere on XLA:CPU values kept inside fusions
     still count: dropping them everywhere under-predicted wresnet-tiny's peak."""
     return tid in problem.owner and not kept_in_fusion(tid, first, problem.unwritten, problem.combinable,
                                                          problem.memory_platform, problem.recomputed)

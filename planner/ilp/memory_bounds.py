@@ -46,7 +46,7 @@ def liveness_floor(problem: Problem) -> int:
 
     The values and live ranges that term counts come from the graph, the platform's fusions and
     the donated arguments, not from the mesh's shape (`build_problem`), so after one mesh's ILP is
-    built this bounds every mesh of that size before theirs are (`search.search_meshes`); it is
+    built this bounds every mesh of that size before theirs are (`search.meshes.search_meshes`); it is
     below each one's `memory_lower_bound` (tests/test_search_pruning.py). Not with host offload,
     whose live ranges depend on the plan."""
     n = len(problem.graph.ops)

@@ -13,7 +13,7 @@ out, each issued when the node that makes it has computed (program order of the 
 compute runs on without waiting for them. The stream finishes
     F = max over such nodes k of (compute up to k + async time of k and every later node),
 so the exposed part is max(0, max_k(async from k on - compute after k)) and the rest is hidden.
-The ILP holds the same max through Lindley's recursion in max-plus form (`solver._Model._overlap`):
+The ILP holds the same max through Lindley's recursion in max-plus form (`overlap.add_overlap`):
 a run of identical layers is modelled once and composed in closed form, so the model does not grow
 with depth.
 
@@ -22,7 +22,7 @@ all-gathers, splitting the batch) depends on nothing computed, so the scheduler 
 its consumer: in consumer order from the start of the step, first in first out, each needed before
 its consumer computes. Compute stalls max(0, max_k(prefetch up to k - compute before k)); the rest
 is hidden (`prefetch_hidden`). The same recursion run over the nodes in reverse order gives that
-stall, so the ILP models it with the same machinery (`solver._Model._prefetch`).
+stall, so the ILP models it with the same machinery (`overlap.add_prefetch`).
 
 Approximations, stated: only compute hides communication (blocking collectives and resharding
 between ops keep the compute stream busy but share the links, so they hide nothing); the two streams
@@ -35,7 +35,7 @@ of a train step) are priced bandwidth-only in the node costs: XLA's combiner pas
 independent ones of one kind over one group of devices into a single collective, whose latency is
 paid once (`CostModel.collective_latency`). The CP-SAT model holds one boolean per such
 (kind, axes) group, set when any chosen strategy joins it, so the solver's objective and
-`step_time` agree term for term (tests/test_cost_truth.py checks it against the solver's own value).
+`step_time` agree term for term (tests/test_objective.py checks it against the solver's own value).
 
 3. Host offload (`planner.ilp.offload`, `Problem.offloaded`): optimizer state kept in the host's memory
 is copied in at the host link's bandwidth (`Hardware.host_bandwidth`, one direction per device) and
@@ -53,6 +53,7 @@ from collections.abc import Sequence
 
 from planner.ilp.problem import Problem
 from planner.ilp.strategies import shard_bytes
+from planner.core.plan_records import CombinedLatency, StepPart, StepTimeParts
 from planner.core.sharding import format_spec
 
 
@@ -146,7 +147,7 @@ def hidden_time(problem: Problem, choice: Sequence[int]) -> float:
 
 def offload_start(problem: Problem) -> int:
     """The first op that reads host-offloaded state (where its device range starts,
-    `problem.offloaded_live_ranges`): the copies in must be done by then."""
+    `live_ranges.offloaded_live_ranges`): the copies in must be done by then."""
     return min((problem.live[t][0] for t, _ in problem.offloaded), default=len(problem.graph.ops))
 
 
@@ -170,7 +171,7 @@ def offload_hidden(problem: Problem, choice: Sequence[int]) -> float:
     (with overlap and an update that is not streamed, and no argument read before the update
     (`Problem.host_reads`, whose copies count as exposed); the copies back are exposed)."""
     if not (problem.overlap and problem.offloaded) or problem.graph.update_groups or problem.host_reads:
-        return 0.0  # streamed (`offload.streamed`): each group's copies wait for the group before
+        return 0.0  # streamed (`ilp.offload.streamed`): each group's copies wait for the group before
     start = offload_start(problem)
     before = 0.0
     for node in overlap_order(problem):
@@ -218,15 +219,15 @@ def step_time(problem: Problem, choice: Sequence[int]) -> StepTime:
                     sum(offload_transfer(problem, choice)))
 
 
-def step_parts(problem: Problem, choice: Sequence[int]) -> dict:
+def step_parts(problem: Problem, choice: Sequence[int]) -> StepTimeParts:
     """`step_time` of `choice` split by where it is paid, for explaining differences between plans.
 
-    Returns a JSON-ready dict:
-      items: [label, layout, compute_s, collectives_s, resharding_s] per node label (an argument's
+    Returns a `StepTimeParts`:
+      items: (label, layout, compute_s, collectives_s, resharding_s) per node label (an argument's
         "input PATH" or an op's name and module path; nodes sharing a label are summed, their
         layouts joined). An edge's resharding is paid at the argument it leaves when its producer
         is an argument (the argument's layout makes it), otherwise at the op that reads it.
-      combined_latency: [kind, mesh axis names, seconds] per group of combined collectives.
+      combined_latency: (kind, mesh axis names, seconds) per group of combined collectives.
       hidden_s: the communication hidden behind compute (subtracted once).
     With host offload, one more item "host offload" carries the copies in and back as collectives.
     The items' parts plus the latencies minus `hidden_s` sum to `step_time(...).total_s`.
@@ -256,7 +257,8 @@ def step_parts(problem: Problem, choice: Sequence[int]) -> dict:
             item(src if not src.ops else problem.nodes[e.dst])[4] += seconds
     if problem.offloaded:
         parts["host offload"] = ["host offload", ["pinned_host"], 0.0, sum(offload_transfer(problem, choice)), 0.0]
-    latency = [[kind, [mesh.axis_names[a] for a in axes], problem.cost.collective_latency(kind, axes)]
-               for kind, axes in sorted(combined_groups(problem, choice))]
-    return {"items": [[r[0], "; ".join(r[1]), r[2], r[3], r[4]] for r in parts.values()],
-            "combined_latency": latency, "hidden_s": hidden_time(problem, choice)}
+    latency = tuple(CombinedLatency(kind, tuple(mesh.axis_names[a] for a in axes),
+                                    problem.cost.collective_latency(kind, axes))
+                    for kind, axes in sorted(combined_groups(problem, choice)))
+    return StepTimeParts(tuple(StepPart(r[0], "; ".join(r[1]), r[2], r[3], r[4]) for r in parts.values()),
+                         latency, hidden_time(problem, choice))

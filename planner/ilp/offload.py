@@ -1,4 +1,4 @@
-"""Host offload of optimizer state in single-stage plans (issue 13, item 2).
+"""Host offload of optimizer state in single-stage plans: which leaves, the liveness and copies it implies.
 
 An optimizer-state leaf (an Adam moment) is read only by the optimizer update, so between steps it
 can live in the host's memory (JAX memory kind "pinned_host"): the planned program takes it in a
@@ -9,7 +9,7 @@ Decision (`PlanOptions.offload`): "opt-state" offloads every optimizer-state lea
 part that overflows (DeepCompile's adaptive offloading): when no plan fits `memory_budget`, the
 largest leaves go to the host until the memory lower bound fits, more if the solved plan still
 does not. The memory model sees it through the problem's live ranges
-(`problem.offloaded_live_ranges`: one liveness for the ILP's budget constraints, `memory_profile`
+(`live_ranges.offloaded_live_ranges`: one liveness for the ILP's budget constraints, `memory_profile`
 and the reported peak; on XLA:CPU, whose update fusions read and write the host buffers in place,
 an offloaded value is never on the device); the cost through `ilp.objective` (copies in and back at the host link's
 bandwidth, `Hardware.host_bandwidth`; copies back exposed; copies in exposed too in a streamed
@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
+from planner.core.plan_records import OffloadRecord
 from planner.graph.ir import Graph
 from planner.ilp.objective import offload_hidden, offload_transfer
 from planner.ilp.live_ranges import fused_away, live_ranges, offloaded_live_ranges
@@ -191,7 +192,7 @@ def streamed(graph: Graph) -> Graph:
 
 def graph_for(graph: Graph, plan) -> Graph:
     """The graph `plan` was made for, from the step's trace: `streamed` when the plan offloads."""
-    return streamed(graph) if (plan.levers.get("offload") or {}).get("streamed") else graph
+    return streamed(graph) if plan.levers.offload is not None and plan.levers.offload.streamed else graph
 
 
 def unavailable(hardware, devices: Sequence[Any] = ()) -> str | None:
@@ -238,7 +239,7 @@ def plan_offload(problem: Problem, mode: str, budget: float | None, devices: Seq
     `solve(problem, search)` solves under the budget (`search`: run the minimum-peak search when it
     raises `InfeasiblePlanError`). "opt-state": every leaf of `state_pairs`. "auto": none when a
     plan fits `budget` (or there is none); otherwise the fewest leaves, largest first, whose
-    offload brings `solver.memory_lower_bound` under the budget, twice as many until a solved plan
+    offload brings `memory_bounds.memory_lower_bound` under the budget, twice as many until a solved plan
     fits, then up to `_REFINE_SOLVES` halvings of the overshoot (the fastest fitting plan kept).
 
     Raises:
@@ -309,8 +310,8 @@ def plan_offload(problem: Problem, mode: str, budget: float | None, devices: Seq
     return found
 
 
-def record(problem: Problem, choice: Sequence[int], mode: str) -> dict:
-    """What the plan keeps of the offload (`plan.levers["offload"]`, JSON-ready): the argument and
+def record(problem: Problem, choice: Sequence[int], mode: str) -> OffloadRecord:
+    """What the plan keeps of the offload (`plan.levers.offload`): the argument and
     output positions on the host (emission reads them), their paths, bytes per device and the
     copies' times as the objective counts them."""
     graph = problem.graph
@@ -319,24 +320,24 @@ def record(problem: Problem, choice: Sequence[int], mode: str) -> dict:
     copy_in, copy_back = offload_transfer(problem, choice)
     host = sum(shard_bytes(graph.tensors[t], problem.spec(t, choice), problem.cost.mesh)
                for t, _ in problem.offloaded)
-    return {
-        "mode": mode,
-        "streamed": bool(graph.update_groups),
-        "inputs": sorted(in_pos[t] for t, _ in problem.offloaded),
-        "outputs": sorted(out_pos[o] for _, o in problem.offloaded if o in out_pos),
-        "paths": [graph.input_paths[in_pos[t]] for t, _ in problem.offloaded],
-        "params": len({t for t, _ in problem.offloaded} & {t for t, _ in param_pairs(problem)}),
-        "host_reads": sorted({op for _, op in host_reads(graph, problem.combinable, problem.offloaded)}),
-        "candidates": len(state_pairs(problem)) + (len(param_pairs(problem)) if mode != "opt-state" else 0),
-        "host_bytes_per_device": int(host),
-        "copy_in_s": copy_in,
-        "copy_back_s": copy_back,
-        "hidden_s": offload_hidden(problem, choice),
-    }
+    return OffloadRecord(
+        mode=mode,
+        streamed=bool(graph.update_groups),
+        inputs=tuple(sorted(in_pos[t] for t, _ in problem.offloaded)),
+        outputs=tuple(sorted(out_pos[o] for _, o in problem.offloaded if o in out_pos)),
+        paths=tuple(graph.input_paths[in_pos[t]] for t, _ in problem.offloaded),
+        params=len({t for t, _ in problem.offloaded} & {t for t, _ in param_pairs(problem)}),
+        host_reads=tuple(sorted({op for _, op in host_reads(graph, problem.combinable, problem.offloaded)})),
+        candidates=len(state_pairs(problem)) + (len(param_pairs(problem)) if mode != "opt-state" else 0),
+        host_bytes_per_device=int(host),
+        copy_in_s=copy_in,
+        copy_back_s=copy_back,
+        hidden_s=offload_hidden(problem, choice),
+    )
 
 
 def bounding_problem(problem: Problem, mode: str) -> Problem:
-    """The problem whose `solver.memory_lower_bound` holds for every offload `mode` may choose:
+    """The problem whose `memory_bounds.memory_lower_bound` holds for every offload `mode` may choose:
     every optimizer-state leaf on the host unless offload is off (the mesh search bounds meshes
     with it before solving)."""
     if mode == "off":

@@ -179,7 +179,7 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     follows the preset's fusion rules, the update values never written to memory (`unwritten`)
     follow that backend's (`planner.graph.fusion`).
 
-    `allowed` (tensor id -> specs) restricts the search to a neighbourhood (`search.neighbourhood`):
+    `allowed` (tensor id -> specs) restricts the search to a neighbourhood (`search.refinement.neighbourhood`):
     an argument takes only its allowed specs, an op that decides (not a follower) only the
     strategies making every result in an allowed spec and, of those, the ones reading every
     operand in an allowed spec (each filter dropped when nothing passes it); followers follow their

@@ -95,10 +95,10 @@ def probe_bound(problem: Problem, memory_budget: float, units: float = PROBE_UNI
     (`units` deterministic units) on the model `solve` starts from: the objective with the strategies
     the memory lower bound rules out (`over_budget_strategies`). `solve`'s later rounds only add
     memory constraints, so the run's bound holds for every plan it can return. Where the budget binds
-    this bound is far above `search.step_time_lower_bound` (the per-op cheapest strategies ignore
+    this bound is far above `search.build.step_time_lower_bound` (the per-op cheapest strategies ignore
     that ruling out a layout makes its neighbours reshard), so the mesh search can solve the mesh
     with the lowest such bound first and need not solve meshes whose bound is above its plan
-    (`search.search_meshes`). 0 when the run finds no finite bound (an
+    (`search.meshes.search_meshes`). 0 when the run finds no finite bound (an
     infeasible model is left to `solve` to report)."""
     model = _Model(problem)
     model.m.Minimize(model.objective)
@@ -229,7 +229,7 @@ def _start(problem: Problem, budget: float | None, begin: Sequence[int] | None) 
         def rank(choice):  # plans that fit the budget first, then the faster
             return not _fits(problem, choice, budget), plan_cost(problem, choice)
         if not _ties_hold(problem, fallback) or rank(begin) < rank(fallback):
-            fallback = tuple(begin)  # a caller's plan (e.g. a coarser mesh's, `search.refined_choice`) is better
+            fallback = tuple(begin)  # a caller's plan (e.g. a coarser mesh's, `search.refinement.refined_choice`) is better
     hint = fallback if _ties_hold(problem, fallback) else None
     start_fits = hint is not None and _fits(problem, fallback, budget)  # the answer when the limit comes first
     return _State(fallback, start_fits, hint)

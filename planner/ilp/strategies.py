@@ -83,7 +83,7 @@ def is_contraction(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tens
 
 def gemm_narrow_dim(sig: OpSig, axes_of: dict[str, tuple[int, ...]], mesh: MeshSpec) -> int | None:
     """The narrowest dimension of one batch element of a batched contraction, per device, for the
-    attention-shape rate (`cost_model.matmul_rate`); None when the op is not a batched contraction.
+    attention-shape rate (`cost_model.hardware.matmul_rate`); None when the op is not a batched contraction.
 
     Read from the labels alone: labels in both operands and the result are batch dimensions, labels
     in both operands and contracted are the contracted length K, labels in one operand and the

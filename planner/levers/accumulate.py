@@ -15,7 +15,7 @@ full-batch mean.
 
 Planning reuses the single-stage path unchanged: the step is traced at the microbatch size
 (B/k rows) and planned by `make_plan` (the ILP, its memory constraints and its objective). From
-that plan (prediction P, objective parts `plan.solver["step_parts"]`):
+that plan (prediction P, objective parts `plan.solver.step_parts`):
 
     time(k)   = k x (T - T_update) + T_update
     memory(k) = M + accumulator + batch
@@ -38,7 +38,7 @@ that plan (prediction P, objective parts `plan.solver["step_parts"]`):
   loop body reads (the dynamic index copies its strided rows).
 
 Selective unsharding (`unshard`, DeepCompile's term): a value the microbatch step reshards straight
-from the arguments (a ZeRO-3 parameter's all-gather, `plan.solver["argument_reshards"]`) is the same
+from the arguments (a ZeRO-3 parameter's all-gather, `plan.solver.argument_reshards`) is the same
 in every microbatch. Resharded once before the loop it saves (k - 1) x that resharding and holds
 the resharded copy for the whole loop (added to memory(k)); the values with the most time saved per
 byte are chosen while the budget allows. XLA's while-loop invariant code motion would hoist every
@@ -71,6 +71,7 @@ from planner.graph.trace import trace
 from planner.ilp.strategies import shard_bytes
 from planner.core.mesh import MeshSpec
 from planner.core.plan import Plan, Prediction
+from planner.core.plan_records import AccumulationRecord, UnshardedValue
 from planner.core.sharding import replicated
 from planner.stages.derived import StepParts, split_step
 from planner.core.units import format_bytes
@@ -85,7 +86,7 @@ _REPLANS = 3
 @dataclasses.dataclass(frozen=True)
 class Accumulated:
     """A planned accumulated step: the microbatch trace, its parts, the plan (prediction combined
-    for k microbatches; `plan.levers["accumulation"]` records k and how) and k."""
+    for k microbatches; `plan.levers.accumulation` records k and how) and k."""
 
     graph: Graph
     parts: StepParts
@@ -160,9 +161,9 @@ def extra_bytes(graph: Graph, parts: StepParts, plan: Plan, k: int) -> tuple[int
 
 def combine(graph: Graph, parts: StepParts, plan: Plan, k: int) -> Plan:
     """The microbatch plan with its prediction for k microbatches per step (module docstring) and
-    `levers["accumulation"]` recording k, the microbatch's own figures and the parts added."""
+    `levers.accumulation` recording k, the microbatch's own figures and the parts added."""
     labels = _update_labels(graph, parts)
-    items = plan.solver["step_parts"]["items"]
+    items = plan.solver.step_parts.items
     once_compute = sum(it[2] for it in items if it[0] in labels)
     once_comm = sum(it[3] + it[4] for it in items if it[0] in labels)
     p = plan.prediction
@@ -177,11 +178,11 @@ def combine(graph: Graph, parts: StepParts, plan: Plan, k: int) -> Plan:
         collectives=p.collectives,
         hidden_communication_time_s=k * p.hidden_communication_time_s,
     )
-    record = {"microbatches": k, "microbatch_rows": _rows(graph, parts),
-              "microbatch_step_time_s": p.step_time_s, "update_time_s": once_compute + once_comm,
-              "microbatch_memory_bytes": p.memory_bytes_per_device, "accumulator_bytes": acc,
-              "batch_bytes": batch, "collectives": "per microbatch (update collectives once)"}
-    return dataclasses.replace(plan, prediction=pred).with_lever("accumulation", record)
+    record = AccumulationRecord(
+        microbatches=k, microbatch_rows=_rows(graph, parts), microbatch_step_time_s=p.step_time_s,
+        update_time_s=once_compute + once_comm, microbatch_memory_bytes=p.memory_bytes_per_device,
+        accumulator_bytes=acc, batch_bytes=batch, collectives="per microbatch (update collectives once)")
+    return dataclasses.replace(plan, prediction=pred).with_levers(accumulation=record)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +213,7 @@ def _invariant_ops(graph: Graph, parts: StepParts) -> set[int]:
 def hoistable(graph: Graph, parts: StepParts, plan: Plan, k: int) -> list[_Hoist]:
     """Selective unsharding's candidates (DeepCompile): each loop-invariant value (an argument such
     as a sharded parameter, or what is computed from it alone, such as its bfloat16 cast) that the
-    microbatch step reshards before reading it (`plan.solver["argument_reshards"]`; a ZeRO-3
+    microbatch step reshards before reading it (`plan.solver.argument_reshards`; a ZeRO-3
     parameter's all-gather), when every reader in the microbatch step reads it in one layout: resharded
     once before the loop instead of k times, at the cost of holding that copy for the whole loop."""
     if k < 2:
@@ -224,7 +225,7 @@ def hoistable(graph: Graph, parts: StepParts, plan: Plan, k: int) -> list[_Hoist
     reads = {(op, pos): spec for op, pos, spec in plan.operand_specs}
     upd = set(parts.update)
     by_tensor: dict[int, list] = defaultdict(list)
-    for op, pos, tensor, seconds, moved in plan.solver.get("argument_reshards", ()):
+    for op, pos, tensor, seconds, moved in plan.solver.argument_reshards or ():
         by_tensor[tensor].append((op, pos, seconds, moved))
     consumers = graph.consumers()
     out = []
@@ -257,7 +258,7 @@ def unshard(graph: Graph, parts: StepParts, plan: Plan, k: int, budget: float | 
     XLA's while-loop invariant code motion would hoist them too (on XLA:CPU a ZeRO-3 parameter's
     all-gather leaves the loop by itself), so the emitted loop reads their arguments
     through an `optimization_barrier` with the microbatch index, which keeps them in it, as
-    predicted. `levers["accumulation"]` records both ("unsharded", "resharded_per_microbatch")."""
+    predicted. `levers.accumulation` records both (`unsharded`, `resharded_per_microbatch`)."""
     found = hoistable(graph, parts, plan, k)
     if not found:
         return plan
@@ -269,20 +270,21 @@ def unshard(graph: Graph, parts: StepParts, plan: Plan, k: int, budget: float | 
     kept = [h for h in found if h not in chosen]
     names = dict(zip(graph.inputs, graph.input_paths))
     arguments = set(graph.inputs)
-    record = dict(plan.levers["accumulation"])
-    record["unsharded"] = [{"tensor": h.tensor, "value": names.get(h.tensor) or _label(graph.ops[h.ops[-1]]),
-                            "spec": [list(a) for a in h.spec], "ops": list(h.ops), "saved_s": h.saving_s,
-                            "bytes": h.extra} for h in chosen]
-    record["resharded_per_microbatch"] = sorted(
-        {t for h in kept for t in ([h.tensor] if h.tensor in arguments else
-                                   [x for i in h.ops for x in graph.ops[i].tensor_inputs if x in arguments])})
+    record = dataclasses.replace(
+        plan.levers.accumulation,
+        unsharded=tuple(UnshardedValue(h.tensor, names.get(h.tensor) or _label(graph.ops[h.ops[-1]]),
+                                       tuple(tuple(a) for a in h.spec), tuple(h.ops), h.saving_s, h.extra)
+                        for h in chosen),
+        resharded_per_microbatch=tuple(sorted(
+            {t for h in kept for t in ([h.tensor] if h.tensor in arguments else
+                                       [x for i in h.ops for x in graph.ops[i].tensor_inputs if x in arguments])})))
     p = plan.prediction
     saved = sum(h.saving_s for h in chosen)
     pred = dataclasses.replace(
         p, step_time_s=p.step_time_s - saved, communication_time_s=p.communication_time_s - saved,
         memory_bytes_per_device=int(used),
         bytes_moved_per_device=p.bytes_moved_per_device - sum(h.moved for h in chosen))
-    return dataclasses.replace(plan, prediction=pred).with_lever("accumulation", record)
+    return dataclasses.replace(plan, prediction=pred).with_levers(accumulation=record)
 
 
 def _fits(plan: Plan, budget: float | None) -> bool:
@@ -294,7 +296,7 @@ def _plan_k(fn, graph: Graph, parts: StepParts, k: int, budget: float | None,
     """Plans k microbatches; raises InfeasiblePlanError (min_memory_bytes for the whole program)."""
     if k == 1:
         plan = plan_micro(graph, budget)
-        plan = plan.with_lever("accumulation", {"microbatches": 1, "microbatch_rows": _rows(graph, parts)})
+        plan = plan.with_levers(accumulation=AccumulationRecord(microbatches=1, microbatch_rows=_rows(graph, parts)))
         return Accumulated(graph, parts, plan, 1)
     mgraph = trace(fn, *_micro_args(graph, parts, k), user_constraints=graph.user_constraints)
     mparts = split_step(mgraph)

@@ -11,11 +11,11 @@ backward starts; the backward reads the copies, so the forward's own results die
 * policy "dots" keeps the results of matmuls and convolutions and recomputes the rest from them
   (`jax.checkpoint_policies.dots_saveable`).
 
-The transformed graph is planned like any other (`planning.make_plan`): the ILP prices the copies'
+The transformed graph is planned like any other (`search.mesh_plan.make_plan`): the ILP prices the copies'
 compute and their shardings, and the memory model (liveness in program order) sees the shorter live
 ranges, so the prediction includes both sides of the trade with no separate model. Emission runs
 each layer's copies behind one `optimization_barrier` on their inputs and the incoming cotangent,
-and makes their activation inputs depend on that cotangent (`graph.Recompute`), so XLA neither
+and makes their activation inputs depend on that cotangent (`graph.ir.Recompute`), so XLA neither
 merges them back into the forward (CSE) nor hoists them. The barrier alone is not enough: XLA
 removes barriers before scheduling, and XLA:CPU's default (concurrency-optimised) scheduler then
 computes the recomputation during the forward, saving no memory (with `jax.checkpoint` too, and with
@@ -43,6 +43,7 @@ from planner.ilp.levers import LEVERS, levers_text
 from planner.core.layer_index import find_indexed
 from planner.core.options import REMAT
 from planner.core.plan import Plan
+from planner.core.plan_records import RematRecord
 from planner.stages.clustering import BACKWARD, FORWARD, op_phases, repeated_module
 from planner.core.units import format_bytes
 
@@ -238,29 +239,29 @@ def _insert(graph: Graph, copies: Sequence[_Copy]) -> Graph:
                                              for k, g in graph.recompute.items()}, **groups})
 
 
-def summary(original: Graph, transformed: Graph, policy: str) -> dict:
-    """What `plan.levers["remat"]` records: the policy, the layers recomputed (those actually copied,
+def summary(original: Graph, transformed: Graph, policy: str) -> RematRecord:
+    """What `plan.levers.remat` records: the policy, the layers recomputed (those actually copied,
     forward order), how many layers could be (`recomputable`), the ops added."""
     prefix = repeated_module(original) or ""
     copied = {_layer_of(op.name_stack, prefix) for op in transformed.ops if op.name_stack.startswith(f"{WRAPPER}(")}
     names = remat_layers(original)
-    return {"policy": policy, "layers": [n for n in names if n in copied], "recomputable": len(names),
-            "recomputed_ops": len(transformed.ops) - len(original.ops)}
+    return RematRecord(policy, tuple(n for n in names if n in copied), len(names),
+                       len(transformed.ops) - len(original.ops))
 
 
 def graph_for(graph: Graph, plan: Plan) -> Graph:
-    """The graph `plan` was made for, from the step's own trace: rewritten as `plan.levers["remat"]`
+    """The graph `plan` was made for, from the step's own trace: rewritten as `plan.levers.remat`
     records (a saved plan re-emitted with `jit_planned` needs it); `graph` itself for other plans."""
-    info = plan.levers.get("remat") or {}
-    if not info.get("recomputed_ops"):
+    info = plan.levers.remat
+    if info is None or not info.recomputed_ops:
         return graph
-    return rematerialize(graph, info["layers"], info["policy"])
+    return rematerialize(graph, info.layers, info.policy)
 
 
 def record(plan: Plan, original: Graph, transformed: Graph, policy: str) -> Plan:
-    """`plan` (of `transformed`) with `levers["remat"]` (`summary`)."""
-    return plan.with_lever("remat", summary(original, transformed, policy) if transformed is not original
-                           else {"policy": "off"})
+    """`plan` (of `transformed`) with `levers.remat` (`summary`)."""
+    return plan.with_levers(remat=summary(original, transformed, policy) if transformed is not original
+                            else RematRecord("off"))
 
 
 T = TypeVar("T")
@@ -331,7 +332,7 @@ def _plan_auto(graph: Graph, names: Sequence[str], plan_fn: Callable[[Graph, boo
         log.info("remat auto: off does not fit")
     else:
         plan = plan_of(result)
-        if plan.solver.get("rounds", 1) <= 1:  # the budget did not bind: recomputation only adds work
+        if (plan.solver.rounds or 1) <= 1:  # the budget did not bind: recomputation only adds work
             return graph, result, "off"
         found.append((plan.prediction.step_time_s, 0, graph, result, "off"))
         log.info("remat auto: off fits, %.4g s/step", plan.prediction.step_time_s)

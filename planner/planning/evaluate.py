@@ -92,7 +92,7 @@ def evaluate(fn: Callable[..., Any], *args: Any, mesh: Any = None, shardings: An
       rules, logical: logical-axis rules and (optionally) the logical names they apply to, as
         `plan_parallel` takes them.
       pipeline_stages: N even pipeline stages for `baseline` (same as `baseline="NAME+ppN"`).
-      cluster: for pipeline baselines, the cluster: a `planner.stages.make_cluster(...)` or
+      cluster: for pipeline baselines, the cluster: a `planner.stages.submesh.make_cluster(...)` or
         `"HOSTSxDEVICES[:PRESET]"` (default: `mesh` as one host, or `hardware="HxD:preset"`;
         `inter_host=` / `intra_host=` options set its links).
       remat: pipeline baselines only: True (every stage recomputes its forward in the backward,
@@ -112,10 +112,10 @@ def evaluate(fn: Callable[..., Any], *args: Any, mesh: Any = None, shardings: An
     search uses for that submesh (hosts x devices across hosts); every stage's arguments pinned by
     the baseline on that mesh, where megatron-tp(-sp) puts tensor parallelism on the axis inside a
     host and data parallelism on the host axis when the stage spans hosts. It is costed by the
-    planner's pipeline path (`planner.stages.inter_op.fixed_pipeline`: per-layer ILP cost tables
+    planner's pipeline path (`planner.stages.fixed_pipeline.fixed_pipeline`: per-layer ILP cost tables
     with the pins, boundary transfers, bubble, gradient sync, update) and returned as the planner
     returns its pipeline plans (`plan.stages`, `plan.pipeline`; run it with
-    `planner.stages.run_plan(fn, plan)`). For example Megatron-LM's 39.1B GPT row (TP 8, PP 2,
+    `planner.emit.pipeline.planned.run_plan(fn, plan)`). For example Megatron-LM's 39.1B GPT row (TP 8, PP 2,
     DP 32 on 64 hosts of 8 A100-80GB):
 
         b = zoo.get_model("gpt3-39b", batch=1536, seq=2048, dtype="bfloat16")
@@ -124,7 +124,7 @@ def evaluate(fn: Callable[..., Any], *args: Any, mesh: Any = None, shardings: An
                         num_microbatches=48, remat=True)
 
     Returns:
-      A Plan; `plan.solver["configuration"]` names what was evaluated.
+      A Plan; `plan.solver.configuration` names what was evaluated.
 
     Raises:
       InvalidArgumentError: not exactly one configuration, an unknown baseline, a bad pin, layers or
@@ -157,14 +157,14 @@ def evaluate(fn: Callable[..., Any], *args: Any, mesh: Any = None, shardings: An
 
 
 def labelled(plan: Plan, label: str) -> Plan:
-    """`plan` with `solver['configuration']` (and a baseline's approximation note) recorded."""
-    solver = {**plan.solver, "configuration": label}
+    """`plan` with `solver.configuration` (and a baseline's approximation note) recorded."""
+    solver = dataclasses.replace(plan.solver, configuration=label)
     name, plus, _ = label[9:].partition("+")
     notes = [APPROXIMATIONS[name]] if label.startswith("baseline ") and name in APPROXIMATIONS else []
     if label.startswith("baseline ") and plus and name in ("zero1", "zero2"):
         notes.append(PP_APPROXIMATION)
     if notes:
-        solver["approximation"] = "; ".join(notes)
+        solver = dataclasses.replace(solver, approximation="; ".join(notes))
     return dataclasses.replace(plan, solver=solver)
 
 

@@ -174,7 +174,7 @@ class StepPlanner:
         acc = plan_accumulation(fn, graph, self.options.accumulate, self.options.memory_budget,
                                 lambda g, budget: self._plan_micro(g, budget, args), bounds, self.options.unshard)
         plan = dataclasses.replace(record_user_constraints(acc.graph, acc.plan),
-                                   options={**acc.plan.options, "accumulate": self.options.accumulate})
+                                   options=dataclasses.replace(acc.plan.options, accumulate=self.options.accumulate))
         acc = dataclasses.replace(acc, plan=plan)
         jitted = jit_accumulated(acc, self.donate_argnums) if acc.k > 1 else jit_planned(acc.graph, plan,
                                                                                            self.donate_argnums)
@@ -202,7 +202,7 @@ class StepPlanner:
 
     def _plan_graph(self, g: Graph, search: bool, pinned: dict[int, Any] | None) -> Plan:
         """`g` planned on the mesh (`search`: for the smallest peak when nothing fits), or by the
-        mesh search; with a streamed optimizer update when it offloads (`offload.streamed`)."""
+        mesh search; with a streamed optimizer update when it offloads (`ilp.offload.streamed`)."""
         if self.options.offload != "off":
             g = offload.streamed(g)
         if self.mesh is not None:
@@ -212,7 +212,7 @@ class StepPlanner:
 
     def _candidate_meshes(self) -> list:
         """The mesh search's candidates for these devices (3-D ones when they span several processes,
-        `search.default_mesh_ndim`)."""
+        `search.candidates.default_mesh_ndim`)."""
         hosts = len({getattr(d, "process_index", 0) for d in self.devices})
         return candidate_meshes(len(self.devices), default_mesh_ndim(self.options.mesh_ndim, hosts))
 

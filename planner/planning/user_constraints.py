@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
-from types import MappingProxyType
 
 from jax.sharding import PartitionSpec
 
 from planner.core.compat import USER_CONSTRAINTS, user_sharding
 from planner.core.plan import Plan
+from planner.core.plan_records import UserConstraint
 from planner.core.sharding import to_partition_spec
 from planner.graph.ir import Graph
 
@@ -32,7 +32,6 @@ def record_user_constraints(graph: Graph, plan: Plan) -> Plan:
         pad = lambda p: tuple(p) + (None,) * (rank - len(p))  # noqa: E731
         kept = all(u is PartitionSpec.UNCONSTRAINED or _axes(u, plan.mesh) == _axes(g, plan.mesh)
                    for u, g in zip(pad(user), pad(got)))
-        out.append(MappingProxyType({
-            "where": f"{op.name} {op.name_stack}".strip(), "user_spec": str(user),
-            "planned_spec": str(PartitionSpec(*pad(got))), "kept": kept, "mode": graph.user_constraints}))
+        out.append(UserConstraint(f"{op.name} {op.name_stack}".strip(), str(user), str(PartitionSpec(*pad(got))),
+                                  kept, graph.user_constraints))
     return dataclasses.replace(plan, user_constraints=tuple(out)) if out else plan

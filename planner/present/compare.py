@@ -1,6 +1,6 @@
 """The planner's plan beside hand configurations (`planner.planning.evaluate.compare`): one table, then the
 places that make the difference: each plan's step time split by argument, op, latency group and
-overlap (`Plan.solver["step_parts"]`), so the differences add up to the step-time gap."""
+overlap (`Plan.solver.step_parts`), so the differences add up to the step-time gap."""
 from __future__ import annotations
 
 import dataclasses
@@ -41,15 +41,15 @@ _PARTS = ("compute", "collectives", "resharding")
 
 def _ledger(plan: Plan) -> dict[str, tuple[str, dict[str, float]]] | None:
     """what -> (layout, {part: seconds}) from the plan's recorded step parts (None: not recorded)."""
-    rec = plan.solver.get("step_parts")
-    if not rec:
+    rec = plan.solver.step_parts
+    if rec is None:
         return None
     out: dict[str, tuple[str, dict[str, float]]] = {}
-    for label, layout, *seconds in rec["items"]:
+    for label, layout, *seconds in rec.items:
         out[label] = (layout, dict(zip(_PARTS, map(float, seconds))))
-    for kind, axes, seconds in rec["combined_latency"]:
+    for kind, axes, seconds in rec.combined_latency:
         out[f"combined {kind} latency over {','.join(axes)}"] = ("", {"latency": float(seconds)})
-    out["overlap (communication hidden behind compute)"] = ("", {"hidden": -float(rec["hidden_s"])})
+    out["overlap (communication hidden behind compute)"] = ("", {"hidden": -float(rec.hidden_s)})
     return out
 
 
@@ -139,8 +139,7 @@ def comparison_record(plan: Plan, others: Sequence[tuple[str, Plan]], skipped: S
                      "memory_vs_plan_bytes": pr.memory_bytes_per_device - base.memory_bytes_per_device,
                      "bytes_moved_vs_plan": pr.bytes_moved_per_device - base.bytes_moved_per_device})
     notes = [f"{name}: not evaluated: {reason}" for name, reason in skipped]
-    notes += [f"{name} is approximated: {p.solver['approximation']}" for name, p in others
-              if p.solver.get("approximation")]
+    notes += [f"{name} is approximated: {p.solver.approximation}" for name, p in others if p.solver.approximation]
     for name, p in others:
         diffs = differences(plan, p, top)
         if not diffs:

@@ -3,18 +3,18 @@
 Explanations are computed from the plan's JSON form alone: the predicted collectives (kind, axes,
 bytes, where, reason), the per-decision records (chosen strategy, its local cost split, its own
 collectives as the planner costed them, the runner-up with its extra cost and collectives) and, with the command line's context block, the input shapes. Collective times are
-re-costed with the same cost model the plan was made with (`planning.cost_model_for`), so the
+re-costed with the same cost model the plan was made with (`search.mesh_plan.cost_model_for`), so the
 breakdown adds up to the planner's own numbers up to the latency the collective combiner saves.
 """
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 from planner.cost_model import CostModel, ring_bytes
-from planner.core.options import PlanOptions
 from planner.core.plan import Decision, Plan, PredictedCollective
 from planner.search.mesh_plan import cost_model_for
 from planner.present.report import (PlanView, fmt_axes_spec, fmt_bytes, fmt_time, format_levers, memory_breakdown,
@@ -31,13 +31,11 @@ Timer = Callable[..., float]  # (kind, nbytes, axis names, combined=False) -> se
 
 def collective_timer(view: PlanView) -> Timer:
     """(kind, nbytes, axis names) -> seconds under the plan's own cost model (hardware, inter-host axes)."""
-    options = dict(view.plan.options)
+    options = view.plan.options
     try:
-        fields = set(PlanOptions.__dataclass_fields__)
-        kwargs = {k: v for k, v in options.items() if k in fields}
-        if not (isinstance(kwargs.get("profile"), str) and os.path.isfile(kwargs["profile"])):
-            kwargs.pop("profile", None)  # a plan read elsewhere: fall back to the analytic model
-        cost = cost_model_for(view.plan.mesh, PlanOptions.from_kwargs(kwargs))
+        if not (isinstance(options.profile, str) and os.path.isfile(options.profile)):
+            options = dataclasses.replace(options, profile=None)  # a plan read elsewhere: the analytic model
+        cost = cost_model_for(view.plan.mesh, options)
     except (TypeError, ValueError):  # PlannerError subclasses these: unknown preset, unreadable profile
         cost = CostModel.default(view.plan.mesh)
     index = {n: i for i, n in enumerate(view.axis_names)}
@@ -142,7 +140,7 @@ def _decision_rows(decisions: Sequence[Decision], names: Sequence[str], top: int
 
 def _decision_count(plan: Plan, shown: int) -> str:
     """How many decisions the plan made and how many of them `explain` lists (those with a choice)."""
-    total = plan.solver.get("variables_shared")
+    total = plan.solver.variables_shared
     if not isinstance(total, int) or total <= shown:
         return f"{shown} decisions"
     return (f"{shown} of the plan's {total} decisions after layer sharing; the other {total - shown} "
@@ -175,13 +173,12 @@ def user_constraint_lines(plan) -> list[str]:
     cs = plan.user_constraints
     if not cs:
         return []
-    kept = sum(bool(c["kept"]) for c in cs)
-    mode = cs[0]["mode"]
+    kept = sum(bool(c.kept) for c in cs)
+    mode = cs[0].mode
     head = (f"Your sharding constraints ({kept} of {len(cs)} kept; "
             + ("pinned: the planner plans around them)" if mode == "pin"
                else "hints: the planner may override them; user_constraints='pin' keeps them all)"))
-    rows = [(shorten(c["where"], 56), c["user_spec"], c["planned_spec"], "kept" if c["kept"] else "overridden")
-            for c in cs]
+    rows = [(shorten(c.where, 56), c.user_spec, c.planned_spec, "kept" if c.kept else "overridden") for c in cs]
     return ["", head, table(("op", "yours", "planned", ""), rows, "llll")]
 
 
@@ -208,7 +205,7 @@ def explain(view: PlanView, op: str | None = None, top: int = 15) -> str:
     """
     timer = collective_timer(view)
     plan = view.plan
-    out = [f"Plan on mesh {view.mesh_text()}, {len(view.data.get('stages') or []) or 1} stage(s)"]
+    out = [f"Plan on mesh {view.mesh_text()}, {len(plan.stages) or 1} stage(s)"]
     if op is None:
         out += ["", "Cost breakdown:", cost_breakdown(view, timer)]
         levers = format_levers(plan)

@@ -15,6 +15,7 @@ from typing import Any
 
 from planner.cost_model import ring_bytes
 from planner.core.layer_index import split_indexed
+from planner.core.pipeline_records import PipelineFacts, PipelineStage
 from planner.present.compare import HEADERS, record_cells
 from planner.present.explain import cost_breakdown
 from planner.present.report import (
@@ -144,14 +145,6 @@ def simulate(order: Sequence[Sequence[tuple[str, int]]], forward_s: Sequence[flo
     return out
 
 
-def _stage_number(stage: Mapping[str, Any], keys: Sequence[str]) -> float | None:
-    for k in keys:
-        v = stage.get(k)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return float(v)
-    return None
-
-
 def _time_unit(seconds: float) -> tuple[float, str]:
     for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
         if seconds >= scale:
@@ -162,7 +155,7 @@ def _time_unit(seconds: float) -> tuple[float, str]:
 def pipeline_figure(view: PlanView):
     """Timeline of one step: a 1F1B / GPipe Gantt chart over the stages, or compute then communication."""
     p = view.plan.prediction
-    stages = [s for s in (view.data.get("stages") or []) if s.get("layers") != "all"]
+    stages = view.plan.stages
     if len(stages) <= 1:
         fig = _figure(11, 2.2)
         ax = fig.add_subplot()
@@ -175,16 +168,12 @@ def pipeline_figure(view: PlanView):
         fig.legend(loc="outside lower center", ncol=2, fontsize=9, frameon=False)
         ax.set_title(f"one step, no pipeline: {fmt_time(p.step_time_s)}", fontsize=11)
         return fig
-    options, chosen = view.plan.options, view.plan.pipeline or {}
+    options, chosen = view.plan.options, view.plan.pipeline or PipelineFacts()
     # the microbatch count the plan chose (options hold only a user's fixed count, None for "choose")
-    k = int(chosen.get("num_microbatches") or options.get("num_microbatches")
-            or _stage_number(stages[0], ("num_microbatches", "microbatches")) or 2 * len(stages))
-    kind = chosen.get("schedule") or options.get("schedule", "1f1b")
-    times = [_stage_number(s, ("forward_time_s", "time_s", "step_time_s", "compute_time_s")) for s in stages]
-    if any(t is None for t in times):
-        times = [p.step_time_s / (3 * (k + len(stages) - 1))] * len(stages)
-    else:
-        times = [t / 3 for t in times] if not all("forward_time_s" in s for s in stages) else times
+    k = int(chosen.num_microbatches or options.num_microbatches or 2 * len(stages))
+    kind = chosen.schedule or options.schedule
+    # the stages drawn equally long: the step's time over the schedule's k + S - 1 slots of forward + backward
+    times = [p.step_time_s / (3 * (k + len(stages) - 1))] * len(stages)
     tasks = simulate(schedule(len(stages), k, kind), times)
     fig = _figure(11, 1.2 + 0.5 * len(stages))
     ax = fig.add_subplot()
@@ -203,21 +192,20 @@ def pipeline_figure(view: PlanView):
     return fig
 
 
-def _submesh_text(stage: Mapping[str, Any]) -> str:
-    sub = stage.get("submesh")
-    return "x".join(str(x) for x in sub) if isinstance(sub, (list, tuple)) else str(sub or "")
+def _submesh_text(stage: PipelineStage) -> str:
+    return "x".join(str(x) for x in stage.submesh) if stage.submesh is not None else ""
 
 
 def memory_figure(view: PlanView):
     """Per-device memory (per stage where the plan has stages) as stacked bars against the budget."""
     budget = view.budget()
     parts = memory_breakdown(view)
-    stages = [s for s in (view.data.get("stages") or []) if s.get("layers") != "all"]
+    stages = view.plan.stages
     rows: list[tuple[str, dict[str, float]]] = []
     if len(stages) > 1:
         for i, st in enumerate(stages):
-            m = _stage_number(st, ("memory_bytes_per_device", "memory_bytes", "peak_memory_bytes"))
-            rows.append((f"stage {i}", {"peak": m if m is not None else float(view.plan.prediction.memory_bytes_per_device)}))
+            m = st.memory_bytes_per_device
+            rows.append((f"stage {i}", {"peak": float(m if m is not None else view.plan.prediction.memory_bytes_per_device)}))
     else:
         rows.append(("every device", parts or {"peak": float(view.plan.prediction.memory_bytes_per_device)}))
     fig = _figure(11, 1.7 + 0.55 * len(rows))

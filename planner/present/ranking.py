@@ -93,7 +93,7 @@ def pipeline_ranking(plan: Plan, pp: PipelinePlan, cluster: Cluster, flops: Mapp
 def _no_single(pp: PipelinePlan) -> str:
     """Why the pipeline search has no single-stage plan, and how far it searched."""
     free = pp.single_stage_time_unconstrained_s
-    if pp.planning.get("single_stage_mesh_search"):
+    if pp.planning.single_stage_mesh_search:
         return "does not fit the budget on any mesh shape searched"
     text = "does not fit the budget as the per-layer tables price it"
     if free is not None and math.isfinite(free):
@@ -117,7 +117,7 @@ def plan_view(ranked: Ranked, graph: Graph, label: str, devices: int, cluster: C
         "cluster_text": (f"{cluster.hosts} hosts x {cluster.devices_per_host} devices" if cluster
                          else f"{devices} devices"),
         "inter_host_axes": ([0] if multi_stage and best.mesh.ndim > 1 else
-                            list(best.options.get("inter_host_axes", ()))),
+                            list(best.options.inter_host_axes)),
         "hardware": dict(hardware),
         "memory_budget_bytes": budget,
         "input_shapes": [list(graph.tensors[t].shape) for t in graph.inputs],

@@ -1,8 +1,9 @@
 """Plans as text: the ranked mesh table, the per-layer sharding table, logical axis rules.
 
 Everything here reads the plan's JSON form (`Plan.to_dict()`, optionally with the `context` block
-the command line adds: input shapes, model FLOPs, hardware, the mesh ranking), so a plan printed
-right after planning and one re-read from a file with `planner plan --from` look the same.
+the command line adds: input shapes, model FLOPs, hardware, the mesh ranking), loaded back through
+the plan's records (`PlanView.plan`), so a plan printed right after planning and one re-read from a
+file with `planner plan --from` look the same.
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from typing import Any
 from planner.configs.pins import path_tokens
 from planner.core.errors import InvalidArgumentError
 from planner.core.layer_index import split_indexed
-from planner.core.plan import Plan, solver_quality as _solver_quality, stage_way
+from planner.core.pipeline_records import PipelineFacts, stage_way
+from planner.core.plan import Plan
+from planner.core.plan_records import solver_quality as _solver_quality
 from planner.core.units import format_bytes
 from planner.cost_model import peak_flops
 from planner.ilp.levers import LEVERS
@@ -53,6 +56,10 @@ def fmt_time(s: float | None) -> str:
     if abs(s) >= 1e-6:
         return f"{s * 1e6:.2f} us"
     return f"{s * 1e9:.1f} ns"
+
+
+def _or_dash(value: Any) -> Any:
+    return "-" if value is None else value
 
 
 def fmt_shape(shape: Sequence[int]) -> str:
@@ -135,13 +142,13 @@ class PlanView:
         return cls.from_dict(data)
 
     def mesh_text(self) -> str:
-        inter = set(self.context.get("inter_host_axes", self.data.get("options", {}).get("inter_host_axes", ())))
+        inter = set(self.context.get("inter_host_axes", self.plan.options.inter_host_axes))
         parts = [f"{n}={s}" + ("*" if i in inter else "") for i, (n, s) in enumerate(zip(self.axis_names, self.plan.mesh.shape))]
         return f"{self.plan.mesh} ({', '.join(parts)})"
 
     def budget(self) -> float | None:
         ctx_budget = self.context.get("memory_budget_bytes")
-        return ctx_budget if ctx_budget is not None else self.data.get("options", {}).get("memory_budget")
+        return ctx_budget if ctx_budget is not None else self.plan.options.memory_budget
 
 
 # ----- per-device memory by kind of leaf --------------------------------------------------------
@@ -329,7 +336,7 @@ def format_ranking(rows: Sequence[Mapping[str, Any]], budget: float | None, top:
     return out
 
 
-# The single-stage levers (`ilp.solver.LEVERS`) by their plan.levers key ("donate": the options'
+# The single-stage levers (`ilp.levers.LEVERS`) by their plan.levers key ("donate": the options'
 # donate_argnums); pipeline stages are another search (`--pipeline`).
 _LEVER_KEYS = {"rematerialisation": "remat", "host offload": "offload", "gradient accumulation": "accumulation",
                "donating the train state": "donate"}
@@ -340,17 +347,17 @@ def format_budget_cost(plan) -> str:
     (no constraint on live memory, though without the strategies the memory bound rules out, said
     when there are some: its step time and peak) against the plan, and the levers not tried (a
     lever with a record in `plan.levers` was, whether or not the plan uses it); empty otherwise."""
-    record = plan.solver.get("unbudgeted")
-    if not record:
+    record = plan.solver.unbudgeted
+    if record is None:
         return ""
-    tried = set(plan.levers) | ({"donate"} if (plan.options or {}).get("donate_argnums") else set())
+    tried = set(plan.levers.names()) | ({"donate"} if plan.options.donate_argnums else set())
     step = plan.prediction.step_time_s
-    ruled_out = record.get("strategies_ruled_out", 0)
+    ruled_out = record.strategies_ruled_out
     before = (f"With the {ruled_out} strategies that cannot fit it ruled out (the memory lower bound) but no "
               "constraint on live memory yet" if ruled_out else "Before any memory constraint")
-    text = (f"Memory budget: it binds. {before}, the solver's plan took {fmt_time(record['step_time_s'])}/step "
-            f"with a {fmt_bytes(record['peak_bytes'])} peak; fitting the budget makes the step "
-            f"{step / record['step_time_s']:.3g}x that ({fmt_time(step)}).")
+    text = (f"Memory budget: it binds. {before}, the solver's plan took {fmt_time(record.step_time_s)}/step "
+            f"with a {fmt_bytes(record.peak_bytes)} peak; fitting the budget makes the step "
+            f"{step / record.step_time_s:.3g}x that ({fmt_time(step)}).")
     untried = [f"{v.name}: {v.how}" for v in LEVERS if v.name in _LEVER_KEYS and _LEVER_KEYS[v.name] not in tried]
     if untried:
         text += f" Levers not tried: {'; '.join(untried)}."
@@ -362,36 +369,37 @@ def format_levers(plan) -> str:
     recomputation, host offload), a paragraph each, after what the budget cost when it bound
     (`format_budget_cost`); empty when neither applies."""
     paras = [cost] if (cost := format_budget_cost(plan)) else []
-    record = plan.levers.get("accumulation")
-    if record and record.get("microbatches", 1) > 1:
-        lines = [f"Gradient accumulation: {record['microbatches']} microbatches of {record['microbatch_rows']} rows "
+    record = plan.levers.accumulation
+    if record is not None and record.microbatches > 1:
+        lines = [f"Gradient accumulation: {record.microbatches} microbatches of {record.microbatch_rows} rows "
                  "per step (the planned shapes are one microbatch's)"]
-        once, every = record.get("unsharded", []), record.get("resharded_per_microbatch", [])
+        once, every = record.unsharded or (), record.resharded_per_microbatch or ()
         if once or every:
             lines.append(f"Selective unsharding: {len(once)} value(s) resharded once per step before the microbatch "
-                         f"loop ({fmt_bytes(sum(h['bytes'] for h in once))}/device held, "
-                         f"{sum(h['saved_s'] for h in once):.4g} s/step saved), {len(every)} argument(s) resharded "
+                         f"loop ({fmt_bytes(sum(h.bytes for h in once))}/device held, "
+                         f"{sum(h.saved_s for h in once):.4g} s/step saved), {len(every)} argument(s) resharded "
                          "in every microbatch")
-            lines += [f"  once: {h['value']}  ({fmt_bytes(h['bytes'])}, {h['saved_s']:.3g} s saved)" for h in once[:8]]
+            lines += [f"  once: {h.value}  ({fmt_bytes(h.bytes)}, {h.saved_s:.3g} s saved)" for h in once[:8]]
             if len(once) > 8:
                 lines.append(f"  ... and {len(once) - 8} more")
         paras.append("\n".join(lines))
-    record = plan.levers.get("remat")
-    if record:
-        paras.append(f"Recomputation: {record['policy']}" + (
-            f", {len(record['layers'])} of {record.get('recomputable', len(record['layers']))} layers "
-            f"({'..'.join(dict.fromkeys((record['layers'][0], record['layers'][-1])))}), "
-            f"{record['recomputed_ops']} ops recomputed in the backward" if record.get("layers") else
+    remat = plan.levers.remat
+    if remat is not None:
+        layers = remat.layers
+        paras.append(f"Recomputation: {remat.policy}" + (
+            f", {len(layers)} of {len(layers) if remat.recomputable is None else remat.recomputable} layers "
+            f"({'..'.join(dict.fromkeys((layers[0], layers[-1])))}), "
+            f"{remat.recomputed_ops} ops recomputed in the backward" if layers else
             " (the plan fits without it)"))
-    record = plan.levers.get("offload")
-    if record:
-        paras.append(f"Host offload ({record['mode']}): {len(record['inputs'])} of {record['candidates']} "
+    offload = plan.levers.offload
+    if offload is not None:
+        paras.append(f"Host offload ({offload.mode}): {len(offload.inputs)} of {offload.candidates} "
                      f"optimizer-state leaves in host memory"
-                     + (f" ({record['params']} master parameters, copied in for their casts too)"
-                        if record.get("params") else "")
-                     + f", {fmt_bytes(record['host_bytes_per_device'])}/device; "
-                     f"copies in {record['copy_in_s']:.3g} s ({record['hidden_s']:.3g} s hidden), back "
-                     f"{record['copy_back_s']:.3g} s")
+                     + (f" ({offload.params} master parameters, copied in for their casts too)"
+                        if offload.params else "")
+                     + f", {fmt_bytes(offload.host_bytes_per_device)}/device; "
+                     f"copies in {offload.copy_in_s:.3g} s ({offload.hidden_s:.3g} s hidden), back "
+                     f"{offload.copy_back_s:.3g} s")
     return "\n\n".join(paras)
 
 
@@ -399,19 +407,18 @@ def format_header(view: PlanView) -> str:
     p, ctx = view.plan.prediction, view.context
     budget = view.budget()
     hw = ctx.get("hardware") or {}
-    stages = view.data.get("stages") or []
     solver = view.plan.solver
     m = mfu(ctx.get("model_flops"), hw, p.step_time_s, view.plan.mesh.size)
     lines = [
         f"  mesh                  {view.mesh_text()}" + ("   (* axis crosses hosts)" if "*" in view.mesh_text() else ""),
-        f"  pipeline stages       {len(stages) if stages else 1}",
+        f"  pipeline stages       {len(view.plan.stages) or 1}",
         f"  predicted step time   {fmt_time(p.step_time_s)}  (compute {fmt_time(p.compute_time_s)}, "
         f"communication {fmt_time(p.communication_time_s)}"
         + (f" exposed + {fmt_time(p.hidden_communication_time_s)} hidden behind compute"
            if p.hidden_communication_time_s > 0 else "") + ")",
         f"  memory per device     {fmt_bytes(p.memory_bytes_per_device)}"
         + (f" of {fmt_bytes(budget)} budget ({p.memory_bytes_per_device / budget:.0%})" if budget else "")
-        + (f"; argument(s) {', '.join(map(str, donated))} donated" if (donated := view.plan.options.get("donate_argnums"))
+        + (f"; argument(s) {', '.join(map(str, donated))} donated" if (donated := view.plan.options.donate_argnums)
            else ""),
         f"  bytes moved / device  {fmt_bytes(p.bytes_moved_per_device)} in {len(p.collectives)} collectives",
     ]
@@ -420,9 +427,9 @@ def format_header(view: PlanView) -> str:
                      f"({sum(ctx['model_flops'].values()):.3g} model FLOPs per step)")
     if hw.get("rates_source"):
         lines.append(f"  achieved rates        {hw['rates_source']}")
-    if solver:
-        lines.append(f"  solver                {solver.get('status')} in {solver.get('solve_time_s', 0):.2f} s "
-                     f"({solver.get('decisions')} decisions, {solver.get('variables_shared')} after layer sharing)"
+    if solver.status is not None:
+        lines.append(f"  solver                {solver.status} in {solver.solve_time_s or 0:.2f} s "
+                     f"({solver.decisions} decisions, {solver.variables_shared} after layer sharing)"
                      + _solver_quality(solver))
     if view.plan.fallback_primitives:
         lines.append(f"  replicated (no rule)  {', '.join(view.plan.fallback_primitives)}")
@@ -440,13 +447,12 @@ def format_plan(view: PlanView, top: int | None = None) -> str:
     if ctx.get("params"):
         out[-1] += f", {fmt_count(ctx['params'])} parameters"
     ranking = ctx.get("ranking") or []
-    pipeline = view.data.get("pipeline") or {}
+    pipeline = view.plan.pipeline
     if len(ranking) > 1 or pipeline:
         title = "Pipeline plans, best first:" if pipeline else "Mesh shapes, best first:"
         out += ["", title, format_ranking(ranking, view.budget(), top)]
     out += ["", "Best plan:" if len(ranking) > 1 or pipeline else "Plan:", format_header(view)]
-    stages = view.data.get("stages") or []
-    if pipeline and len(stages) > 1:
+    if pipeline and len(view.plan.stages) > 1:
         out += ["", "Pipeline stages:", format_stages(view)]
         out += ["", "  per-stage shardings: stages[i].shardings in the --json file (each on its stage's mesh)"]
         return "\n".join(out)
@@ -457,27 +463,27 @@ def format_plan(view: PlanView, top: int | None = None) -> str:
 
 def format_stages(view: PlanView) -> str:
     """The pipeline's stages (layers, submesh, logical mesh, predicted time) and its schedule."""
-    pipe = view.data.get("pipeline") or {}
+    pipe = view.plan.pipeline or PipelineFacts()
     rows = []
-    for k, st in enumerate(view.data.get("stages") or []):
-        layers = st.get("layers") or []
+    for k, st in enumerate(view.plan.stages):
+        layers = st.layers or ()
         names = layers[0] if len(layers) == 1 else f"{layers[0]}..{layers[-1]} ({len(layers)})" if layers else "-"
-        mesh = st.get("mesh") or {}
-        host = set(st.get("host_axes") or ())
-        mesh_text = ", ".join(f"{n}={s}" + ("*" if n in host else "") for n, s in mesh.items()) or "-"
-        sub = st.get("submesh") or ()
-        devices = st.get("devices") or []
+        mesh = zip(st.mesh.axis_names, st.mesh.shape) if st.mesh is not None else ()
+        host = set(st.host_axes or ())
+        mesh_text = ", ".join(f"{n}={s}" + ("*" if n in host else "") for n, s in mesh) or "-"
+        sub = st.submesh or ()
+        devices = st.devices or ()
         layout = stage_way(st)
         rows.append((k, names, "x".join(map(str, sub)) or "-", mesh_text, _ranges(devices) if devices else "-",
-                     layout, fmt_time(st.get("time_per_microbatch_s")), fmt_bytes(st.get("memory_bytes_per_device"))))
+                     layout, fmt_time(st.time_per_microbatch_s), fmt_bytes(st.memory_bytes_per_device)))
     out = [table(("stage", "layers", "submesh", "mesh", "devices", "layout", "time/microbatch", "memory/dev"),
                  rows, "rllllrrr")]
-    out.append(f"  schedule {pipe.get('schedule', '-')}, {pipe.get('num_microbatches', '-')} microbatches, "
-               f"bubble {fmt_pct(pipe.get('bubble_fraction'))}, pipeline time {fmt_time(pipe.get('pipeline_time_s'))}")
-    single = pipe.get("single_stage_step_time_s")
+    out.append(f"  schedule {_or_dash(pipe.schedule)}, {_or_dash(pipe.num_microbatches)} microbatches, "
+               f"bubble {fmt_pct(pipe.bubble_fraction)}, pipeline time {fmt_time(pipe.pipeline_time_s)}")
+    single = pipe.single_stage_step_time_s
     if single is not None:
         out.append(f"  best single stage {fmt_time(single)}/step (whole cluster, no microbatching)")
-    stacked = (pipe.get("planning") or {}).get("stacked_params")
+    stacked = pipe.planning.stacked_params if pipe.planning is not None else None
     if stacked:
         out.append(f"  note: {stacked_note(stacked)}")
     return "\n".join(out)

@@ -119,7 +119,7 @@ def _over_floor(search: Search, spec: MeshSpec, inter: tuple[int, ...]) -> tuple
 def _build(search: Search, cand: Candidate, count: int) -> tuple[Search, Candidate | None]:
     """Builds the ILP of `cand` (mesh `cand.index` of `count`) and bounds it: its step-time lower
     bound, the liveness floor of its device count (`_liveness_floor`), its memory lower bound (with
-    host offload, the bound of every offload choice, `offload.bounding_problem`); None (recorded)
+    host offload, the bound of every offload choice, `ilp.offload.bounding_problem`); None (recorded)
     when it cannot be built or that bound is over the budget."""
     spec, budget = cand.mesh, search.options.memory_budget
     log.info("building the ILP of mesh %s (%d/%d) ...", spec, cand.index + 1, count)
@@ -142,7 +142,7 @@ def _build(search: Search, cand: Candidate, count: int) -> tuple[Search, Candida
         error = InfeasiblePlanError(
             f"no plan fits the memory budget of {format_bytes(budget)} per device on mesh {spec}: no plan can go "
             f"below {format_bytes(cand.memory_bound)} (lower bound; not solved)", None, cand.memory_bound)
-        error.levers = levers_of(bounding)  # the levers the bound counted (`search.no_fit_error` lists them)
+        error.levers = levers_of(bounding)  # the levers the bound counted (`results.no_fit_error` lists them)
         search = record(search, MeshResult(spec, None, error, cand.inter, cand.build_s, time_bound_s=cand.time_bound,
                                            over_bound=True))
         log.info("mesh %s: needs >= %s/device, over the budget: not solved", spec, format_bytes(cand.memory_bound))
@@ -152,7 +152,7 @@ def _build(search: Search, cand: Candidate, count: int) -> tuple[Search, Candida
 
 def _liveness_floor(search: Search, cand: Candidate) -> Search:
     """At the first built mesh of a device count with a known floor: the values live at the step's
-    fullest point split over every device (`solver.liveness_floor`), the floor of the later meshes
+    fullest point split over every device (`memory_bounds.liveness_floor`), the floor of the later meshes
     of that count (before they are built) when it is higher."""
     options, size = search.options, cand.mesh.size
     floor = search.floors.get(size, (None, ""))[0]

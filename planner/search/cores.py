@@ -7,7 +7,7 @@ import os
 def idle_cores() -> int:
     """The idle cores this process may run on: its cores less the load the rest of the machine puts
     on them, at least one. Solves on busy cores would only share them, and reach CP-SAT's
-    wall-clock cap sooner (a plan stopped by it depends on the load, `solver.WALL_CAP_FACTOR`)."""
+    wall-clock cap sooner (a plan stopped by it depends on the load, `cpsat.WALL_CAP_FACTOR`)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on every platform

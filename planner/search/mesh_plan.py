@@ -6,7 +6,6 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
 
 import jax
 
@@ -21,6 +20,7 @@ from planner.core.mesh import MeshSpec
 from planner.ilp.offload import plan_offload, record as offload_record
 from planner.core.options import PlanOptions
 from planner.core.plan import Decision, Plan, PredictedCollective, Prediction
+from planner.core.plan_records import ArgumentReshard, Levers, SolverStats, Unbudgeted
 from planner.core.sharding import Spec, active_axes, replicated
 from planner.core.units import format_bytes
 
@@ -79,17 +79,17 @@ def _device_platform(jax_mesh) -> str:
     return ""
 
 
-def _argument_reshards(problem: Problem, choice: Sequence[int]) -> list[list]:
-    """[op, operand position, tensor id, seconds, bytes moved per device] of every resharding that
+def _argument_reshards(problem: Problem, choice: Sequence[int]) -> tuple[ArgumentReshard, ...]:
+    """(op, operand position, tensor id, seconds, bytes moved per device) of every resharding that
     takes an argument (or a value its node computes from it alone, e.g. a parameter's bfloat16
     cast) to the layout an op reads it in (`_edge_comms`): the edge's time in the objective and its
     collectives' ring bytes, as the prediction counts them."""
     mesh = problem.cost.mesh
-    return [[e.op, e.pos, e.tensor, seconds,
-             int(sum(ring_bytes(kind, nbytes, mesh.axis_size(axes)) for kind, axes, nbytes in comms
-                     if mesh.axis_size(axes) > 1))]
-            for e, comms, seconds in _edge_comms(problem, choice)
-            if e.op >= 0 and seconds > 0 and problem.nodes[e.src].label.split()[0] == "input"]
+    return tuple(ArgumentReshard(e.op, e.pos, e.tensor, seconds,
+                                 int(sum(ring_bytes(kind, nbytes, mesh.axis_size(axes)) for kind, axes, nbytes
+                                         in comms if mesh.axis_size(axes) > 1)))
+                 for e, comms, seconds in _edge_comms(problem, choice)
+                 if e.op >= 0 and seconds > 0 and problem.nodes[e.src].label.split()[0] == "input")
 
 
 def _edge_comms(problem: Problem, choice: Sequence[int]):
@@ -263,7 +263,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     out_specs = _output_specs(graph, problem, sol.choice)
     prediction = _predict(problem, sol)
     solver_info = _solver_info(graph, problem, sol, t0, pins)
-    levers = {"offload": offload_record(problem, sol.choice, options.offload)} if options.offload != "off" else {}
+    levers = Levers(offload=offload_record(problem, sol.choice, options.offload) if options.offload != "off" else None)
     return Plan(
         mesh=mesh,
         input_paths=graph.input_paths,
@@ -274,7 +274,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
         prediction=prediction,
         decisions=_decisions(problem, sol.choice),
         solver=solver_info,
-        options=options.to_json(),
+        options=options.recorded(),
         fallback_primitives=problem.fallback_primitives,
         scatter_specs=scatter_specs,
         operand_specs=operand_specs,
@@ -282,7 +282,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
         out_tree=graph.out_tree,
         jax_mesh=jax_mesh,
         assumed_xla_flags=_xla_flags(problem, sol.choice),
-        levers=MappingProxyType(levers),
+        levers=levers,
     )
 
 
@@ -355,28 +355,26 @@ def _output_specs(graph: Graph, problem: Problem, choice: Sequence[int]) -> tupl
 
 
 def _solver_info(graph: Graph, problem: Problem, sol: Solution, t0: float,
-                 pins: Mapping[int, Spec] | None) -> dict:
+                 pins: Mapping[int, Spec] | None) -> SolverStats:
     """`Plan.solver`: how the solve went, the problem's size, and the parts of the step time."""
-    solver_info = {
-        "status": sol.status,
-        "solve_time_s": round(sol.solve_time_s, 3),
-        "planning_time_s": round(time.perf_counter() - t0, 3),
-        "rounds": sol.rounds,
-        "ops": len(graph.ops),
-        "decisions": len(problem.nodes),
-        "variables_shared": len(set(problem.rep)),
-        "edges": len(problem.edges),
-        "objective_s": sol.objective_s,
-        "optimal": sol.optimal,
-        "gap": None if sol.gap is None else round(sol.gap, 6),
-        "deterministic_time": round(sol.deterministic_time, 3),
-        "limit": sol.limit,
-    }
-    if sol.unbudgeted is not None:  # what fitting the budget cost (`present.report.format_budget_cost`)
-        solver_info["unbudgeted"] = dict(zip(("step_time_s", "peak_bytes", "strategies_ruled_out"), sol.unbudgeted))
-    if pins:
-        solver_info["pinned_inputs"] = len(pins)
-    solver_info["step_parts"] = step_parts(problem, sol.choice)
-    if not problem.prefetch:  # exposed: a loop over microbatches may do them once (`accumulate.unshard`)
-        solver_info["argument_reshards"] = _argument_reshards(problem, sol.choice)
-    return solver_info
+    return SolverStats(
+        status=sol.status,
+        solve_time_s=round(sol.solve_time_s, 3),
+        planning_time_s=round(time.perf_counter() - t0, 3),
+        rounds=sol.rounds,
+        ops=len(graph.ops),
+        decisions=len(problem.nodes),
+        variables_shared=len(set(problem.rep)),
+        edges=len(problem.edges),
+        objective_s=sol.objective_s,
+        optimal=sol.optimal,
+        gap=None if sol.gap is None else round(sol.gap, 6),
+        deterministic_time=round(sol.deterministic_time, 3),
+        limit=sol.limit,
+        # what fitting the budget cost (`present.report.format_budget_cost`)
+        unbudgeted=None if sol.unbudgeted is None else Unbudgeted(*sol.unbudgeted),
+        pinned_inputs=len(pins) if pins else None,
+        step_parts=step_parts(problem, sol.choice),
+        # exposed: a loop over microbatches may do them once (`levers.accumulate.unshard`)
+        argument_reshards=None if problem.prefetch else _argument_reshards(problem, sol.choice),
+    )

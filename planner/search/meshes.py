@@ -43,20 +43,20 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
                   min_peak_search: bool = True, beat: float = math.inf) -> tuple[MeshResult, ...]:
     """Plans `graph` on every mesh; returns the results, planned ones fastest first, failures last.
 
-    Without host offload, when the arguments and outputs alone (`solver.memory_floor`) exceed
+    Without host offload, when the arguments and outputs alone (`memory_bounds.memory_floor`) exceed
     `options.memory_budget` on the devices, only the first mesh's ILP is built (for the smallest
     peak below); the others are over budget without one. The same once the first mesh of a device
     count is built, when the values live at the step's fullest point split over every device
-    (`solver.liveness_floor`) exceed it. Each mesh's ILP is built first and
+    (`memory_bounds.liveness_floor`) exceed it. Each mesh's ILP is built first and
     bounded before any solver runs: a mesh whose memory lower
-    bound (`solver.memory_lower_bound`; with host offload, the bound of every offload choice)
+    bound (`memory_bounds.memory_lower_bound`; with host offload, the bound of every offload choice)
     exceeds `options.memory_budget` is not solved (an `InfeasiblePlanError` with that bound); the
     others are solved in order of their step-time lower bound (`step_time_lower_bound`, the likely
     best first), and with `prune` a mesh whose bound is not below the fastest plan found so far is
     not solved (`MeshResult.pruned`): it cannot be faster, so the fastest plan is the one planning
     every mesh would give. When no mesh gives a
     plan and some are over budget, the smallest peak is searched on the most promising of them only
-    (the least lower bound; `solver.smallest_peak`, at most `MIN_MEMORY_LIMIT` deterministic units)
+    (the least lower bound; `infeasible.smallest_peak`, at most `MIN_MEMORY_LIMIT` deterministic units)
     and recorded in its error; `no_fit_error` turns the results into the user's one-line answer.
 
     Args:
@@ -184,7 +184,7 @@ def _solve_one(search: Search, cand: Candidate, start: tuple[int, ...] | None = 
                  "?" if spent is None else f"{spent:.3g}", time.perf_counter() - t0)
         return MeshResult(cand.mesh, None, e, cand.inter, cand.build_s + time.perf_counter() - t0,
                           time_bound_s=cand.time_bound, deterministic_time=spent)
-    spent = plan.solver.get("deterministic_time")
+    spent = plan.solver.deterministic_time
     log.info("mesh %s: %.4g s/step, %s/device, planned in %.1fs (%s deterministic units)", cand.mesh,
              plan.prediction.step_time_s, format_bytes(plan.prediction.memory_bytes_per_device),
              time.perf_counter() - t0, spent)

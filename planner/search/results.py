@@ -62,7 +62,7 @@ def no_fit_error(results: Sequence[MeshResult], budget: float | None = None,
     """The one-line answer when no mesh of a `search_meshes` result gives a plan and some are over
     the memory budget: the least proven lower bound over the mesh shapes, the smallest peak found
     (and where), which meshes were not solved because their bound alone is over the budget, which
-    the solver could not decide within its limit, and the levers (`solver.LEVERS`)."""
+    the solver could not decide within its limit, and the levers (`ilp.levers.LEVERS`)."""
     own = [r for r in results if r.same_as is None]
     levers = next((r.error.levers for r in own if getattr(r.error, "levers", ())), levers)  # solved meshes: no error
     over = [r for r in own if r.over_budget]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from types import MappingProxyType
 
 from planner.core.options import PlanOptions
+from planner.core.pipeline_records import PipelinePlanning
 from planner.core.sharding import Spec
 from planner.cost_model import Cluster
 from planner.graph.ir import Graph
@@ -138,19 +139,19 @@ def to_pipeline_plan(best: Candidate, stages: tuple[StagePlan, ...], options: Pl
                      t_start: float, timings: dict[str, float], ilp_solves: int, single: float | None,
                      single_free: float | None, candidates: tuple, extra: dict) -> PipelinePlan:
     """The `PipelinePlan` of the chosen candidate (`plan_pipeline` and `fixed_pipeline` alike);
-    `extra` adds planning facts of the caller."""
+    `extra` adds planning facts of the caller (`PipelinePlanning` fields)."""
     times = [s.time_s for s in stages]
     # The step without communication: stage times less their exposed communication, updates only.
     compute = pipeline_latency([s.time_s - s.comm_s for s in stages], best.B) + max(s.apply_s for s in stages)
-    planning = {
-        "planning_time_s": round(time.perf_counter() - t_start, 3),
+    planning = PipelinePlanning(
+        planning_time_s=round(time.perf_counter() - t_start, 3),
         **{k: round(v, 3) for k, v in timings.items()},
-        "ilp_solves": ilp_solves,
-        "layers": best.layers.num_layers,
-        "distinct_layers": len(set(best.layers.keys)),
-        "layer_method": best.layers.method,
+        ilp_solves=ilp_solves,
+        layers=best.layers.num_layers,
+        distinct_layers=len(set(best.layers.keys)),
+        layer_method=best.layers.method,
         **extra,
-    }
+    )
     return PipelinePlan(
         stages=stages,
         num_microbatches=best.B,
@@ -163,7 +164,7 @@ def to_pipeline_plan(best: Candidate, stages: tuple[StagePlan, ...], options: Pl
         cluster=str(cluster),
         layer_names=best.layers.names,
         candidates=candidates,
-        planning=MappingProxyType(planning),
+        planning=planning,
         compute_time_s=min(compute, best.step_s),
         hidden_communication_s=best.B * max(s.hidden_s for s in stages),
     )

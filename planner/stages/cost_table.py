@@ -153,7 +153,7 @@ class LayerCostTable:
     def fill(self, mesh_indices: Sequence[int], threads: int | None = None, variants: Sequence[str] = ("",)) -> None:
         """Plans every distinct layer on each of `mesh_indices` (in each of `variants` the mesh has,
         `has_variant`) not planned yet, `threads` at once
-        (None: the idle cores, `search.idle_cores`, divided by `options.solver_workers`). CP-SAT
+        (None: the idle cores, `search.cores.idle_cores`, divided by `options.solver_workers`). CP-SAT
         releases the GIL while it searches, so the solves run side by side; each is planned alone (one
         CP-SAT worker, deterministic limits), so the table is the one `cost` fills one by one."""
         todo: dict[tuple, tuple[int, int, Mapping[int, Spec]]] = {}

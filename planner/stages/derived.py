@@ -31,7 +31,7 @@ from planner.graph.ir import Graph, Literal
 from planner.graph.trace import trace
 from planner.stages.clustering import APPLY, BACKWARD, FORWARD, op_phases
 
-FIX = "build the step with planner.stages.pipelinable(loss_fn, optimizer) to pipeline it"
+FIX = "build the step with planner.pipelinable(loss_fn, optimizer) to pipeline it"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,7 +138,7 @@ def fixed_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Clust
         the fastest kept, as the pipeline search picks it), `schedule`,
         `memory_budget` (default: the device memory; it decides recomputation when `remat` is
         None; a configuration that fits nowhere is costed ignoring memory and says so in
-        `planning["fits_memory"]`).
+        `planning.fits_memory`).
       pins: program input tensor id -> Spec on the stage's logical mesh.
       batch_ways: how many ways the configuration splits the batch dim on that mesh.
       replica_ways: `(microbatch graph, that mesh) ->` how many data-parallel replicas accumulate
@@ -274,4 +274,4 @@ def _chosen(even: _EvenPipeline, priced: _Priced) -> PipelinePlan:
                             None, None, tuple((c.B, c.step_s, even.num_stages) for c in priced.candidates),
                             {"dp_evaluations": 0, "logical_meshes": 1, "stages_chosen": "even (hand-chosen)",
                              "fits_memory": fits[best.B],
-                             **({"grad_sync_per_microbatch": per_microbatch} if per_microbatch else {})})
+                             **({"grad_sync_per_microbatch": tuple(per_microbatch)} if per_microbatch else {})})

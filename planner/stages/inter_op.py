@@ -20,6 +20,7 @@ from typing import Any
 
 from planner.core.errors import InfeasiblePlanError
 from planner.core.options import PlanOptions
+from planner.core.pipeline_records import HandLayoutCounts
 from planner.core.units import format_bytes
 from planner.cost_model import Cluster
 from planner.graph.ir import Graph
@@ -194,9 +195,9 @@ def _chosen(space: SearchSpace, found: _Found) -> PipelinePlan:
 def _planning_facts(space: SearchSpace, found: _Found, per_microbatch: list[str]) -> dict[str, Any]:
     """What `plan_pipeline` adds to `PipelinePlan.planning`."""
     return {"dp_evaluations": found.evaluations, "logical_meshes": len(space.meshes),
-            **({"grad_sync_per_microbatch": per_microbatch} if per_microbatch else {}),
-            **({"stacked_params": list(found.stacked)} if found.stacked else {}),
-            **({"hand_layout_counts": {"priced": list(found.priced), "pruned": list(found.pruned)}}
+            **({"grad_sync_per_microbatch": tuple(per_microbatch)} if per_microbatch else {}),
+            **({"stacked_params": tuple(found.stacked)} if found.stacked else {}),
+            **({"hand_layout_counts": HandLayoutCounts(tuple(found.priced), tuple(found.pruned))}
                if space.hand_layouts else {}),
             **({"single_stage_mesh_search": found.single.mesh_search} if space.options.pipeline == "auto" else {})}
 

@@ -182,7 +182,7 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
     data_index = {mesh.axis_names.index(a) for a in data}
     if any(data_index & spec_axes(spec_of_input.get(t) or ()) for t in ext if t in param_set):
         # a parameter split over a data axis: the pipeline runtime reduces every microbatch
-        # (`runtime.PipelinedStep._replicas`), as the layer's plan prices it; nothing once per step
+        # (`stage_records.set_replicas`), as the layer's plan prices it; nothing once per step
         sync, exposed = 0.0, 0.0
     exported = set(sub.outputs)
     produced = {(op_index, k): spec for op_index, k, spec in plan.op_specs

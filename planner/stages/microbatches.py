@@ -78,7 +78,7 @@ def trace_replica(fn: Callable, args: tuple[Any, ...], count: int, rows: int, re
                   batch_argnum: int | tuple[int, ...] = -1) -> None:
     """Raises `UntraceableMicrobatches` (`trace_microbatch`) unless `fn` traces on one of
     `replicas` data-parallel replicas' share of a microbatch of `rows` rows, as the pipeline runtime
-    traces the loss to accumulate gradients per replica (`runtime.PipelinedStep._replicas`). The
+    traces the loss to accumulate gradients per replica (`stage_records.set_replicas`). The
     whole microbatch tracing does not imply it: gshard-moe-1.3b as megatron-tp+pp2 on 128x8 at 16
     microbatches of 64 rows has one 1024-token row per replica of 64, under its 2048-token routing
     groups."""

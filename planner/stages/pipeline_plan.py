@@ -4,11 +4,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from types import MappingProxyType
 from typing import Any
 
 from planner.core.mesh import MeshSpec
-from planner.core.plan import stage_way
+from planner.core.pipeline_records import (
+    PipelineCandidate,
+    PipelineFacts,
+    PipelinePlanning,
+    PipelineStage,
+    stage_way,
+)
 from planner.core.sharding import Spec
 from planner.core.units import format_bytes
 from planner.stages.clustering import stacked_note
@@ -69,31 +74,33 @@ class StagePlan:
     @property
     def name(self) -> str:
         """How the stage runs, e.g. "plan", "fsdp:sharded-state+remat" (layer plans, state layout, remat)."""
-        return stage_way({"layer_plans": self.layer_plans, "state_layout": self.state_layout, "remat": self.remat})
+        return stage_way(PipelineStage(layer_plans=self.layer_plans, state_layout=self.state_layout,
+                                       remat=self.remat))
 
-    def to_dict(self) -> dict:
+    def record(self, plan: Any = None) -> PipelineStage:
+        """The stage as the plan keeps it (`Plan.stages`), with its intra-op `plan` when given."""
         names = self.mesh.axis_names
-        return {
-            "layers": list(self.layers),
-            "layer_range": list(self.layer_range),
-            "submesh": list(self.submesh),
-            "mesh": {n: int(s) for n, s in zip(names, self.mesh.shape)},
-            "host_axes": [names[a] for a in self.host_axes],
-            "devices": list(self.devices),
-            "state_layout": self.state_layout,
-            "remat": self.remat,
-            "layer_plans": self.layer_plans,
-            "time_per_microbatch_s": self.time_s,
-            "apply_time_s": self.apply_s,
-            "grad_sync_time_s": self.grad_sync_s,
-            "exposed_communication_per_microbatch_s": self.comm_s,
-            "hidden_communication_per_microbatch_s": self.hidden_s,
-            "data_axes": sorted(self.data_axes),
-            "memory_bytes_per_device": int(self.memory_bytes) if math.isfinite(self.memory_bytes) else None,
-            "inflight_microbatches": self.inflight,
-            "shardings": {p: [None if not axes else [names[a] for a in axes] for axes in spec]
-                          for p, spec in sorted(self.specs.items())},
-        }
+        return PipelineStage(
+            layers=tuple(self.layers),
+            layer_range=tuple(self.layer_range),
+            submesh=tuple(self.submesh),
+            mesh=self.mesh,
+            host_axes=tuple(names[a] for a in self.host_axes),
+            devices=tuple(self.devices),
+            state_layout=self.state_layout,
+            remat=self.remat,
+            layer_plans=self.layer_plans,
+            time_per_microbatch_s=self.time_s,
+            apply_time_s=self.apply_s,
+            grad_sync_time_s=self.grad_sync_s,
+            exposed_communication_per_microbatch_s=self.comm_s,
+            hidden_communication_per_microbatch_s=self.hidden_s,
+            data_axes=tuple(sorted(self.data_axes)),
+            memory_bytes_per_device=int(self.memory_bytes) if math.isfinite(self.memory_bytes) else None,
+            inflight_microbatches=self.inflight,
+            shardings=tuple(sorted(self.specs.items())),
+            plan=plan,
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,9 +125,7 @@ class PipelinePlan:
       cluster: the cluster in words.
       layer_names: every layer, in order.
       candidates: (B, predicted step time, number of stages) of each microbatch count tried.
-      planning: timings and counts of the planning run; `hand_layout_counts` says for which
-        microbatch counts the stage tables' hand layouts were priced ("priced") and for which the
-        pruning rule skipped them ("pruned": their candidate is of the layers' own plans only).
+      planning: timings and counts of the planning run (`PipelinePlanning`).
     """
 
     stages: tuple[StagePlan, ...]
@@ -134,7 +139,7 @@ class PipelinePlan:
     cluster: str
     layer_names: tuple[str, ...]
     candidates: tuple[tuple[int, float, int], ...]
-    planning: Mapping[str, Any]
+    planning: PipelinePlanning
     compute_time_s: float
     hidden_communication_s: float
     # (plan, inter-host axes): the whole-program plan the single stage was priced with (`pipeline="auto"`), bound to the
@@ -150,28 +155,28 @@ class PipelinePlan:
     def memory_bytes_per_device(self) -> float:
         return max(st.memory_bytes for st in self.stages)
 
-    def to_dict(self) -> dict:
-        """The pipeline-level facts (stages go separately to `Plan.stages`, see `stage_dicts`)."""
-        return {
-            "schedule": self.schedule,
-            "num_microbatches": self.num_microbatches,
-            "num_stages": self.num_stages,
-            "bubble_fraction": self.bubble_fraction,
-            "step_time_s": self.step_time_s,
-            "compute_time_s": self.compute_time_s,
-            "exposed_communication_s": self.step_time_s - self.compute_time_s,
-            "hidden_communication_s": self.hidden_communication_s,
-            "pipeline_time_s": self.pipeline_time_s,
-            "single_stage_step_time_s": _finite(self.single_stage_time_s),
-            "single_stage_step_time_ignoring_memory_s": _finite(self.single_stage_time_unconstrained_s),
-            "cluster": self.cluster,
-            "candidates": [{"num_microbatches": b, "step_time_s": _finite(t), "stages": s}
-                           for b, t, s in self.candidates],
-            "planning": dict(self.planning),
-        }
+    def facts(self) -> PipelineFacts:
+        """The pipeline-level facts (`Plan.pipeline`; the stages go to `Plan.stages`, see `stage_records`)."""
+        return PipelineFacts(
+            schedule=self.schedule,
+            num_microbatches=self.num_microbatches,
+            num_stages=self.num_stages,
+            bubble_fraction=self.bubble_fraction,
+            step_time_s=self.step_time_s,
+            compute_time_s=self.compute_time_s,
+            exposed_communication_s=self.step_time_s - self.compute_time_s,
+            hidden_communication_s=self.hidden_communication_s,
+            pipeline_time_s=self.pipeline_time_s,
+            single_stage_step_time_s=_finite(self.single_stage_time_s),
+            single_stage_step_time_ignoring_memory_s=_finite(self.single_stage_time_unconstrained_s),
+            cluster=self.cluster,
+            candidates=tuple(PipelineCandidate(b, _finite(t), s) for b, t, s in self.candidates),
+            planning=self.planning,
+        )
 
-    def stage_dicts(self) -> tuple[Mapping[str, Any], ...]:
-        return tuple(MappingProxyType(st.to_dict()) for st in self.stages)
+    def stage_records(self) -> tuple[PipelineStage, ...]:
+        """Each stage as the plan keeps it (`StagePlan.record`)."""
+        return tuple(st.record() for st in self.stages)
 
     def summary(self) -> str:
         lines = [
@@ -186,8 +191,8 @@ class PipelinePlan:
             free = self.single_stage_time_unconstrained_s
             lines.append(f"  best single stage     {single}" + (
                 f" (ignoring memory {free * 1e3:.3f} ms)" if free is not None and math.isfinite(free) else ""))
-        if self.planning.get("stacked_params"):
-            lines.append(f"  note: {stacked_note(self.planning['stacked_params'])}")
+        if self.planning.stacked_params:
+            lines.append(f"  note: {stacked_note(self.planning.stacked_params)}")
         for k, st in enumerate(self.stages):
             names = st.layers[0] if len(st.layers) == 1 else f"{st.layers[0]}..{st.layers[-1]} ({len(st.layers)})"
             lines.append(

@@ -47,7 +47,7 @@ def _replica_fallback(fn: Callable, args: tuple[Any, ...], best: Candidate, stag
     """A candidate pipeline priced as the runtime will run it. A data-parallel stage reduces its
     gradients once per step only when each of its replicas' share of a microbatch is whole rows, the
     loss traces on it and no parameter (a program input outside the batch arguments and the
-    optimizer state) is split over a data axis (`runtime.PipelinedStep._replicas`); the stage
+    optimizer state) is split over a data axis (`stage_records.set_replicas`); the stage
     tables price that once per step. For a stage where it does not hold, the runtime reduces every
     microbatch: its reduction moves into its per-microbatch time and exposed communication, and the
     step time follows (the pipeline latency of the new stage times, the once-per-step part without

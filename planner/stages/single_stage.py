@@ -146,7 +146,7 @@ def as_single_stage_plan(pp: PipelinePlan, one: SingleStage | None) -> PipelineP
 
 def _single_stage_search(graph: Graph, cluster: Cluster, options: PlanOptions, budget: float,
                           devices: Sequence[Any], beat: float) -> tuple[Any, tuple[int, ...]] | None:
-    """The fastest single-stage plan of `graph` on the cluster's mesh shapes (`search.search_meshes`
+    """The fastest single-stage plan of `graph` on the cluster's mesh shapes (`search.meshes.search_meshes`
     with the cluster's links; meshes that cannot beat `beat` pruned), with its inter-host axes; None
     when none fits `budget` or beats `beat`."""
     single = dataclasses.replace(options, pipeline=False, memory_budget=budget, hardware=effective_hardware(cluster))

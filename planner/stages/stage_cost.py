@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from planner.core.plan import stage_way
+from planner.core.pipeline_records import PipelineStage, stage_way
 from planner.stages.cost_table import LayerCostTable
 from planner.stages.layer_cost import LayerCost
 from planner.stages.submesh import boundary_link
@@ -44,8 +44,8 @@ class StageOption:
 
     @property
     def name(self) -> str:
-        """As `plan.stage_way` writes a stage, e.g. "fsdp:sharded-state+remat"."""
-        return stage_way({"layer_plans": self.variant or "planned", "state_layout": self.layout, "remat": self.remat})
+        """As `planner.core.pipeline_records.stage_way` writes a stage, e.g. "fsdp:sharded-state+remat"."""
+        return stage_way(PipelineStage(layer_plans=self.variant or "planned", state_layout=self.layout, remat=self.remat))
 
 
 def stage_collectives(table: LayerCostTable, first: int, last: int, option: StageOption) -> tuple:
@@ -105,7 +105,7 @@ def sync_every_microbatch(cost: LayerCost, option: StageOption) -> bool:
     """Whether the layer's data-parallel gradient reduction (`LayerCost.sync_s`) runs every
     microbatch as `option` runs it, not once per step: in the sharded-state layout its parameters
     are split over the data axes too, and the pipeline runtime then reduces every microbatch
-    (`runtime.PipelinedStep._replicas`)."""
+    (`stage_records.set_replicas`)."""
     return option.layout == "sharded-state" and bool(cost.data_axes) and cost.sync_s > 0
 
 

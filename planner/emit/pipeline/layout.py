@@ -33,7 +33,7 @@ class StageLayout:
         mesh along axis 0 where it divides.
       remat: recompute the forward in the backward instead of keeping activations.
       data_axes: axes of `mesh` that split the stage's batch (its data-parallel replicas), as the
-        plan priced them (`inter_op.StagePlan.data_axes`: axes splitting any layer's activations or
+        plan priced them (`pipeline_plan.StagePlan.data_axes`: axes splitting any layer's activations or
         batch leaves by rows); None: read from the batch specs (`data_axes`).
     """
 

@@ -8,19 +8,17 @@ pipeline (schedule, microbatches, bubble), and calling the planned function runs
 runtime. A step built with `pipelinable(loss_fn, optimizer)` gives the runtime its loss and
 optimizer; any other step has them read from its trace (`planner.stages.derived`), or gets the
 one-line reason why not. Each stage record keeps the stage's intra-op plan of one microbatch's
-forward + backward (`stages[i]["plan"]`), which the runtime emits, and the top-level prediction
+forward + backward (`stages[i].plan`), which the runtime emits, and the top-level prediction
 lists the pipeline's collectives (`pipeline_collectives`). `run_plan(fn, Plan.from_json(...))`
 runs a saved plan.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -33,6 +31,7 @@ from planner.graph.trace import trace
 from planner.core.mesh import MeshSpec
 from planner.core.options import PlanOptions
 from planner.core.plan import Plan, PredictedCollective, Prediction
+from planner.core.plan_records import SolverStats
 from planner.search.mesh_plan import make_plan
 from planner.core.sharding import replicated
 from planner.stages.derived import DerivedStep
@@ -41,7 +40,7 @@ from planner.stages.inter_op import plan_pipeline
 from planner.stages.microbatches import UntraceableMicrobatches
 from planner.stages.pipeline_plan import PipelinePlan
 from planner.stages.single_stage import input_pins
-from planner.emit.pipeline.runtime import PipelinedStep, StageLowered, plain_record
+from planner.emit.pipeline.runtime import PipelinedStep, StageLowered
 from planner.stages.submesh import LogicalMesh, effective_hardware, make_cluster
 
 
@@ -71,7 +70,7 @@ def pipeline_cluster(mesh: MeshSpec | None, num_devices: int, options: PlanOptio
 
 def plan_fixed_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, cluster: Cluster,
                       options: PlanOptions, num_stages: int, **kwargs: Any) -> tuple[Plan, PipelinePlan]:
-    """A hand-chosen even pipeline (`inter_op.fixed_pipeline`; `kwargs` go to it) as a `Plan`, with
+    """A hand-chosen even pipeline (`fixed_pipeline.fixed_pipeline`; `kwargs` go to it) as a `Plan`, with
     every stage's intra-op plan and the stage-to-stage transfers, exactly as `plan_stages` makes
     the planner's own pipeline plans (`run_plan(fn, plan)` runs it)."""
     derived = None if has_marker(fn) else derive(fn, graph)
@@ -88,9 +87,9 @@ def to_plan(pp: PipelinePlan, graph: Graph, cluster: Cluster, options: PlanOptio
     """A multi-stage pipeline as a `planner.Plan`.
 
     The top-level mesh is the cluster (hosts x devices) and the top-level shardings are replicated
-    placeholders: each stage's real shardings live in `stages[i]["shardings"]` on that stage's
+    placeholders: each stage's real shardings live in `stages[i].shardings` on that stage's
     own mesh (parameters and batch), and its intra-op plan of one microbatch's forward + backward
-    in `stages[i]["plan"]` (a plan dict: the shardings of every intermediate, which the runtime
+    in `stages[i].plan` (a `Plan`: the shardings of every intermediate, which the runtime
     emits, and that stage's predicted collectives; `PipelineRunner.lower` gives each stage's
     programs). The prediction is the pipeline's (step time, peak memory of the fullest stage) with
     its collectives (`pipeline_collectives`).
@@ -117,12 +116,15 @@ def to_plan(pp: PipelinePlan, graph: Graph, cluster: Cluster, options: PlanOptio
         bytes_moved_per_device=pipeline_bytes_per_device(collectives),
         collectives=collectives,
     )
-    records = pp.stage_dicts()
     if stage_plans:
-        records = tuple(MappingProxyType({**dict(st), "plan": _record(sp)}) for st, sp in zip(records, stage_plans))
-    solver = {"status": "pipeline", "solve_time_s": pp.planning.get("planning_time_s", 0.0),
-              "decisions": pp.planning.get("ilp_solves"), "variables_shared": pp.planning.get("distinct_layers"),
-              **dict(pp.planning)}
+        records = tuple(st.record(_record(sp)) for st, sp in zip(pp.stages, stage_plans))
+    else:
+        records = pp.stage_records()
+    planning = pp.planning
+    solver = SolverStats(status="pipeline",
+                         solve_time_s=planning.planning_time_s if planning.planning_time_s is not None else 0.0,
+                         planning_time_s=planning.planning_time_s, decisions=planning.ilp_solves,
+                         variables_shared=planning.distinct_layers, planning=planning)
     return Plan(
         mesh=mesh,
         input_paths=graph.input_paths,
@@ -133,9 +135,9 @@ def to_plan(pp: PipelinePlan, graph: Graph, cluster: Cluster, options: PlanOptio
         prediction=prediction,
         decisions=(),
         solver=solver,
-        options=options.to_json(),
+        options=options.recorded(),
         stages=records,
-        pipeline=MappingProxyType(pp.to_dict()),
+        pipeline=pp.facts(),
         in_tree=graph.in_tree,
         out_tree=graph.out_tree,
     )
@@ -150,7 +152,7 @@ def pipeline_collectives(stage_collectives: Sequence[Sequence[PredictedCollectiv
     `num_microbatches` x the bytes, except the data-parallel gradient reduction of a stage that runs it
     once per step on the accumulated gradients (`once[s]`: the axes it reduces over,
     `PipelinedStep.stage_plan_records`; the plan's "partial sum" collectives over only those axes, as
-    `stage_cost.grad_sync` takes them out); and per value crossing stages, a collective-permute from the
+    `layer_cost.grad_sync` takes them out); and per value crossing stages, a collective-permute from the
     sending to the receiving submesh per microbatch (a float value's cotangent returns as many bytes).
     Axes name the stage ("stage0/data")."""
     B = num_microbatches
@@ -187,11 +189,10 @@ def pipeline_bytes_per_device(collectives: Sequence[PredictedCollective]) -> flo
     return float(max(per_stage.values(), default=0.0))
 
 
-def _record(plan: Plan) -> dict:
-    """A stage's intra-op plan as its stage record keeps it (without the decision table)."""
-    d = dataclasses.replace(plan, decisions=()).to_dict()
-    d.pop("stages", None)
-    return d
+def _record(plan: Plan) -> Plan:
+    """A stage's intra-op plan as its stage record keeps it: without the decision table, unbound
+    (as a saved plan reads it back)."""
+    return dataclasses.replace(plan, decisions=(), in_tree=None, out_tree=None, jax_mesh=None)
 
 
 def stage_plans_for(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, pp: PipelinePlan,
@@ -250,8 +251,7 @@ class PipelineRunner:
         if self._step is None:
             if isinstance(self.derived, InvalidArgumentError):
                 raise self.derived
-            stage_devices = [d for st in self.pp.stages for d in (st.devices if hasattr(st, "devices")
-                                                                    else st["devices"])]
+            stage_devices = [d for st in self.pp.stages for d in st.devices]
             if len(self.devices) < max(stage_devices) + 1:
                 raise InvalidArgumentError(
                     f"the pipeline spans {len(stage_devices)} devices but only "
@@ -298,14 +298,14 @@ class PipelineRunner:
 def run_plan(fn: Callable[..., Any], plan: Plan, devices: Sequence[Any] | None = None) -> PipelineRunner:
     """The callable that runs a saved multi-stage plan (`Plan.from_json(...)`) of `fn` on `devices`
     (default `jax.devices()`; the plan's device positions index them)."""
-    if not plan.stages or "devices" not in plan.stages[0]:
+    if not plan.stages or plan.stages[0].devices is None:
         raise InvalidArgumentError("this plan has no pipeline stages; run a one-stage plan with plan_parallel")
     return PipelineRunner(fn, plan, jax.devices() if devices is None else devices)
 
 
 def stage_plans_of(plan: Plan) -> tuple[Plan | None, ...]:
     """The intra-op plans a multi-stage `Plan`'s stage records keep (None where one has none)."""
-    return tuple(Plan.from_json(json.dumps(plain_record(st["plan"]))) if st.get("plan") else None for st in plan.stages)
+    return tuple(st.plan for st in plan.stages)
 
 
 def plan_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, cluster: Cluster, options: PlanOptions,
@@ -329,7 +329,7 @@ def plan_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, clu
         pinned = input_pins(kwargs.get("pins"), graph, LogicalMesh(st.mesh, (), st.host_axes))
         plan = make_plan(graph, st.mesh, dataclasses.replace(options, inter_host_axes=st.host_axes,
                                                              hardware=effective_hardware(cluster)), jax_mesh, pins=pinned)
-    return dataclasses.replace(plan, pipeline=MappingProxyType(pp.to_dict())), pp
+    return dataclasses.replace(plan, pipeline=pp.facts()), pp
 
 
 def plan_with_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, mesh: MeshSpec | None,

@@ -40,7 +40,6 @@ that mirror them and a copy of the shared ones (e.g. the step count).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -59,7 +58,7 @@ from planner.core.sharding import named_sharding
 from planner.emit.pipeline.layout import StageLayout, even_layouts, layer_names
 from planner.emit.pipeline.opt_state import opt_layouts, opt_shardings
 from planner.emit.pipeline.programs import build_programs, replica_sharding
-from planner.emit.pipeline.stage_records import stage_plan, stage_records
+from planner.emit.pipeline.stage_records import StageWork, stage_plan, stage_records
 from planner.stages.derived import is_float
 from planner.stages.schedule import dispatch_order, stage_tasks
 
@@ -161,22 +160,16 @@ class PipelinedStep:
                                   dict(st.specs), st.remat, _axis_indices(st.mesh, st.data_axes))
                       for st in plan.stages]
         else:
-            info = getattr(plan, "pipeline", None) or {}
-            if not plan.stages or "devices" not in plan.stages[0]:
+            info = getattr(plan, "pipeline", None)
+            if not plan.stages or plan.stages[0].devices is None:
                 raise InvalidArgumentError("this plan has no pipeline stages; plan with pipeline=True or 'auto'")
-            B, schedule = int(info.get("num_microbatches", 1)), info.get("schedule", "1f1b")
-            stages = []
-            for st in plan.stages:
-                mesh = MeshSpec(tuple(int(v) for v in st["mesh"].values()), tuple(st["mesh"]))
-                names = list(mesh.axis_names)
-                specs = {p: tuple(() if a is None else tuple(names.index(x) for x in a) for a in spec)
-                         for p, spec in st.get("shardings", {}).items()}
-                stages.append(StageLayout(tuple(st["layers"]), tuple(devices[i] for i in st["devices"]), mesh,
-                                          specs, bool(st.get("remat", False)),
-                                          _axis_indices(mesh, st["data_axes"]) if "data_axes" in st else None))
-            plans = [Plan.from_json(json.dumps(plain_record(st["plan"]))) if st.get("plan") else None
-                     for st in plan.stages]
-            return cls(loss_fn, optimizer, stages, B, schedule, plans)
+            B = int(info.num_microbatches if info is not None and info.num_microbatches is not None else 1)
+            schedule = info.schedule if info is not None and info.schedule is not None else "1f1b"
+            stages = [StageLayout(tuple(st.layers), tuple(devices[i] for i in st.devices), st.mesh,
+                                  dict(st.shardings or ()), bool(st.remat),
+                                  _axis_indices(st.mesh, st.data_axes) if st.data_axes is not None else None)
+                      for st in plan.stages]
+            return cls(loss_fn, optimizer, stages, B, schedule, [st.plan for st in plan.stages])
         return cls(loss_fn, optimizer, stages, B, schedule)
 
     # ----- building ------------------------------------------------------------------------
@@ -196,7 +189,7 @@ class PipelinedStep:
                         "microbatches of %d examples and averages, so its loss and gradients differ from the "
                         "unpipelined step's", summary(found), self.num_microbatches, mb)
 
-    def _stage_plan(self, st: dict, options: Any = None):
+    def _stage_plan(self, st: StageWork, options: Any = None):
         """The stage's intra-op `Plan` (`stage_records.stage_plan`): the one given in `stage_plans`
         when it was made for this program, else planned now."""
         return stage_plan(st, self.stage_plans, options)
@@ -214,36 +207,36 @@ class PipelinedStep:
         """
         graph, stages, needed_by, _, mb = self._layout(params, batch)
         self._say_if_mixing(graph, len(jax.tree_util.tree_leaves(params)), mb)
-        once = tuple(tuple(st["layout"].mesh.axis_names[a] for a in st["axes"] if st["layout"].mesh.shape[a] > 1)
-                     if st["replica"] is not None else () for st in stages)
+        once = tuple(tuple(st.layout.mesh.axis_names[a] for a in st.axes if st.layout.mesh.shape[a] > 1)
+                     if st.replica is not None else () for st in stages)
         plans = tuple(self._stage_plan(st, options) for st in stages)
         transfers = []
         for st in stages:
-            for t in st["outs"] + st["aux_out"]:
+            for t in st.outs + st.aux_out:
                 for u in sorted(needed_by.get(t, ())):
-                    if u > st["index"]:
-                        lay = stages[u]["layout"]
-                        nbytes = shard_bytes(graph.tensors[t], stages[u]["act"][t], lay.mesh)
-                        transfers.append((st["index"], u, float(nbytes), is_float(graph.tensors[t].dtype)))
+                    if u > st.index:
+                        lay = stages[u].layout
+                        nbytes = shard_bytes(graph.tensors[t], stages[u].act[t], lay.mesh)
+                        transfers.append((st.index, u, float(nbytes), is_float(graph.tensors[t].dtype)))
         return plans, tuple(transfers), once
 
     def _build(self, params: Any, batch: Any):
         graph, layout, needed_by, param_owner, mb = self._layout(params, batch)
         stages = []
         for st in layout:
-            lay = st["layout"]
+            lay = st.layout
             jmesh = lay.mesh.to_jax_mesh(list(lay.devices))
             shard = lambda spec: named_sharding(spec, lay.mesh, jmesh)  # noqa: E731
             zero_shapes = [(graph.tensors[graph.inputs[k]].shape, graph.tensors[graph.inputs[k]].dtype)
-                           for k in st["own"]]
+                           for k in st.own]
             stages.append(build_programs(
-                self.optimizer, st["sg"], self._stage_plan(st), st["index"], lay, jmesh, st["ops"], st["own"],
-                st["bl"], st["acts_in"], st["aux_in"], st["outs"], st["aux_out"],
-                tuple(shard(x) for x in st["p_spec"]), tuple(shard(x) for x in st["b_spec"]), zero_shapes,
-                st["replica"]))
+                self.optimizer, st.sg, self._stage_plan(st), st.index, lay, jmesh, st.ops, st.own,
+                st.bl, st.acts_in, st.aux_in, st.outs, st.aux_out,
+                tuple(shard(x) for x in st.p_spec), tuple(shard(x) for x in st.b_spec), zero_shapes,
+                st.replica))
         act_spec = {}
         for st, info in zip(stages, layout):
-            for t, spec in info["act"].items():
+            for t, spec in info.act.items():
                 act_spec[(st.index, t)] = named_sharding(spec, st.layout.mesh, st.mesh)
         return graph, tuple(stages), act_spec, needed_by, param_owner, mb
 
@@ -429,11 +422,3 @@ def _updated(stages, opt_trees, full_opt, flat_params, treedef, p, acc) -> tuple
         for key, x in zip(okeys, jax.tree_util.tree_leaves(new_o)):
             new_opt.setdefault(key, x)
     return new_flat, new_opt
-
-def plain_record(value: Any) -> Any:
-    """A plan record's read-only mappings and tuples as JSON dicts and lists."""
-    if isinstance(value, Mapping):
-        return {k: plain_record(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain_record(v) for v in value]
-    return value

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -18,6 +18,7 @@ import numpy as np
 from planner.core.errors import InvalidArgumentError, MeshError, PlannerError, first_line
 from planner.core.options import PlanOptions
 from planner.core.plan import Plan, Prediction
+from planner.core.plan_records import SolverStats
 from planner.core.sharding import replicated, spec_axes
 from planner.emit.pipeline.layout import StageLayout, data_axes, data_spec, find_spec
 from planner.emit.pipeline.partition import partition
@@ -29,14 +30,48 @@ from planner.stages.derived import is_float
 log = logging.getLogger("planner")
 
 
+@dataclasses.dataclass(frozen=True)
+class StageWork:
+    """What one stage of a pipelined step runs, devices aside (`stage_records`).
+
+    Attributes:
+      index, layout: the stage's position in the pipeline and its `StageLayout`.
+      ops, own, bl: its ops, the parameters it owns and the batch leaves it reads (positions).
+      acts_in, aux_in, outs, aux_out: the float and other tensors it receives from earlier stages
+        and sends to later ones (the last stage's `outs` start with the loss).
+      p_spec, b_spec, act: the specs on its mesh of its parameters, its batch leaves and each
+        boundary tensor (by tensor id).
+      sg: its `StageGraph` (forward + backward per microbatch).
+      axes: the axes of its mesh that split the batch.
+      replica: its data-parallel replicas' program (`set_replicas`), None where it reduces its
+        gradients every microbatch.
+    """
+
+    index: int
+    layout: StageLayout
+    ops: tuple[int, ...]
+    own: tuple[int, ...]
+    bl: tuple[int, ...]
+    acts_in: tuple[int, ...]
+    aux_in: tuple[int, ...]
+    outs: tuple[int, ...]
+    aux_out: tuple[int, ...]
+    p_spec: tuple
+    b_spec: tuple
+    act: Mapping[int, Any]
+    sg: Any
+    axes: tuple[int, ...]
+    replica: Replica | None = None
+
+
 def stage_records(loss_fn: Callable[..., Any], layouts: Sequence[StageLayout], num_microbatches: int,
                   replica_grads: bool, params: Any, batch: Any):
     """What each stage runs, devices aside: per stage its op, parameter, batch and boundary
     tensors, the specs of its inputs, and its `StageGraph` (forward + backward per microbatch).
 
     Returns:
-      (graph, stages, needed_by, param_owner, mb): the loss traced at the microbatch size `mb`, one
-      record (a dict) per stage, the stages reading each tensor and the stage owning each parameter.
+      (graph, stages, needed_by, param_owner, mb): the loss traced at the microbatch size `mb`, a
+      `StageWork` per stage, the stages reading each tensor and the stage owning each parameter.
     """
     B = num_microbatches
     leaves = jax.tree_util.tree_leaves(batch)
@@ -87,24 +122,26 @@ def stage_records(loss_fn: Callable[..., Any], layouts: Sequence[StageLayout], n
         acts_in, aux_in, outs, aux_out = fl(incoming), nf(incoming), fl(outgoing), nf(outgoing)
         sg = stage_graph(graph, ops, tuple(graph.inputs[k] for k in own),
                          acts_in, aux_in, tuple(graph.inputs[n_params + k] for k in bl), outs, aux_out)
-        stages.append(dict(index=s, layout=lay, ops=ops, own=own, bl=bl, acts_in=acts_in, aux_in=aux_in,
-                           outs=outs, aux_out=aux_out, p_spec=tuple(p_spec), b_spec=tuple(b_spec), act=act,
-                           sg=sg, axes=axes, replica=None))
+        stages.append(StageWork(index=s, layout=lay, ops=ops, own=own, bl=bl, acts_in=acts_in, aux_in=aux_in,
+                                outs=outs, aux_out=aux_out, p_spec=tuple(p_spec), b_spec=tuple(b_spec), act=act,
+                                sg=sg, axes=axes, replica=None))
     if replica_grads:
-        set_replicas(loss_fn, graph, stages, abstract_params, batch, mb, loss)
+        stages = set_replicas(loss_fn, graph, stages, abstract_params, batch, mb, loss)
     return graph, stages, needed_by, param_owner, mb
 
 
-def set_replicas(loss_fn: Callable[..., Any], graph, stages: list[dict], abstract_params: Any, batch: Any,
-                 mb: int, loss: int) -> None:
-    """Sets each data-parallel stage's `programs.Replica` (its program traced at `mb / ways` rows)
-    where every value it exchanges is batch-major or the loss and no parameter is split over a
-    data axis; the other stages keep reducing gradients per microbatch."""
+def set_replicas(loss_fn: Callable[..., Any], graph, stages: list[StageWork], abstract_params: Any, batch: Any,
+                 mb: int, loss: int) -> list[StageWork]:
+    """`stages` with each data-parallel stage's `programs.Replica` (its program traced at `mb / ways`
+    rows) where every value it exchanges is batch-major or the loss and no parameter is split over
+    a data axis; the other stages keep reducing gradients per microbatch."""
     traced: dict[int, Any] = {}
+    out = []
     for st in stages:
-        lay, axes = st["layout"], tuple(a for a in st["axes"] if st["layout"].mesh.shape[a] > 1)
+        out.append(st)
+        lay, axes = st.layout, tuple(a for a in st.axes if st.layout.mesh.shape[a] > 1)
         ways = lay.mesh.axis_size(axes) if axes else 1
-        if ways <= 1 or mb % ways or any(set(axes) & spec_axes(sp) for sp in st["p_spec"]):
+        if ways <= 1 or mb % ways or any(set(axes) & spec_axes(sp) for sp in st.p_spec):
             continue
         if ways not in traced:
             traced[ways] = _replica_graph(loss_fn, graph, abstract_params, batch, mb, ways)
@@ -120,24 +157,25 @@ def set_replicas(loss_fn: Callable[..., Any], graph, stages: list[dict], abstrac
                 return "mean" if output else "same"
             return None
 
-        ins = {"a": [kind(t) for t in st["acts_in"]], "aux": [kind(t) for t in st["aux_in"]],
-               "b": [kind(g.inputs[len(g.inputs) - len(jax.tree_util.tree_leaves(batch)) + k]) for k in st["bl"]]}
-        outs = {"ct": [kind(t, True) for t in st["outs"]], "aux_out": [kind(t, True) for t in st["aux_out"]]}
+        ins = {"a": [kind(t) for t in st.acts_in], "aux": [kind(t) for t in st.aux_in],
+               "b": [kind(g.inputs[len(g.inputs) - len(jax.tree_util.tree_leaves(batch)) + k]) for k in st.bl]}
+        outs = {"ct": [kind(t, True) for t in st.outs], "aux_out": [kind(t, True) for t in st.aux_out]}
         if any(k is None for ks in list(ins.values()) + list(outs.values()) for k in ks) or \
                 "mean" in outs["aux_out"]:
             continue
-        sg = stage_graph(g, st["ops"], tuple(g.inputs[k] for k in st["own"]), st["acts_in"], st["aux_in"],
+        sg = stage_graph(g, st.ops, tuple(g.inputs[k] for k in st.own), st.acts_in, st.aux_in,
                          tuple(g.inputs[len(g.inputs) - len(jax.tree_util.tree_leaves(batch)) + k]
-                               for k in st["bl"]), st["outs"], st["aux_out"])
-        full = st["sg"]
+                               for k in st.bl), st.outs, st.aux_out)
+        full = st.sg
         planned = len(sg.graph.ops) == len(full.graph.ops) and sg.split == full.split and all(
             x.name == y.name for x, y in zip(sg.graph.ops, full.graph.ops))
         if sg.split is None and not lay.remat:
             continue
         names = lay.mesh.axis_names
-        st["replica"] = Replica(tuple(names[a] for a in axes), ways, sg,
-                                {k: tuple(v) for k, v in ins.items()}, {k: tuple(v) for k, v in outs.items()},
-                                planned)
+        out[-1] = dataclasses.replace(st, replica=Replica(
+            tuple(names[a] for a in axes), ways, sg, {k: tuple(v) for k, v in ins.items()},
+            {k: tuple(v) for k, v in outs.items()}, planned))
+    return out
 
 
 def _replica_graph(loss_fn: Callable[..., Any], graph, abstract_params: Any, batch: Any, mb: int, ways: int):
@@ -160,24 +198,24 @@ def _replica_graph(loss_fn: Callable[..., Any], graph, abstract_params: Any, bat
     return g if same else None
 
 
-def stage_plan(st: dict, stage_plans: Sequence[Any], options: Any = None):
+def stage_plan(st: StageWork, stage_plans: Sequence[Any], options: Any = None):
     """The stage's intra-op `Plan` of its `StageGraph`: the one given (`stage_plans`, as a saved
     plan records it) when it was made for this program, else planned now with the stage's
     parameter, batch and boundary shardings pinned."""
-    sg, lay, s = st["sg"], st["layout"], st["index"]
+    sg, lay, s = st.sg, st.layout, st.index
     given = stage_plans[s] if s < len(stage_plans) else None
     if given is not None:
-        if given.solver.get("ops") != len(sg.graph.ops) or len(given.input_specs) != len(sg.graph.inputs) \
+        if given.solver.ops != len(sg.graph.ops) or len(given.input_specs) != len(sg.graph.inputs) \
                 or given.mesh != lay.mesh:
             raise InvalidArgumentError(
-                f"stage {s}'s saved intra-op plan is for a program of {given.solver.get('ops')} ops on "
+                f"stage {s}'s saved intra-op plan is for a program of {given.solver.ops} ops on "
                 f"{given.mesh}, this step's stage has {len(sg.graph.ops)} ops on {lay.mesh}; re-plan")
         return given
     pins = {}
-    for group, specs in (("p", st["p_spec"]), ("b", st["b_spec"]),
-                         ("a", [st["act"][t] for t in st["acts_in"]]),
-                         ("aux", [st["act"][t] for t in st["aux_in"]]),
-                         ("ct", [st["act"][t] for t in st["outs"]])):
+    for group, specs in (("p", st.p_spec), ("b", st.b_spec),
+                         ("a", [st.act[t] for t in st.acts_in]),
+                         ("aux", [st.act[t] for t in st.aux_in]),
+                         ("ct", [st.act[t] for t in st.outs])):
         pins.update(zip(sg.input_positions(group), specs))
     if isinstance(options, Sequence):
         options = options[s]
@@ -193,5 +231,5 @@ def stage_plan(st: dict, stage_plans: Sequence[Any], options: Any = None):
                     input_specs=tuple(replicated(len(g.tensors[t].shape)) for t in g.inputs),
                     output_paths=g.output_paths, output_specs=tuple(replicated(r) for r in rank), op_specs=(),
                     prediction=Prediction(0.0, 0.0, 0.0, 0, 0.0, ()), decisions=(),
-                    solver={"status": "replicated", "ops": len(g.ops)}, options=opts.to_json(),
+                    solver=SolverStats(status="replicated", ops=len(g.ops)), options=opts.recorded(),
                     in_tree=g.in_tree, out_tree=g.out_tree)
