@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import planner
 from planner import cli
+from planner.core.plan import Plan
 from planner.present.compare import differences, format_comparison
 from planner.present.logical_axes import read_rules
 from zoo import get_model
@@ -139,3 +140,17 @@ def test_cli_pin_rules_baseline_and_compare(tmp_path, capsys):
         assert cli.main(argv + ["-q"]) == 2, argv
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize("lever, flags", [("remat", ["--remat", "full"]), ("accumulation", ["--accumulate", "2"])])
+def test_compare_plans_with_the_levers_the_flags_ask_for(tmp_path, capsys, lever, flags):
+    """`planner compare`'s planner row is the plan `planner plan --mesh` makes with the same flags
+    (one composition of the single-stage levers, `planning.single_stage`), not a plan without them."""
+    compared, planned = tmp_path / "compared.json", tmp_path / "planned.json"
+    common = ["--model", "gpt-tiny", "--mesh", "2x4", "-q", *flags]
+    assert cli.main(["compare", *common, "--baselines", "dp", "--json", str(compared)]) == 0
+    assert cli.main(["plan", *common, "--json", str(planned)]) == 0
+    capsys.readouterr()
+    a, b = Plan.from_json(compared.read_text()), Plan.from_json(planned.read_text())
+    assert getattr(a.levers, lever) is not None and a.levers == b.levers
+    assert a.prediction.step_time_s == pytest.approx(b.prediction.step_time_s, rel=1e-9)

@@ -14,6 +14,7 @@ from planner.cost_model import Cluster, get_hardware
 from planner.graph.ir import matmul_flops
 from planner.graph.trace import trace
 from planner.planning.evaluate import pipeline_baseline
+from planner.planning.single_stage import plan_single_stage
 from planner.present.compare import comparison_record, format_record
 from planner.present.ranking import hardware_record, mesh_ranking, plan_view
 from planner.search.mesh_plan import make_plan
@@ -56,10 +57,13 @@ def cmd_compare(args, out) -> int:
                                        get_hardware(args.hardware).default_dtype, pipelined=staged)
                             if args.model else load_factory(args.fn, args.batch, args.seq, args.dtype))
     t0 = time.perf_counter()
-    graph = trace(step, *example)
-    plan = make_plan(graph, where.mesh, where.options)
+    traced = trace(step, *example)
+    # the planner's row: planned as `planner plan --mesh` plans it, with the levers the flags ask for
+    graph, results = plan_single_stage(step, traced, [where.mesh], where.options,
+                                       where.cluster.devices_per_host if where.cluster else None, where.budget)
+    plan = results[0].plan
     planned_s = time.perf_counter() - t0
-    rows = _rows(args, names, where, step, example, graph)
+    rows = _rows(args, names, where, step, example, traced)
     others = [(n, p) for n, p in rows if not isinstance(p, str)]
     skipped = [(n, p) for n, p in rows if isinstance(p, str)]
     print(f"{label} on mesh {where.mesh}: the planner's plan beside hand configurations", file=out)

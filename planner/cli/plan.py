@@ -3,26 +3,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import time
 from typing import Any
 
-from planner.core.errors import InfeasiblePlanError, PlannerError, first_line
-from planner.core.mesh import MeshSpec, default_axis_names
+from planner.core.errors import PlannerError, first_line
 from planner.core.options import PlanOptions
 from planner.cost_model import Cluster, get_hardware, profiled_hardware
 from planner.emit.pipeline.planned import plan_stages
 from planner.graph.ir import Graph, matmul_flops
 from planner.graph.trace import trace
-from planner.ilp.offload import streamed as offload_streamed
-from planner.levers.accumulate import micro_options, plan_accumulation
-from planner.levers.remat import plan_remat, record as remat_record
 from planner.planning.evaluate import pipeline_baseline
 from planner.present.ranking import hardware_record, mesh_ranking, pipeline_ranking, plan_view
-from planner.present.report import fmt_bytes, format_levers, format_plan
-from planner.search.meshes import search_meshes
-from planner.search.results import MeshResult, no_fit_error
+from planner.present.report import format_levers, format_plan
+from planner.planning.single_stage import plan_single_stage
 from planner.cli.configured import configured_results
 from planner.cli.errors import CLIError
 from planner.cli.options import budget, hand_configured, plan_options, pp_baseline, unlimited
@@ -144,11 +138,10 @@ def _rank(args, where: PlanTarget, traced: Traced, pp_name, pp_stages):
     if hand_configured(args):
         results = configured_results(args, traced.graph, where.meshes, where.options, where.cluster)
         return mesh_ranking(results, traced.flops, where.hardware), traced.graph
-    if where.options.accumulate not in (None, 1):
-        results, graph = accumulated_results(traced.step, traced.graph, where.meshes, where.options, where.cluster,
-                                             where.budget)
-        return mesh_ranking(results, traced.flops, where.hardware), graph
-    return _rank_searched(where, traced)
+    graph, results = plan_single_stage(traced.step, traced.graph, where.meshes, where.options,
+                                       where.cluster.devices_per_host if where.cluster else None, where.budget)
+    log.info("planned %d mesh shape(s) in %.1fs", len(where.meshes), time.perf_counter() - traced.t0)
+    return mesh_ranking(results, traced.flops, where.hardware), graph
 
 
 def _rank_pipeline_baseline(args, where: PlanTarget, traced: Traced, pp_name: str, pp_stages: int):
@@ -173,32 +166,6 @@ def _rank_pipeline(args, where: PlanTarget, traced: Traced):
     return ranked
 
 
-def _rank_searched(where: PlanTarget, traced: Traced):
-    """Every candidate mesh planned (`search_meshes`), with --remat's recomputation and --offload's
-    streamed optimizer update where asked for; the ranking and the graph planned."""
-    options, graph = where.options, traced.graph
-
-    def search(g, smallest_peak: bool):
-        if options.offload != "off":  # a streamed optimizer update (`ilp.offload.streamed`)
-            g = offload_streamed(g)
-        found = search_meshes(g, where.meshes, options, where.cluster.devices_per_host if where.cluster else None,
-                              min_peak_search=smallest_peak)
-        if found[0].plan is None:
-            raise no_plan(found, where.budget)
-        return found
-
-    # --remat: the graph planned is the one with recomputation (`planner.levers.remat`)
-    graph, results, policy = plan_remat(graph, options.remat, where.budget, search, lambda found: found[0].plan)
-    if options.remat != "off":
-        results = [dataclasses.replace(r, plan=remat_record(r.plan, traced.graph, graph, policy)) if r.plan else r
-                   for r in results]
-    if options.offload != "off":
-        graph = offload_streamed(graph)
-    ranked = mesh_ranking(results, traced.flops, where.hardware)
-    log.info("planned %d mesh shape(s) in %.1fs", len(where.meshes), time.perf_counter() - traced.t0)
-    return ranked, graph
-
-
 def _print_plan(args, view, pp_stages, out) -> None:
     """The plan's tables, the user's configuration, the memory levers and XLA flags; then the files."""
     print(format_plan(view, args.top), file=out)
@@ -220,52 +187,3 @@ def _configuration_line(args, plan, pp_stages) -> str:
                                                                       else ""))
     return (f"\nYour configuration: {solver.configuration}, {pinned}"
             + (f"; approximated: {solver.approximation}" if solver.approximation else ""))
-
-
-def no_plan(results, budget: float | None, accumulated: bool = False) -> Exception:
-    """The error of a search where no mesh shape gave a plan: what did not fit, and what to try."""
-    over = [r for r in results if r.over_budget]
-    if not over:
-        return CLIError("no mesh shape could be planned: " + "; ".join(f"{r.mesh}: {r.error}" for r in results))
-    if not accumulated:
-        return no_fit_error(results, budget)
-    need = min((r.min_memory_bytes or math.inf) for r in over)
-    floor = min((getattr(r.error, "lower_bound_bytes", None) or math.inf) for r in over)
-    return InfeasiblePlanError(
-        f"no mesh shape fits the memory budget of {fmt_bytes(budget) if budget else 'no limit'} per device"
-        + (f" (the smallest reachable peak is {fmt_bytes(need)}" if need < math.inf else "")
-        + (f"; no plan goes below {fmt_bytes(floor)}" if floor < math.inf else "")
-        + (")" if need < math.inf else "")
-        + "; tried: sharding" + (", gradient accumulation" if accumulated else "")
-        + "; not available in single-stage plans yet: rematerialisation, host offload"
-        + ("" if accumulated else "; try --accumulate auto (gradient accumulation)")
-        + "; raise --memory-budget, plan for more devices, or enable --pipeline (recompute)")
-
-
-def accumulated_results(step, graph, meshes, options, cluster, budget):
-    """--accumulate: the microbatch step planned on every mesh (`search_meshes`), k chosen by
-    `planner.levers.accumulate`; the best plan as the one ranked row, with the microbatch trace."""
-    per_host = cluster.devices_per_host if cluster else None
-    seen: list = []
-
-    def plan_micro(g, inner):
-        results = search_meshes(g, meshes, micro_options(options, inner), per_host)
-        seen.append(results)
-        if results[0].plan is None:
-            over = [r for r in results if r.over_budget]
-            if not over:
-                raise CLIError("no mesh shape could be planned: " + "; ".join(f"{r.mesh}: {r.error}" for r in results))
-            need = [r.min_memory_bytes for r in over if r.min_memory_bytes is not None]
-            floor = [r.error.lower_bound_bytes for r in over if r.error.lower_bound_bytes is not None]
-            raise InfeasiblePlanError(str(no_plan(results, inner, accumulated=True)), min(need, default=None),
-                                      min(floor, default=None))
-        return results[0].plan
-
-    bounds = MeshSpec((meshes[0].size,), default_axis_names(1))
-    t0 = time.perf_counter()
-    acc = plan_accumulation(step, graph, options.accumulate, budget, plan_micro, bounds, options.unshard)
-    plan = dataclasses.replace(acc.plan, options=dataclasses.replace(acc.plan.options, accumulate=options.accumulate))
-    record = plan.levers.accumulation
-    log.info("gradient accumulation: %d microbatch(es) of %d rows", record.microbatches, record.microbatch_rows)
-    inter = next((r.inter_host_axes for rs in seen for r in rs if r.plan is not None and r.mesh == plan.mesh), ())
-    return (MeshResult(plan.mesh, plan, None, inter, time.perf_counter() - t0),), acc.graph
