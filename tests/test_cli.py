@@ -14,6 +14,7 @@ import types
 
 import pytest
 
+import planner
 from planner import Plan, cli
 from tests.helpers import USER_STEP
 
@@ -354,3 +355,40 @@ def test_profile_database_where_a_plan_is_expected(capsys, tmp_path):
     for argv in (["explain", str(prof)], ["diff", str(prof), str(prof)], ["plan", "--from", str(prof)]):
         code, _, err = run(capsys, *argv)
         _one_line_exit_2(code, err, "is a profile database")
+
+
+def test_a_train_step_is_planned_with_its_state_donated(tmp_path, capsys):
+    """Without --donate the CLI plans a step that returns a state like its first argument with that
+    argument donated (as a train step runs) and says so; --donate none plans without."""
+    assumed, plain = tmp_path / "assumed.json", tmp_path / "plain.json"
+    code, out, _ = run(capsys, "plan", "--model", "gpt-tiny", "--mesh", "2x4", "--quiet", "--json", str(assumed))
+    assert code == 0 and out.startswith("Plan for gpt-tiny") and "Assumed donate_argnums=(0,)" in out
+    code, out, _ = run(capsys, "plan", "--model", "gpt-tiny", "--mesh", "2x4", "--quiet", "--donate", "none",
+                       "--json", str(plain))
+    assert code == 0 and "Assumed donate_argnums" not in out
+    a, b = Plan.from_json(assumed.read_text()), Plan.from_json(plain.read_text())
+    assert a.options.donate_argnums == (0,) and b.options.donate_argnums == ()
+    assert a.prediction.memory_bytes_per_device < b.prediction.memory_bytes_per_device
+
+
+def test_which_argument_a_step_returns():
+    import jax.numpy as jnp
+
+    from planner.graph.donation import returns_its_argument
+
+    state = {"w": jnp.ones((4, 4)), "step": jnp.zeros((), jnp.int32)}
+    x = jnp.ones((2, 4))
+
+    def train_step(s, batch):
+        return {"w": s["w"] - 0.1 * (batch @ s["w"]).sum(), "step": s["step"] + 1}, (batch @ s["w"]).mean()
+
+    def loss_only(s, batch):
+        return (batch @ s["w"]).mean()
+
+    def recast(s, batch):
+        return {"w": s["w"].astype(jnp.bfloat16), "step": s["step"]}, batch.sum()
+
+    assert returns_its_argument(planner.trace(train_step, state, x), 0)
+    assert not returns_its_argument(planner.trace(train_step, state, x), 1)  # the batch is not handed back
+    assert not returns_its_argument(planner.trace(loss_only, state, x), 0)
+    assert not returns_its_argument(planner.trace(recast, state, x), 0)

@@ -23,6 +23,8 @@ EXAMPLES = """\
 
 # ----- argument types --------------------------------------------------------------------------
 def argnums(text: str) -> tuple[int, ...]:
+    if text == "none":
+        return ()
     try:
         values = tuple(int(x) for x in text.split(","))
     except ValueError:
@@ -113,8 +115,9 @@ def _add_levers(opts) -> None:
                            "only each layer's inputs, 'dots' keeps matmul results, 'auto' recomputes only when the "
                            "plan does not fit the memory budget, and only the first layers it needs")
     opts.add_argument("--donate", type=argnums, default=None, metavar="I[,J]",
-                      help="argument positions whose buffers the step reuses, as jax.jit(donate_argnums=...): "
-                           "typically 0, the train state (its new value is written over the old one)")
+                      help="argument positions whose buffers the step reuses, as jax.jit(donate_argnums=...), "
+                           "or 'none'; default: 0 when the step returns a state like its first argument (a train "
+                           "step: the new state is written over the old one), else none")
 
 
 def _add_search(opts) -> None:

@@ -21,7 +21,7 @@ from planner.search.mesh_plan import make_plan
 from planner.search.results import MeshResult
 from planner.cli.configured import cli_pins, configured_results
 from planner.cli.errors import CLIError, one_line
-from planner.cli.options import budget, plan_options
+from planner.cli.options import budget, donated_state, plan_options
 from planner.cli.output import check_output_paths, write_outputs
 from planner.cli.target import MESH_SHAPE, candidate_specs, pipeline_target, target
 from planner.cli.workloads import load_factory, load_model
@@ -58,6 +58,8 @@ def cmd_compare(args, out) -> int:
                             if args.model else load_factory(args.fn, args.batch, args.seq, args.dtype))
     t0 = time.perf_counter()
     traced = trace(step, *example)
+    options, assumed = donated_state(args, where.options, traced)
+    where = dataclasses.replace(where, options=options)
     # the planner's row: planned as `planner plan --mesh` plans it, with the levers the flags ask for
     graph, results = plan_single_stage(step, traced, [where.mesh], where.options,
                                        where.cluster.devices_per_host if where.cluster else None, where.budget)
@@ -69,6 +71,8 @@ def cmd_compare(args, out) -> int:
     print(f"{label} on mesh {where.mesh}: the planner's plan beside hand configurations", file=out)
     record = comparison_record(plan, others, skipped, where.budget)
     print(format_record(record), file=out)
+    if assumed:
+        print(assumed, file=out)
     if args.json or args.html:  # the plan's report, with the comparison beside it
         _write_report(args, where, label, graph, plan, planned_s, record, out)
     return 0

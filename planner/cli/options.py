@@ -1,11 +1,15 @@
 """How `planner plan` plans: the memory budget, the `PlanOptions` and the hand configuration flags."""
 from __future__ import annotations
 
+import dataclasses
+
 from planner.configs.baselines import parse_baseline
 from planner.core.errors import PlannerError
 from planner.core.options import PlanOptions
 from planner.core.units import parse_bytes
 from planner.cost_model import Cluster, get_hardware
+from planner.graph.donation import returns_its_argument
+from planner.graph.ir import Graph
 from planner.cli.errors import CLIError
 
 
@@ -77,3 +81,14 @@ def pp_baseline(args) -> tuple[str | None, int | None]:
     if stages and getattr(args, "pipeline", None) == "off":
         raise CLIError(f"--baseline {args.baseline} has pipeline stages but --pipeline off was given; drop one")
     return name, stages
+
+
+def donated_state(args, options: PlanOptions, graph: Graph) -> tuple[PlanOptions, str | None]:
+    """Without --donate, a step that returns a state like its first argument is planned with that
+    argument donated, as a train step runs (`jax.jit(step, donate_argnums=0)`): the options, and the
+    line the command prints to say so (None when it assumes nothing)."""
+    if args.donate is not None or options.donate_argnums or not returns_its_argument(graph, 0):
+        return options, None
+    return dataclasses.replace(options, donate_argnums=(0,)), (
+        "Assumed donate_argnums=(0,): the step returns a state like its first argument, whose buffers the "
+        "compiled step reuses (--donate none plans without).")

@@ -19,7 +19,7 @@ from planner.present.report import format_levers, format_plan
 from planner.planning.single_stage import plan_single_stage
 from planner.cli.configured import configured_results
 from planner.cli.errors import CLIError
-from planner.cli.options import budget, hand_configured, plan_options, pp_baseline, unlimited
+from planner.cli.options import budget, donated_state, hand_configured, plan_options, pp_baseline, unlimited
 from planner.cli.output import check_output_paths, load_plan, print_xla_flags, write_outputs
 from planner.cli.target import candidate_specs, pipeline_target, target
 from planner.cli.workloads import load_factory, load_model
@@ -65,11 +65,15 @@ def cmd_plan(args, out) -> int:
         raise CLIError("name what to plan: --model NAME (see --list-models) or --fn MODULE:FACTORY, exactly one")
     where = _plan_target(args)
     traced = _trace_step(args, where)
+    options, assumed = donated_state(args, where.options, traced.graph)
+    where = dataclasses.replace(where, options=options)
     pp_name, pp_stages = pp_baseline(args)
     ranked, graph = _rank(args, where, traced, pp_name, pp_stages)
     view = plan_view(ranked, graph, traced.label, where.num_devices, where.cluster, where.hardware, where.budget,
                      traced.flops, time.perf_counter() - traced.t0)
     _print_plan(args, view, pp_stages, out)
+    if assumed:
+        print(assumed, file=out)
     return 0
 
 
