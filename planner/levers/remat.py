@@ -267,6 +267,11 @@ def record(plan: Plan, original: Graph, transformed: Graph, policy: str) -> Plan
 T = TypeVar("T")
 
 
+# What a recomputable layer is, as the errors say it.
+NO_LAYERS = ("recomputable layers are repeated modules named like blocks_0, blocks_1, ... outside loops, with a "
+             "gradient; a scanned stack recomputes with the model's own jax.checkpoint")
+
+
 def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable[[Graph, bool], T],
                plan_of: Callable[[T], Plan]) -> tuple[Graph, T, str]:
     """Plans `graph` with recomputation `remat` ("off", "full", "dots" or "auto").
@@ -309,15 +314,17 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
     if remat in POLICIES:
         transformed = rematerialize(graph, None, remat)
         if transformed is graph:
-            raise InvalidArgumentError(
-                f"remat={remat!r}: this step has no layer to recompute (repeated modules named like blocks_0, "
-                "blocks_1, ... outside loops, with a gradient); a scanned stack recomputes with the model's own "
-                "jax.checkpoint")
+            raise InvalidArgumentError(f"remat={remat!r}: this step has no layer to recompute ({NO_LAYERS})")
         return transformed, plan_fn(transformed, True), remat
     names = remat_layers(graph) if remat == "auto" and budget is not None else []
-    if not names:
+    if names:
+        return _plan_auto(graph, names, plan_fn, plan_of)
+    try:
         return graph, plan_fn(graph, True), "off"
-    return _plan_auto(graph, names, plan_fn, plan_of)
+    except InfeasiblePlanError as e:
+        if remat != "auto" or budget is None:
+            raise
+        raise e.reworded(f"{e}; remat='auto' found no layer it can recompute in this step ({NO_LAYERS})") from None
 
 
 def _plan_auto(graph: Graph, names: Sequence[str], plan_fn: Callable[[Graph, bool], T],
