@@ -76,7 +76,7 @@ def run(model: str, cluster: str, layers: int | None, levers: str, time_limit: f
 
             plan = plan_accumulation(b.train_step, graph, accumulate, budget, plan_micro, mesh).plan
         elif levers == "remat+offload" and not own_remat:  # unrolled layers: the planner's own recomputation
-            _, plan, policy = plan_remat(graph, "auto", budget,
+            _, plan, policy, _ = plan_remat(graph, "auto", budget,
                                          lambda g, search: make_plan(streamed(g), mesh, options,
                                                                      min_peak_search=search),
                                          lambda p: p)

@@ -17,6 +17,7 @@ from planner.graph.trace import trace
 from planner.core.mesh import parse_mesh
 from planner.core.options import PlanOptions
 from planner.core.plan_records import RematRecord
+from planner.present.report import format_levers
 from planner.search.mesh_plan import make_plan
 from planner.levers.remat import WRAPPER, graph_for, rematerialize, remat_layers
 from tests.helpers import (assert_gradients_close, assert_loss_close, assert_sgd_step_close, concrete,
@@ -138,6 +139,15 @@ def test_auto_recomputes_only_when_the_budget_needs_it(gpt, planned, devices8):
     assert tight.prediction.memory_bytes_per_device <= budget
     # the fastest that fits: full recomputation's unconstrained plan fits this budget, so nothing slower
     assert tight.prediction.step_time_s <= full.prediction.step_time_s
+    # what recomputation bought: the plan without it, weighed and printed beside the chosen one
+    rec = tight.levers.remat
+    assert rec.layers and rec.without_fits is not None
+    if rec.without_fits:  # it fits only with more sharding: slower than the plan chosen
+        assert rec.without_step_time_s > tight.prediction.step_time_s and rec.without_memory_bytes <= budget
+    else:
+        assert rec.without_step_time_s is None and (rec.without_memory_bytes or budget + 1) > budget
+    assert "without it" in format_levers(tight) and "\n" not in format_levers(tight).split("\n\n")[-1]
+    assert planner.Plan.from_json(tight.to_json()).levers.remat == rec
 
 
 LR = 0.1

@@ -207,12 +207,17 @@ class AccumulationRecord:
 @dataclasses.dataclass(frozen=True, slots=True)
 class RematRecord:
     """Recomputation (`planner.levers.remat`): the policy ("off" alone when the plan fits without
-    it), the layers recomputed, how many could be, and the ops added."""
+    it), the layers recomputed, how many could be, and the ops added; with remat="auto", the plan
+    without recomputation it was weighed against: whether it fits the budget, its step time (when
+    it fits) and its peak (the smallest found when it does not)."""
 
     policy: str
     layers: tuple[str, ...] | None = None
     recomputable: int | None = None
     recomputed_ops: int | None = None
+    without_fits: bool | None = None
+    without_step_time_s: float | None = None
+    without_memory_bytes: int | None = None
 
     def to_json(self) -> dict:
         return fields_json(self)

@@ -258,10 +258,20 @@ def graph_for(graph: Graph, plan: Plan) -> Graph:
     return rematerialize(graph, info.layers, info.policy)
 
 
-def record(plan: Plan, original: Graph, transformed: Graph, policy: str) -> Plan:
-    """`plan` (of `transformed`) with `levers.remat` (`summary`)."""
-    return plan.with_levers(remat=summary(original, transformed, policy) if transformed is not original
-                            else RematRecord("off"))
+# The plan without recomputation that remat="auto" weighed the chosen one against: (fits the
+# budget, its step time when it fits, its peak or the smallest peak found), or None when not planned.
+Without = tuple[bool, float | None, int | None]
+
+
+def record(plan: Plan, original: Graph, transformed: Graph, policy: str, without: Without | None = None) -> Plan:
+    """`plan` (of `transformed`) with `levers.remat` (`summary`, and what it was weighed against)."""
+    if transformed is original:
+        return plan.with_levers(remat=RematRecord("off"))
+    rec = summary(original, transformed, policy)
+    if without is not None:
+        rec = dataclasses.replace(rec, without_fits=without[0], without_step_time_s=without[1],
+                                  without_memory_bytes=without[2])
+    return plan.with_levers(remat=rec)
 
 
 T = TypeVar("T")
@@ -273,7 +283,7 @@ NO_LAYERS = ("recomputable layers are repeated modules named like blocks_0, bloc
 
 
 def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable[[Graph, bool], T],
-               plan_of: Callable[[T], Plan]) -> tuple[Graph, T, str]:
+               plan_of: Callable[[T], Plan]) -> tuple[Graph, T, str, Without | None]:
     """Plans `graph` with recomputation `remat` ("off", "full", "dots" or "auto").
 
     "auto": no recomputation when there is no budget, or when the plan without it meets the budget
@@ -303,8 +313,9 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
         that an infeasible "off" costs little before recomputation is tried).
 
     Returns:
-      (the graph planned, plan_fn's result, the policy chosen: "off", "full" or "dots"); `summary`
-      of the graph tells which layers it recomputes.
+      (the graph planned, plan_fn's result, the policy chosen: "off", "full" or "dots", and under
+      "auto" with recomputation chosen the plan without it (`Without`), else None); `summary` of the
+      graph tells which layers it recomputes.
 
     Raises:
       InvalidArgumentError: an unknown option, or "full"/"dots" for a step with no recomputable layer.
@@ -315,12 +326,12 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
         transformed = rematerialize(graph, None, remat)
         if transformed is graph:
             raise InvalidArgumentError(f"remat={remat!r}: this step has no layer to recompute ({NO_LAYERS})")
-        return transformed, plan_fn(transformed, True), remat
+        return transformed, plan_fn(transformed, True), remat, None
     names = remat_layers(graph) if remat == "auto" and budget is not None else []
     if names:
         return _plan_auto(graph, names, plan_fn, plan_of)
     try:
-        return graph, plan_fn(graph, True), "off"
+        return graph, plan_fn(graph, True), "off", None
     except InfeasiblePlanError as e:
         if remat != "auto" or budget is None:
             raise
@@ -328,7 +339,7 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
 
 
 def _plan_auto(graph: Graph, names: Sequence[str], plan_fn: Callable[[Graph, bool], T],
-               plan_of: Callable[[T], Plan]) -> tuple[Graph, T, str]:
+               plan_of: Callable[[T], Plan]) -> tuple[Graph, T, str, Without | None]:
     """`plan_remat`'s "auto" with a budget and recomputable layers `names` (see there)."""
     failed: dict[str, InfeasiblePlanError] = {}
     found: list[tuple[float, int, Graph, T, str]] = []  # (step time, layers recomputed, graph, result, policy)
@@ -336,11 +347,13 @@ def _plan_auto(graph: Graph, names: Sequence[str], plan_fn: Callable[[Graph, boo
         result = plan_fn(graph, False)
     except InfeasiblePlanError as e:
         failed["off"] = e
+        without: Without = (False, None, e.min_memory_bytes)
         log.info("remat auto: off does not fit")
     else:
         plan = plan_of(result)
         if (plan.solver.rounds or 1) <= 1:  # the budget did not bind: recomputation only adds work
-            return graph, result, "off"
+            return graph, result, "off", None
+        without = (True, plan.prediction.step_time_s, plan.prediction.memory_bytes_per_device)
         found.append((plan.prediction.step_time_s, 0, graph, result, "off"))
         log.info("remat auto: off fits, %.4g s/step", plan.prediction.step_time_s)
     for policy in ("dots", "full"):
@@ -357,8 +370,8 @@ def _plan_auto(graph: Graph, names: Sequence[str], plan_fn: Callable[[Graph, boo
         found.extend(_fewest_layers(graph, names, fastest, plan_fn, plan_of))
     if found:
         _, _, g, result, policy = min(found, key=lambda x: x[:2])  # on a tie, fewer layers recomputed
-        return g, result, policy
-    return _fully_recomputed(graph, failed, plan_fn)
+        return g, result, policy, (None if g is graph else without)
+    return *_fully_recomputed(graph, failed, plan_fn), without
 
 
 def _fully_recomputed(graph: Graph, failed: dict[str, InfeasiblePlanError],

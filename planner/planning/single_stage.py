@@ -51,10 +51,11 @@ def searched(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions, per
             raise no_plan(found, budget)
         return found
 
-    planned, results, policy = plan_remat(graph, options.remat, budget, search, lambda found: found[0].plan)
+    planned, results, policy, without = plan_remat(graph, options.remat, budget, search,
+                                                   lambda found: found[0].plan)
     if options.remat != "off":
-        results = [dataclasses.replace(r, plan=remat_record(r.plan, graph, planned, policy)) if r.plan else r
-                   for r in results]
+        results = [dataclasses.replace(r, plan=remat_record(r.plan, graph, planned, policy, without)) if r.plan
+                   else r for r in results]
     if options.offload != "off":
         planned = streamed(planned)
     return planned, results

@@ -194,10 +194,11 @@ class StepPlanner:
     def _rematerialized(self, graph: Graph, pinned: dict[int, Any] | None) -> tuple[Graph, Plan]:
         """Recomputation (`planner.levers.remat`): the planned graph is the rewritten one, and the
         plan records the policy and layers (unless remat is off)."""
-        rewritten, plan, policy = plan_remat(graph, self.options.remat, self.options.memory_budget,
-                                             lambda g, search: self._plan_graph(g, search, pinned), lambda p: p)
+        rewritten, plan, policy, without = plan_remat(graph, self.options.remat, self.options.memory_budget,
+                                                      lambda g, search: self._plan_graph(g, search, pinned),
+                                                      lambda p: p)
         if self.options.remat != "off":
-            plan = remat_record(plan, graph, rewritten, policy)
+            plan = remat_record(plan, graph, rewritten, policy, without)
         return rewritten, plan
 
     def _plan_graph(self, g: Graph, search: bool, pinned: dict[int, Any] | None) -> Plan:

@@ -364,6 +364,17 @@ def format_budget_cost(plan) -> str:
     return text
 
 
+def _without_remat(remat) -> str:
+    """What recomputation buys: the plan without it that remat="auto" weighed (empty when none was)."""
+    if remat.without_fits is None:
+        return ""
+    if not remat.without_fits:
+        return "; without it no plan fits the budget" + (
+            f" (smallest peak found {fmt_bytes(remat.without_memory_bytes)})" if remat.without_memory_bytes else "")
+    return (f"; without it: {remat.without_step_time_s:.4g} s/step at "
+            f"{fmt_bytes(remat.without_memory_bytes)}/device (slower)")
+
+
 def format_levers(plan) -> str:
     """The memory levers the plan uses (gradient accumulation and selective unsharding,
     recomputation, host offload), a paragraph each, after what the budget cost when it bound
@@ -390,7 +401,7 @@ def format_levers(plan) -> str:
             f", {len(layers)} of {len(layers) if remat.recomputable is None else remat.recomputable} layers "
             f"({'..'.join(dict.fromkeys((layers[0], layers[-1])))}), "
             f"{remat.recomputed_ops} ops recomputed in the backward" if layers else
-            " (the plan fits without it)"))
+            " (the plan fits without it)") + _without_remat(remat))
     offload = plan.levers.offload
     if offload is not None:
         paras.append(f"Host offload ({offload.mode}): {len(offload.inputs)} of {offload.candidates} "
