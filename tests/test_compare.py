@@ -145,7 +145,7 @@ def test_cli_pin_rules_baseline_and_compare(tmp_path, capsys):
 @pytest.mark.parametrize("lever, flags", [("remat", ["--remat", "full"]), ("accumulation", ["--accumulate", "2"])])
 def test_compare_plans_with_the_levers_the_flags_ask_for(tmp_path, capsys, lever, flags):
     """`planner compare`'s planner row is the plan `planner plan --mesh` makes with the same flags
-    (one composition of the single-stage levers, `planning.single_stage`), not a plan without them."""
+    (one composition of the single-stage levers, `planning.composition`), not a plan without them."""
     compared, planned = tmp_path / "compared.json", tmp_path / "planned.json"
     common = ["--model", "gpt-tiny", "--mesh", "2x4", "-q", *flags]
     assert cli.main(["compare", *common, "--baselines", "dp", "--json", str(compared)]) == 0

@@ -14,7 +14,7 @@ from planner.cost_model import Cluster, get_hardware
 from planner.graph.ir import matmul_flops
 from planner.graph.trace import trace
 from planner.planning.evaluate import pipeline_baseline
-from planner.planning.single_stage import plan_single_stage
+from planner.planning.composition import plan_single_stage
 from planner.present.compare import comparison_record, format_record
 from planner.present.ranking import hardware_record, mesh_ranking, plan_view
 from planner.search.mesh_plan import make_plan

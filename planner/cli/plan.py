@@ -16,7 +16,7 @@ from planner.graph.trace import trace
 from planner.planning.evaluate import pipeline_baseline
 from planner.present.ranking import hardware_record, mesh_ranking, pipeline_ranking, plan_view
 from planner.present.report import format_levers, format_plan
-from planner.planning.single_stage import plan_single_stage
+from planner.planning.composition import plan_single_stage
 from planner.cli.configured import configured_results
 from planner.cli.errors import CLIError
 from planner.cli.options import budget, donated_state, hand_configured, plan_options, pp_baseline, unlimited

@@ -71,13 +71,7 @@ def accumulated(step: Callable[..., Any], graph: Graph, meshes: Sequence[MeshSpe
         results = search_meshes(g, meshes, micro_options(options, inner), per_host)
         seen.append(results)
         if results[0].plan is None:
-            over = [r for r in results if r.over_budget]
-            if not over:
-                raise no_plan(results, inner, accumulated=True)
-            need = [r.min_memory_bytes for r in over if r.min_memory_bytes is not None]
-            floor = [r.error.lower_bound_bytes for r in over if r.error.lower_bound_bytes is not None]
-            raise InfeasiblePlanError(str(no_plan(results, inner, accumulated=True)), min(need, default=None),
-                                      min(floor, default=None))
+            raise no_plan(results, inner, accumulated=True)
         return results[0].plan
 
     bounds = MeshSpec((meshes[0].size,), default_axis_names(1))
@@ -91,14 +85,16 @@ def accumulated(step: Callable[..., Any], graph: Graph, meshes: Sequence[MeshSpe
 
 
 def no_plan(results: Sequence[MeshResult], budget: float | None, accumulated: bool = False) -> PlannerError:
-    """The error of a search where no mesh shape gave a plan: what did not fit, and what to try."""
+    """The error of a search where no mesh shape gave a plan: what did not fit, and what to try
+    (with accumulation: the smallest peak found and the least lower bound as its facts too)."""
     over = [r for r in results if r.over_budget]
     if not over:
         return PlannerError("no mesh shape could be planned: " + "; ".join(f"{r.mesh}: {r.error}" for r in results))
     if not accumulated:
         return no_fit_error(results, budget)
-    need = min((r.min_memory_bytes or math.inf) for r in over)
-    floor = min((getattr(r.error, "lower_bound_bytes", None) or math.inf) for r in over)
+    need = min((r.min_memory_bytes for r in over if r.min_memory_bytes is not None), default=math.inf)
+    floor = min((r.error.lower_bound_bytes for r in over if getattr(r.error, "lower_bound_bytes", None) is not None),
+                default=math.inf)
     return InfeasiblePlanError(
         f"no mesh shape fits the memory budget of {format_bytes(budget) if budget else 'no limit'} per device"
         + (f" (the smallest reachable peak is {format_bytes(need)}" if need < math.inf else "")
@@ -106,4 +102,5 @@ def no_plan(results: Sequence[MeshResult], budget: float | None, accumulated: bo
         + (")" if need < math.inf else "")
         + "; tried: sharding, gradient accumulation"
         + "; not available with gradient accumulation yet: rematerialisation, host offload"
-        + "; raise --memory-budget, plan for more devices, or enable --pipeline (recompute)")
+        + "; raise --memory-budget, plan for more devices, or enable --pipeline (recompute)",
+        None if need == math.inf else need, None if floor == math.inf else floor)
