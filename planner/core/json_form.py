@@ -45,3 +45,17 @@ def from_fields(cls: type[R], data: Mapping[str, Any], skip: Collection[str] = (
             v = data[f.name]
             values[f.name] = convert[f.name](v) if f.name in convert and v is not None else frozen(v)
     return cls(**values)
+
+
+class JsonRecord:
+    """A frozen record whose JSON form is its fields (`fields_json`, `from_fields`); a record with
+    nested records or facts written even when unknown overrides `to_json` / `from_json`."""
+
+    __slots__ = ()
+
+    def to_json(self) -> dict:
+        return fields_json(self)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]):
+        return from_fields(cls, d)

@@ -6,29 +6,22 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from planner.core.json_form import fields_json, from_fields
+from planner.core.json_form import JsonRecord, fields_json, from_fields
 from planner.core.mesh import MeshSpec
 from planner.core.sharding import Spec
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class HandLayoutCounts:
+class HandLayoutCounts(JsonRecord):
     """For which microbatch counts the stage tables' hand layouts were priced ("priced") and for which
     the pruning rule skipped them ("pruned": their candidate is of the layers' own plans only)."""
 
     priced: tuple[int, ...] = ()
     pruned: tuple[int, ...] = ()
 
-    def to_json(self) -> dict:
-        return fields_json(self)
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> HandLayoutCounts:
-        return from_fields(cls, d)
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class PipelinePlanning:
+class PipelinePlanning(JsonRecord):
     """How the pipeline's planning went (`PipelinePlan.planning`); a fact a run did not record is None
     (its key absent from the JSON form).
 
@@ -64,16 +57,13 @@ class PipelinePlanning:
     hand_layout_counts: HandLayoutCounts | None = None
     single_stage_mesh_search: bool | None = None
 
-    def to_json(self) -> dict:
-        return fields_json(self)
-
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> PipelinePlanning:
         return from_fields(cls, d, hand_layout_counts=HandLayoutCounts.from_json)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class PipelineCandidate:
+class PipelineCandidate(JsonRecord):
     """One microbatch count the pipeline search tried: its predicted step time (None: nothing fits)
     and number of stages."""
 
@@ -90,7 +80,7 @@ class PipelineCandidate:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class PipelineFacts:
+class PipelineFacts(JsonRecord):
     """The pipeline-level facts of a plan made with `pipeline=True/"auto"` (`Plan.pipeline`, from
     `planner.stages.PipelinePlan.facts`); a saved plan may give only some (the rest None).
 
@@ -129,7 +119,7 @@ class PipelineFacts:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class PipelineStage:
+class PipelineStage(JsonRecord):
     """One pipeline stage as the plan keeps it (`Plan.stages`, from `planner.stages.StagePlan.record`);
     a saved plan may give only some facts (the rest None).
 

@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from planner.core.json_form import fields_json, from_fields
+from planner.core.json_form import JsonRecord, fields_json, from_fields
 from planner.core.pipeline_records import PipelinePlanning
 from planner.core.sharding import Spec
 
@@ -32,16 +32,13 @@ class CombinedLatency(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class StepTimeParts:
+class StepTimeParts(JsonRecord):
     """The step time split by where it is paid (`planner.ilp.objective.step_parts`): the items'
     parts plus the latencies minus `hidden_s` (communication hidden behind compute) sum to it."""
 
     items: tuple[StepPart, ...]
     combined_latency: tuple[CombinedLatency, ...]
     hidden_s: float
-
-    def to_json(self) -> dict:
-        return fields_json(self)
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> StepTimeParts:
@@ -63,7 +60,7 @@ class ArgumentReshard(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Unbudgeted:
+class Unbudgeted(JsonRecord):
     """The first solver round's plan, before any constraint on live memory: its step time, peak, and
     the strategies the memory lower bound ruled out."""
 
@@ -71,16 +68,13 @@ class Unbudgeted:
     peak_bytes: int
     strategies_ruled_out: int
 
-    def to_json(self) -> dict:
-        return fields_json(self)
-
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Unbudgeted:
         return cls(d["step_time_s"], d["peak_bytes"], d["strategies_ruled_out"])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class SolverStats:
+class SolverStats(JsonRecord):
     """How the plan was found (`Plan.solver`); a fact its maker does not record is None (its key
     absent from the JSON form).
 
@@ -153,7 +147,7 @@ def solver_quality(solver: SolverStats) -> str:
 
 # ----- the memory levers -----------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, slots=True)
-class UnshardedValue:
+class UnshardedValue(JsonRecord):
     """A loop-invariant value selective unsharding reshards once before the microbatch loop: its
     tensor and name, its layout, the ops computing it, the seconds saved and the bytes held."""
 
@@ -164,16 +158,9 @@ class UnshardedValue:
     saved_s: float
     bytes: int
 
-    def to_json(self) -> dict:
-        return fields_json(self)
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> UnshardedValue:
-        return from_fields(cls, d)
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class AccumulationRecord:
+class AccumulationRecord(JsonRecord):
     """Gradient accumulation (`planner.levers.accumulate`).
 
     Attributes:
@@ -196,16 +183,13 @@ class AccumulationRecord:
     unsharded: tuple[UnshardedValue, ...] | None = None
     resharded_per_microbatch: tuple[int, ...] | None = None
 
-    def to_json(self) -> dict:
-        return fields_json(self)
-
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> AccumulationRecord:
         return from_fields(cls, d, unsharded=lambda hs: tuple(UnshardedValue.from_json(h) for h in hs))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class RematRecord:
+class RematRecord(JsonRecord):
     """Recomputation (`planner.levers.remat`): the policy ("off" alone when the plan fits without
     it), the layers recomputed, how many could be, and the ops added; with remat="auto", the plan
     without recomputation it was weighed against: whether it fits the budget, its step time (when
@@ -219,16 +203,9 @@ class RematRecord:
     without_step_time_s: float | None = None
     without_memory_bytes: int | None = None
 
-    def to_json(self) -> dict:
-        return fields_json(self)
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> RematRecord:
-        return from_fields(cls, d)
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class OffloadRecord:
+class OffloadRecord(JsonRecord):
     """Host offload (`planner.ilp.offload.record`).
 
     Attributes:
@@ -253,20 +230,13 @@ class OffloadRecord:
     copy_back_s: float
     hidden_s: float
 
-    def to_json(self) -> dict:
-        return fields_json(self)
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> OffloadRecord:
-        return from_fields(cls, d)
-
 
 # `Plan.levers` keys (plans saved before the field kept these records in "solver").
 LEVER_NAMES = ("accumulation", "remat", "offload")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Levers:
+class Levers(JsonRecord):
     """The memory levers a plan uses, each None when it does not (emission reads them, so they take
     part in the plan's equality)."""
 
@@ -278,9 +248,6 @@ class Levers:
         """The levers with a record."""
         return frozenset(n for n in LEVER_NAMES if getattr(self, n) is not None)
 
-    def to_json(self) -> dict:
-        return fields_json(self)
-
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Levers:
         return from_fields(cls, d, accumulation=AccumulationRecord.from_json, remat=RematRecord.from_json,
@@ -289,7 +256,7 @@ class Levers:
 
 # ----- the step's own constraints ----------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, slots=True)
-class UserConstraint:
+class UserConstraint(JsonRecord):
     """One of the step's own sharding constraints (`with_sharding_constraint`, `reshard`): where it
     is, the user's spec and the planned one, whether they agree, and the mode ("pin" / "hint")."""
 
@@ -298,9 +265,6 @@ class UserConstraint:
     planned_spec: str
     kept: bool
     mode: str
-
-    def to_json(self) -> dict:
-        return fields_json(self)
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> UserConstraint:
