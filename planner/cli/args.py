@@ -110,9 +110,10 @@ def _add_levers(opts) -> None:
                       help="host offload of optimizer state in single-stage plans: 'opt-state' keeps all of it in "
                            "host memory between steps, 'opt-state+params' the float32 master parameters too, "
                            "'auto' only the part that does not fit the memory budget")
-    opts.add_argument("--remat", choices=("off", "auto", "dots", "full"), default=None,
+    opts.add_argument("--remat", choices=("off", "auto", "dots", "dots_no_batch", "full"), default=None,
                       help="recompute repeated layers' forward in the backward (single-stage plans): 'full' keeps "
-                           "only each layer's inputs, 'dots' keeps matmul results, 'auto' recomputes only when the "
+                           "only each layer's inputs, 'dots' keeps matmul results, 'dots_no_batch' those without batch "
+                           "dimensions (projections, not attention scores), 'auto' recomputes only when the "
                            "plan does not fit the memory budget, and only the first layers it needs")
     opts.add_argument("--donate", type=argnums, default=None, metavar="I[,J]",
                       help="argument positions whose buffers the step reuses, as jax.jit(donate_argnums=...), "

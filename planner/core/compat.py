@@ -100,3 +100,24 @@ def scan_counts(params: Mapping[str, Any]) -> tuple[int, int]:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
+
+
+def apply_equation(eqn: Any, operands: Sequence[Any]) -> list[Any]:
+    """One jaxpr equation applied to `operands`, as `jax.core.eval_jaxpr` applies it: its primitive
+    bound with `Primitive.get_bind_params` of its stored parameters, under its own context
+    (`eqn.ctx.manager`); the results as a list. The caller sets the name scope. Relies on the
+    equation's fields (`primitive`, `params`, `ctx`), which `jax.extend.core.JaxprEqn` exposes."""
+    ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
+    with ctx if ctx is not None else _Nothing():
+        out = eqn.primitive.bind(*operands, **eqn.primitive.get_bind_params(eqn.params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+class _Nothing:
+    """A context manager that does nothing (an equation without a context of its own)."""
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

@@ -11,7 +11,7 @@ from typing import Any
 from planner.core.errors import InvalidArgumentError
 from planner.core.units import parse_bytes, parse_link
 
-REMAT = ("off", "full", "dots", "auto")  # recomputation choices (`planner.levers.remat`)
+REMAT = ("off", "full", "dots", "dots_no_batch", "auto")  # recomputation choices (`planner.levers.remat`)
 OFFLOAD_MODES = ("off", "auto", "opt-state", "opt-state+params")  # host offload choices (`planner.ilp.offload`)
 
 
@@ -63,8 +63,9 @@ class PlanOptions:
         the device to fit `memory_budget`: moments first, then master parameters, largest first).
       remat: recomputation of repeated layers in a single-stage plan (`planner.levers.remat`): "off",
         "full" (each layer keeps only its inputs), "dots" (keeps matmul results,
-        `jax.checkpoint_policies.dots_saveable`), or "auto" (off when the plan without it fits
-        `memory_budget` unconstrained, else the fastest of off / "dots" / "full" that fits).
+        `jax.checkpoint_policies.dots_saveable`), "dots_no_batch" (keeps the results of matmuls
+        without batch dimensions: projections, not attention scores), or "auto" (off when the plan
+        without it fits `memory_budget` unconstrained, else the fastest of off / each policy that fits).
       donate_argnums: arguments whose buffers the step may reuse (as `jax.jit(donate_argnums=...)`,
         typically the train state): the memory model frees each leaf at its last use and lets its
         new value take the buffer (`planner.ilp.live_ranges.live_ranges`); `plan_parallel` passes its

@@ -191,7 +191,8 @@ class AccumulationRecord(JsonRecord):
 @dataclasses.dataclass(frozen=True, slots=True)
 class RematRecord(JsonRecord):
     """Recomputation (`planner.levers.remat`): the policy ("off" alone when the plan fits without
-    it), the layers recomputed, how many could be, and the ops added; with remat="auto", the plan
+    it), the layers recomputed, how many could be, the ops added and the scanned stacks recomputed;
+    with remat="auto", the plan
     without recomputation it was weighed against: whether it fits the budget, its step time (when
     it fits) and its peak (the smallest found when it does not)."""
 
@@ -202,6 +203,7 @@ class RematRecord(JsonRecord):
     without_fits: bool | None = None
     without_step_time_s: float | None = None
     without_memory_bytes: int | None = None
+    scans: int | None = None  # scanned stacks recomputed (`planner.graph.scan_remat`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

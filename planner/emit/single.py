@@ -26,7 +26,8 @@ def constrained_function(graph: Graph, plan: Plan) -> Callable[..., Any]:
     Must be called under `jax.jit` (sharding constraints need a tracing context).
     """
     remat, offloaded = plan.levers.remat, plan.levers.offload
-    if remat is not None and remat.recomputed_ops and not graph.recompute:
+    if remat is not None and ((remat.layers and not graph.recompute)
+                              or (remat.scans and not (graph.source and graph.source.scans_recomputed))):
         raise InvalidArgumentError("this plan recomputes layers: emit it on the graph it was made for, "
                                    "planner.levers.remat.graph_for(trace(fn, *args), plan)")
     if offloaded is not None and offloaded.streamed and not graph.update_groups:

@@ -127,6 +127,24 @@ class Recompute:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Traced:
+    """The jaxpr a graph was traced from, with the ops tracing made of it: a graph whose ops are no
+    longer these was transformed since, and its jaxpr no longer describes it
+    (`planner.graph.scan_remat` rewrites the jaxpr of an untransformed graph only).
+
+    Attributes:
+      jaxpr: the step's `ClosedJaxpr`.
+      ops: the traced graph's ops (compared by identity).
+      scans_recomputed: scan pairs whose backward recomputes its residuals (`scan_remat`): 0 for
+        the step as the user wrote it.
+    """
+
+    jaxpr: Any
+    ops: tuple
+    scans_recomputed: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class Graph:
     """The traced program.
 
@@ -146,6 +164,7 @@ class Graph:
       recompute: recomputation groups by the index of their first op (see `Recompute`).
       update_groups: [start, end) op ranges of a streamed optimizer update, one per group of
         optimizer-state leaves updated together (`planner.ilp.offload.streamed`); empty otherwise.
+      source: the jaxpr it was traced from (`Traced`), or None.
     """
 
     tensors: tuple[Tensor, ...]
@@ -162,6 +181,7 @@ class Graph:
     user_constraints: str = "pin"
     recompute: Mapping[int, Recompute] = dataclasses.field(default_factory=dict)
     update_groups: tuple[tuple[int, int], ...] = ()  # streamed optimizer update: op ranges (`ilp.offload.streamed`)
+    source: Traced | None = None
     # Facts computed from the graph alone, kept for the next ILP of the same graph (`cached`); a graph
     # made by `dataclasses.replace` starts with an empty one.
     _memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)

@@ -22,7 +22,7 @@ from planner.core.compat import PLANNER_CONSTRAINT as JIT_BOUNDARY, scan_counts
 from planner.core.errors import InvalidArgumentError
 from planner.core.layer_index import COND_BRANCH, SCAN_ITERATION
 from planner.core.static_args import is_array
-from planner.graph.ir import Body, Graph, Literal, Op, Region, Tensor, tensor_of
+from planner.graph.ir import Body, Graph, Literal, Op, Region, Tensor, Traced, tensor_of
 
 # The records are `planner.graph.ir`'s; importers name them from here too.
 __all__ = ["CUSTOM_CALLS", "MAX_UNROLL", "trace"]
@@ -275,10 +275,11 @@ def trace(fn: Callable[..., Any], *args: Any, user_constraints: str = "pin") -> 
     b = _Builder()
     input_ids = [b.new(v.aval) for v in closed.jaxpr.invars]
     outputs = b.inline(closed.jaxpr, closed.consts, input_ids, "")
+    ops = tuple(b.ops)
     # An output that is itself a literal or a const is still an output; keep its id or literal.
     return Graph(
         tensors=tuple(b.tensors),
-        ops=tuple(b.ops),
+        ops=ops,
         inputs=tuple(input_ids),
         input_paths=tuple(paths),
         outputs=tuple(outputs),
@@ -289,4 +290,5 @@ def trace(fn: Callable[..., Any], *args: Any, user_constraints: str = "pin") -> 
         regions={k: tuple(sorted(v, key=lambda r: -r.end)) for k, v in b.regions.items()},
         loop_ties=tuple(b.loop_ties),
         user_constraints=user_constraints,
+        source=Traced(closed, ops),
     )

@@ -9,7 +9,10 @@ backward starts; the backward reads the copies, so the forward's own results die
 * policy "full" recomputes every residual (`jax.checkpoint` with `nothing_saveable`): a layer keeps
   only its inputs;
 * policy "dots" keeps the results of matmuls and convolutions and recomputes the rest from them
-  (`jax.checkpoint_policies.dots_saveable`).
+  (`jax.checkpoint_policies.dots_saveable`);
+* policy "dots_no_batch" keeps only the results of matmuls without batch dimensions (a layer's
+  projections) and recomputes the batched ones (attention's scores and weighted values,
+  `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`).
 
 The transformed graph is planned like any other (`search.mesh_plan.make_plan`): the ILP prices the copies'
 compute and their shardings, and the memory model (liveness in program order) sees the shorter live
@@ -24,9 +27,13 @@ this module's barrier alone); the dependency on the cotangent is what keeps it i
 process-wide XLA_FLAGS: passed per program (`jax.jit(compiler_options=...)`) it changed nothing
 (jax 0.10.2), so plans do not rely on it.
 
-Out of scope: layers inside a scan or other control-flow region (a scanned stack is recomputed by the
-model's own `jax.checkpoint`, which tracing keeps as its saved/recomputed split), and layers a
-pipeline plans (pipeline stages choose recomputation per stage, `pipeline="auto"`).
+A scanned stack of layers (one `scan` whose body is a layer: MaxText's `scan_layers`, Flax
+`nn.scan`) is recomputed by rewriting the step's jaxpr (`planner.graph.scan_remat`): the forward
+scan stacks each layer's input instead of its residuals and the backward scan recomputes them per
+layer, with the same policies, on every scan of the stack at once (no first-n choice).
+
+Out of scope: unrolled layers inside another scan or control-flow region, and layers a pipeline
+plans (pipeline stages choose recomputation per stage, `pipeline="auto"`).
 """
 from __future__ import annotations
 
@@ -39,6 +46,8 @@ from typing import Any, TypeVar
 
 from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.graph.ir import Body, Graph, Op, Recompute
+from planner.graph.scan_remat import (POLICIES as SCAN_POLICIES, is_recomputed, keeps, recomputable_scans,
+                                      recompute_scans)
 from planner.ilp.levers import LEVERS, levers_text
 from planner.core.layer_index import find_indexed
 from planner.core.options import REMAT
@@ -49,11 +58,9 @@ from planner.core.units import format_bytes
 
 log = logging.getLogger("planner")
 
-POLICIES = ("full", "dots")
+POLICIES = SCAN_POLICIES
 OPTIONS = REMAT
 
-# Results `dots` keeps (jax.checkpoint_policies.dots_saveable: dot_general and conv_general_dilated).
-SAVEABLE = frozenset({"dot_general", "conv_general_dilated"})
 
 # Name stack wrapper of the copies: `remat(jvp(GPT))/blocks_3/mlp` recomputes `jvp(GPT)/blocks_3/mlp`.
 WRAPPER = "remat"
@@ -131,7 +138,7 @@ class _Copy:
 def _plan_copies(graph: Graph, layer: _Layer, policy: str, consumers, producer) -> _Copy | None:
     at = layer.backward[0]
     made = {t: i for i in layer.forward for t in graph.ops[i].outputs}
-    saved = {t for t, i in made.items() if policy == "dots" and graph.ops[i].name in SAVEABLE}
+    saved = {t for t, i in made.items() if keeps(graph.ops[i].name, graph.ops[i].params, policy)}
     residuals = {t for t in made if t not in saved and any(j >= at for j, _ in consumers.get(t, ()))}
     todo, copy = [made[t] for t in residuals], set()
     while todo:
@@ -165,6 +172,7 @@ def rematerialize(graph: Graph, layers: Sequence[str] | None = None, policy: str
     """
     if policy not in POLICIES:
         raise InvalidArgumentError(f"remat policy {policy!r} must be one of {', '.join(map(repr, POLICIES))}")
+    graph = recompute_scans(graph, policy)  # a scanned stack: its jaxpr rewritten, traced again
     found, skipped = _layers(graph)
     by_name = {layer.name: layer for layer in found}
     if layers is None:
@@ -245,15 +253,16 @@ def summary(original: Graph, transformed: Graph, policy: str) -> RematRecord:
     prefix = repeated_module(original) or ""
     copied = {_layer_of(op.name_stack, prefix) for op in transformed.ops if op.name_stack.startswith(f"{WRAPPER}(")}
     names = remat_layers(original)
-    return RematRecord(policy, tuple(n for n in names if n in copied), len(names),
-                       len(transformed.ops) - len(original.ops))
+    scans = transformed.source.scans_recomputed if transformed.source is not None else 0
+    added = sum(op.name_stack.startswith(f"{WRAPPER}(") or is_recomputed(op.name_stack) for op in transformed.ops)
+    return RematRecord(policy, tuple(n for n in names if n in copied), len(names), added, scans=scans or None)
 
 
 def graph_for(graph: Graph, plan: Plan) -> Graph:
     """The graph `plan` was made for, from the step's own trace: rewritten as `plan.levers.remat`
     records (a saved plan re-emitted with `jit_planned` needs it); `graph` itself for other plans."""
     info = plan.levers.remat
-    if info is None or not info.recomputed_ops:
+    if info is None or not (info.recomputed_ops or info.scans):
         return graph
     return rematerialize(graph, info.layers, info.policy)
 
@@ -279,7 +288,7 @@ T = TypeVar("T")
 
 # What a recomputable layer is, as the errors say it.
 NO_LAYERS = ("recomputable layers are repeated modules named like blocks_0, blocks_1, ... outside loops, with a "
-             "gradient; a scanned stack recomputes with the model's own jax.checkpoint")
+             "gradient, or a scanned stack whose backward scan reads the residuals its forward scan stacked")
 
 
 def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable[[Graph, bool], T],
@@ -288,7 +297,7 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
 
     "auto": no recomputation when there is no budget, or when the plan without it meets the budget
     without a memory constraint (its unconstrained optimum fits: recomputation only adds work).
-    Otherwise "off", "dots" and "full" (every layer) are planned; when some policy fits but "off" does
+    Otherwise "off", "dots", "dots_no_batch" and "full" (every layer) are planned; when some policy fits but "off" does
     not, the fastest fitting policy is then applied to the first n layers (forward order) for the
     fewest n that fits, found by bisection over n in [1, L]. The first layers are the ones whose
     residuals live longest (their backward runs last), so they are the ones worth recomputing;
@@ -313,12 +322,12 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
         that an infeasible "off" costs little before recomputation is tried).
 
     Returns:
-      (the graph planned, plan_fn's result, the policy chosen: "off", "full" or "dots", and under
+      (the graph planned, plan_fn's result, the policy chosen: "off" or one of `POLICIES`, and under
       "auto" with recomputation chosen the plan without it (`Without`), else None); `summary` of the
       graph tells which layers it recomputes.
 
     Raises:
-      InvalidArgumentError: an unknown option, or "full"/"dots" for a step with no recomputable layer.
+      InvalidArgumentError: an unknown option, or a policy for a step with no recomputable layer.
       InfeasiblePlanError: nothing fits; names the smallest peak found per policy tried.
     """
     check_option(remat)
@@ -328,7 +337,7 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
             raise InvalidArgumentError(f"remat={remat!r}: this step has no layer to recompute ({NO_LAYERS})")
         return transformed, plan_fn(transformed, True), remat, None
     names = remat_layers(graph) if remat == "auto" and budget is not None else []
-    if names:
+    if names or (remat == "auto" and budget is not None and recomputable_scans(graph)):
         return _plan_auto(graph, names, plan_fn, plan_of)
     try:
         return graph, plan_fn(graph, True), "off", None
@@ -356,7 +365,7 @@ def _plan_auto(graph: Graph, names: Sequence[str], plan_fn: Callable[[Graph, boo
         without = (True, plan.prediction.step_time_s, plan.prediction.memory_bytes_per_device)
         found.append((plan.prediction.step_time_s, 0, graph, result, "off"))
         log.info("remat auto: off fits, %.4g s/step", plan.prediction.step_time_s)
-    for policy in ("dots", "full"):
+    for policy in ("dots", "dots_no_batch", "full"):
         transformed = rematerialize(graph, None, policy)
         if transformed is graph:
             break
@@ -405,11 +414,16 @@ def _probe(transformed: Graph, policy: str, n: int, total: int, plan_fn: Callabl
     try:
         result = plan_fn(transformed, False)
     except InfeasiblePlanError as e:
-        log.info("remat auto: %s on %d of %d layers does not fit", policy, n, total)
+        log.info("remat auto: %s on %s does not fit", policy, _which(n, total))
         return e
     step = plan_of(result).prediction.step_time_s
-    log.info("remat auto: %s on %d of %d layers fits, %.4g s/step", policy, n, total, step)
+    log.info("remat auto: %s on %s fits, %.4g s/step", policy, _which(n, total), step)
     return step, n, transformed, result, policy
+
+
+def _which(n: int, total: int) -> str:
+    """The layers a probe recomputes, as its log line names them."""
+    return f"{n} of {total} layers" if total else "the scanned layers"
 
 
 def _fewest_layers(graph: Graph, names: Sequence[str], policy: str, plan_fn: Callable[[Graph, bool], T],
