@@ -135,7 +135,10 @@ def test_auto_offloads_only_the_overflow_and_fits(devices8):
     budget = plain.plan(state, batch).prediction.memory_bytes_per_device
     budget -= (budget - all_host.prediction.memory_bytes_per_device) // 3
     with pytest.raises(planner.InfeasiblePlanError, match="host offload: offload='auto'"):
-        planner.plan(_mlp_step, state, batch, mesh="1x8", memory_budget=budget)
+        planner.plan(_mlp_step, state, batch, mesh="1x8", memory_budget=budget, offload="off", accumulate=1)
+    # by default (every lever auto) a lever makes it fit
+    assert planner.plan(_mlp_step, state, batch, mesh="1x8",
+                        memory_budget=budget).prediction.memory_bytes_per_device <= budget
 
     step = planner.plan_parallel(_mlp_step, mesh="1x8", offload="auto", memory_budget=budget)
     plan = step.plan(state, batch)
@@ -143,8 +146,9 @@ def test_auto_offloads_only_the_overflow_and_fits(devices8):
     assert 0 < len(record.inputs) < record.candidates
     assert record.paths[0] == "[0]['opt_state'][0].mu['w1']"  # the largest leaf first
     assert plan.prediction.memory_bytes_per_device <= budget
-    # Without a budget problem, auto keeps everything on the device.
-    assert not planner.plan(_mlp_step, state, batch, mesh="1x8", offload="auto").levers.offload.inputs
+    # Without a budget problem, auto keeps everything on the device: no offload is planned at all.
+    assert planner.plan(_mlp_step, state, batch, mesh="1x8", offload="auto").levers.offload is None
+    assert record.without_fits is False and record.without_memory_bytes > budget  # what it was weighed against
 
     compiled = step.lower(state, batch).compile()
     host_args, _, host_outs, _ = entry_bytes(compiled)
@@ -187,7 +191,9 @@ def test_offload_is_unavailable_in_one_line():
     assert why is not None and "no 'pinned_host' memory" in why and "\n" not in why
     assert unavailable(PRESETS["cpu"], jax.devices()[:1]) is None  # XLA:CPU has pinned_host
     with pytest.raises(planner.InvalidArgumentError, match="single-stage"):
-        planner.plan_parallel(b.train_step, mesh=(2, 4), offload="auto", pipeline="auto")
+        planner.plan_parallel(b.train_step, mesh=(2, 4), offload="opt-state", pipeline="auto")
+    # "auto" (the default) is accepted with pipeline stages, which plan without offload
+    planner.plan_parallel(b.train_step, mesh=(2, 4), offload="auto", pipeline="auto")
 
 
 def test_streamed_update_groups_each_parameters_state():

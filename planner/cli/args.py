@@ -37,6 +37,8 @@ def argnums(text: str) -> tuple[int, ...]:
 def accumulate(text: str):
     if text == "auto":
         return text
+    if text == "off":
+        return 1
     try:
         k = int(text)
     except ValueError:
@@ -99,9 +101,11 @@ def _add_levers(opts) -> None:
     opts.add_argument("--pipeline", choices=("auto", "on", "off"), default=None,
                       help="split the program into pipeline stages (default: the planner's PlanOptions default)")
     opts.add_argument("--microbatches", type=positive_int, metavar="K", help="microbatches per step when pipelining")
-    opts.add_argument("--accumulate", type=accumulate, default=None, metavar="auto|K",
+    opts.add_argument("--accumulate", type=accumulate, default=None, metavar="auto|K|off",
                       help="gradient accumulation without pipelining: K microbatches per step (a loop inside the "
-                           "step, one update), or 'auto' for the fastest K that fits the memory budget")
+                           "step, one update), 'auto' for the fastest K that fits the memory budget, or 'off' "
+                           "(default: weighed when no plan fits without a memory lever and the step is "
+                           "microbatch-invariant)")
     opts.add_argument("--no-unshard", dest="unshard", action="store_false", default=True,
                       help="with --accumulate: reshard loop-invariant values (a sharded parameter's all-gather) "
                            "in every microbatch instead of once before the loop while memory allows (selective "
@@ -109,12 +113,12 @@ def _add_levers(opts) -> None:
     opts.add_argument("--offload", choices=OFFLOAD_MODES, default=None,
                       help="host offload of optimizer state in single-stage plans: 'opt-state' keeps all of it in "
                            "host memory between steps, 'opt-state+params' the float32 master parameters too, "
-                           "'auto' only the part that does not fit the memory budget")
+                           "'auto' (the default) only the part that does not fit the memory budget")
     opts.add_argument("--remat", choices=("off", "auto", "dots", "dots_no_batch", "full"), default=None,
                       help="recompute repeated layers' forward in the backward (single-stage plans): 'full' keeps "
                            "only each layer's inputs, 'dots' keeps matmul results, 'dots_no_batch' those without batch "
-                           "dimensions (projections, not attention scores), 'auto' recomputes only when the "
-                           "plan does not fit the memory budget, and only the first layers it needs")
+                           "dimensions (projections, not attention scores), 'auto' (the default) recomputes only "
+                           "when the plan does not fit the memory budget, and only the first layers it needs")
     opts.add_argument("--donate", type=argnums, default=None, metavar="I[,J]",
                       help="argument positions whose buffers the step reuses, as jax.jit(donate_argnums=...), "
                            "or 'none'; default: 0 when the step returns a state like its first argument (a train "

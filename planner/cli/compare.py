@@ -14,7 +14,7 @@ from planner.cost_model import Cluster, get_hardware
 from planner.graph.ir import matmul_flops
 from planner.graph.trace import trace
 from planner.planning.evaluate import pipeline_baseline
-from planner.planning.composition import plan_single_stage
+from planner.planning.composition import compose_on_meshes
 from planner.present.compare import comparison_record, format_record
 from planner.present.ranking import hardware_record, mesh_ranking, plan_view
 from planner.search.mesh_plan import make_plan
@@ -61,9 +61,9 @@ def cmd_compare(args, out) -> int:
     options, assumed = donated_state(args, where.options, traced)
     where = dataclasses.replace(where, options=options)
     # the planner's row: planned as `planner plan --mesh` plans it, with the levers the flags ask for
-    graph, results = plan_single_stage(step, traced, [where.mesh], where.options,
-                                       where.cluster.devices_per_host if where.cluster else None, where.budget)
-    plan = results[0].plan
+    composed = compose_on_meshes(step, traced, [where.mesh], where.options,
+                                 where.cluster.devices_per_host if where.cluster else None)
+    graph, plan = composed.graph, composed.plan
     planned_s = time.perf_counter() - t0
     rows = _rows(args, names, where, step, example, traced)
     others = [(n, p) for n, p in rows if not isinstance(p, str)]

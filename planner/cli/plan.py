@@ -16,7 +16,7 @@ from planner.graph.trace import trace
 from planner.planning.evaluate import pipeline_baseline
 from planner.present.ranking import hardware_record, mesh_ranking, pipeline_ranking, plan_view
 from planner.present.report import format_levers, format_plan
-from planner.planning.composition import plan_single_stage
+from planner.planning.composition import compose_on_meshes
 from planner.cli.configured import configured_results
 from planner.cli.errors import CLIError
 from planner.cli.options import budget, donated_state, hand_configured, plan_options, pp_baseline, unlimited
@@ -142,8 +142,9 @@ def _rank(args, where: PlanTarget, traced: Traced, pp_name, pp_stages):
     if hand_configured(args):
         results = configured_results(args, traced.graph, where.meshes, where.options, where.cluster)
         return mesh_ranking(results, traced.flops, where.hardware), traced.graph
-    graph, results = plan_single_stage(traced.step, traced.graph, where.meshes, where.options,
-                                       where.cluster.devices_per_host if where.cluster else None, where.budget)
+    composed = compose_on_meshes(traced.step, traced.graph, where.meshes, where.options,
+                                 where.cluster.devices_per_host if where.cluster else None)
+    graph, results = composed.graph, composed.results
     log.info("planned %d mesh shape(s) in %.1fs", len(where.meshes), time.perf_counter() - traced.t0)
     return mesh_ranking(results, traced.flops, where.hardware), graph
 

@@ -14,6 +14,11 @@ class InvalidArgumentError(PlannerError, TypeError):
     """An argument or option the planner cannot use."""
 
 
+class OffloadUnavailableError(InvalidArgumentError):
+    """Host offload was asked for where it cannot be planned (no host memory space, or no host link
+    figure to price the copies); `offload="auto"` then plans without it."""
+
+
 class InfeasiblePlanError(PlannerError, ValueError):
     """No plan satisfies the constraints (for example the per-device memory budget).
 

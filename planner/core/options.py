@@ -53,15 +53,20 @@ class PlanOptions:
         on it (sharded parameters) ask for it.
       user_constraints: "pin": the step's own `with_sharding_constraint` / `jax.sharding.reshard`
         fix their results' sharding; "hint": the planner may choose another.
-      accumulate: gradient accumulation in a single-stage plan (`planner.levers.accumulate`): None or 1
-        (off), an int k (k microbatches per step, a `lax.scan` inside the step, one update), or
-        "auto" (the planner chooses the fastest k that fits `memory_budget`).
+      accumulate: gradient accumulation in a single-stage plan (`planner.levers.accumulate`): 1 (off),
+        an int k (k microbatches per step, a `lax.scan` inside the step, one update), "auto" (the
+        planner chooses the fastest k that fits `memory_budget`), or None (the default: the planner
+        weighs k >= 2 when no plan fits without a memory lever and the step is microbatch-invariant,
+        `planning.composition`). Each microbatch step is planned with `remat`.
       offload: host offload of optimizer state in a single-stage plan (`planner.ilp.offload`): "off",
         "opt-state" (every optimizer-state leaf lives in the host's memory between steps),
         "opt-state+params" (the float32 master parameters too, where the step reads them before the
-        update only to cast them to the compute dtype), or "auto" (only the leaves a plan needs off
-        the device to fit `memory_budget`: moments first, then master parameters, largest first).
-      remat: recomputation of repeated layers in a single-stage plan (`planner.levers.remat`): "off",
+        update only to cast them to the compute dtype), or "auto" (the default: only when no plan
+        fits `memory_budget` without it, only the leaves it needs off the device: moments first,
+        then master parameters, largest first; nothing where the devices have no host memory or the
+        hardware no host link figure, and nothing with pipeline stages or gradient accumulation).
+      remat: recomputation of repeated layers in a single-stage plan (`planner.levers.remat`, default
+        "auto"; with pipeline stages only "auto", the stages choosing recomputation themselves): "off",
         "full" (each layer keeps only its inputs), "dots" (keeps matmul results,
         `jax.checkpoint_policies.dots_saveable`), "dots_no_batch" (keeps the results of matmuls
         without batch dimensions: projections, not attention scores), or "auto" (off when the plan
@@ -99,8 +104,8 @@ class PlanOptions:
     prefetch: bool = False
     user_constraints: str = "pin"
     accumulate: int | str | None = None
-    offload: str = "off"
-    remat: str = "off"
+    offload: str = "auto"
+    remat: str = "auto"
     donate_argnums: tuple[int, ...] = ()
     mesh_ndim: int | None = None
     unshard: bool = True
@@ -130,15 +135,14 @@ class PlanOptions:
                                        "microbatches itself (num_microbatches=)")
         if self.offload not in OFFLOAD_MODES:
             raise InvalidArgumentError(f"offload={self.offload!r} must be one of {', '.join(map(repr, OFFLOAD_MODES))}")
-        if self.offload != "off" and (self.pipeline or self.accumulate not in (None, 1)):
+        if self.offload not in ("off", "auto") and (self.pipeline or self.accumulate not in (None, 1)):
             raise InvalidArgumentError(f"offload={self.offload!r} is for single-stage plans without gradient "
-                                       "accumulation; drop pipeline= / accumulate= or use offload='off'")
+                                       "accumulation; drop pipeline= / accumulate= or use offload='auto'")
         if not isinstance(self.remat, str) or self.remat not in REMAT:
             raise InvalidArgumentError(f"remat={self.remat!r} must be one of {', '.join(map(repr, REMAT))}")
-        if self.remat != "off" and (self.pipeline or self.accumulate not in (None, 1)):
-            raise InvalidArgumentError(f"remat={self.remat!r} is for single-stage plans without gradient accumulation "
-                                       "(pipeline stages choose recomputation themselves); drop pipeline= / "
-                                       "accumulate= or use remat='off'")
+        if self.remat not in ("off", "auto") and self.pipeline:
+            raise InvalidArgumentError(f"remat={self.remat!r} is for single-stage plans (pipeline stages choose "
+                                       "recomputation themselves); drop pipeline= or use remat='auto'")
         if self.pipeline not in (True, False, "auto"):
             raise InvalidArgumentError(f"pipeline={self.pipeline!r} must be True, False or 'auto'")
         if self.schedule not in ("1f1b", "gpipe"):

@@ -182,6 +182,9 @@ class AccumulationRecord(JsonRecord):
     collectives: str | None = None
     unsharded: tuple[UnshardedValue, ...] | None = None
     resharded_per_microbatch: tuple[int, ...] | None = None
+    without_fits: bool | None = None  # the single-step plan the planner weighed it against, as in OffloadRecord
+    without_step_time_s: float | None = None
+    without_memory_bytes: int | None = None
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> AccumulationRecord:
@@ -217,6 +220,8 @@ class OffloadRecord(JsonRecord):
       params, candidates, host_bytes_per_device: master parameters offloaded, leaves that could be,
         and the bytes per device held on the host.
       copy_in_s, copy_back_s, hidden_s: the copies' times as the objective counts them.
+      without_fits, without_step_time_s, without_memory_bytes: the plan without offload the
+        planner weighed it against (whether it fits, its step time, its peak or the smallest found).
     """
 
     mode: str
@@ -231,6 +236,9 @@ class OffloadRecord(JsonRecord):
     copy_in_s: float
     copy_back_s: float
     hidden_s: float
+    without_fits: bool | None = None  # the plan without offload (`planning.composition`): fits the budget?
+    without_step_time_s: float | None = None
+    without_memory_bytes: int | None = None  # its peak, or the smallest peak found when it does not fit
 
 
 # `Plan.levers` keys (plans saved before the field kept these records in "solver").

@@ -162,6 +162,13 @@ def _concatenate(graph, op, dims, outs, b):
     return [b], None
 
 
+def _stack(graph, op, dims, outs, b):
+    """`stack` (a new axis at `axis`, as scans stack their per-iteration results)."""
+    if any(d != b for d in dims):
+        return [None], "stacks examples with values of another dimension"
+    return [b + (op.params["axis"] <= b)], None
+
+
 def _gather(graph, op, dims, outs, b):
     dn = op.params["dimension_numbers"]
     idx_rank = len(_shape(graph, op.inputs[1]))
@@ -200,7 +207,7 @@ _RULES: dict[str, _Rule] = {
     "broadcast_in_dim": _broadcast, "transpose": _transpose, "reshape": _reshape, "squeeze": _squeeze,
     "expand_dims": _expand_dims, "sort": _scan, "top_k": _scan, "dot_general": _dot,
     "slice": _slice_like, "dynamic_slice": _slice_like, "pad": _slice_like, "rev": _slice_like,
-    "dynamic_update_slice": _dynamic_update_slice, "concatenate": _concatenate, "gather": _gather,
+    "dynamic_update_slice": _dynamic_update_slice, "concatenate": _concatenate, "gather": _gather, "stack": _stack,
     **{name: _passthrough for name in ("iota", "rng_bit_generator", "random_bits", "random_seed", "random_wrap",
                                        "random_unwrap")},
 }

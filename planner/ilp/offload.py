@@ -47,7 +47,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
+from planner.core.errors import InfeasiblePlanError, InvalidArgumentError, OffloadUnavailableError
 from planner.core.plan_records import OffloadRecord
 from planner.graph.ir import Graph
 from planner.ilp.objective import offload_hidden, offload_transfer
@@ -250,7 +250,7 @@ def plan_offload(problem: Problem, mode: str, budget: float | None, devices: Seq
         return problem, solve(problem, True)
     why = unavailable(problem.cost.hardware, devices)
     if why is not None:
-        raise InvalidArgumentError(f"offload={mode!r} is unavailable: {why}; use offload='off'")
+        raise OffloadUnavailableError(f"offload={mode!r} is unavailable: {why}; use offload='off'")
     moments, params = state_pairs(problem), param_pairs(problem)
     pairs = moments + params if mode in ("opt-state+params", "auto") else moments
     if not pairs and mode.startswith("opt-state"):

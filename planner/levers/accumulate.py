@@ -100,7 +100,7 @@ def micro_options(options, budget: float | None):
     every gradient only when the state is not freed early; with the state donated that peak moves
     into the backward and the sum falls short of the compiled program's peak. The accumulated
     program is still emitted with the caller's donation."""
-    return dataclasses.replace(options, memory_budget=budget, accumulate=None, donate_argnums=())
+    return dataclasses.replace(options, memory_budget=budget, accumulate=1, donate_argnums=())
 
 
 def _rows(graph: Graph, parts: StepParts) -> int:
@@ -292,12 +292,13 @@ def _fits(plan: Plan, budget: float | None) -> bool:
 
 
 def _plan_k(fn, graph: Graph, parts: StepParts, k: int, budget: float | None,
-            plan_micro: Callable[[Graph, float | None], Plan], mesh: MeshSpec, unsharding: bool = True) -> Accumulated:
+            plan_micro: Callable[[Graph, float | None], tuple[Graph, Plan]], mesh: MeshSpec,
+            unsharding: bool = True) -> Accumulated:
     """Plans k microbatches; raises InfeasiblePlanError (min_memory_bytes for the whole program)."""
     if k == 1:
-        plan = plan_micro(graph, budget)
+        planned, plan = plan_micro(graph, budget)
         plan = plan.with_levers(accumulation=AccumulationRecord(microbatches=1, microbatch_rows=_rows(graph, parts)))
-        return Accumulated(graph, parts, plan, 1)
+        return Accumulated(planned, parts if planned is graph else split_step(planned), plan, 1)
     mgraph = trace(fn, *_micro_args(graph, parts, k), user_constraints=graph.user_constraints)
     mparts = split_step(mgraph)
     if (mparts.params, mparts.batch) != (parts.params, parts.batch):
@@ -307,7 +308,7 @@ def _plan_k(fn, graph: Graph, parts: StepParts, k: int, budget: float | None,
     best: int | None = None
     for _ in range(_REPLANS):
         try:
-            mplan = plan_micro(mgraph, inner)
+            planned, mplan = plan_micro(mgraph, inner)  # the microbatch step, rewritten if it recomputes
         except InfeasiblePlanError as e:
             extra = sum(_smallest_extra(mgraph, mparts, k, mesh))
             found = None if e.min_memory_bytes is None else e.min_memory_bytes + extra
@@ -315,12 +316,13 @@ def _plan_k(fn, graph: Graph, parts: StepParts, k: int, budget: float | None,
                 found = best if found is None else min(found, best)
             raise InfeasiblePlanError(str(e), found,
                                       None if e.lower_bound_bytes is None else e.lower_bound_bytes + extra) from None
-        plan = unshard(mgraph, mparts, combine(mgraph, mparts, mplan, k), k, budget, unsharding)
+        pparts = mparts if planned is mgraph else split_step(planned)
+        plan = unshard(planned, pparts, combine(planned, pparts, mplan, k), k, budget, unsharding)
         if _fits(plan, budget):
-            return Accumulated(mgraph, mparts, plan, k)
+            return Accumulated(planned, pparts, plan, k)
         used = plan.prediction.memory_bytes_per_device
         best = used if best is None else min(best, used)
-        inner = budget - sum(extra_bytes(mgraph, mparts, mplan, k))
+        inner = budget - sum(extra_bytes(planned, pparts, mplan, k))
         if inner <= 0:
             break
     raise InfeasiblePlanError(f"no plan with {k} microbatches fits: the smallest found needs {format_bytes(best)}",
@@ -350,17 +352,19 @@ def _min_shard(t: Tensor, mesh: MeshSpec) -> int:
 
 
 def plan_accumulation(fn: Callable[..., Any], graph: Graph, accumulate: int | str, budget: float | None,
-                      plan_micro: Callable[[Graph, float | None], Plan], mesh: MeshSpec,
-                      unsharding: bool = True) -> Accumulated:
+                      plan_micro: Callable[[Graph, float | None], tuple[Graph, Plan]], mesh: MeshSpec,
+                      unsharding: bool = True, smallest: int = 1) -> Accumulated:
     """Plans `fn` (traced as `graph` at the full batch) with `accumulate` microbatches per step
     (an int k, or "auto": the fastest k that fits `budget`).
 
     Args:
-      plan_micro: (microbatch graph, memory budget) -> its single-stage plan (`make_plan` on a
-        mesh, or the mesh search); raises InfeasiblePlanError when nothing fits.
+      plan_micro: (microbatch graph, memory budget) -> (the graph planned: the microbatch graph,
+        or it rewritten by recomputation; its single-stage plan), `planning.composition`; raises
+        InfeasiblePlanError when nothing fits.
       mesh: the mesh (or, for a mesh search, a 1-D mesh of all devices) on which the extra
         buffers' smallest layouts are counted in an infeasible answer's minimum.
       unsharding: selective unsharding of loop-invariant reshardings (`unshard`).
+      smallest: under "auto", the fewest microbatches tried (2: the caller planned the step itself).
 
     Raises:
       InvalidArgumentError: a step that cannot be split (one line saying why), or k not dividing
@@ -374,7 +378,7 @@ def plan_accumulation(fn: Callable[..., Any], graph: Graph, accumulate: int | st
                                    .replace("to pipeline it", "to accumulate gradients")) from None
     rows = _rows(graph, parts)
     if accumulate == "auto":
-        candidates = accumulation_candidates(rows)
+        candidates = [k for k in accumulation_candidates(rows) if k >= smallest]
     else:
         if rows % accumulate:
             raise InvalidArgumentError(f"accumulate={accumulate} does not divide the batch of {rows} rows; "

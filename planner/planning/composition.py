@@ -1,106 +1,268 @@
-"""The single-stage levers composed over a mesh search: gradient accumulation (k microbatches in the
-step), or recomputation and host offload around `search_meshes`; `planner plan` ranks what this
-returns and `planner compare` prices its best plan beside the hand configurations."""
+"""The one composition of the single-stage levers: what `plan_parallel`, `planner plan`, `planner
+compare` and `evaluate` all plan with (`compose`).
+
+A lever is only tried where the memory bound says it can matter, cheapest first:
+
+1. the step as written, on every mesh (`Search`): when its plan fits the budget without the
+   budget binding (its unconstrained optimum fits), that is the plan: a lever only adds work;
+2. recomputation (`levers.remat.plan_remat`, `remat="auto"`: the fastest of off / each policy /
+   the fewest first layers that fit), each candidate planned with host offload brought in only
+   when it does not fit without (`offload="auto"`: the fewest optimizer-state leaves, largest
+   first; skipped where the host has no memory space or link figure);
+3. gradient accumulation (`levers.accumulate`), each microbatch step planned by 2 (recomputation
+   inside the microbatch; no offload, which accumulation's emission does not stream): when asked
+   for (`accumulate=k` or "auto"), or by default (`accumulate=None`) when the step is
+   microbatch-invariant (`graph.batch_mixing`) and 1-2 needed a lever: the faster plan wins.
+
+Each lever the plan uses records the plan it was weighed against (`without_*` in its record).
+When nothing fits, the answer is the one-line "does not fit" after every lever was tried.
+"""
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from planner.core.errors import InfeasiblePlanError, PlannerError
+from planner.core.errors import InfeasiblePlanError, InvalidArgumentError, OffloadUnavailableError, PlannerError
 from planner.core.mesh import MeshSpec, default_axis_names
 from planner.core.options import PlanOptions
+from planner.core.plan import Plan
 from planner.core.units import format_bytes
+from planner.graph.batch_mixing import mixing_ops
 from planner.graph.ir import Graph
 from planner.ilp.offload import streamed
-from planner.levers.accumulate import micro_options, plan_accumulation
+from planner.levers.accumulate import Accumulated, micro_options, plan_accumulation
 from planner.levers.remat import plan_remat, record as remat_record
 from planner.search.meshes import search_meshes
 from planner.search.results import MeshResult, no_fit_error
+from planner.stages.derived import split_step
 
 log = logging.getLogger("planner")
 
+# (graph, options, search for the smallest peak when nothing fits) -> one result per mesh, the
+# best first (its plan None when no mesh gives one); may raise InfeasiblePlanError instead.
+Search = Callable[[Graph, PlanOptions, bool], Sequence[MeshResult]]
 
-def plan_single_stage(step: Callable[..., Any], graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions,
-                      per_host: int | None, budget: float | None) -> tuple[Graph, Sequence[MeshResult]]:
-    """(the graph planned, one result per mesh) of `step` traced as `graph`, planned on `meshes` with
-    the levers `options` asks for: `accumulate` > 1 or "auto" plans k microbatches (`accumulated`),
-    else every mesh is searched with `remat` and `offload` (`searched`).
+EXPLICIT_OFFLOAD = ("opt-state", "opt-state+params")
+
+
+@dataclasses.dataclass(frozen=True)
+class Composed:
+    """What `compose` planned: the graph the plan is for (rewritten by recomputation, streamed for
+    offload; under accumulation the microbatch step's), one result per mesh (best first), and the
+    accumulated step when k > 1 microbatches were chosen (emitted with `emit.accumulate`)."""
+
+    graph: Graph
+    results: tuple[MeshResult, ...]
+    accumulated: Accumulated | None = None
+
+    @property
+    def plan(self) -> Plan:
+        return self.results[0].plan
+
+
+def compose(step: Callable[..., Any], graph: Graph, options: PlanOptions, search: Search,
+            bounds: MeshSpec) -> Composed:
+    """`step` (traced as `graph`) planned with the levers `options` allows (module docstring).
+
+    Args:
+      search: plans a graph on the meshes of this run (`Search`).
+      bounds: the mesh (or a 1-D mesh of every device) on which accumulation counts its buffers'
+        smallest layouts in an infeasible answer.
 
     Raises:
-      InfeasiblePlanError: no mesh gives a plan within `budget` (the one-line answer of `no_plan`).
+      InfeasiblePlanError: no plan fits `options.memory_budget` with any lever (one line).
+      InvalidArgumentError: a lever asked for explicitly that this step cannot use.
     """
     if options.accumulate not in (None, 1):
-        return accumulated(step, graph, meshes, options, per_host, budget)
-    return searched(graph, meshes, options, per_host, budget)
+        return _accumulated(step, graph, options, search, bounds, options.accumulate)
+    try:
+        single = _single(graph, options, search)
+    except InfeasiblePlanError as e:
+        if not _may_accumulate(options, graph):
+            raise
+        log.info("no single-step plan fits: trying gradient accumulation")
+        try:
+            found = _accumulated(step, graph, options, search, bounds, "auto", smallest=2)
+        except InfeasiblePlanError as acc:
+            raise _closest(e, acc) from None
+        return _weighed(found, False, None, e.min_memory_bytes)
+    if _needed_lever(single.plan) and _may_accumulate(options, graph):
+        log.info("the plan needs a memory lever: weighing gradient accumulation against it")
+        try:
+            found = _accumulated(step, graph, options, search, bounds, "auto", smallest=2)
+        except PlannerError:
+            return single
+        if found.accumulated is not None and found.plan.prediction.step_time_s < single.plan.prediction.step_time_s:
+            p = single.plan.prediction
+            return _weighed(found, True, p.step_time_s, p.memory_bytes_per_device)
+    return single
 
 
-def searched(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions, per_host: int | None,
-             budget: float | None) -> tuple[Graph, list[MeshResult]]:
-    """Every mesh planned (`search_meshes`) on the graph with recomputation (`levers.remat`,
-    `options.remat`) and, with `options.offload`, a streamed optimizer update (`ilp.offload.streamed`)."""
+def compose_on_meshes(step: Callable[..., Any], graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions,
+                      per_host: int | None) -> Composed:
+    """`compose` over a mesh search of `meshes` (`search.meshes.search_meshes`, hosts of `per_host`
+    devices): how `planner plan` and `planner compare` plan."""
 
-    def search(g: Graph, smallest_peak: bool) -> list[MeshResult]:
-        if options.offload != "off":
-            g = streamed(g)
-        found = search_meshes(g, meshes, options, per_host, min_peak_search=smallest_peak)
-        if found[0].plan is None:
-            raise no_plan(found, budget)
-        return found
+    def search(g: Graph, o: PlanOptions, smallest: bool) -> Sequence[MeshResult]:
+        return search_meshes(g, meshes, o, per_host, min_peak_search=smallest)
 
-    planned, results, policy, without = plan_remat(graph, options.remat, budget, search,
-                                                   lambda found: found[0].plan)
+    return compose(step, graph, options, search, MeshSpec((meshes[0].size,), default_axis_names(1)))
+
+
+def _single(graph: Graph, options: PlanOptions, search: Search) -> Composed:
+    """Recomputation x host offload around the mesh search (module docstring, 1-2)."""
+    budget, mode = options.memory_budget, options.offload
+    lazy = mode == "auto" and budget is not None
+
+    def plan_fn(g: Graph, smallest_peak: bool) -> tuple[Graph, Sequence[MeshResult]]:
+        if mode in EXPLICIT_OFFLOAD or (mode == "auto" and budget is None):
+            s = streamed(g) if mode in EXPLICIT_OFFLOAD else g
+            return s, _found(search(s, options if mode in EXPLICIT_OFFLOAD else _no_offload(options),
+                                    smallest_peak), budget)
+        plain = _no_offload(options)
+        try:
+            return g, _found(search(g, plain, smallest_peak and not lazy), budget)
+        except InfeasiblePlanError as e:
+            if not lazy:
+                raise
+            without = e
+        s = streamed(g)
+        try:
+            results = _found(search(s, options, smallest_peak), budget)
+        except OffloadUnavailableError as why:
+            log.info("offload auto: %s", why)
+            if smallest_peak:  # the answer needs the smallest peak the search without offload finds
+                return g, _found(search(g, plain, True), budget)
+            raise without from None
+        return s, _with_offload_without(results, without)
+
+    rewritten, (planned, results), policy, without = plan_remat(graph, options.remat, budget, plan_fn,
+                                                                lambda found: found[1][0].plan)
     if options.remat != "off":
-        results = [dataclasses.replace(r, plan=remat_record(r.plan, graph, planned, policy, without)) if r.plan
-                   else r for r in results]
-    if options.offload != "off":
-        planned = streamed(planned)
-    return planned, results
+        results = [dataclasses.replace(r, plan=remat_record(r.plan, graph, rewritten, policy, without))
+                   if r.plan else r for r in results]
+    return Composed(planned, tuple(results))
 
 
-def accumulated(step: Callable[..., Any], graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions,
-                per_host: int | None, budget: float | None) -> tuple[Graph, tuple[MeshResult]]:
-    """The microbatch step planned on every mesh (`search_meshes`), k chosen by
-    `levers.accumulate.plan_accumulation`; the best plan as the one result, with the microbatch graph."""
-    seen: list = []
+def _no_offload(options: PlanOptions) -> PlanOptions:
+    return options if options.offload == "off" else dataclasses.replace(options, offload="off")
 
-    def plan_micro(g: Graph, inner: float | None):
-        results = search_meshes(g, meshes, micro_options(options, inner), per_host)
-        seen.append(results)
-        if results[0].plan is None:
-            raise no_plan(results, inner, accumulated=True)
-        return results[0].plan
 
-    bounds = MeshSpec((meshes[0].size,), default_axis_names(1))
-    t0 = time.perf_counter()
-    acc = plan_accumulation(step, graph, options.accumulate, budget, plan_micro, bounds, options.unshard)
+def _found(results: Sequence[MeshResult], budget: float | None) -> Sequence[MeshResult]:
+    """`results` when the best holds a plan; the one-line answer (`no_fit_error`) otherwise."""
+    if results[0].plan is not None:
+        return results
+    raise no_plan(results, budget)
+
+
+def _with_offload_without(results: Sequence[MeshResult], without: InfeasiblePlanError) -> list[MeshResult]:
+    """Each plan's offload record with the plan without offload it was weighed against (none fit)."""
+    out = []
+    for r in results:
+        rec = r.plan.levers.offload if r.plan is not None else None
+        if rec is not None:
+            rec = dataclasses.replace(rec, without_fits=False, without_memory_bytes=without.min_memory_bytes)
+            r = dataclasses.replace(r, plan=r.plan.with_levers(offload=rec))
+        out.append(r)
+    return out
+
+
+def _needed_lever(plan: Plan) -> bool:
+    """Whether the single-step plan uses recomputation or host offload."""
+    remat, offload = plan.levers.remat, plan.levers.offload
+    return (remat is not None and remat.policy != "off") or (offload is not None and bool(offload.inputs))
+
+
+def _may_accumulate(options: PlanOptions, graph: Graph) -> bool:
+    """Accumulation by default: no pipeline, a budget, and a step whose loss no op computes across
+    examples (`graph.batch_mixing`), so that k microbatches compute the step itself."""
+    if options.accumulate is not None or options.pipeline or options.memory_budget is None:
+        return False
+    return graph.cached(("microbatch_invariant",), lambda: _invariant(graph))
+
+
+def _invariant(graph: Graph) -> bool:
+    try:
+        parts = split_step(graph)
+    except InvalidArgumentError:
+        return False
+    if len({graph.tensors[graph.inputs[i]].shape[0] for i in parts.batch}) != 1:
+        return False
+    return not mixing_ops(graph, [graph.inputs[i] for i in parts.batch], parts.loss, parts.forward)
+
+
+def _accumulated(step: Callable[..., Any], graph: Graph, options: PlanOptions, search: Search, bounds: MeshSpec,
+                 accumulate: int | str, smallest: int = 1) -> Composed:
+    """Gradient accumulation (`levers.accumulate.plan_accumulation`, from `smallest` microbatches
+    under "auto"), each microbatch step planned with recomputation (`_single`, without offload);
+    the best plan as the one result."""
+    seen: list[Sequence[MeshResult]] = []
+
+    def plan_micro(g: Graph, inner: float | None) -> tuple[Graph, Plan]:
+        opts = dataclasses.replace(micro_options(options, inner), offload="off")
+
+        def recorded(h: Graph, o: PlanOptions, smallest: bool) -> Sequence[MeshResult]:
+            results = search(h, o, smallest)
+            seen.append(results)
+            return results
+
+        try:
+            micro = _single(g, opts, recorded)
+        except InfeasiblePlanError as e:
+            raise _accumulation_answer(e, seen[-1] if seen else (), inner) from None
+        return micro.graph, micro.plan
+
+    acc = plan_accumulation(step, graph, accumulate, options.memory_budget, plan_micro, bounds, options.unshard,
+                            smallest=smallest)
     plan = dataclasses.replace(acc.plan, options=dataclasses.replace(acc.plan.options, accumulate=options.accumulate))
     record = plan.levers.accumulation
     log.info("gradient accumulation: %d microbatch(es) of %d rows", record.microbatches, record.microbatch_rows)
     inter = next((r.inter_host_axes for rs in seen for r in rs if r.plan is not None and r.mesh == plan.mesh), ())
-    return acc.graph, (MeshResult(plan.mesh, plan, None, inter, time.perf_counter() - t0),)
+    acc = dataclasses.replace(acc, plan=plan)
+    return Composed(acc.graph, (MeshResult(plan.mesh, plan, None, inter, 0.0),), acc if acc.k > 1 else None)
 
 
-def no_plan(results: Sequence[MeshResult], budget: float | None, accumulated: bool = False) -> PlannerError:
-    """The error of a search where no mesh shape gave a plan: what did not fit, and what to try
-    (with accumulation: the smallest peak found and the least lower bound as its facts too)."""
+def _weighed(found: Composed, fits: bool, step_time_s: float | None, memory_bytes: int | None) -> Composed:
+    """`found` (an accumulated plan) with the single-step plan it was weighed against recorded."""
+    plan = found.plan
+    rec = dataclasses.replace(plan.levers.accumulation, without_fits=fits, without_step_time_s=step_time_s,
+                              without_memory_bytes=memory_bytes)
+    plan = plan.with_levers(accumulation=rec)
+    acc = dataclasses.replace(found.accumulated, plan=plan) if found.accumulated is not None else None
+    return Composed(found.graph, (dataclasses.replace(found.results[0], plan=plan),), acc)
+
+
+def _closest(single: InfeasiblePlanError, accumulated: InfeasiblePlanError) -> InfeasiblePlanError:
+    """The answer when neither a single-step plan nor accumulation fits: the single step's answer
+    (it names every lever it tried) and what accumulation reached."""
+    best = min((x for x in (single.min_memory_bytes, accumulated.min_memory_bytes) if x is not None), default=None)
+    closest = ("gradient accumulation" if accumulated.min_memory_bytes is not None
+               and (single.min_memory_bytes is None or accumulated.min_memory_bytes < single.min_memory_bytes)
+               else "recomputation and host offload")
+    text = str(single).rstrip(".")
+    extra = (f"; gradient accumulation tried too (its smallest peak "
+             f"{format_bytes(accumulated.min_memory_bytes) if accumulated.min_memory_bytes else 'unknown'}); "
+             f"closest: {closest}")
+    return single.reworded(text + extra, best)
+
+
+def _accumulation_answer(e: InfeasiblePlanError, results: Sequence[MeshResult], budget: float | None):
+    """A microbatch step that fits no mesh: its answer with the smallest peak and least bound found."""
     over = [r for r in results if r.over_budget]
     if not over:
-        return PlannerError("no mesh shape could be planned: " + "; ".join(f"{r.mesh}: {r.error}" for r in results))
-    if not accumulated:
+        return e
+    need = min((r.min_memory_bytes for r in over if r.min_memory_bytes is not None), default=e.min_memory_bytes)
+    floor = min((r.lower_bound_bytes for r in over if r.lower_bound_bytes is not None), default=None)
+    return InfeasiblePlanError(str(e), need, floor)
+
+
+def no_plan(results: Sequence[MeshResult], budget: float | None) -> PlannerError:
+    """The error of a search where no mesh shape gave a plan: what did not fit, and what to try."""
+    if any(r.over_budget for r in results):
         return no_fit_error(results, budget)
-    need = min((r.min_memory_bytes for r in over if r.min_memory_bytes is not None), default=math.inf)
-    floor = min((r.error.lower_bound_bytes for r in over if getattr(r.error, "lower_bound_bytes", None) is not None),
-                default=math.inf)
-    return InfeasiblePlanError(
-        f"no mesh shape fits the memory budget of {format_bytes(budget) if budget else 'no limit'} per device"
-        + (f" (the smallest reachable peak is {format_bytes(need)}" if need < math.inf else "")
-        + (f"; no plan goes below {format_bytes(floor)}" if floor < math.inf else "")
-        + (")" if need < math.inf else "")
-        + "; tried: sharding, gradient accumulation"
-        + "; not available with gradient accumulation yet: rematerialisation, host offload"
-        + "; raise --memory-budget, plan for more devices, or enable --pipeline (recompute)",
-        None if need == math.inf else need, None if floor == math.inf else floor)
+    errors = [r.error for r in results if r.error is not None]
+    if len(errors) == 1:
+        return errors[0]
+    return PlannerError("no mesh shape could be planned: " + "; ".join(f"{r.mesh}: {r.error}" for r in results))

@@ -4,32 +4,29 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 
 from planner.configs.pins import (check_stage_pins, intermediate_patterns, logical_names, pin_intermediates,
                                   resolve as resolve_pins, rules_to_pins, stage_pins)
-from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
+from planner.core.errors import InvalidArgumentError
 from planner.core.mesh import MeshSpec, context_mesh, default_axis_names, parse_mesh
 from planner.core.options import PlanOptions
 from planner.core.plan import Plan
 from planner.core.static_args import StaticResults, array_function, split
-from planner.core.units import format_bytes
 from planner.emit.accumulate import jit_accumulated
 from planner.emit.pipeline.planned import plan_with_stages
 from planner.emit.single import jit_planned
 from planner.graph.ir import Graph
 from planner.graph.trace import trace
-from planner.ilp import offload
-from planner.levers.accumulate import micro_options, plan_accumulation
-from planner.levers.remat import plan_remat, record as remat_record
+from planner.planning.composition import compose
 from planner.planning.user_constraints import record_user_constraints
 from planner.search.candidates import candidate_meshes, default_mesh_ndim
 from planner.search.mesh_plan import check_options, make_plan
 from planner.search.meshes import search_meshes
-from planner.search.results import best_plan
+from planner.search.results import MeshResult
 
 Entry = tuple[Graph, Plan, Any]  # (the planned graph, its plan, the jitted program or pipeline runner)
 
@@ -96,19 +93,29 @@ class StepPlanner:
 
     def plan(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Entry:
         """(graph, plan, program) of `fn` on its array arguments `args`: traced, its pins applied,
-        then planned in pipeline stages, with gradient accumulation, or on one mesh with
-        recomputation and offloading; the step's own sharding constraints recorded."""
+        then planned in pipeline stages, or on one mesh with the levers of `planning.composition`
+        (recomputation, host offload, gradient accumulation); the step's own sharding constraints
+        recorded."""
         graph = self.trace(fn, args)
         if self.options.pipeline:
             return self._pipelined(fn, args, graph)
         graph = self._pin_intermediates(graph)
-        pinned = self.pinned(graph, args)  # checks the pins before anything is planned
-        if self.options.accumulate not in (None, 1):
-            return self._accumulated(fn, graph, args)
-        graph, plan = self._rematerialized(graph, pinned)
-        graph = offload.graph_for(graph, plan)
-        plan = record_user_constraints(graph, plan)
-        return graph, plan, jit_planned(graph, plan, self.donate_argnums)
+        self.pinned(graph, args)  # checks the pins before anything is planned
+        bounds = self.mesh or MeshSpec((len(self.devices),), default_axis_names(1))
+        composed = compose(fn, graph, self.options, lambda g, o, smallest: self._search(g, o, smallest, args), bounds)
+        plan = record_user_constraints(composed.graph, composed.plan)
+        if composed.accumulated is not None:
+            acc = dataclasses.replace(composed.accumulated, plan=plan)
+            return acc.graph, plan, jit_accumulated(acc, self.donate_argnums)
+        return composed.graph, plan, jit_planned(composed.graph, plan, self.donate_argnums)
+
+    def _search(self, g: Graph, options: PlanOptions, smallest: bool, args: tuple[Any, ...]) -> Sequence[MeshResult]:
+        """`g` planned on the mesh with its pins (`smallest`: search for the smallest peak when nothing
+        fits; raises make_plan's one-line answer then), or by the mesh search over the devices."""
+        if self.mesh is not None:
+            plan = make_plan(g, self.mesh, options, self.jax_mesh, pins=self.pinned(g, args), min_peak_search=smallest)
+            return (MeshResult(self.mesh, plan, None, options.inter_host_axes, 0.0),)
+        return search_meshes(g, self._candidate_meshes(), options, devices=self.devices, min_peak_search=smallest)
 
     def trace(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Graph:
         """The step's graph, traced under the user's mesh (its own `reshard`/`shard_map` calls see it)."""
@@ -166,50 +173,6 @@ class StepPlanner:
         if not callable(self.pins):
             check_stage_pins(self.pins, graph.input_paths)
         return {"pins": stage_pins(self.pins)}
-
-    def _accumulated(self, fn: Callable[..., Any], graph: Graph, args: tuple[Any, ...]) -> Entry:
-        """Gradient accumulation (`planner.levers.accumulate`): the microbatch step planned as any step
-        (on the mesh, or by the mesh search), k chosen or given; the entry holds the microbatch trace."""
-        bounds = self.mesh or MeshSpec((len(self.devices),), default_axis_names(1))
-        acc = plan_accumulation(fn, graph, self.options.accumulate, self.options.memory_budget,
-                                lambda g, budget: self._plan_micro(g, budget, args), bounds, self.options.unshard)
-        plan = dataclasses.replace(record_user_constraints(acc.graph, acc.plan),
-                                   options=dataclasses.replace(acc.plan.options, accumulate=self.options.accumulate))
-        acc = dataclasses.replace(acc, plan=plan)
-        jitted = jit_accumulated(acc, self.donate_argnums) if acc.k > 1 else jit_planned(acc.graph, plan,
-                                                                                           self.donate_argnums)
-        return acc.graph, plan, jitted
-
-    def _plan_micro(self, g: Graph, budget: float | None, args: tuple[Any, ...]) -> Plan:
-        """The microbatch step `g` planned under `budget` (`planner.levers.accumulate.micro_options`)."""
-        options = micro_options(self.options, budget)
-        if self.mesh is not None:
-            return make_plan(g, self.mesh, options, self.jax_mesh, pins=self.pinned(g, args))
-        results = search_meshes(g, self._candidate_meshes(), options, devices=self.devices)
-        over = [r.min_memory_bytes for r in results if r.over_budget and r.min_memory_bytes is not None]
-        if results[0].plan is None and over:
-            raise InfeasiblePlanError(f"no mesh shape fits {format_bytes(budget)} per device", min(over))
-        return best_plan(results)
-
-    def _rematerialized(self, graph: Graph, pinned: dict[int, Any] | None) -> tuple[Graph, Plan]:
-        """Recomputation (`planner.levers.remat`): the planned graph is the rewritten one, and the
-        plan records the policy and layers (unless remat is off)."""
-        rewritten, plan, policy, without = plan_remat(graph, self.options.remat, self.options.memory_budget,
-                                                      lambda g, search: self._plan_graph(g, search, pinned),
-                                                      lambda p: p)
-        if self.options.remat != "off":
-            plan = remat_record(plan, graph, rewritten, policy, without)
-        return rewritten, plan
-
-    def _plan_graph(self, g: Graph, search: bool, pinned: dict[int, Any] | None) -> Plan:
-        """`g` planned on the mesh (`search`: for the smallest peak when nothing fits), or by the
-        mesh search; with a streamed optimizer update when it offloads (`ilp.offload.streamed`)."""
-        if self.options.offload != "off":
-            g = offload.streamed(g)
-        if self.mesh is not None:
-            return make_plan(g, self.mesh, self.options, self.jax_mesh, pins=pinned, min_peak_search=search)
-        return best_plan(search_meshes(g, self._candidate_meshes(), self.options, devices=self.devices),
-                         self.options.memory_budget)
 
     def _candidate_meshes(self) -> list:
         """The mesh search's candidates for these devices (3-D ones when they span several processes,
