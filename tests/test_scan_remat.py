@@ -126,9 +126,12 @@ def test_auto_recomputes_a_scanned_stack_when_the_budget_needs_it(llama, devices
     assert planner.plan(b.train_step, state, batch, mesh="1x8", remat="auto",
                         memory_budget=2 * off.prediction.memory_bytes_per_device).levers.remat.policy == "off"
     with pytest.raises(InfeasiblePlanError) as e:
-        planner.plan(b.train_step, state, batch, mesh="1x8", memory_budget="1KB")
+        planner.plan(b.train_step, state, batch, mesh="1x8", memory_budget="1KB", remat="off", offload="off",
+                     accumulate=1)
     budget = int(0.95 * e.value.lower_bound_bytes)  # below what any plan without recomputation can reach
-    tight = planner.plan(b.train_step, state, batch, mesh="1x8", remat="auto", memory_budget=budget)
+    # recomputation alone (offload and accumulation, also default levers, are tested on their own)
+    tight = planner.plan(b.train_step, state, batch, mesh="1x8", remat="auto", memory_budget=budget, offload="off",
+                         accumulate=1)
     rec = tight.levers.remat
     assert rec.policy != "off" and rec.scans == 1 and rec.without_fits is False
     assert tight.prediction.memory_bytes_per_device <= budget

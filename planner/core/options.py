@@ -61,10 +61,12 @@ class PlanOptions:
       offload: host offload of optimizer state in a single-stage plan (`planner.ilp.offload`): "off",
         "opt-state" (every optimizer-state leaf lives in the host's memory between steps),
         "opt-state+params" (the float32 master parameters too, where the step reads them before the
-        update only to cast them to the compute dtype), or "auto" (the default: only when no plan
-        fits `memory_budget` without it, only the leaves it needs off the device: moments first,
-        then master parameters, largest first; nothing where the devices have no host memory or the
-        hardware no host link figure, and nothing with pipeline stages or gradient accumulation).
+        update only to cast them to the compute dtype), "auto" (the leaves a plan needs off the
+        device to fit `memory_budget`: moments first, then master parameters, largest first), or
+        None (the default): "auto" where the levers are composed (`planning.composition`: tried
+        only when no plan fits without it; nothing where the devices have no host memory or the
+        hardware no host link figure, nor with pipeline stages or gradient accumulation), "off" for
+        a single `make_plan` (`planned_offload`).
       remat: recomputation of repeated layers in a single-stage plan (`planner.levers.remat`, default
         "auto"; with pipeline stages only "auto", the stages choosing recomputation themselves): "off",
         "full" (each layer keeps only its inputs), "dots" (keeps matmul results,
@@ -104,7 +106,7 @@ class PlanOptions:
     prefetch: bool = False
     user_constraints: str = "pin"
     accumulate: int | str | None = None
-    offload: str = "auto"
+    offload: str | None = None
     remat: str = "auto"
     donate_argnums: tuple[int, ...] = ()
     mesh_ndim: int | None = None
@@ -133,9 +135,9 @@ class PlanOptions:
         if self.accumulate not in (None, 1) and self.pipeline:
             raise InvalidArgumentError("accumulate= is for single-stage plans; a pipeline splits the batch into "
                                        "microbatches itself (num_microbatches=)")
-        if self.offload not in OFFLOAD_MODES:
+        if self.offload is not None and self.offload not in OFFLOAD_MODES:
             raise InvalidArgumentError(f"offload={self.offload!r} must be one of {', '.join(map(repr, OFFLOAD_MODES))}")
-        if self.offload not in ("off", "auto") and (self.pipeline or self.accumulate not in (None, 1)):
+        if self.offload not in (None, "off", "auto") and (self.pipeline or self.accumulate not in (None, 1)):
             raise InvalidArgumentError(f"offload={self.offload!r} is for single-stage plans without gradient "
                                        "accumulation; drop pipeline= / accumulate= or use offload='auto'")
         if not isinstance(self.remat, str) or self.remat not in REMAT:
@@ -153,6 +155,12 @@ class PlanOptions:
             raise InvalidArgumentError(f"solver_time_limit={self.solver_time_limit!r} must be a positive number of seconds")
         if not (isinstance(self.solver_workers, int) and self.solver_workers >= 1):
             raise InvalidArgumentError(f"solver_workers={self.solver_workers!r} must be an int >= 1")
+
+    @property
+    def planned_offload(self) -> str:
+        """The offload mode one mesh's problem is planned with (`search.mesh_plan.make_plan`): the
+        option, "off" for None (the composition of the levers resolves None itself)."""
+        return self.offload or "off"
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> PlanOptions:

@@ -11,7 +11,7 @@ from planner.core.errors import InfeasiblePlanError, PlannerError
 from planner.core.units import format_bytes
 from planner.ilp.cpsat import WALL_CAP_FACTOR, WALL_CAP_FLOOR_S, _Model, _status_words
 from planner.ilp.greedy import _min_bytes_choice, _ties_hold
-from planner.ilp.levers import levers_of, levers_text
+from planner.ilp.levers import RAISE, levers_of, levers_text
 from planner.ilp.liveness import memory_profile
 from planner.ilp.memory_bounds import memory_lower_bound
 from planner.ilp.memory_constraints import _cut_key, _violations
@@ -103,8 +103,7 @@ def _infeasible(problem: Problem, budget: float, time_limit: float, workers: int
         f"no plan fits the memory budget of {_gb(budget)} per device on mesh {mesh}: {found_text}; no plan can "
         f"go below {_gb(lower)} (lower bound: {_gb(args)} of {'device-resident ' if on_host else ''}arguments split "
         "over every mesh axis that divides "
-        f"them, plus what must be live together at {at}). {levers_text(levers)}. Raise memory_budget or use more "
-        "devices", best, lower, levers=levers,  # the mesh search's one-line answer lists them (`search.results.no_fit_error`)
+        f"them, plus what must be live together at {at}). {levers_text(levers)}. {RAISE}", best, lower, levers=levers,  # the mesh search's one-line answer lists them (`search.results.no_fit_error`)
     )
     return error
 

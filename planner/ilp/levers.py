@@ -36,6 +36,15 @@ LEVERS: tuple[Lever, ...] = (
 )
 
 
+# How every "does not fit" answer ends.
+RAISE = "Raise the memory budget (memory_budget, --memory-budget) or use more devices"
+
+
+def marked_tried(levers: Sequence[Lever], names: Sequence[str]) -> tuple[Lever, ...]:
+    """`levers` with those named `names` marked tried."""
+    return tuple(dataclasses.replace(v, state="tried") if v.name in names else v for v in levers)
+
+
 def levers_of(problem: Problem, levers: Sequence[Lever] = LEVERS) -> tuple[Lever, ...]:
     """`levers` with those `problem` uses marked tried: host offload, donated arguments."""
     used = {"host offload": bool(problem.offloaded), "donating the train state": bool(problem.donated)}

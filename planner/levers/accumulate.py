@@ -64,6 +64,7 @@ import jax
 import numpy as np
 
 from planner.graph.batch_mixing import mixing_ops, summary
+from planner.ilp.levers import RAISE
 from planner.cost_model import ring_bytes
 from planner.core.errors import InfeasiblePlanError, InvalidArgumentError, PlannerError
 from planner.graph.ir import Graph, Tensor
@@ -447,8 +448,7 @@ def infeasible(failed: Mapping[int, PlannerError], budget: float | None) -> Plan
     other = {k: e for k, e in failed.items() if not isinstance(e, InfeasiblePlanError)}
     if other:
         text += "; not planned: " + "; ".join(f"{k} microbatch(es): {str(e).splitlines()[0]}" for k, e in other.items())
-    text += ("; tried: sharding every tensor, gradient accumulation. Raise memory_budget, use more devices, "
-             "or add recomputation (pipeline='auto')")
+    text += f"; tried: sharding every tensor, gradient accumulation. {RAISE}"
     return InfeasiblePlanError(text, peaks.get(best_k) if best_k is not None else None,
                                min(floors) if floors else None)
 

@@ -48,7 +48,7 @@ from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.graph.ir import Body, Graph, Op, Recompute
 from planner.graph.scan_remat import (POLICIES as SCAN_POLICIES, is_recomputed, keeps, recomputable_scans,
                                       recompute_scans)
-from planner.ilp.levers import LEVERS, levers_text
+from planner.ilp.levers import LEVERS, RAISE, levers_text
 from planner.core.layer_index import find_indexed
 from planner.core.options import REMAT
 from planner.core.plan import Plan
@@ -403,7 +403,7 @@ def _fully_recomputed(graph: Graph, failed: dict[str, InfeasiblePlanError],
     best = full.min_memory_bytes
     levers = tuple(dataclasses.replace(v, state="tried") if v.name == "rematerialisation" else v
                    for v in (full.levers or LEVERS))
-    raise InfeasiblePlanError(f"{text}. {levers_text(levers)}. Raise memory_budget or use more devices",
+    raise InfeasiblePlanError(f"{text}. {levers_text(levers)}. {RAISE}",
                               best, min(floors) if floors else None)
 
 

@@ -31,6 +31,7 @@ from planner.core.plan import Plan
 from planner.core.units import format_bytes
 from planner.graph.batch_mixing import mixing_ops
 from planner.graph.ir import Graph
+from planner.ilp.levers import levers_text, marked_tried
 from planner.ilp.offload import streamed
 from planner.levers.accumulate import Accumulated, micro_options, plan_accumulation
 from planner.levers.remat import plan_remat, record as remat_record
@@ -80,13 +81,14 @@ def compose(step: Callable[..., Any], graph: Graph, options: PlanOptions, search
     try:
         single = _single(graph, options, search)
     except InfeasiblePlanError as e:
+        tried = _tried(options)
         if not _may_accumulate(options, graph):
-            raise
+            raise _told(e, tried) from None
         log.info("no single-step plan fits: trying gradient accumulation")
         try:
             found = _accumulated(step, graph, options, search, bounds, "auto", smallest=2)
         except InfeasiblePlanError as acc:
-            raise _closest(e, acc) from None
+            raise _closest(_told(e, tried + ("gradient accumulation",)), acc) from None
         return _weighed(found, False, None, e.min_memory_bytes)
     if _needed_lever(single.plan) and _may_accumulate(options, graph):
         log.info("the plan needs a memory lever: weighing gradient accumulation against it")
@@ -112,33 +114,65 @@ def compose_on_meshes(step: Callable[..., Any], graph: Graph, meshes: Sequence[M
 
 
 def _single(graph: Graph, options: PlanOptions, search: Search) -> Composed:
-    """Recomputation x host offload around the mesh search (module docstring, 1-2)."""
-    budget, mode = options.memory_budget, options.offload
-    lazy = mode == "auto" and budget is not None
+    """Recomputation x host offload around the mesh search (module docstring, 1-2): recomputation
+    first; host offload ("auto", the default) only when no recomputation policy fits without it
+    (then every policy is tried again with it), or, when recomputation was needed, once without
+    recomputation, the faster plan kept."""
+    budget, mode = options.memory_budget, options.offload or "auto"
+    if mode in EXPLICIT_OFFLOAD or mode == "off" or budget is None:
+        explicit = mode in EXPLICIT_OFFLOAD
 
-    def plan_fn(g: Graph, smallest_peak: bool) -> tuple[Graph, Sequence[MeshResult]]:
-        if mode in EXPLICIT_OFFLOAD or (mode == "auto" and budget is None):
-            s = streamed(g) if mode in EXPLICIT_OFFLOAD else g
-            return s, _found(search(s, options if mode in EXPLICIT_OFFLOAD else _no_offload(options),
-                                    smallest_peak), budget)
-        plain = _no_offload(options)
-        try:
-            return g, _found(search(g, plain, smallest_peak and not lazy), budget)
-        except InfeasiblePlanError as e:
-            if not lazy:
-                raise
-            without = e
+        def plan_fn(g: Graph, smallest: bool) -> tuple[Graph, Sequence[MeshResult]]:
+            s = streamed(g) if explicit else g
+            return s, _found(search(s, options if explicit else _offload(options, "off"), smallest), budget)
+
+        return _remat(graph, options, plan_fn)
+    plain = _offload(options, "off")
+    with_offload = _offload(options, "auto")
+
+    def without(g: Graph, smallest: bool) -> tuple[Graph, Sequence[MeshResult]]:
+        return g, _found(search(g, plain, smallest), budget)
+
+    def offloaded(g: Graph, smallest: bool) -> tuple[Graph, Sequence[MeshResult]]:
         s = streamed(g)
+        return s, _found(search(s, with_offload, smallest), budget)
+
+    try:
+        first = _remat(graph, dataclasses.replace(options, offload="off"), without, smallest=False)
+    except InfeasiblePlanError as e:
+        log.info("no plan fits without host offload: planning with it")
         try:
-            results = _found(search(s, options, smallest_peak), budget)
+            found = _remat(graph, options, offloaded)
         except OffloadUnavailableError as why:
             log.info("offload auto: %s", why)
-            if smallest_peak:  # the answer needs the smallest peak the search without offload finds
-                return g, _found(search(g, plain, True), budget)
-            raise without from None
-        return s, _with_offload_without(results, without)
+            return _remat(graph, options, without)  # the answer with the smallest peak searched for
+        return Composed(found.graph, tuple(_with_offload_without(found.results, e)))
+    remat = first.plan.levers.remat
+    if remat is None or remat.policy == "off":
+        return first
+    log.info("recomputation fits: weighing host offload without it")
+    try:
+        alone = _remat(graph, dataclasses.replace(options, remat="off"), offloaded, smallest=False)
+    except (InfeasiblePlanError, OffloadUnavailableError):
+        return first
+    if alone.plan.prediction.step_time_s < first.plan.prediction.step_time_s:
+        p = first.plan.prediction
+        weighed = [dataclasses.replace(r, plan=r.plan.with_levers(offload=dataclasses.replace(
+            r.plan.levers.offload, without_fits=True, without_step_time_s=p.step_time_s,
+            without_memory_bytes=p.memory_bytes_per_device))) if r.plan and r.plan.levers.offload else r
+            for r in alone.results]
+        return Composed(alone.graph, tuple(weighed))
+    return first
 
-    rewritten, (planned, results), policy, without = plan_remat(graph, options.remat, budget, plan_fn,
+
+def _remat(graph: Graph, options: PlanOptions, plan_fn, smallest: bool = True) -> Composed:
+    """Recomputation (`levers.remat.plan_remat`, `options.remat`) over `plan_fn` (graph, smallest
+    peak search) -> (the graph planned, its results); `smallest`: False never searches for the
+    smallest peak (a caller that tries another lever after this one)."""
+    def fn(g: Graph, want: bool):
+        return plan_fn(g, want and smallest)
+
+    rewritten, (planned, results), policy, without = plan_remat(graph, options.remat, options.memory_budget, fn,
                                                                 lambda found: found[1][0].plan)
     if options.remat != "off":
         results = [dataclasses.replace(r, plan=remat_record(r.plan, graph, rewritten, policy, without))
@@ -146,8 +180,8 @@ def _single(graph: Graph, options: PlanOptions, search: Search) -> Composed:
     return Composed(planned, tuple(results))
 
 
-def _no_offload(options: PlanOptions) -> PlanOptions:
-    return options if options.offload == "off" else dataclasses.replace(options, offload="off")
+def _offload(options: PlanOptions, mode: str) -> PlanOptions:
+    return options if options.offload == mode else dataclasses.replace(options, offload=mode)
 
 
 def _found(results: Sequence[MeshResult], budget: float | None) -> Sequence[MeshResult]:
@@ -201,7 +235,7 @@ def _accumulated(step: Callable[..., Any], graph: Graph, options: PlanOptions, s
     seen: list[Sequence[MeshResult]] = []
 
     def plan_micro(g: Graph, inner: float | None) -> tuple[Graph, Plan]:
-        opts = dataclasses.replace(micro_options(options, inner), offload="off")
+        opts = _offload(micro_options(options, inner), "off")
 
         def recorded(h: Graph, o: PlanOptions, smallest: bool) -> Sequence[MeshResult]:
             results = search(h, o, smallest)
@@ -234,18 +268,32 @@ def _weighed(found: Composed, fits: bool, step_time_s: float | None, memory_byte
     return Composed(found.graph, (dataclasses.replace(found.results[0], plan=plan),), acc)
 
 
+def _tried(options: PlanOptions) -> tuple[str, ...]:
+    """The levers (`ilp.levers.LEVERS` names) a failed `_single` tried."""
+    return tuple(name for name, on in (("rematerialisation", options.remat != "off"),
+                                       ("host offload", options.offload != "off")) if on)
+
+
+def _told(e: InfeasiblePlanError, tried: Sequence[str]) -> InfeasiblePlanError:
+    """`e` with the levers `tried` said to be tried in its lever sentences (`ilp.levers.levers_text`)."""
+    if not e.levers:
+        return e
+    after = marked_tried(e.levers, tried)
+    text = str(e).replace(levers_text(e.levers), levers_text(after))
+    return InfeasiblePlanError(text, e.min_memory_bytes, e.lower_bound_bytes, proven=e.proven, levers=after,
+                               deterministic_time=e.deterministic_time)
+
+
 def _closest(single: InfeasiblePlanError, accumulated: InfeasiblePlanError) -> InfeasiblePlanError:
     """The answer when neither a single-step plan nor accumulation fits: the single step's answer
-    (it names every lever it tried) and what accumulation reached."""
-    best = min((x for x in (single.min_memory_bytes, accumulated.min_memory_bytes) if x is not None), default=None)
-    closest = ("gradient accumulation" if accumulated.min_memory_bytes is not None
-               and (single.min_memory_bytes is None or accumulated.min_memory_bytes < single.min_memory_bytes)
-               else "recomputation and host offload")
-    text = str(single).rstrip(".")
-    extra = (f"; gradient accumulation tried too (its smallest peak "
-             f"{format_bytes(accumulated.min_memory_bytes) if accumulated.min_memory_bytes else 'unknown'}); "
-             f"closest: {closest}")
-    return single.reworded(text + extra, best)
+    (it names every lever tried) and the smallest peak accumulation reached, and which got closest."""
+    acc, one = accumulated.min_memory_bytes, single.min_memory_bytes
+    best = min((x for x in (one, acc) if x is not None), default=None)
+    if acc is None:
+        return single
+    closest = "gradient accumulation" if one is None or acc < one else "recomputation and host offload"
+    return single.reworded(f"{single}; with gradient accumulation the smallest peak found is {format_bytes(acc)} "
+                           f"(closest: {closest})", best)
 
 
 def _accumulation_answer(e: InfeasiblePlanError, results: Sequence[MeshResult], budget: float | None):

@@ -342,6 +342,18 @@ _LEVER_KEYS = {"rematerialisation": "remat", "host offload": "offload", "gradien
                "donating the train state": "donate"}
 
 
+def _automatic(options) -> set[str]:
+    """The plan.levers keys of the levers `options` leave to the planner (`planning.composition`)."""
+    out = set()
+    if options.remat == "auto":
+        out.add("remat")
+    if options.offload in (None, "auto"):
+        out.add("offload")
+    if options.accumulate is None or options.accumulate == "auto":
+        out.add("accumulation")
+    return out
+
+
 def format_budget_cost(plan) -> str:
     """What fitting the memory budget cost, when it bound the solve: the first solver round's plan
     (no constraint on live memory, though without the strategies the memory bound rules out, said
@@ -358,21 +370,24 @@ def format_budget_cost(plan) -> str:
     text = (f"Memory budget: it binds. {before}, the solver's plan took {fmt_time(record.step_time_s)}/step "
             f"with a {fmt_bytes(record.peak_bytes)} peak; fitting the budget makes the step "
             f"{step / record.step_time_s:.3g}x that ({fmt_time(step)}).")
-    untried = [f"{v.name}: {v.how}" for v in LEVERS if v.name in _LEVER_KEYS and _LEVER_KEYS[v.name] not in tried]
+    auto = _automatic(plan.options)  # levers the planner weighs itself: not "not tried" when it did not need them
+    untried = [f"{v.name}: {v.how}" for v in LEVERS
+               if v.name in _LEVER_KEYS and _LEVER_KEYS[v.name] not in tried and _LEVER_KEYS[v.name] not in auto]
     if untried:
         text += f" Levers not tried: {'; '.join(untried)}."
     return text
 
 
-def _without_remat(remat) -> str:
-    """What recomputation buys: the plan without it that remat="auto" weighed (empty when none was)."""
-    if remat.without_fits is None:
+def _without(record) -> str:
+    """What a lever buys: the plan without it that the planner weighed (`without_*` of its record;
+    empty when none was)."""
+    if record.without_fits is None:
         return ""
-    if not remat.without_fits:
+    if not record.without_fits:
         return "; without it no plan fits the budget" + (
-            f" (smallest peak found {fmt_bytes(remat.without_memory_bytes)})" if remat.without_memory_bytes else "")
-    return (f"; without it: {remat.without_step_time_s:.4g} s/step at "
-            f"{fmt_bytes(remat.without_memory_bytes)}/device (slower)")
+            f" (smallest peak found {fmt_bytes(record.without_memory_bytes)})" if record.without_memory_bytes else "")
+    return (f"; without it: {record.without_step_time_s:.4g} s/step at "
+            f"{fmt_bytes(record.without_memory_bytes)}/device (slower)")
 
 
 def format_levers(plan) -> str:
@@ -383,7 +398,7 @@ def format_levers(plan) -> str:
     record = plan.levers.accumulation
     if record is not None and record.microbatches > 1:
         lines = [f"Gradient accumulation: {record.microbatches} microbatches of {record.microbatch_rows} rows "
-                 "per step (the planned shapes are one microbatch's)"]
+                 "per step (the planned shapes are one microbatch's)" + _without(record)]
         once, every = record.unsharded or (), record.resharded_per_microbatch or ()
         if once or every:
             lines.append(f"Selective unsharding: {len(once)} value(s) resharded once per step before the microbatch "
@@ -395,14 +410,14 @@ def format_levers(plan) -> str:
                 lines.append(f"  ... and {len(once) - 8} more")
         paras.append("\n".join(lines))
     remat = plan.levers.remat
-    if remat is not None:
+    if remat is not None and (remat.policy != "off" or remat.without_fits is not None):
         layers = remat.layers
         paras.append(f"Recomputation: {remat.policy}" + (
             f", {len(layers)} of {len(layers) if remat.recomputable is None else remat.recomputable} layers "
             f"({'..'.join(dict.fromkeys((layers[0], layers[-1])))}), "
             f"{remat.recomputed_ops} ops recomputed in the backward" if layers else
             f", {remat.scans} scanned stack(s) of layers recomputed in the backward scan" if remat.scans else
-            " (the plan fits without it)") + _without_remat(remat))
+            " (the plan fits without it)") + _without(remat))
     offload = plan.levers.offload
     if offload is not None:
         paras.append(f"Host offload ({offload.mode}): {len(offload.inputs)} of {offload.candidates} "
@@ -411,7 +426,7 @@ def format_levers(plan) -> str:
                         if offload.params else "")
                      + f", {fmt_bytes(offload.host_bytes_per_device)}/device; "
                      f"copies in {offload.copy_in_s:.3g} s ({offload.hidden_s:.3g} s hidden), back "
-                     f"{offload.copy_back_s:.3g} s")
+                     f"{offload.copy_back_s:.3g} s" + _without(offload))
     return "\n\n".join(paras)
 
 

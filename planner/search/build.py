@@ -45,7 +45,7 @@ def probe_pool(options: PlanOptions, prune: bool, threads: int | None) -> concur
     """The threads that probe the meshes under a binding budget (`probe`), when the search prunes
     against a budget without host offload; they run beside the builds of the next meshes (CP-SAT
     leaves the GIL to them)."""
-    if not (prune and options.memory_budget is not None and options.offload == "off"):
+    if not (prune and options.memory_budget is not None and options.planned_offload == "off"):
         return None
     return concurrent.futures.ThreadPoolExecutor(max(1, threads or idle_cores() // max(1, options.solver_workers)))
 
@@ -97,7 +97,7 @@ def _over_floor(search: Search, spec: MeshSpec, inter: tuple[int, ...]) -> tuple
     budget, no ILP to build) when a later mesh's floor is over the budget."""
     graph, options, budget = search.graph, search.options, search.options.memory_budget
     floor, floor_words = search.floors.get(spec.size, (None, ""))
-    if floor is None and budget is not None and options.offload == "off":
+    if floor is None and budget is not None and options.planned_offload == "off":
         floor = memory_floor(graph, spec.size, donated_inputs(graph, options.donate_argnums))
         search = dataclasses.replace(
             search, floors={**search.floors, spec.size: (floor, "its arguments and outputs split over every device")})
@@ -134,7 +134,7 @@ def _build(search: Search, cand: Candidate, count: int) -> tuple[Search, Candida
     cand = dataclasses.replace(cand, problem=problem, time_bound=step_time_lower_bound(problem))
     search = _liveness_floor(search, cand)
     if budget is not None:
-        bounding = bounding_problem(cand.problem, search.options.offload)
+        bounding = bounding_problem(cand.problem, search.options.planned_offload)
         cand = dataclasses.replace(cand, memory_bound=int(memory_lower_bound(bounding).max()))
     cand = dataclasses.replace(cand, build_s=time.perf_counter() - t0)
     search = dataclasses.replace(search, built={**search.built, spec: cand})
@@ -156,7 +156,7 @@ def _liveness_floor(search: Search, cand: Candidate) -> Search:
     of that count (before they are built) when it is higher."""
     options, size = search.options, cand.mesh.size
     floor = search.floors.get(size, (None, ""))[0]
-    if not (options.memory_budget is not None and options.offload == "off" and floor is not None
+    if not (options.memory_budget is not None and options.planned_offload == "off" and floor is not None
             and size not in search.lived):
         return search
     search = dataclasses.replace(search, lived=search.lived | {size})

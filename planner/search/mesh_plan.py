@@ -263,7 +263,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     out_specs = _output_specs(graph, problem, sol.choice)
     prediction = _predict(problem, sol)
     solver_info = _solver_info(graph, problem, sol, t0, pins)
-    levers = Levers(offload=offload_record(problem, sol.choice, options.offload) if options.offload != "off" else None)
+    levers = Levers(offload=offload_record(problem, sol.choice, options.planned_offload) if options.planned_offload != "off" else None)
     return Plan(
         mesh=mesh,
         input_paths=graph.input_paths,
@@ -291,11 +291,11 @@ def _solve(problem: Problem, options: PlanOptions, jax_mesh: jax.sharding.Mesh |
     """`make_plan`'s solve, with host offload of optimizer state (`planner.ilp.offload`; "off": a
     plain solve): the problem solved (with its offload choice) and its solution."""
     problem, sol = plan_offload(
-        problem, options.offload, options.memory_budget,
+        problem, options.planned_offload, options.memory_budget,
         list(jax_mesh.devices.flat) if isinstance(jax_mesh, jax.sharding.Mesh) else [],
         lambda p, search: solve(p, options.memory_budget, options.solver_time_limit, options.solver_workers,
                                 min_peak_search=min_peak_search and search, begin=start if p is problem else None,
-                                lp_level=lp_level, beat=beat if options.offload == "off" else None))
+                                lp_level=lp_level, beat=beat if options.planned_offload == "off" else None))
     log.info("solved: %s in %.2fs, predicted %.4g s/step, peak %s/device", sol.status, sol.solve_time_s,
              sol.objective_s, format_bytes(sol.peak_memory_bytes))
     return problem, sol

@@ -232,7 +232,7 @@ def _refine(search: Search, cand: Candidate) -> tuple[Search, Candidate | None]:
     search = dataclasses.replace(search, built={**search.built, cand.mesh: cand})
     budget = search.options.memory_budget
     if budget is not None:
-        bound = int(memory_lower_bound(bounding_problem(cand.problem, search.options.offload)).max())
+        bound = int(memory_lower_bound(bounding_problem(cand.problem, search.options.planned_offload)).max())
         if bound > budget:  # the neighbourhood holds the coarse plan: only when that is over budget too
             error = InfeasiblePlanError(
                 f"no plan fits the memory budget of {format_bytes(budget)} per device on mesh {cand.mesh} near the "

@@ -8,7 +8,7 @@ from planner.core.errors import InfeasiblePlanError, MeshError, PlannerError
 from planner.core.mesh import MeshSpec
 from planner.core.plan import Plan
 from planner.core.units import format_bytes
-from planner.ilp.levers import LEVERS, Lever, levers_text
+from planner.ilp.levers import LEVERS, RAISE, Lever, levers_text
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -88,8 +88,9 @@ def no_fit_error(results: Sequence[MeshResult], budget: float | None = None,
     if undecided:
         text += (f"; not decided within the solver limit: {', '.join(undecided)} (raise solver_time_limit / "
                  "--time-limit)")
-    text += f". {levers_text(levers)}. Raise the memory budget (memory_budget, --memory-budget) or use more devices"
-    return InfeasiblePlanError(text, min(found)[0] if found else None, min(floors)[0] if floors else None)
+    text += f". {levers_text(levers)}. {RAISE}"
+    return InfeasiblePlanError(text, min(found)[0] if found else None, min(floors)[0] if floors else None,
+                               levers=levers)
 
 
 def best_plan(results: Sequence[MeshResult], budget: float | None = None) -> Plan:
