@@ -1,6 +1,7 @@
 """Memory levers on models that do not fit: Llama-70B- and GPT-39B-shaped steps planned
 abstractly on one host of 8 x H100 ("1x8:h100") and on 8 hosts of 8 x V100 ("8x8:v100"), with the
-levers the single-stage planner has: sharding alone, then sharding + gradient accumulation
+levers the single-stage planner has, one at a time and together (row "joint": the default
+composition, `planner.planning.composition.compose`): sharding alone, then sharding + gradient accumulation
 (accumulate="auto"), and sharding + the model's own per-layer recomputation (where the model has the
 option, as the zoo's scanned Llama: `remat=True`, nn.remat inside the scanned layer; the planner's
 graph-level remat does not reach into a scan; otherwise the planner's remat="auto", `planner.levers.remat`) + host offload of the optimizer state (offload="auto": only the leaves the budget needs,
@@ -36,21 +37,23 @@ from planner.search.mesh_plan import make_plan  # noqa: E402
 from planner.search.candidates import inter_host_axes  # noqa: E402
 from planner.core.units import format_bytes  # noqa: E402
 from planner.levers.remat import plan_remat  # noqa: E402
+from planner.planning.composition import compose  # noqa: E402
+from planner.search.results import MeshResult  # noqa: E402
 from zoo import get_model  # noqa: E402
 from planner.core.units import parse_bytes  # noqa: E402
 from zoo.registry import get_config  # noqa: E402
 
 
-LEVER_SETS = ("sharding", "accumulation", "remat+offload")
+LEVER_SETS = ("sharding", "accumulation", "remat+offload", "joint")
 
 
 def run(model: str, cluster: str, layers: int | None, levers: str, time_limit: float,
         overrides: dict | None = None, budget: float | None = None, offload: str = "auto") -> dict:
     hw = Cluster.parse(cluster)
-    accumulate = "auto" if levers == "accumulation" else None
+    accumulate = "auto" if levers == "accumulation" else 1
     over = {"layers": layers} if layers else {}
     over.update(overrides or {})
-    own_remat = levers == "remat+offload" and "remat" in {f.name for f in dataclasses.fields(get_config(model))}
+    own_remat = levers in ("remat+offload", "joint") and "remat" in {f.name for f in dataclasses.fields(get_config(model))}
     if own_remat:
         over["remat"] = True
     b = get_model(model, **over, dtype=hw.hardware.default_dtype)
@@ -58,21 +61,29 @@ def run(model: str, cluster: str, layers: int | None, levers: str, time_limit: f
     budget = budget or hw.hardware.memory_bytes
     options = PlanOptions(hardware=cluster, memory_budget=budget, solver_time_limit=time_limit,
                           inter_host_axes=inter_host_axes(mesh.shape, hw.devices_per_host),
-                          offload=offload if levers == "remat+offload" else "off",
+                          offload=offload if levers == "remat+offload" else None if levers == "joint" else "off",
+                          remat="auto" if levers in ("remat+offload", "joint") else "off",
+                          accumulate=None if levers == "joint" else accumulate,
                           donate_argnums=(0,))  # the train state, as every training loop donates it
     t0 = time.perf_counter()
     row = {"model": model, "layers": layers or b.config.layers, "cluster": cluster, "mesh": str(mesh),
            "overrides": overrides or {},
            "levers": {"sharding": "sharding", "accumulation": "sharding + accumulation",
-                      "remat+offload": f"sharding + remat + offload {offload}"}[levers],
+                      "remat+offload": f"sharding + remat + offload {offload}",
+                      "joint": "every lever (the default: planning.composition)"}[levers],
            "budget": format_bytes(budget)}
     graph = trace(b.train_step, b.abstract_state(), b.abstract_batch())
-    if options.offload != "off":  # a streamed optimizer update, as `planner plan --offload` plans it
+    if options.offload not in (None, "off"):  # a streamed optimizer update, as `planner plan --offload` plans it
         graph = streamed(graph)
     try:
-        if accumulate:
+        if levers == "joint":
+            plan = compose(b.train_step, graph, options,
+                           lambda g, o, smallest, only=None: (MeshResult(mesh, make_plan(g, mesh, o, min_peak_search=smallest),
+                                                              None, o.inter_host_axes, 0.0),), mesh).plan
+            row["remat"] = plan.levers.remat.policy if plan.levers.remat else "off"
+        elif accumulate == "auto":
             def plan_micro(g, inner):
-                return make_plan(g, mesh, micro_options(options, inner))
+                return g, make_plan(g, mesh, micro_options(options, inner))
 
             plan = plan_accumulation(b.train_step, graph, accumulate, budget, plan_micro, mesh).plan
         elif levers == "remat+offload" and not own_remat:  # unrolled layers: the planner's own recomputation

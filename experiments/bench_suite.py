@@ -28,9 +28,10 @@ Two kinds of rows (the "mode" column says which):
             pins resolved as `evaluate` resolves them (every argument pinned, unmatched leaves
             replicated). 1x8 / 2x4 are one 8-GPU host; 8x8 / 128x8 are clusters of hosts x devices
             ("8x8:a100-80gb": the host axis inter-host). When no single-stage plan fits the budget
-            there, the "planner" row takes the lever the error names first, gradient accumulation
-            (`accumulate="auto"`, `planner.levers.accumulate.plan_accumulation`; the note says so and
-            `microbatches` is its k): the baselines are costed without it.
+            or fitting needs a lever, the "planner" row uses the levers as `planner plan` composes them
+            by default (`planner.planning.composition.compose`: recomputation, host offload, gradient
+            accumulation; with accumulation the note says so and `microbatches` is its k): the
+            baselines are costed without them.
 
 On the clusters of several hosts (8x8, 128x8) the abstract rows add pipelines:
   planner         the pipeline-auto plan, as `planner plan --cluster 8x8:a100-80gb --pipeline auto`
@@ -109,8 +110,9 @@ import jax  # noqa: E402
 import planner  # noqa: E402
 from planner.configs.baselines import NAMES, baseline_pins, parse_baseline  # noqa: E402
 from planner.cost_model import Cluster, get_hardware  # noqa: E402
-from planner.levers.accumulate import micro_options, plan_accumulation  # noqa: E402
-from planner.core.errors import InfeasiblePlanError, PlannerError  # noqa: E402
+from planner.planning.composition import compose  # noqa: E402
+from planner.core.errors import PlannerError  # noqa: E402
+from planner.search.results import MeshResult  # noqa: E402
 from planner.planning.evaluate import pipeline_baseline  # noqa: E402
 from planner.graph.trace import trace  # noqa: E402
 from planner.core.mesh import MeshSpec  # noqa: E402
@@ -338,16 +340,16 @@ def run_abstract(model: str, cluster: str, time_limit: float, configs: tuple[str
                 pins = resolve_pins(baseline_pins(config)(graph.input_paths, shapes, mesh), graph.input_paths,
                                     shapes, mesh, complete=True)
             accumulated = None
-            try:
+            if config in PLANNERS:  # the planner's levers as `planner plan` composes them (`planning.composition`)
+                plan = compose(b.train_step, graph, check_options(opts), lambda g, o, smallest, only=None: (
+                    MeshResult(mesh, make_plan(g, mesh, o, min_peak_search=smallest), None, o.inter_host_axes, 0.0),),
+                    mesh).plan
+                acc = plan.levers.accumulation
+                if acc is not None and acc.microbatches > 1:
+                    accumulated = (acc.microbatches, "no single-step plan fits" if acc.without_fits is False
+                                   else "a slower single-step plan")
+            else:
                 plan = make_plan(graph, mesh, check_options(opts), pins=pins)
-            except InfeasiblePlanError as e:
-                if config != "planner":
-                    raise
-                # As the error advises (`--accumulate auto`): the planner's own lever when nothing fits.
-                acc = plan_accumulation(b.train_step, graph, "auto", BUDGET,
-                                        lambda g, budget: make_plan(g, mesh, micro_options(check_options(opts), budget)),
-                                        mesh)
-                plan, accumulated = acc.plan, (acc.k, str(e).splitlines()[0])
         except PlannerError as e:
             rows.append({**row, "note": f"not planned: {str(e).splitlines()[0]}"})
             continue

@@ -216,15 +216,18 @@ def plan_parallel(fn: Callable[..., Any] | None = None, *, mesh: Any = None,
       **options: `PlanOptions` fields (memory_budget, hardware, solver_time_limit, ...);
         `user_constraints="pin"` (default: the step's own `with_sharding_constraint` / `reshard`
         and nested jit in/out shardings fix those values' sharding) or `"hint"` (the planner may
-        choose another); `Plan.user_constraints` records which were kept. `accumulate=k` or
-        `"auto"`: gradient accumulation over k microbatches inside the step (`planner.levers.accumulate`;
-        `plan.levers.accumulation` records k); the planned graph is then the microbatch trace.
-        `offload="opt-state"` or `"auto"`: Adam moments (optimizer state) kept in host memory
-        between steps, all of them or only what `memory_budget` needs (`planner.ilp.offload`;
-        `plan.levers.offload` records which, their bytes and copy times).
-        `remat="full"`, `"dots"` or `"auto"`: repeated layers' forward recomputed in the backward
-        (`planner.levers.remat`; `plan.levers.remat` records the policy and layers); the planned and
-        emitted graph (`.graph(...)`) is then the rewritten one.
+        choose another); `Plan.user_constraints` records which were kept.
+        The memory levers are on by default and composed in one search (`planner.planning.composition`),
+        each tried only where the budget needs it: `remat="auto"` (repeated or scanned layers'
+        forward recomputed in the backward, `planner.levers.remat`; "off", "full", "dots",
+        "dots_no_batch" force a policy), `offload=None` ("auto" when nothing fits without it: Adam
+        moments, then master parameters, in host memory between steps, `planner.ilp.offload`;
+        "off", "opt-state", "opt-state+params" force it), `accumulate=None` (gradient accumulation
+        weighed when the step is microbatch-invariant and a lever is needed; 1: off, k or "auto":
+        always, `planner.levers.accumulate`). `plan.levers` records each lever used, what it
+        bought and the plan it was weighed against; the planned and emitted graph (`.graph(...)`)
+        is the rewritten one (the microbatch trace under accumulation). `donate_argnums` stays as
+        given (jax.jit's default: nothing donated); a budget that only a donated state meets says so.
 
     Returns:
       A `PlannedFunction` (or a decorator making one).

@@ -404,7 +404,7 @@ def _fully_recomputed(graph: Graph, failed: dict[str, InfeasiblePlanError],
     levers = tuple(dataclasses.replace(v, state="tried") if v.name == "rematerialisation" else v
                    for v in (full.levers or LEVERS))
     raise InfeasiblePlanError(f"{text}. {levers_text(levers)}. {RAISE}",
-                              best, min(floors) if floors else None)
+                              best, min(floors) if floors else None, levers=levers)
 
 
 def _probe(transformed: Graph, policy: str, n: int, total: int, plan_fn: Callable[[Graph, bool], T],

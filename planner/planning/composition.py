@@ -41,9 +41,10 @@ from planner.stages.derived import split_step
 
 log = logging.getLogger("planner")
 
-# (graph, options, search for the smallest peak when nothing fits) -> one result per mesh, the
-# best first (its plan None when no mesh gives one); may raise InfeasiblePlanError instead.
-Search = Callable[[Graph, PlanOptions, bool], Sequence[MeshResult]]
+# (graph, options, search for the smallest peak when nothing fits, only this mesh or None: every
+# mesh of the run) -> one result per mesh, the best first (its plan None when no mesh gives one);
+# may raise InfeasiblePlanError instead.
+Search = Callable[[Graph, PlanOptions, bool, "MeshSpec | None"], Sequence[MeshResult]]
 
 EXPLICIT_OFFLOAD = ("opt-state", "opt-state+params")
 
@@ -76,6 +77,24 @@ def compose(step: Callable[..., Any], graph: Graph, options: PlanOptions, search
       InfeasiblePlanError: no plan fits `options.memory_budget` with any lever (one line).
       InvalidArgumentError: a lever asked for explicitly that this step cannot use.
     """
+    return _as_asked(_compose(step, graph, options, search, bounds), options)
+
+
+def _as_asked(composed: Composed, options: PlanOptions) -> Composed:
+    """`composed` with each plan's options the lever options as asked (the searches planned with
+    resolved ones: offload "off" or "auto", no accumulation inside a microbatch)."""
+    asked = {"offload": options.offload, "remat": options.remat, "accumulate": options.accumulate}
+
+    def fix(plan: Plan | None) -> Plan | None:
+        return plan and dataclasses.replace(plan, options=dataclasses.replace(plan.options, **asked))
+
+    results = tuple(dataclasses.replace(r, plan=fix(r.plan)) for r in composed.results)
+    acc = composed.accumulated
+    return Composed(composed.graph, results, acc and dataclasses.replace(acc, plan=results[0].plan))
+
+
+def _compose(step: Callable[..., Any], graph: Graph, options: PlanOptions, search: Search,
+             bounds: MeshSpec) -> Composed:
     if options.accumulate not in (None, 1):
         return _accumulated(step, graph, options, search, bounds, options.accumulate)
     try:
@@ -91,9 +110,15 @@ def compose(step: Callable[..., Any], graph: Graph, options: PlanOptions, search
             raise _closest(_told(e, tried + ("gradient accumulation",)), acc) from None
         return _weighed(found, False, None, e.min_memory_bytes)
     if _needed_lever(single.plan) and _may_accumulate(options, graph):
-        log.info("the plan needs a memory lever: weighing gradient accumulation against it")
+        # weighed on the fastest mesh of at most two axes the single step planned (each microbatch
+        # count is another recomputation search; on every mesh that took Llama-70B on 8x8 past
+        # 280 s; a 3-D mesh is only searched near a plan of fewer axes, `search.meshes`)
+        mesh = min((r for r in single.results if r.plan is not None and len(r.mesh.shape) <= 2),
+                   key=lambda r: r.plan.prediction.step_time_s, default=single.results[0]).mesh
+        log.info("the plan needs a memory lever: weighing gradient accumulation against it on mesh %s", mesh)
         try:
-            found = _accumulated(step, graph, options, search, bounds, "auto", smallest=2)
+            found = _accumulated(step, graph, options, lambda g, o, smallest, only=None: search(g, o, smallest, mesh),
+                                 bounds, "auto", smallest=2)
         except PlannerError:
             return single
         if found.accumulated is not None and found.plan.prediction.step_time_s < single.plan.prediction.step_time_s:
@@ -107,8 +132,8 @@ def compose_on_meshes(step: Callable[..., Any], graph: Graph, meshes: Sequence[M
     """`compose` over a mesh search of `meshes` (`search.meshes.search_meshes`, hosts of `per_host`
     devices): how `planner plan` and `planner compare` plan."""
 
-    def search(g: Graph, o: PlanOptions, smallest: bool) -> Sequence[MeshResult]:
-        return search_meshes(g, meshes, o, per_host, min_peak_search=smallest)
+    def search(g: Graph, o: PlanOptions, smallest: bool, only: MeshSpec | None = None) -> Sequence[MeshResult]:
+        return search_meshes(g, [only] if only is not None else meshes, o, per_host, min_peak_search=smallest)
 
     return compose(step, graph, options, search, MeshSpec((meshes[0].size,), default_axis_names(1)))
 
@@ -124,18 +149,18 @@ def _single(graph: Graph, options: PlanOptions, search: Search) -> Composed:
 
         def plan_fn(g: Graph, smallest: bool) -> tuple[Graph, Sequence[MeshResult]]:
             s = streamed(g) if explicit else g
-            return s, _found(search(s, options if explicit else _offload(options, "off"), smallest), budget)
+            return s, _found(search(s, options if explicit else _offload(options, "off"), smallest, None), budget)
 
         return _remat(graph, options, plan_fn)
     plain = _offload(options, "off")
     with_offload = _offload(options, "auto")
 
     def without(g: Graph, smallest: bool) -> tuple[Graph, Sequence[MeshResult]]:
-        return g, _found(search(g, plain, smallest), budget)
+        return g, _found(search(g, plain, smallest, None), budget)
 
     def offloaded(g: Graph, smallest: bool) -> tuple[Graph, Sequence[MeshResult]]:
         s = streamed(g)
-        return s, _found(search(s, with_offload, smallest), budget)
+        return s, _found(search(s, with_offload, smallest, None), budget)
 
     try:
         first = _remat(graph, dataclasses.replace(options, offload="off"), without, smallest=False)
@@ -237,8 +262,8 @@ def _accumulated(step: Callable[..., Any], graph: Graph, options: PlanOptions, s
     def plan_micro(g: Graph, inner: float | None) -> tuple[Graph, Plan]:
         opts = _offload(micro_options(options, inner), "off")
 
-        def recorded(h: Graph, o: PlanOptions, smallest: bool) -> Sequence[MeshResult]:
-            results = search(h, o, smallest)
+        def recorded(h: Graph, o: PlanOptions, smallest: bool, only: MeshSpec | None = None) -> Sequence[MeshResult]:
+            results = search(h, o, smallest, only)
             seen.append(results)
             return results
 
@@ -250,7 +275,7 @@ def _accumulated(step: Callable[..., Any], graph: Graph, options: PlanOptions, s
 
     acc = plan_accumulation(step, graph, accumulate, options.memory_budget, plan_micro, bounds, options.unshard,
                             smallest=smallest)
-    plan = dataclasses.replace(acc.plan, options=dataclasses.replace(acc.plan.options, accumulate=options.accumulate))
+    plan = acc.plan
     record = plan.levers.accumulation
     log.info("gradient accumulation: %d microbatch(es) of %d rows", record.microbatches, record.microbatch_rows)
     inter = next((r.inter_host_axes for rs in seen for r in rs if r.plan is not None and r.mesh == plan.mesh), ())

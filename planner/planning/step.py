@@ -11,7 +11,8 @@ import jax
 
 from planner.configs.pins import (check_stage_pins, intermediate_patterns, logical_names, pin_intermediates,
                                   resolve as resolve_pins, rules_to_pins, stage_pins)
-from planner.core.errors import InvalidArgumentError
+from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
+from planner.core.units import format_bytes
 from planner.core.mesh import MeshSpec, context_mesh, default_axis_names, parse_mesh
 from planner.core.options import PlanOptions
 from planner.core.plan import Plan
@@ -19,6 +20,7 @@ from planner.core.static_args import StaticResults, array_function, split
 from planner.emit.accumulate import jit_accumulated
 from planner.emit.pipeline.planned import plan_with_stages
 from planner.emit.single import jit_planned
+from planner.graph.donation import returns_its_argument
 from planner.graph.ir import Graph
 from planner.graph.trace import trace
 from planner.planning.composition import compose
@@ -102,20 +104,45 @@ class StepPlanner:
         graph = self._pin_intermediates(graph)
         self.pinned(graph, args)  # checks the pins before anything is planned
         bounds = self.mesh or MeshSpec((len(self.devices),), default_axis_names(1))
-        composed = compose(fn, graph, self.options, lambda g, o, smallest: self._search(g, o, smallest, args), bounds)
+        try:
+            composed = compose(fn, graph, self.options, self._searcher(args), bounds)
+        except InfeasiblePlanError as e:
+            raise self._donation_hint(fn, graph, args, bounds, e) from None
         plan = record_user_constraints(composed.graph, composed.plan)
         if composed.accumulated is not None:
             acc = dataclasses.replace(composed.accumulated, plan=plan)
             return acc.graph, plan, jit_accumulated(acc, self.donate_argnums)
         return composed.graph, plan, jit_planned(composed.graph, plan, self.donate_argnums)
 
-    def _search(self, g: Graph, options: PlanOptions, smallest: bool, args: tuple[Any, ...]) -> Sequence[MeshResult]:
+    def _donation_hint(self, fn: Callable[..., Any], graph: Graph, args: tuple[Any, ...], bounds: MeshSpec,
+                       e: InfeasiblePlanError) -> InfeasiblePlanError:
+        """`e`, saying in the same line when a plan would fit with the train state donated: the step
+        donates nothing (`jax.jit`'s default, kept) and returns a state like its first argument."""
+        if self.options.donate_argnums or not returns_its_argument(graph):
+            return e
+        donated = dataclasses.replace(self.options, donate_argnums=(0,))
+        try:
+            plan = compose(fn, graph, donated, self._searcher(args), bounds).plan
+        except InfeasiblePlanError:
+            return e
+        peak = format_bytes(plan.prediction.memory_bytes_per_device)
+        return e.reworded(f"{e}; with the train state donated a plan fits ({peak} per device): "
+                          "plan_parallel(..., donate_argnums=0)")
+
+    def _searcher(self, args: tuple[Any, ...]) -> Callable[..., Sequence[MeshResult]]:
+        """The composition's `Search` for this planner and the step's arguments `args`."""
+        return lambda g, o, smallest, only=None: self._search(g, o, smallest, args, only)
+
+    def _search(self, g: Graph, options: PlanOptions, smallest: bool, args: tuple[Any, ...],
+                only: MeshSpec | None = None) -> Sequence[MeshResult]:
         """`g` planned on the mesh with its pins (`smallest`: search for the smallest peak when nothing
-        fits; raises make_plan's one-line answer then), or by the mesh search over the devices."""
+        fits; raises make_plan's one-line answer then), or by the mesh search over the devices (or
+        on `only`, one of their meshes)."""
         if self.mesh is not None:
             plan = make_plan(g, self.mesh, options, self.jax_mesh, pins=self.pinned(g, args), min_peak_search=smallest)
             return (MeshResult(self.mesh, plan, None, options.inter_host_axes, 0.0),)
-        return search_meshes(g, self._candidate_meshes(), options, devices=self.devices, min_peak_search=smallest)
+        meshes = [only] if only is not None else self._candidate_meshes()
+        return search_meshes(g, meshes, options, devices=self.devices, min_peak_search=smallest)
 
     def trace(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Graph:
         """The step's graph, traced under the user's mesh (its own `reshard`/`shard_map` calls see it)."""
