@@ -118,14 +118,20 @@ def test_infeasible_with_offload_says_it_was_tried(devices8):
     host offload is among the levers tried, and its lower bound counts the arguments left on the device."""
     state, batch = _mlp_args()
     with pytest.raises(planner.InfeasiblePlanError) as e:
-        planner.plan(_mlp_step, state, batch, mesh="1x8", offload="opt-state", memory_budget="1kB")
+        planner.plan(_mlp_step, state, batch, mesh="1x8", offload="opt-state", memory_budget="1kB", remat="off",
+                     accumulate=1)
     text = str(e.value)
     assert "of device-resident arguments" in text and "Tried: sharding every tensor, host offload" in text
     assert len(text.splitlines()) == 1
     # The mesh search's answer too, where meshes are ruled out by their bound with offload counted.
     with pytest.raises(planner.InfeasiblePlanError) as e:
-        planner.plan(_mlp_step, state, batch, offload="auto", memory_budget="1kB")
+        planner.plan(_mlp_step, state, batch, offload="auto", memory_budget="1kB", remat="off", accumulate=1)
     assert "Tried: sharding every tensor, host offload" in str(e.value)
+    # with every lever (the defaults) each is named as tried, in one line
+    with pytest.raises(planner.InfeasiblePlanError) as e:
+        planner.plan(_mlp_step, state, batch, mesh="1x8", memory_budget="1kB")
+    text = str(e.value)
+    assert "\n" not in text and "host offload" in text.split("Tried:")[1].split(".")[0]
 
 
 def test_auto_offloads_only_the_overflow_and_fits(devices8):

@@ -32,9 +32,11 @@ from planner.core.units import format_bytes
 from planner.graph.batch_mixing import mixing_ops
 from planner.graph.ir import Graph
 from planner.ilp.levers import levers_text, marked_tried
+from planner.ilp.memory_bounds import memory_floor
 from planner.ilp.offload import streamed
 from planner.levers.accumulate import Accumulated, micro_options, plan_accumulation
 from planner.levers.remat import plan_remat, record as remat_record
+from planner.search.mesh_plan import donated_inputs
 from planner.search.meshes import search_meshes
 from planner.search.results import MeshResult, no_fit_error
 from planner.stages.derived import split_step
@@ -101,7 +103,7 @@ def _compose(step: Callable[..., Any], graph: Graph, options: PlanOptions, searc
         single = _single(graph, options, search)
     except InfeasiblePlanError as e:
         tried = _tried(options)
-        if not _may_accumulate(options, graph):
+        if not _may_accumulate(options, graph) or not _accumulation_may_fit(graph, options, bounds):
             raise _told(e, tried) from None
         log.info("no single-step plan fits: trying gradient accumulation")
         try:
@@ -173,14 +175,17 @@ def _single(graph: Graph, options: PlanOptions, search: Search) -> Composed:
             return _remat(graph, options, without)  # the answer with the smallest peak searched for
         return Composed(found.graph, tuple(_with_offload_without(found.results, e)))
     remat = first.plan.levers.remat
-    if remat is None or remat.policy == "off":
+    # offload alone is weighed when recomputation "auto" was needed to fit at all (when the plan
+    # without it fits, `plan_remat` weighed that plan already; a forced policy is what was asked)
+    if options.remat != "auto" or remat is None or remat.policy == "off" or remat.without_fits is not False:
         return first
     log.info("recomputation fits: weighing host offload without it")
     try:
         alone = _remat(graph, dataclasses.replace(options, remat="off"), offloaded, smallest=False)
     except (InfeasiblePlanError, OffloadUnavailableError):
         return first
-    if alone.plan.prediction.step_time_s < first.plan.prediction.step_time_s:
+    if alone.plan.levers.offload is not None and alone.plan.levers.offload.inputs \
+            and alone.plan.prediction.step_time_s < first.plan.prediction.step_time_s:
         p = first.plan.prediction
         weighed = [dataclasses.replace(r, plan=r.plan.with_levers(offload=dataclasses.replace(
             r.plan.levers.offload, without_fits=True, without_step_time_s=p.step_time_s,
@@ -240,6 +245,20 @@ def _may_accumulate(options: PlanOptions, graph: Graph) -> bool:
     if options.accumulate is not None or options.pipeline or options.memory_budget is None:
         return False
     return graph.cached(("microbatch_invariant",), lambda: _invariant(graph))
+
+
+def _accumulation_may_fit(graph: Graph, options: PlanOptions, bounds: MeshSpec) -> bool:
+    """Whether k microbatches can fit the budget at all: what every plan keeps at the end of the
+    step (`ilp.memory_bounds.memory_floor`) less the batch arguments, which accumulation shrinks,
+    is under it (a budget below the state alone fails at once instead of after every k)."""
+    n = bounds.size
+    parts = split_step(graph)
+    batch = sum(graph.tensors[graph.inputs[i]].nbytes // n for i in parts.batch)
+    floor = memory_floor(graph, n, donated_inputs(graph, options.donate_argnums)) - batch
+    if floor > options.memory_budget:
+        log.info("gradient accumulation cannot fit: the state alone needs %s per device", format_bytes(floor))
+        return False
+    return True
 
 
 def _invariant(graph: Graph) -> bool:
