@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 
 from planner.core.errors import PlannerError
@@ -116,8 +117,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     if console:
         _provide_cpu_devices(argv)
-    with _progress(not getattr(args, "quiet", False)):
+    with _progress(not getattr(args, "quiet", False)), warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning  # restored when the block ends
         return _run(args, profiling)
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as the command line prints it: one line naming it, not the source line raising it."""
+    print(f"planner: warning: {str(message).splitlines()[0] if str(message) else category.__name__}",
+          file=sys.stderr if file is None else file)
 
 
 if __name__ == "__main__":
