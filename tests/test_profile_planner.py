@@ -109,3 +109,17 @@ def test_cli_plans_for_the_profiled_devices(tmp_path, capsys):
     data = json.loads(out_json.read_text())
     assert data["context"]["hardware"]["name"] == "cpu" and data["context"]["hardware"]["flops_f32"] == 3e10
 
+
+
+def test_cli_warns_in_one_line_where_the_profile_measured_another_mesh(tmp_path, capsys):
+    """Planning 4x2 with a 2x4 profile warns (ProfileWarning) as one `planner: warning:` line,
+    without the Python source line that raised it."""
+    path = tmp_path / "prof.json"
+    _profile(device_memory_bytes=2e9).save(path)
+    code = cli.main(["plan", "--model", "mlp-tiny", "--mesh", "4x2", "--profile", str(path), "--quiet",
+                     "--time-limit", "10"])
+    err = capsys.readouterr().err
+    assert code == 0
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and all(line.startswith("planner: warning: profile ") for line in lines), err
+    assert "measured on mesh 2x4, not 4x2" in lines[0]
