@@ -411,10 +411,16 @@ def plan_accumulation(fn: Callable[..., Any], graph: Graph, accumulate: int | st
     raise infeasible(failed, budget)
 
 
+def step_mixing(graph: Graph, parts: StepParts) -> tuple:
+    """The ops of the step's forward that mix the examples of its batch (`batch_mixing.mixing_ops`
+    from its batch arguments to its loss): none for a microbatch-invariant step."""
+    return mixing_ops(graph, [graph.inputs[i] for i in parts.batch], parts.loss, parts.forward)
+
+
 def _say_if_mixing(graph: Graph, parts: StepParts, k: int) -> None:
     """One log line when the step's forward mixes the examples of its batch (`batch_mixing`): its
     accumulated result then legitimately differs from the step's on the whole batch."""
-    found = mixing_ops(graph, [graph.inputs[i] for i in parts.batch], parts.loss, parts.forward)
+    found = step_mixing(graph, parts)
     if found:
         log.warning("the step is not microbatch-invariant: %s; accumulating gradients over %d microbatches "
                     "computes it per microbatch, so its loss and gradients differ from the whole batch's",

@@ -29,17 +29,16 @@ from planner.core.mesh import MeshSpec, default_axis_names
 from planner.core.options import PlanOptions
 from planner.core.plan import Plan
 from planner.core.units import format_bytes
-from planner.graph.batch_mixing import mixing_ops
 from planner.graph.ir import Graph
 from planner.ilp.levers import levers_text, marked_tried
 from planner.ilp.memory_bounds import memory_floor
 from planner.ilp.offload import streamed
-from planner.levers.accumulate import Accumulated, micro_options, plan_accumulation
+from planner.levers.accumulate import Accumulated, micro_options, plan_accumulation, step_mixing
 from planner.levers.remat import plan_remat, record as remat_record
 from planner.search.mesh_plan import donated_inputs
 from planner.search.meshes import search_meshes
 from planner.search.results import MeshResult, no_fit_error
-from planner.stages.derived import split_step
+from planner.stages.derived import StepParts, split_step
 
 log = logging.getLogger("planner")
 
@@ -173,7 +172,7 @@ def _single(graph: Graph, options: PlanOptions, search: Search) -> Composed:
         except OffloadUnavailableError as why:
             log.info("offload auto: %s", why)
             return _remat(graph, options, without)  # the answer with the smallest peak searched for
-        return Composed(found.graph, tuple(_with_offload_without(found.results, e)))
+        return Composed(found.graph, _offload_weighed(found.results, False, None, e.min_memory_bytes))
     remat = first.plan.levers.remat
     # offload alone is weighed when recomputation "auto" was needed to fit at all (when the plan
     # without it fits, `plan_remat` weighed that plan already; a forced policy is what was asked)
@@ -187,11 +186,7 @@ def _single(graph: Graph, options: PlanOptions, search: Search) -> Composed:
     if alone.plan.levers.offload is not None and alone.plan.levers.offload.inputs \
             and alone.plan.prediction.step_time_s < first.plan.prediction.step_time_s:
         p = first.plan.prediction
-        weighed = [dataclasses.replace(r, plan=r.plan.with_levers(offload=dataclasses.replace(
-            r.plan.levers.offload, without_fits=True, without_step_time_s=p.step_time_s,
-            without_memory_bytes=p.memory_bytes_per_device))) if r.plan and r.plan.levers.offload else r
-            for r in alone.results]
-        return Composed(alone.graph, tuple(weighed))
+        return Composed(alone.graph, _offload_weighed(alone.results, True, p.step_time_s, p.memory_bytes_per_device))
     return first
 
 
@@ -221,16 +216,19 @@ def _found(results: Sequence[MeshResult], budget: float | None) -> Sequence[Mesh
     raise no_plan(results, budget)
 
 
-def _with_offload_without(results: Sequence[MeshResult], without: InfeasiblePlanError) -> list[MeshResult]:
-    """Each plan's offload record with the plan without offload it was weighed against (none fit)."""
+def _offload_weighed(results: Sequence[MeshResult], fits: bool, step_time_s: float | None,
+                     memory_bytes: int | None) -> tuple[MeshResult, ...]:
+    """Each plan's offload record with the plan without offload it was weighed against (whether it
+    fits, its step time, its peak or the smallest found)."""
     out = []
     for r in results:
         rec = r.plan.levers.offload if r.plan is not None else None
         if rec is not None:
-            rec = dataclasses.replace(rec, without_fits=False, without_memory_bytes=without.min_memory_bytes)
+            rec = dataclasses.replace(rec, without_fits=fits, without_step_time_s=step_time_s,
+                                      without_memory_bytes=memory_bytes)
             r = dataclasses.replace(r, plan=r.plan.with_levers(offload=rec))
         out.append(r)
-    return out
+    return tuple(out)
 
 
 def _needed_lever(plan: Plan) -> bool:
@@ -252,7 +250,7 @@ def _accumulation_may_fit(graph: Graph, options: PlanOptions, bounds: MeshSpec) 
     step (`ilp.memory_bounds.memory_floor`) less the batch arguments, which accumulation shrinks,
     is under it (a budget below the state alone fails at once instead of after every k)."""
     n = bounds.size
-    parts = split_step(graph)
+    parts = _parts(graph)
     batch = sum(graph.tensors[graph.inputs[i]].nbytes // n for i in parts.batch)
     floor = memory_floor(graph, n, donated_inputs(graph, options.donate_argnums)) - batch
     if floor > options.memory_budget:
@@ -261,14 +259,23 @@ def _accumulation_may_fit(graph: Graph, options: PlanOptions, bounds: MeshSpec) 
     return True
 
 
+def _parts(graph: Graph) -> StepParts | None:
+    """The step's parts (`stages.derived.split_step`), computed once per graph; None when the step
+    cannot be split (then it is not accumulated by default)."""
+    def split() -> StepParts | None:
+        try:
+            return split_step(graph)
+        except InvalidArgumentError:
+            return None
+
+    return graph.cached(("split_step",), split)
+
+
 def _invariant(graph: Graph) -> bool:
-    try:
-        parts = split_step(graph)
-    except InvalidArgumentError:
+    parts = _parts(graph)
+    if parts is None or len({graph.tensors[graph.inputs[i]].shape[0] for i in parts.batch}) != 1:
         return False
-    if len({graph.tensors[graph.inputs[i]].shape[0] for i in parts.batch}) != 1:
-        return False
-    return not mixing_ops(graph, [graph.inputs[i] for i in parts.batch], parts.loss, parts.forward)
+    return not step_mixing(graph, parts)
 
 
 def _accumulated(step: Callable[..., Any], graph: Graph, options: PlanOptions, search: Search, bounds: MeshSpec,
@@ -289,7 +296,7 @@ def _accumulated(step: Callable[..., Any], graph: Graph, options: PlanOptions, s
         try:
             micro = _single(g, opts, recorded)
         except InfeasiblePlanError as e:
-            raise _accumulation_answer(e, seen[-1] if seen else (), inner) from None
+            raise _accumulation_answer(e, seen[-1] if seen else ()) from None
         return micro.graph, micro.plan
 
     acc = plan_accumulation(step, graph, accumulate, options.memory_budget, plan_micro, bounds, options.unshard,
@@ -298,7 +305,6 @@ def _accumulated(step: Callable[..., Any], graph: Graph, options: PlanOptions, s
     record = plan.levers.accumulation
     log.info("gradient accumulation: %d microbatch(es) of %d rows", record.microbatches, record.microbatch_rows)
     inter = next((r.inter_host_axes for rs in seen for r in rs if r.plan is not None and r.mesh == plan.mesh), ())
-    acc = dataclasses.replace(acc, plan=plan)
     return Composed(acc.graph, (MeshResult(plan.mesh, plan, None, inter, 0.0),), acc if acc.k > 1 else None)
 
 
@@ -340,7 +346,7 @@ def _closest(single: InfeasiblePlanError, accumulated: InfeasiblePlanError) -> I
                            f"(closest: {closest})", best)
 
 
-def _accumulation_answer(e: InfeasiblePlanError, results: Sequence[MeshResult], budget: float | None):
+def _accumulation_answer(e: InfeasiblePlanError, results: Sequence[MeshResult]) -> InfeasiblePlanError:
     """A microbatch step that fits no mesh: its answer with the smallest peak and least bound found."""
     over = [r for r in results if r.over_budget]
     if not over:
