@@ -12,11 +12,12 @@ from planner.graph.trace import trace
 from planner.core.mesh import MeshSpec
 from planner.core.options import PlanOptions
 from planner.core.plan import Plan
+from planner.emit.declared import register_kernel
 from planner.search.candidates import candidate_meshes
 from planner.stages.step import pipelinable
 
 __all__ = [
     "Comparison", "Graph", "InfeasiblePlanError", "InvalidArgumentError", "MeshError", "MeshSpec", "Plan", "PlanOptions",
     "PlannedFunction", "PlannerError", "ProfileError", "candidate_meshes", "compare", "evaluate", "pipelinable", "plan", "plan_parallel",
-    "trace",
+    "register_kernel", "trace",
 ]

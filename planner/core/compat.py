@@ -4,6 +4,7 @@ Each function says what it relies on. Everything else in the planner uses public
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -121,3 +122,101 @@ class _Nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PallasGrid:
+    """What a `pallas_call` equation's parameters say about its grid (`pallas_grid`).
+
+    Attributes:
+      name: the kernel's name (the `name` parameter, else its kernel function's from the body's
+        debug info).
+      grid: the grid's extent per axis.
+      index_operands: leading scalar-prefetch operands (no block mapping; their values steer
+        the index maps).
+      num_outputs: the kernel's results (the last blocks).
+      blocks: per operand after those, then per result: (array shape, per dimension the grid axis
+        whose program id is that dimension's block index (None when the index map computes
+        anything else), per dimension the block extent (1 for a squeezed dimension)).
+      semantics: per grid axis "parallel" / "arbitrary" / ... where the compiler parameters state
+        them (Mosaic TPU), else None (Triton: every program runs independently).
+      body: the kernel's jaxpr.
+      flops / bytes_accessed: the kernel's own `cost_estimate`, None when it has none.
+    """
+
+    name: str
+    grid: tuple[int, ...]
+    index_operands: int
+    num_outputs: int
+    blocks: tuple[tuple[tuple[int, ...], tuple[int | None, ...], tuple[int, ...]], ...]
+    semantics: tuple[str, ...] | None
+    body: Any
+    flops: float | None
+    bytes_accessed: float | None
+
+
+def _block_extent(b: Any) -> int:
+    """One entry of a `BlockMapping.block_shape`: an int, None / `Squeezed()` (extent 1) or a
+    `Blocked(block_size=n)`-like record."""
+    if b is None:
+        return 1
+    if isinstance(b, int):
+        return b
+    return int(getattr(b, "block_size", 1))
+
+
+def pallas_grid(params: Mapping[str, Any]) -> PallasGrid | None:
+    """The grid facts of a `pallas_call` equation (`PallasGrid`), or None when its parameters are
+    not laid out as this reads them. Relies on `pallas_call`'s eqn parameters (`grid_mapping` with
+    `grid`, `block_mappings` (`array_aval`, `block_shape`, `index_map_jaxpr`), `num_index_operands`,
+    `num_inputs`, `num_outputs`; `compiler_params`'s `dimension_semantics`; `cost_estimate`;
+    `name`; `jaxpr`), as jax 0.10 writes them."""
+    try:
+        gm = params["grid_mapping"]
+        grid = tuple(int(g) for g in gm.grid)
+        blocks = []
+        for bm in gm.block_mappings:
+            index_map = bm.index_map_jaxpr.jaxpr
+            grid_vars = list(index_map.invars[:len(grid)])
+            axes = tuple(grid_vars.index(o) if not isinstance(o, jcore.Literal) and o in grid_vars else None
+                         for o in index_map.outvars)
+            shape = tuple(int(d) for d in bm.array_aval.shape)
+            extents = tuple(_block_extent(b) for b in bm.block_shape)
+            if len(axes) != len(shape) or len(extents) != len(shape):
+                return None
+            blocks.append((shape, axes, extents))
+        if len(blocks) != gm.num_inputs + gm.num_outputs:
+            return None
+        semantics = getattr(params.get("compiler_params"), "dimension_semantics", None)
+        semantics = tuple(str(getattr(s, "name", s)).lower() for s in semantics) if semantics else None
+        cost = params.get("cost_estimate")
+        source = getattr(getattr(params["jaxpr"], "debug_info", None), "func_src_info", None) or ""
+        return PallasGrid(str(params.get("name") or source.split(" at ")[0] or "pallas_call"), grid, int(gm.num_index_operands), int(gm.num_outputs),
+                          tuple(blocks),
+                          semantics, params["jaxpr"], getattr(cost, "flops", None),
+                          getattr(cost, "bytes_accessed", None))
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def pallas_call_on_shard(params: Mapping[str, Any], splits: Mapping[int, int]) -> dict[str, Any]:
+    """`pallas_call` parameters for one device's shard of its operands, when grid axis `g` is split
+    `splits[g]` ways (each a parallel axis of `pallas_grid`, its extent divisible): the grid and
+    every array dimension whose block index is that axis's program id shrink by the split, the
+    kernel body and index maps stay (their program ids count the shard's blocks). Relies on the
+    same parameters as `pallas_grid`, and on `GridMapping` / `BlockMapping` being dataclasses
+    whose `grid`, `block_mappings`, `array_aval` fields may be replaced."""
+    gm = params["grid_mapping"]
+    grid = tuple(g // splits.get(i, 1) for i, g in enumerate(gm.grid))
+    mappings = []
+    for bm in gm.block_mappings:
+        index_map = bm.index_map_jaxpr.jaxpr
+        grid_vars = list(index_map.invars[:len(grid)])
+        shape = list(bm.array_aval.shape)
+        for d, o in enumerate(index_map.outvars):
+            if not isinstance(o, jcore.Literal) and o in grid_vars:
+                shape[d] //= splits.get(grid_vars.index(o), 1)
+        mappings.append(dataclasses.replace(bm, array_aval=bm.array_aval.update(shape=tuple(shape))))
+    new = dataclasses.replace(gm, grid=grid, block_mappings=tuple(mappings))
+    outs = tuple(bm.array_aval for bm in mappings[gm.num_inputs:])
+    return dict(params, grid_mapping=new, out_avals=outs)

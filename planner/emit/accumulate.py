@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from planner.core.sharding import named_sharding
+from planner.emit.kernels import kernel_hook
 from planner.emit.single import constraint_hooks
 from planner.graph.ir import Literal
 from planner.levers.accumulate import Accumulated, grad_specs
@@ -20,6 +21,7 @@ def accumulated_function(acc: Accumulated) -> Callable[..., Any]:
     graph, parts, plan, k = acc.graph, acc.parts, acc.plan, acc.k
     mesh = plan._mesh()
     before_op, after_op = constraint_hooks(plan, mesh, graph)
+    on_shards = kernel_hook(plan, mesh, graph)
     upd = set(parts.update)
     record = plan.levers.accumulation
     hoisted = (record.unsharded if record is not None else None) or ()
@@ -42,7 +44,7 @@ def accumulated_function(acc: Accumulated) -> Callable[..., Any]:
         rows = [jnp.reshape(flat[p], (flat[p].shape[0] // k, k) + tuple(flat[p].shape[1:])) for p in parts.batch]
         # selective unsharding (`unshard`): loop-invariant values resharded once, before the loop
         for i in once:
-            graph.run_range(i, i + 1, env, before_op, after_op)
+            graph.run_range(i, i + 1, env, before_op, after_op, apply_op=on_shards)
         gathered = {t: jax.lax.with_sharding_constraint(env[t], s) for t, s in copies}  # read by the loop only
 
         def body(carry, j):
@@ -54,7 +56,7 @@ def accumulated_function(acc: Accumulated) -> Callable[..., Any]:
             local.update((t, jax.lax.with_sharding_constraint(jax.lax.dynamic_index_in_dim(x, j, 1, False), s))
                          for t, x, s in zip(batch_ids, rows, batch_shardings))
             for start, end in grad_ranges:
-                graph.run_range(start, end, local, before_op, after_op)
+                graph.run_range(start, end, local, before_op, after_op, apply_op=on_shards)
             grads = [jax.lax.with_sharding_constraint(a + local[g].astype(jnp.float32), s)
                      for a, g, s in zip(grads, parts.grads, grad_shardings)]
             return (grads, loss + local[parts.loss].astype(jnp.float32)), None
@@ -64,7 +66,7 @@ def accumulated_function(acc: Accumulated) -> Callable[..., Any]:
         (grads, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), jnp.arange(k))
         env.update((g, (a / k).astype(graph.tensors[g].dtype)) for g, a in zip(parts.grads, grads))
         for start, end in update_ranges:
-            graph.run_range(start, end, env, before_op, after_op)
+            graph.run_range(start, end, env, before_op, after_op, apply_op=on_shards)
         env[parts.loss] = (loss / k).astype(loss_dtype)
         outs = [x.value if isinstance(x, Literal) else env[x] for x in graph.outputs]
         return jax.tree_util.tree_unflatten(graph.out_tree, outs)

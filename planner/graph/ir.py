@@ -212,27 +212,30 @@ class Graph:
         flat_args: Sequence[Any],
         after_op: Callable[[Op, list[Any]], list[Any]] | None = None,
         before_op: Callable[[Op, list[Any]], list[Any]] | None = None,
+        apply_op: Callable[[Op, list[Any]], list[Any] | None] | None = None,
     ) -> list[Any]:
         """Re-interprets the graph on `flat_args` (inside or outside `jax.jit`).
 
         `before_op(op, operands)` and `after_op(op, outputs)` may replace each op's operands and
-        outputs, which is how planned sharding constraints are inserted.
+        outputs, which is how planned sharding constraints are inserted; `apply_op(op, operands)`
+        may run an op itself (its results, or None to bind it as traced: how a fused kernel runs
+        on its shards, `emit.kernels`).
         """
         env: dict[int, Any] = dict(self.consts)
         if len(flat_args) != len(self.inputs):
             raise InvalidArgumentError(f"expected {len(self.inputs)} flat arguments, got {len(flat_args)}")
         env.update(zip(self.inputs, flat_args))
 
-        _run(self, 0, len(self.ops), env, _Hooks(before_op, after_op, None), ())
+        _run(self, 0, len(self.ops), env, _Hooks(before_op, after_op, None, apply_op), ())
         return [read(env, x) for x in self.outputs]
 
     def run_range(self, start: int, end: int, env: dict[int, Any], before_op=None, after_op=None,
-                  scope=None) -> None:
+                  scope=None, apply_op=None) -> None:
         """Runs ops [start, end) on `env` (tensor id -> value, updated in place) as `evaluate` does:
         a region wholly inside the range runs as its control flow (or custom call), one crossing its
         ends op by op. `scope(region)`, when given, is the context manager a custom call is bound
         in (the ops its derivative rule makes take that scope's name)."""
-        _run(self, start, end, env, _Hooks(before_op, after_op, scope), ())
+        _run(self, start, end, env, _Hooks(before_op, after_op, scope, apply_op), ())
 
 
 def read(env: dict[int, Any], x: int | Literal) -> Any:
@@ -277,6 +280,7 @@ class _Hooks:
     before_op: Callable[[Op, list[Any]], list[Any]] | None
     after_op: Callable[[Op, list[Any]], list[Any]] | None
     scope: Callable[[Region], Any] | None
+    apply_op: Callable[[Op, list[Any]], list[Any] | None] | None = None
 
 
 def _run(graph: Graph, start: int, end: int, env: dict[int, Any], hooks: _Hooks, active: tuple) -> None:
@@ -305,8 +309,10 @@ def _run_op(op: Op, env: dict[int, Any], hooks: _Hooks) -> None:
     operands = [read(env, x) for x in op.inputs]
     if hooks.before_op is not None:
         operands = hooks.before_op(op, operands)
-    result = bind(op.primitive, op.params, operands)
-    outs = list(result) if op.primitive.multiple_results else [result]
+    outs = hooks.apply_op(op, operands) if hooks.apply_op is not None else None
+    if outs is None:
+        result = bind(op.primitive, op.params, operands)
+        outs = list(result) if op.primitive.multiple_results else [result]
     if hooks.after_op is not None:
         outs = hooks.after_op(op, outs)
     env.update(zip(op.outputs, outs))

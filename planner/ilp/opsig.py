@@ -26,6 +26,8 @@ class OpSig:
       pinned: label -> mesh axis names: the only sharding these labels may take (the user's own
         sharding constraints, shard_map boundaries); labels not listed are free. None: no pins.
       where: what the pins come from, for error messages.
+      fallback: with `known` False, why the op is planned replicated and what the user can do, in
+        a few words (a kernel the planner could not see into); "" for a primitive with no rule.
     """
 
     inputs: tuple[Labels | None, ...]
@@ -36,6 +38,7 @@ class OpSig:
     known: bool = True
     pinned: tuple[tuple[str, tuple[str, ...]], ...] | None = None
     where: str = ""
+    fallback: str = ""
 
     def shardable(self) -> tuple[str, ...]:
         """Labels a mesh axis may be assigned to, in a fixed order."""

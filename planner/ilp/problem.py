@@ -131,7 +131,7 @@ class _Decisions:
     nodes: list[Node]
     owner: dict[int, int]
     free: set[int]
-    fallback: dict[str, int] = dataclasses.field(default_factory=dict)  # primitive -> ops with no rule
+    fallback: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)  # (primitive, why) -> ops replicated
     extra_edges: list[tuple[int, int, list[Spec], int, int]] = dataclasses.field(default_factory=list)
     followed: dict[tuple, tuple] = dataclasses.field(default_factory=dict)
     per_spec: dict[tuple, tuple] = dataclasses.field(default_factory=dict)  # (question, one lead spec) -> `_followed`
@@ -199,11 +199,14 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     if tie_outputs:
         ties, donated, pinned_outputs = _output_ties(graph, built, pins, donated_inputs, edges)
     ties.extend((a, b) for a, b in graph.loop_ties if a in owner and b in owner)
-    for name, n in sorted(built.fallback.items()):
-        log.warning("no sharding rule for primitive %r (%d ops): planned replicated", name, n)
+    for (name, why), n in sorted(built.fallback.items()):
+        if why:
+            log.warning("%s (%d ops): planned replicated: %s", name, n, why)
+        else:
+            log.warning("no sharding rule for primitive %r (%d ops): planned replicated", name, n)
     unwritten, again, live, rep = _memory_and_sharing(inputs, nodes, edges, donated, device_platform, share_layers)
     return Problem(graph, cost, tuple(nodes), tuple(edges), owner, tuple(ties), live,
-                   tuple(sorted(built.fallback)), frozenset(built.free), rep, frozenset(inputs.combinable),
+                   tuple(sorted({name for name, _ in built.fallback})), frozenset(built.free), rep, frozenset(inputs.combinable),
                    pinned_outputs=pinned_outputs, donated=tuple(donated), unwritten=unwritten,
                    recomputed=again, device_platform=device_platform)
 
@@ -229,7 +232,8 @@ def _add_op(inputs: _Inputs, built: _Decisions, op) -> None:
     graph = inputs.graph
     sig = signature(op, graph, inputs.rules)
     if not sig.known:
-        built.fallback[op.name] = built.fallback.get(op.name, 0) + 1
+        key = (op.name, sig.fallback)
+        built.fallback[key] = built.fallback.get(key, 0) + 1
     tensors_in = [x for x in op.inputs if isinstance(x, int)]
     if all(x in built.free for x in tensors_in) and sig.known:
         built.free.update(op.outputs)

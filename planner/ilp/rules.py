@@ -27,6 +27,7 @@ from planner.ilp.index_rules import (
     scatter_rule,
     select_and_scatter_add_rule,
 )
+from planner.ilp.kernel_rules import KERNEL_RULES
 from planner.ilp.opsig import Labels, OpSig, Rule, dim_labels, tensor_of
 
 __all__ = ["ELEMENTWISE", "RULES", "Labels", "OpSig", "Rule", "replicated_rule", "signature"]
@@ -451,6 +452,7 @@ RULES: Mapping[str, Rule] = MappingProxyType({
     "sharding_constraint": user_constraint_rule,
     "reshard": user_constraint_rule,
     "shard_map": shard_map_rule,
+    **KERNEL_RULES,
 })
 
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from planner.emit.kernels import kernel_hook
 from planner.emit.single import constraint_hooks
 from planner.core.errors import InvalidArgumentError
 from planner.graph.ir import Graph, Literal
@@ -223,6 +224,7 @@ def _halves(sg: StageGraph, plan: Any, jmesh, remat: bool):
     g = sg.graph
     consts = dict(g.consts)
     before_op, after_op = constraint_hooks(plan, jmesh)
+    on_shards = kernel_hook(plan, jmesh, g)
     n = len(g.ops)
 
     def read(env, x):
@@ -241,7 +243,7 @@ def _halves(sg: StageGraph, plan: Any, jmesh, remat: bool):
         env = seeded(p, a, aux, b)
         if sg.split is None:  # (remat only) forward and backward interleave: run both, on zero cotangents
             env.update((t, jnp.zeros(g.tensors[t].shape, g.tensors[t].dtype)) for t in sg.inputs["ct"])
-        g.run_range(0, n if sg.split is None else sg.split, env, before_op, after_op)
+        g.run_range(0, n if sg.split is None else sg.split, env, before_op, after_op, apply_op=on_shards)
         o = [read(env, t) for t in sg.outputs["ct"]]
         x = [read(env, t) for t in sg.outputs["aux_out"]]
         if remat:
@@ -252,14 +254,14 @@ def _halves(sg: StageGraph, plan: Any, jmesh, remat: bool):
         def bwd(p, a, aux, b, cts):
             env = seeded(p, a, aux, b)
             env.update(zip(sg.inputs["ct"], cts))
-            g.run_range(0, n, env, before_op, after_op)
+            g.run_range(0, n, env, before_op, after_op, apply_op=on_shards)
             return grads(env)
     else:
         def bwd(res, cts):
             env: dict[int, Any] = dict(consts)
             env.update((t, v) for t, v in zip(sg.residuals, res) if v is not None)
             env.update(zip(sg.inputs["ct"], cts))
-            g.run_range(sg.split, n, env, before_op, after_op)
+            g.run_range(sg.split, n, env, before_op, after_op, apply_op=on_shards)
             return grads(env)
     return fwd, bwd
 

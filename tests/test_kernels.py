@@ -1,0 +1,222 @@
+"""Fused kernels: Pallas calls read from their grid, kernels declared with `planner.register_kernel`,
+grouped matmuls (`jax.lax.ragged_dot`): sharded, priced, emitted on their shards, checked against
+the plain jitted step on 8 CPU devices (the Pallas kernels in interpret mode)."""
+from __future__ import annotations
+
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas.ops.gpu import attention
+from jax.sharding import PartitionSpec as P
+
+import planner
+from planner.ilp.rules import signature
+from tests.helpers import assert_loss_close, assert_sgd_step_close, longest_reduction
+
+B, S, DM, H, DH = 4, 128, 32, 4, 8
+BLOCK = 64
+LR = 0.1
+BLOCKS = attention.BlockSizes(block_q=BLOCK, block_k=BLOCK, block_q_dkv=BLOCK, block_kv_dkv=BLOCK,
+                              block_q_dq=BLOCK, block_kv_dq=BLOCK)
+
+
+def _attention_loss(packed: bool):
+    def loss(p, batch):
+        x = batch["x"]
+        rows = x.shape[0]  # the test helpers take per-example gradients
+        q, k, v = [(x @ p[n]).reshape(rows, S, H, DH) for n in ("wq", "wk", "wv")]
+        o = attention.mha(q, k, v, batch["segments"] if packed else None, causal=True, block_sizes=BLOCKS,
+                          interpret=True)
+        return jnp.mean((o.reshape(rows, S, H * DH) @ p["wo"] - batch["y"]) ** 2)
+    return loss
+
+
+def _sgd(loss):
+    def step(p, batch):
+        value, g = jax.value_and_grad(loss)(p, batch)
+        return jax.tree.map(lambda a, b: a - LR * b, p, g), value
+    return step
+
+
+def _attention_args(packed: bool):
+    ks = jax.random.split(jax.random.key(0), 6)
+    p = {n: jax.random.normal(ks[i], (DM, H * DH)) * 0.2 for i, n in enumerate(("wq", "wk", "wv"))}
+    p["wo"] = jax.random.normal(ks[3], (H * DH, DM)) * 0.2
+    batch = {"x": jax.random.normal(ks[4], (B, S, DM)), "y": jax.random.normal(ks[5], (B, S, DM))}
+    if packed:  # two sequences packed in each row
+        batch["segments"] = jnp.concatenate([jnp.zeros((B, S // 2), jnp.int32), jnp.ones((B, S // 2), jnp.int32)], 1)
+    return p, batch
+
+
+def _kernels(graph):
+    return [op for op in graph.ops if op.name == "pallas_call"]
+
+
+def test_mha_grid_read_as_batch_and_heads_parallel_with_causal_flops():
+    p, batch = _attention_args(True)
+    graph = planner.trace(_sgd(_attention_loss(True)), p, batch)
+    sigs = {op.params["name"]: signature(op, graph) for op in _kernels(graph)}
+    assert set(sigs) == {"mha_forward", "mha_preprocess_backward", "mha_backward"}
+    fwd = sigs["mha_forward"]
+    assert fwd.known
+    # q, k, v [batch, seq, heads, head_dim]: batch and heads split together; seq whole (the causal
+    # mask reads the query block's program id), head_dim whole (one block)
+    q_labels = fwd.inputs[0]
+    assert q_labels[0] is not None and q_labels[2] is not None and q_labels[1] is None and q_labels[3] is None
+    assert fwd.inputs[3] == (q_labels[0], None)  # segment ids follow the batch
+    assert fwd.outputs[0] == q_labels
+    bwd = sigs["mha_backward"].inputs[0]
+    assert sigs["mha_backward"].known and None not in (bwd[0], bwd[2]) and bwd[1] is None and bwd[3] is None
+    # causal: query block i visits i + 1 key blocks, each two [64 x 8] x [8 x 64]-sized matmuls
+    nq = S // BLOCK
+    trips = nq * (nq + 1) // 2
+    assert fwd.flops == B * H * trips * 2 * (2 * BLOCK * BLOCK * DH)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "segment-ids"])
+def test_flash_attention_step_plans_kernel_on_shards(packed, devices8):
+    loss = _attention_loss(packed)
+    step = _sgd(loss)
+    p, batch = _attention_args(packed)
+    planned = planner.plan_parallel(step, mesh="2x4", hardware="h100")
+    plan = planned.plan(p, batch)
+    assert "pallas_call" not in plan.fallback_primitives
+    graph = planner.trace(step, p, batch)
+    kernels = {op.index for op in _kernels(graph)}
+    split = {op for op, _, spec in plan.op_specs if op in kernels and any(spec)}
+    assert split == kernels, "every attention kernel runs on shards"
+
+    new_p, value = planned(p, batch)
+    ref_p, ref_value = jax.jit(step)(p, batch)
+    assert_loss_close(value, ref_value, B * S * DM)
+    assert_sgd_step_close(loss, LR, p, batch, new_p, n=longest_reduction(jax.grad(loss), p, batch))
+
+    # the compiled kernels loop over the shard's blocks only: no grid loop carries a whole q/k/v
+    text = planned.lower(p, batch).compile().as_text()
+    loops = [line for line in text.splitlines() if " while(" in line and "shard_map" in line]
+    assert loops
+    whole = f"f32[{B},{S},{H},{DH}]"
+    assert not any(whole in line.split(" while(")[0] for line in loops)
+    heads = {int(m) for line in loops for m in re.findall(rf"f32\[\d+,{S},(\d+),{DH}\]", line.split(" while(")[0])}
+    assert heads and max(heads) < H
+
+
+def _gelu_kernel(x_ref, o_ref):
+    x = x_ref[...]
+    o_ref[...] = x * jax.nn.sigmoid(1.702 * x)
+
+
+@jax.custom_vjp
+def _fused_gelu(x):
+    """A kernel with no grid: one program over the whole array (the planner cannot see it is
+    row-parallel)."""
+    return pl.pallas_call(_gelu_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
+
+
+def _gelu_fwd(x):
+    return _fused_gelu(x), x
+
+
+def _gelu_bwd(x, g):
+    s = jax.nn.sigmoid(1.702 * x)
+    return (g * (s + 1.702 * x * s * (1 - s)),)
+
+
+_fused_gelu.defvjp(_gelu_fwd, _gelu_bwd)
+
+
+def _mlp_loss(act):
+    def loss(p, batch):
+        return jnp.mean((act(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2)
+    return loss
+
+
+def _mlp_args():
+    ks = jax.random.split(jax.random.key(1), 4)
+    p = {"w1": jax.random.normal(ks[0], (32, 64)) * 0.2, "w2": jax.random.normal(ks[1], (64, 32)) * 0.2}
+    return p, {"x": jax.random.normal(ks[2], (16, 32)), "y": jax.random.normal(ks[3], (16, 32))}
+
+
+def test_unreadable_kernel_warns_and_register_kernel_shards_it(devices8, caplog):
+    p, batch = _mlp_args()
+    with caplog.at_level(logging.WARNING, logger="planner"):
+        plan = planner.plan(_sgd(_mlp_loss(_fused_gelu)), p, batch, mesh="2x4")
+    assert plan.fallback_primitives == ("pallas_call",)
+    warned = [r.getMessage() for r in caplog.records if "pallas_call" in r.getMessage()]
+    assert len(warned) == 1 and "'_gelu_kernel'" in warned[0] and "planner.register_kernel" in warned[0]
+
+    gelu = planner.register_kernel(_fused_gelu, in_axes=(("rows", "features"),), out_axes=("rows", "features"))
+    loss = _mlp_loss(gelu)
+    step = _sgd(loss)
+    planned = planner.plan_parallel(step, mesh="2x4", pins={"w1": P(None, ("x", "y"))})
+    plan = planned.plan(p, batch)
+    assert plan.fallback_primitives == ()
+    new_p, value = planned(p, batch)
+    ref_p, ref_value = jax.jit(_sgd(_mlp_loss(_fused_gelu)))(p, batch)
+    assert_loss_close(value, ref_value, 16 * 32)
+    assert_sgd_step_close(_mlp_loss(_fused_gelu), LR, p, batch, new_p)
+    # the declared call runs on each device's [16, 64 / 8] columns
+    text = planned.lower(p, batch).compile().as_text()
+    calls = [line for line in text.splitlines() if "custom_partitioning" in line and " = f32[" in line]
+    assert calls and all("f32[16,64]" not in line.split("=")[1][:20] for line in calls)
+    assert any("f32[16,8]" in line.split("=")[1][:20] for line in calls)
+
+
+def test_register_kernel_bad_input():
+    with pytest.raises(planner.InvalidArgumentError, match="tuple of axis names"):
+        planner.register_kernel(_fused_gelu, in_axes=("rows",), out_axes=("rows", None))
+    gelu = planner.register_kernel(_fused_gelu, in_axes=(("rows",),), out_axes=("rows",))
+    with pytest.raises(planner.InvalidArgumentError, match="operand 0 has rank 2, declared 1"):
+        jax.make_jaxpr(gelu)(jnp.ones((4, 4)))
+
+
+E, T, D, F = 4, 64, 32, 64
+
+
+def _moe_loss(p, batch, weights=None):
+    h = jax.nn.relu(jax.lax.ragged_dot(batch["x"], p["w1"], batch["groups"]))  # tokens sorted by expert
+    err = (jax.lax.ragged_dot(h, p["w2"], batch["groups"]) - batch["y"]) ** 2
+    return jnp.mean(err if weights is None else weights[:, None] * err)
+
+
+def _assert_moe_step_close(p, batch, new_p, ref_p):
+    """Both SGD steps within the summation bound of their gradients, 2 n u sum_t |g_t| per element
+    (g_t: token t's term, the loss being a sum over independent token rows), times the learning
+    rate, plus the roundings of p - lr g in each program."""
+    u = float(jnp.finfo(jnp.float32).eps) / 2
+    n = longest_reduction(jax.grad(_moe_loss), p, batch)
+    grad = jax.jit(lambda w: jax.grad(_moe_loss)(p, batch, w))  # (ragged_dot has no vmap over tokens here)
+    terms = {name: 0.0 for name in p}
+    for t in range(T):
+        g = grad(jnp.zeros((T,)).at[t].set(1.0))
+        terms = {name: terms[name] + np.abs(np.asarray(g[name], np.float64)) for name in p}
+    for name in p:
+        tol = LR * 2 * 2 * n * u * terms[name] + 4 * u * np.abs(np.asarray(ref_p[name]))
+        assert np.all(np.abs(np.asarray(new_p[name], np.float64) - np.asarray(ref_p[name])) <= tol), name
+
+
+def test_ragged_dot_splits_features_never_groups(devices8):
+    ks = jax.random.split(jax.random.key(2), 4)
+    p = {"w1": jax.random.normal(ks[0], (E, D, F)) * 0.2, "w2": jax.random.normal(ks[1], (E, F, D)) * 0.2}
+    batch = {"x": jax.random.normal(ks[2], (T, D)), "y": jax.random.normal(ks[3], (T, D)),
+             "groups": jnp.array([10, 20, 30, 4], jnp.int32)}
+    step = _sgd(_moe_loss)
+    graph = planner.trace(step, p, batch)
+    fwd = next(op for op in graph.ops if op.name == "ragged_dot_general")
+    sig = signature(fwd, graph)
+    assert sig.known and sig.inputs[0][0] is None and sig.inputs[1][0] is None  # rows and groups whole
+    assert sig.inputs[1][2] is not None and sig.inputs[0][1] in sig.sum_labels  # features; contraction
+    assert sig.flops == 2 * T * D * F
+    # features and the contraction split (pinned: at this size the model keeps it on one device)
+    planned = planner.plan_parallel(step, mesh="2x4", pins={"w1": P(None, None, "y"), "w2": P(None, "y", None),
+                                                            "x": P(None, "x")})
+    assert planned.plan(p, batch).fallback_primitives == ()
+    new_p, value = planned(p, batch)
+    ref_p, ref_value = jax.jit(step)(p, batch)
+    assert_loss_close(value, ref_value, T * D)
+    _assert_moe_step_close(p, batch, new_p, ref_p)
