@@ -220,3 +220,25 @@ def test_ragged_dot_splits_features_never_groups(devices8):
     ref_p, ref_value = jax.jit(step)(p, batch)
     assert_loss_close(value, ref_value, T * D)
     _assert_moe_step_close(p, batch, new_p, ref_p)
+
+
+def test_zoo_llama_with_fused_attention_plans_and_matches(devices8):
+    """The zoo's Llama with `attention="fused"` (the Pallas GPU flash kernel, interpreted here):
+    planned on 2x4 with every attention kernel on shards, its first AdamW step matches the
+    unsharded one, and the step stays microbatch-invariant (the kernel is independent along the
+    batch), so accumulation and pipelines may split it."""
+    from planner.levers.accumulate import step_mixing
+    from planner.stages.derived import split_step
+    from tests.helpers import assert_bundle_step_close, concrete
+
+    b, state, batch = concrete("llama-tiny", attention="fused")
+    planned = planner.plan_parallel(b.train_step, mesh="2x4", hardware="h100")
+    plan = planned.plan(state, batch)
+    assert "pallas_call" not in plan.fallback_primitives
+    graph = planner.trace(b.train_step, state, batch)
+    kernels = {op.index for op in _kernels(graph)}
+    assert kernels and {op for op, _, spec in plan.op_specs if op in kernels and any(spec)} == kernels
+    new_state, metrics = planned(state, batch)
+    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
+    assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
+    assert not step_mixing(graph, split_step(graph))

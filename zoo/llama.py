@@ -15,6 +15,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.gpu import attention
 
 from zoo.lm import causal_mask, next_token_batch, next_token_loss
 from zoo.train import (
@@ -43,6 +44,9 @@ class LlamaConfig:
       mlp_dim: hidden width of the SwiGLU MLP (11008 for Llama-7B).
       scan_layers: scan one layer over stacked params instead of unrolling a Python loop.
       remat: rematerialise each layer in the backward pass (nn.remat).
+      attention: "xla" (the scores materialised: einsum, mask, softmax, einsum) or "fused" (Pallas
+        flash attention, `jax.experimental.pallas.ops.gpu.attention.mha`, as GPU trainers run it;
+        interpreted on CPU; key/value heads repeated to the query heads, which that kernel needs).
       rope_theta: base of the rotary frequencies.
       norm_eps: RMSNorm epsilon.
       dtype: compute dtype name ("float32", "bfloat16" or "float16"); parameters stay float32.
@@ -60,6 +64,7 @@ class LlamaConfig:
     mlp_dim: int
     scan_layers: bool = True
     remat: bool = False
+    attention: str = "xla"
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     dtype: str = "float32"
@@ -68,6 +73,8 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         validate_config(self)
+        if self.attention not in ("xla", "fused"):
+            raise ValueError(f"LlamaConfig.attention={self.attention!r} must be 'xla' or 'fused'")
         if self.heads % self.kv_heads:
             raise ValueError(
                 f"LlamaConfig.heads={self.heads} is not a multiple of kv_heads={self.kv_heads}; "
@@ -96,6 +103,18 @@ def rotary(x: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal flash attention over [batch, seq, heads, head_dim] (Pallas's GPU kernel, its default
+    128-row blocks where the sequence allows; run by the Pallas interpreter on a CPU backend)."""
+    seq = q.shape[1]
+    block = math.gcd(seq, 128)
+    back = math.gcd(seq, 64)
+    sizes = attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=back, block_kv_dkv=back,
+                                 block_q_dq=back, block_kv_dq=back)
+    return attention.mha(q, k, v, None, sm_scale=1.0 / math.sqrt(q.shape[-1]), causal=True, block_sizes=sizes,
+                         interpret=jax.default_backend() == "cpu")
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention: `heads` query heads share `kv_heads` key/value heads."""
 
@@ -115,6 +134,9 @@ class Attention(nn.Module):
         k = rotary(k, cfg.rope_theta)
         batch, seq = x.shape[:2]
         group = cfg.heads // cfg.kv_heads
+        if cfg.attention == "fused":
+            out = fused_attention(q, jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2))
+            return proj(features=cfg.d_model, axis=(-2, -1), name="out")(out)
         q = q.reshape(batch, seq, cfg.kv_heads, group, cfg.head_dim)
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32)
         scores = scores / math.sqrt(cfg.head_dim)

@@ -17,7 +17,9 @@ import dataclasses
 import math
 from collections.abc import Callable, Collection, Sequence
 
+from planner.core.compat import pallas_grid
 from planner.graph.ir import Graph, Literal, Op
+from planner.graph.kernels import parallel_axes
 
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                          "reduce_xor", "argmax", "argmin"})
@@ -203,11 +205,38 @@ def _elementwise(graph, op, dims, outs, b):
     return [None] * len(outs), f"has no batch rule ({op.name}); taken to mix examples"
 
 
+def _pallas(graph, op, dims, outs, b):
+    """A Pallas kernel: the batch must lie along a grid axis the kernel is independent along
+    (`graph.kernels.parallel_axes`), which then indexes each result's batch dimension."""
+    facts = pallas_grid(op.params)
+    axes = set(parallel_axes(facts)[0]) if facts is not None else set()
+    found = {facts.blocks[k - facts.index_operands][1][d] for k, d in enumerate(dims)
+             if d is not None and k >= facts.index_operands} if facts is not None else set()
+    if len(found) != 1 or not found <= axes:
+        return [None] * len(outs), f"runs kernel {facts.name if facts else '?'!r} across the batch"
+    a = found.pop()
+    n_in = len(facts.blocks) - facts.num_outputs
+    return [facts.blocks[n_in + j][1].index(a) for j in range(len(outs))], None
+
+
+def _declared(graph, op, dims, outs, b):
+    """A kernel declared with `planner.register_kernel` (`custom_partitioning`): the batch along a
+    declared name every result holds."""
+    rule = op.params.get("sharding_rule")
+    names = {rule.operand_mappings[k][d] for k, d in enumerate(dims) if d is not None} if rule is not None else set()
+    shared = set.intersection(*(set(m) for m in rule.result_mappings)) if rule is not None else set()
+    if len(names) != 1 or not names <= shared - set(rule.need_replication_factors):
+        return [None] * len(outs), "runs a declared kernel across the batch"
+    name = names.pop()
+    return [list(m).index(name) for m in rule.result_mappings], None
+
+
 _RULES: dict[str, _Rule] = {
     "broadcast_in_dim": _broadcast, "transpose": _transpose, "reshape": _reshape, "squeeze": _squeeze,
     "expand_dims": _expand_dims, "sort": _scan, "top_k": _scan, "dot_general": _dot,
     "slice": _slice_like, "dynamic_slice": _slice_like, "pad": _slice_like, "rev": _slice_like,
     "dynamic_update_slice": _dynamic_update_slice, "concatenate": _concatenate, "gather": _gather, "stack": _stack,
+    "pallas_call": _pallas, "custom_partitioning": _declared,
     **{name: _passthrough for name in ("iota", "rng_bit_generator", "random_bits", "random_seed", "random_wrap",
                                        "random_unwrap")},
 }

@@ -2,32 +2,24 @@
 (`custom_partitioning`), and grouped matmuls (`jax.lax.ragged_dot`).
 
 A Pallas kernel runs one program per point of its grid; each operand's BlockSpec index map says
-which block of the operand a program reads. A grid axis whose program id is, one to one, the block
-index of one dimension of every result (and of whichever operands it indexes), whose blocks tile
-those dimensions exactly, which the kernel body never reads (`program_id` / `num_programs`: a
-causal mask's offset would be wrong on a shard) and which the compiler parameters do not call
-"arbitrary", is a dimension along which the kernel is independent: each device can run the kernel
-on its shard of it (`emit.kernels`). Those dimensions share one label per grid axis; every other
-dimension is whole (None). A kernel with no such axis is planned replicated with one warning
-naming it and how to declare it.
+which block of the operand a program reads. The grid axes along which the kernel is independent
+(`graph.kernels.parallel_axes`) are dimensions each device can run the kernel on its shard of
+(`emit.kernels`): those dimensions share one label per grid axis; every other dimension is whole
+(None). A kernel with no such axis is planned replicated with one warning naming it and how to
+declare it.
 
-Cost: the kernel's own `cost_estimate` FLOPs where it has one; else the matmuls of its body
-counted per program, loops by their trip counts (evaluated for every program id: a causal
-kernel's loops are shorter for early query blocks), summed over the grid. Bytes are the
-operands' and results' (the strategies charge them); the kernel keeps no intermediate in device
-memory beyond its results.
+Cost: the kernel's own `cost_estimate` FLOPs where it has one, else its body's matmuls over the
+grid (`graph.kernels.kernel_flops`). Bytes are the operands' and results' (the strategies charge
+them); the kernel keeps no intermediate in device memory beyond its results.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-import numpy as np
-from jax.extend import core as jcore
-
-from planner.core.compat import PallasGrid, pallas_grid
+from planner.core.compat import pallas_grid
 from planner.graph.ir import Graph, Literal, Op
+from planner.graph.kernels import jaxpr_flops, kernel_flops, parallel_axes
 from planner.ilp.opsig import Labels, OpSig, tensor_of
 
 # How to say what the planner could not see in a kernel (one warning per kernel).
@@ -41,38 +33,6 @@ def _replicated(op: Op, graph: Graph, why: str) -> OpSig:
 
 
 # ----- Pallas -------------------------------------------------------------------------------------
-def parallel_axes(facts: PallasGrid) -> tuple[tuple[int, ...], str]:
-    """The grid axes along which the kernel is independent (module docstring), and why there are
-    none when there are none ("" otherwise)."""
-    read = _program_axes(facts.body)
-    n_in = len(facts.blocks) - facts.num_outputs
-    why: list[str] = []
-    found = []
-    for g, extent in enumerate(facts.grid):
-        if extent <= 1:
-            continue
-        if facts.semantics is not None and g < len(facts.semantics) and "parallel" not in facts.semantics[g]:
-            why.append(f"grid axis {g} is {facts.semantics[g]!r}")
-            continue
-        if g in read:
-            why.append(f"the kernel reads the program id of grid axis {g}")
-            continue
-        ok = True
-        for k, (shape, axes, blocks) in enumerate(facts.blocks):
-            dims = [d for d, a in enumerate(axes) if a == g]
-            if k >= n_in and len(dims) != 1:
-                ok = False  # a result not split by this axis: programs along it share its blocks
-                break
-            if len(dims) > 1 or any(blocks[d] * extent != shape[d] for d in dims):
-                ok = False
-                break
-        if ok:
-            found.append(g)
-        else:
-            why.append(f"grid axis {g} does not tile each result")
-    return tuple(found), "" if found else "; ".join(why) or "its grid has one program"
-
-
 def pallas_call_rule(op: Op, graph: Graph) -> OpSig:
     facts = pallas_grid(op.params)
     if facts is None:
@@ -99,131 +59,6 @@ def pallas_call_rule(op: Op, graph: Graph) -> OpSig:
     outs = tuple(labels(facts.blocks[n_in + j][1]) for j in range(len(op.outputs)))
     sizes = {f"g{a}": facts.grid[a] for a in axes}
     return OpSig(tuple(ins), outs, sizes, flops=float(flops))
-
-
-def _sub_jaxprs(eqn) -> list:
-    out = []
-    for v in eqn.params.values():
-        for x in (v if isinstance(v, (tuple, list)) else (v,)):
-            if isinstance(x, jcore.ClosedJaxpr):
-                out.append(x.jaxpr)
-            elif isinstance(x, jcore.Jaxpr):
-                out.append(x)
-    return out
-
-
-def _program_axes(jaxpr) -> set[int]:
-    """Grid axes whose program id or count the kernel body reads."""
-    found: set[int] = set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("program_id", "num_programs"):
-            found.add(int(eqn.params["axis"]))
-        for sub in _sub_jaxprs(eqn):
-            found |= _program_axes(sub)
-    return found
-
-
-# ----- FLOPs of a kernel body, per program ---------------------------------------------------------
-_SCALAR_OPS = {
-    "add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum, "min": np.minimum,
-    "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal,
-    "ne": np.not_equal, "and": np.logical_and, "or": np.logical_or, "neg": np.negative,
-}
-
-
-def _div(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    if np.issubdtype(a.dtype, np.integer) and np.issubdtype(b.dtype, np.integer):
-        return np.trunc(a / np.where(b == 0, 1, b)).astype(np.int64)  # XLA's integer division rounds to zero
-    return a / b
-
-
-def _dot_flops(eqn) -> float:
-    (lc, _), _ = eqn.params["dimension_numbers"]
-    lhs, out = eqn.invars[0].aval, eqn.outvars[0].aval
-    return 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lc)
-
-
-def kernel_flops(facts: PallasGrid) -> float:
-    """The kernel's FLOPs summed over its grid (module docstring): matmuls only, each loop's body
-    times its trip count where the body's scalar arithmetic gives it (once where it does not)."""
-    grid = facts.grid
-    per_program = _flops(facts.body, {}, grid)
-    return float(np.broadcast_to(np.asarray(per_program, dtype=np.float64), grid).sum()) if grid else float(per_program)
-
-
-def _value(env: Mapping[Any, Any], x) -> Any:
-    if isinstance(x, jcore.Literal):
-        return np.asarray(x.val)
-    return env.get(x)
-
-
-def _flops(jaxpr, env: dict, grid: tuple[int, ...]) -> Any:
-    """FLOPs of one pass of `jaxpr` per program (an array over the grid, or a number); `env`:
-    the scalar values known so far (per program)."""
-    total: Any = 0.0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name == "dot_general":
-            total = total + _dot_flops(eqn)
-        elif name == "program_id":
-            axis = int(eqn.params["axis"])
-            shape = [1] * len(grid)
-            shape[axis] = grid[axis]
-            env[eqn.outvars[0]] = np.arange(grid[axis]).reshape(shape)
-        elif name == "num_programs":
-            env[eqn.outvars[0]] = np.asarray(grid[int(eqn.params["axis"])])
-        elif name == "while":
-            total = total + _while_flops(eqn, env, grid)
-        elif name == "scan":
-            total = total + eqn.params["length"] * _flops(eqn.params["jaxpr"].jaxpr, {}, grid)
-        elif name == "cond":
-            branches = [_flops(b.jaxpr, {}, grid) for b in eqn.params["branches"]]
-            total = total + max(branches, key=lambda f: float(np.max(f)))
-        elif _sub_jaxprs(eqn):  # a call (jit, closed_call): its operands as its inputs
-            sub = _sub_jaxprs(eqn)[0]
-            total = total + _flops(sub, {v: _value(env, x) for v, x in zip(sub.invars, eqn.invars)
-                                         if _value(env, x) is not None}, grid)
-        else:
-            _scalar(eqn, env)
-    return total
-
-
-def _scalar(eqn, env: dict) -> None:
-    """Evaluates a scalar integer / boolean op whose operands are known (per program)."""
-    if len(eqn.outvars) != 1 or eqn.outvars[0].aval.shape != ():
-        return
-    vals = [_value(env, x) for x in eqn.invars]
-    if any(v is None for v in vals):
-        return
-    name = eqn.primitive.name
-    if name in _SCALAR_OPS:
-        env[eqn.outvars[0]] = _SCALAR_OPS[name](*vals)
-    elif name == "div":
-        env[eqn.outvars[0]] = _div(*vals)
-    elif name == "convert_element_type":
-        env[eqn.outvars[0]] = np.asarray(vals[0]).astype(np.dtype(eqn.params["new_dtype"]))
-    elif name == "select_n":
-        env[eqn.outvars[0]] = np.choose(np.asarray(vals[0]).astype(np.int64), vals[1:])
-
-
-def _while_flops(eqn, env: dict, grid: tuple[int, ...]) -> Any:
-    """A `while` (a `fori_loop` with bounds known only per program): its body's FLOPs times its trip
-    count, read from a predicate `i < n` over two carries or constants whose start values are
-    known; once when the trip count cannot be read."""
-    p = eqn.params
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    body = _flops(p["body_jaxpr"].jaxpr, {}, grid)
-    cond = p["cond_jaxpr"].jaxpr
-    if len(cond.eqns) != 1 or cond.eqns[0].primitive.name != "lt":
-        return body
-    operands = list(eqn.invars[:cn]) + list(eqn.invars[cn + bn:])  # the predicate's constants, then carries
-    where = {v: operands[k] for k, v in enumerate(cond.invars)}
-    lo, hi = (_value(env, where.get(x, x)) if not isinstance(x, jcore.Literal) else np.asarray(x.val)
-              for x in cond.eqns[0].invars)
-    if lo is None or hi is None:
-        return body
-    return np.maximum(np.asarray(hi) - np.asarray(lo), 0) * body
 
 
 # ----- kernels declared by the user (`planner.register_kernel`: a `custom_partitioning` call) ------
@@ -258,7 +93,7 @@ def custom_partitioning_rule(op: Op, graph: Graph) -> OpSig:
     if callable(declared):
         declared = declared(*(tuple(t.shape) for t in arrays))
     body = op.params.get("call")
-    flops = declared if declared is not None else (_flops(body.jaxpr, {}, ()) if body is not None else 0.0)
+    flops = declared if declared is not None else (jaxpr_flops(body.jaxpr) if body is not None else 0.0)
     if not sizes:
         return _replicated(op, graph, f"the sharding rule of {getattr(op.params.get('partition'), 'name', 'a kernel')!r} "
                                       "names no dimension in every result; " + DECLARE)
