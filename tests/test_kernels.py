@@ -3,6 +3,7 @@ grouped matmuls (`jax.lax.ragged_dot`): sharded, priced, emitted on their shards
 the plain jitted step on 8 CPU devices (the Pallas kernels in interpret mode)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 
@@ -242,3 +243,32 @@ def test_zoo_llama_with_fused_attention_plans_and_matches(devices8):
     ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
     assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
     assert not step_mixing(graph, split_step(graph))
+
+
+def test_kernel_priced_at_its_matmuls_rate_not_its_float32_statistics():
+    """mha's backward reads float32 statistics (lse, delta) beside bf16 blocks; its matmuls are
+    bf16 x bf16, so it runs at the bf16 rate, as a bf16 dot would."""
+    from planner.cost_model.model import CostModel
+    from planner.cost_model.hardware import get_hardware
+    from planner.core.mesh import MeshSpec
+    from planner.ilp.strategies import enumerate_strategies
+
+    qkv = jax.ShapeDtypeStruct((16, 4096, 32, 128), jnp.bfloat16)  # Llama-2-7B's attention, abstract
+    sizes = attention.BlockSizes(block_q=128, block_k=128, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
+                                 block_kv_dq=64)
+
+    def loss(q, k, v):
+        return attention.mha(q, k, v, None, causal=True, block_sizes=sizes).astype(jnp.float32).sum()
+
+    graph = planner.trace(jax.grad(loss, argnums=(0, 1, 2)), qkv, qkv, qkv)
+    op = next(op for op in _kernels(graph) if op.params["name"] == "mha_backward")
+    sig = signature(op, graph)
+    assert sig.rate_dtypes == ("bfloat16",)
+    assert any(graph.tensors[x].dtype == np.float32 for x in op.inputs)
+    cost = CostModel.default(MeshSpec((8,), ("x",)), get_hardware("h100-sxm"))
+    ins = [graph.tensors[x] for x in op.inputs]
+    outs = [graph.tensors[t] for t in op.outputs]
+    fastest = min(s.compute_time for s in enumerate_strategies(sig, ins, outs, cost))
+    f32 = min(s.compute_time for s in enumerate_strategies(dataclasses.replace(sig, rate_dtypes=("float32",)), ins, outs,
+                                                      cost))
+    assert fastest < f32

@@ -104,6 +104,19 @@ def kernel_flops(facts: PallasGrid) -> float:
     return float(np.broadcast_to(np.asarray(per_program, dtype=np.float64), grid).sum()) if grid else float(per_program)
 
 
+def matmul_dtypes(jaxpr) -> tuple[str, ...]:
+    """The dtypes of every matmul operand in `jaxpr` and the jaxprs inside it: what sets a fused
+    kernel's FLOP rate (a bf16 x bf16 matmul runs on the tensor cores whatever float32 statistics
+    the kernel also reads)."""
+    found: set[str] = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.update(str(v.aval.dtype) for v in eqn.invars[:2])
+        for sub in _sub_jaxprs(eqn):
+            found.update(matmul_dtypes(sub))
+    return tuple(sorted(found))
+
+
 def jaxpr_flops(jaxpr) -> float:
     """The matmul FLOPs of one run of `jaxpr` (a kernel declared by the user: its function's jaxpr)."""
     return float(_flops(jaxpr, {}, ()))

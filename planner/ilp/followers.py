@@ -92,7 +92,7 @@ def _followed(sig, lead: int, specs: Sequence[Spec], ins, outs, cost: CostModel,
 def _sig_key(sig) -> tuple:
     """What of an op's signature its strategies depend on (`where` only names it in errors)."""
     return (sig.inputs, sig.outputs, tuple(sorted(sig.sizes.items())), sig.sum_labels, sig.flops, sig.known,
-            sig.pinned)
+            sig.pinned, sig.rate_dtypes)
 
 
 def _groups(comms: Sequence[Comm]) -> frozenset[tuple[str, tuple[int, ...]]]:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from planner.core.compat import pallas_grid
 from planner.graph.ir import Graph, Literal, Op
-from planner.graph.kernels import jaxpr_flops, kernel_flops, parallel_axes
+from planner.graph.kernels import jaxpr_flops, kernel_flops, matmul_dtypes, parallel_axes
 from planner.ilp.opsig import Labels, OpSig, tensor_of
 
 # How to say what the planner could not see in a kernel (one warning per kernel).
@@ -58,7 +58,7 @@ def pallas_call_rule(op: Op, graph: Graph) -> OpSig:
     n_in = len(facts.blocks) - facts.num_outputs
     outs = tuple(labels(facts.blocks[n_in + j][1]) for j in range(len(op.outputs)))
     sizes = {f"g{a}": facts.grid[a] for a in axes}
-    return OpSig(tuple(ins), outs, sizes, flops=float(flops))
+    return OpSig(tuple(ins), outs, sizes, flops=float(flops), rate_dtypes=matmul_dtypes(facts.body))
 
 
 # ----- kernels declared by the user (`planner.register_kernel`: a `custom_partitioning` call) ------
@@ -97,7 +97,7 @@ def custom_partitioning_rule(op: Op, graph: Graph) -> OpSig:
     if not sizes:
         return _replicated(op, graph, f"the sharding rule of {getattr(op.params.get('partition'), 'name', 'a kernel')!r} "
                                       "names no dimension in every result; " + DECLARE)
-    return OpSig(ins, outs, sizes, flops=float(flops))
+    return OpSig(ins, outs, sizes, flops=float(flops), rate_dtypes=matmul_dtypes(body.jaxpr) if body is not None else ())
 
 
 # ----- grouped matmuls ------------------------------------------------------------------------------

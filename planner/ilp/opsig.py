@@ -26,6 +26,9 @@ class OpSig:
       pinned: label -> mesh axis names: the only sharding these labels may take (the user's own
         sharding constraints, shard_map boundaries); labels not listed are free. None: no pins.
       where: what the pins come from, for error messages.
+      rate_dtypes: the dtypes whose precision sets the op's FLOP rate when its operands do not
+        say it (a fused kernel: its body's matmul operands, not its float32 statistics); () to
+        read them from the operands (`strategies.rate_dtypes`).
       fallback: with `known` False, why the op is planned replicated and what the user can do, in
         a few words (a kernel the planner could not see into); "" for a primitive with no rule.
     """
@@ -38,6 +41,7 @@ class OpSig:
     known: bool = True
     pinned: tuple[tuple[str, tuple[str, ...]], ...] | None = None
     where: str = ""
+    rate_dtypes: tuple[str, ...] = ()
     fallback: str = ""
 
     def shardable(self) -> tuple[str, ...]:

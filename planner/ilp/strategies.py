@@ -66,10 +66,13 @@ def rate_dtypes(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor]
     """The values whose precision sets an op's FLOP rate (`cost_model.peak_flops`).
 
     A contraction (dot, convolution) runs at the rate of its operands, whatever it accumulates into;
-    other ops at the rate of their results. A contraction is recognised from its signature: two or
+    other ops at the rate of their results; a fused kernel at its body's matmuls' (`OpSig.rate_dtypes`).
+    A contraction is recognised from its signature: two or
     more array operands and at least one multiply-add (2 FLOPs) per result element; the rules count
     one FLOP per element for elementwise ops and reductions.
     """
+    if sig.rate_dtypes:
+        return tuple(np.dtype(d) for d in sig.rate_dtypes)
     arrays = [t for t in ins if t is not None]
     return tuple(t.dtype for t in (arrays if is_contraction(sig, ins, outs) else outs) if isinstance(t.dtype, np.dtype))
 
