@@ -220,3 +220,13 @@ def pallas_call_on_shard(params: Mapping[str, Any], splits: Mapping[int, int]) -
     new = dataclasses.replace(gm, grid=grid, block_mappings=tuple(mappings))
     outs = tuple(bm.array_aval for bm in mappings[gm.num_inputs:])
     return dict(params, grid_mapping=new, out_avals=outs)
+
+
+def called_from(eqn: Any, function: str) -> bool:
+    """Whether `eqn` was traced inside a call of a Python function named `function` (its source
+    traceback's frames; the equations of a transposed or linearised function keep the traceback of
+    the primal's). Relies on `JaxprEqn.source_info.traceback.frames` (jaxlib `Traceback`,
+    `Frame.function_name`); False where an equation has none."""
+    traceback = getattr(getattr(eqn, "source_info", None), "traceback", None)
+    frames = getattr(traceback, "frames", None) or ()
+    return any(getattr(f, "function_name", None) == function for f in frames)

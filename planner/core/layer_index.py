@@ -14,6 +14,10 @@ from collections.abc import Collection, Iterator
 # each branch of a cond / switch, `branch_<k>` (JAX names a branch's own ops so too).
 SCAN_ITERATION = "scaniter"
 COND_BRANCH = "branch"
+# ... and the ops of `jax.nn.dot_product_attention`'s core (scores, mask, softmax, weighted sum, and
+# their derivatives), `.../fused_attention`: what a GPU or TPU runs as one fused attention kernel
+# (`planner.graph.fusion.attention_groups`).
+FUSED_ATTENTION = "fused_attention"
 
 INDEXED = re.compile(r"(?<![A-Za-z0-9])([A-Za-z][A-Za-z0-9_]*?)_(\d+)(?![A-Za-z0-9])")
 

@@ -39,6 +39,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from planner.core.layer_index import FUSED_ATTENTION
 from planner.graph.ir import Graph
 
 # Ops XLA fuses into loop / input fusions: elementwise arithmetic and comparisons, conversions,
@@ -92,6 +93,24 @@ _SMALL_PRODUCERS = frozenset({"broadcast_in_dim", "iota"})
 # `bytes accessed` on the zoo models agree with the non-duplicating grouping (1.00-1.05x) better
 # than with duplication (0.93-0.97x; tests/test_fusion.py); XLA:TPU's passes are not public.
 DUPLICATING = frozenset({"gpu"})
+# Platforms on which `jax.nn.dot_product_attention` runs as one fused kernel (cuDNN's flash attention
+# on GPU, `jax.nn.dot_product_attention(implementation="cudnn")`; the splash / flash Pallas kernels
+# on TPU): its scores and probabilities never reach device memory (`attention_groups`).
+FUSED_ATTENTION_PLATFORMS = frozenset({"gpu", "tpu"})
+# What the fused kernel's matmuls cost against the materialised ones under a causal mask: it skips
+# the key blocks above the diagonal, about half (the diagonal blocks' other halves aside).
+CAUSAL_FRACTION = 0.5
+# A flash kernel's backward recomputes the scores (QK^T) before the four matmuls of the materialised
+# backward: 5 matmuls where the traced program has 4, 2.5x the forward's FLOPs (Dao, FlashAttention-2,
+# 2023, section 3.1: "the backward pass ... 2.5 times the forward pass").
+FLASH_BACKWARD = 5 / 4
+# Ops that read a window of their first operand, not all of it (an unrolled scan indexes a layer's
+# weights and residuals out of their stacks so: reading whole stacks would charge L layers L times).
+_WINDOWS = frozenset({"slice", "dynamic_slice"})
+# Layout ops an unrolled scan moves a layer's values with (`graph.trace.unroll_scan`: stacked over
+# the iterations, indexed back out); through them an attention kernel's values stay its own.
+_PLUMBING = frozenset({"stack", "concatenate", "broadcast_in_dim", "reshape", "expand_dims", "squeeze", "slice",
+                       "dynamic_slice", "copy", "copy_p"})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -102,13 +121,15 @@ class Traffic:
       fusions: every fusion the op runs in (their ids; more than one when XLA duplicates it).
       reads: per operand position, how many times the op reads that value from memory: once per
         fusion it runs in where it is the first op of the fusion to read a value made outside it
-        (0 for literals and values made inside).
+        (0 for literals and values made inside); a slice reads the share of its operand it keeps.
       writes: per result, True when the value leaves the fusion (or the program).
     """
 
     fusions: tuple[int, ...]
-    reads: tuple[int, ...]
+    reads: tuple[float, ...]
     writes: tuple[bool, ...]
+    flop_scale: float = 1.0  # the share of its FLOPs the op runs (a fused causal attention's matmuls)
+    in_place: bool = False  # its result is written by its producers (`_in_place`): it moves no bytes itself
 
     @property
     def fusion(self) -> int:
@@ -143,15 +164,100 @@ def fusions(graph: Graph, platform: str = "cpu") -> Mapping[int, Traffic]:
     return graph.cached(("fusions", platform), lambda: MappingProxyType(_fusions(graph, platform)))
 
 
+def _marked(graph: Graph) -> list[int]:
+    return [op.index for op in graph.ops if op.name_stack.endswith(FUSED_ATTENTION)
+            or f"/{FUSED_ATTENTION}/" in op.name_stack]
+
+
+def _mask_ops(graph: Graph, marked: list[int]) -> set[int]:
+    """The marked ops that compute from no array but constants (the causal mask: iotas compared;
+    JAX hoists them out of a scanned layer, so every layer's attention reads them): a flash kernel
+    computes them in place, and they join no call (they would join every layer's into one)."""
+    producer = {t: op.index for op in graph.ops for t in op.outputs}
+    mask: set[int] = set()
+    for i in marked:
+        if all(not isinstance(x, int) or x in graph.consts or producer.get(x) in mask for x in graph.ops[i].inputs):
+            mask.add(i)
+    return mask
+
+
+def attention_calls(graph: Graph) -> dict[int, int]:
+    """op index -> its attention call (the first op's index): the ops of one call of
+    `jax.nn.dot_product_attention`'s core (named `.../fused_attention` by the tracer), forward and
+    backward, grouped by the values they pass each other (the mask's ops aside, `_mask_ops`)."""
+    marked = _marked(graph)
+    if not marked:
+        return {}
+    mask = _mask_ops(graph, marked)
+    parent = {i: i for i in marked if i not in mask}
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    producer = {t: op.index for op in graph.ops for t in op.outputs}
+    for i in parent:
+        for x in graph.ops[i].inputs:
+            j = producer.get(x) if isinstance(x, int) else None
+            if j is not None and j in parent:
+                a, b = find(i), find(j)
+                parent[max(a, b)] = min(a, b)
+    return {i: find(i) for i in parent}
+
+
+def _backward(name_stack: str) -> bool:
+    return name_stack.startswith("transpose(") or "/transpose(" in name_stack
+
+
+def attention_groups(graph: Graph) -> dict[int, int]:
+    """op index -> its fused kernel (the first op's index): an attention call's forward ops, and its
+    backward ops apart (a flash kernel's backward is a kernel of its own, which recomputes the
+    scores from the saved queries and keys instead of reading them)."""
+    calls = attention_calls(graph)
+    first: dict[tuple[int, bool], int] = {}
+    for i in sorted(calls):
+        first.setdefault((calls[i], _backward(graph.ops[i].name_stack)), i)
+    return {i: first[(c, _backward(graph.ops[i].name_stack))] for i, c in calls.items()}
+
+
+def _causal_calls(graph: Graph, calls: dict[int, int]) -> set[int]:
+    """The attention calls that mask causally: they read a mask made by jax.nn's `jnp.tril` (a
+    named call among `_mask_ops`)."""
+    marked = _marked(graph)
+    mask = _mask_ops(graph, marked)
+    if not any("/tril" in graph.ops[i].name_stack for i in mask):
+        return set()
+    made = {t for i in mask for t in graph.ops[i].outputs}
+    return {c for i, c in calls.items() if any(isinstance(x, int) and x in made for x in graph.ops[i].inputs)}
+
+
+def _in_place(graph: Graph) -> set[int]:
+    """The `stack` ops that make an unrolled scan's stacked outputs (`graph.trace.unroll_scan`): the
+    scan writes each iteration's value into its slice of the output buffer as it makes it, so
+    stacking reads and writes nothing more."""
+    stacked = {t for regions in graph.regions.values() for r in regions if r.kind == "scan"
+               for t in r.outputs if isinstance(t, int)}
+    return {op.index for op in graph.ops if op.name == "stack" and op.outputs and op.outputs[0] in stacked}
+
+
 def _fusions(graph: Graph, platform: str) -> dict[int, Traffic]:
     duplicate = platform in DUPLICATING
     consumers = graph.consumers()
     program_outputs = {t for t in graph.outputs if isinstance(t, int)}
     producer = {t: op.index for op in graph.ops for t in op.outputs}
     runs_in: dict[int, frozenset[int]] = {}
+    attention = attention_groups(graph) if platform in FUSED_ATTENTION_PLATFORMS else {}
+    calls = attention_calls(graph) if attention else {}
+    causal = _causal_calls(graph, calls)
+    in_place = _in_place(graph)
     for op in reversed(graph.ops):
         own = frozenset((op.index,))
         runs_in[op.index] = own
+        if op.index in attention:  # one kernel: the group's ops share one fusion
+            runs_in[op.index] = frozenset((attention[op.index],))
+            continue
         if not fusible(op.name, platform) or _root(op.name, platform):
             continue
         users = {c for t in op.outputs for c, _ in consumers.get(t, ())}
@@ -181,11 +287,15 @@ def _fusions(graph: Graph, platform: str) -> dict[int, Traffic]:
     for op in graph.ops:
         mine = runs_in[op.index]
         reads = []
-        for x in op.inputs:
+        for k, x in enumerate(op.inputs):
             if not isinstance(x, int):
                 reads.append(0)
                 continue
             made_in = runs_in.get(producer[x], frozenset()) if x in producer else frozenset()
+            if k == 0 and op.name in _WINDOWS and graph.tensors[x].nbytes:  # reads its window only
+                share = graph.tensors[op.outputs[0]].nbytes / graph.tensors[x].nbytes
+                reads.append(share * sum(1 for f in mine if f not in made_in and (f, x) not in read))
+                continue
             count = 0
             for f in mine:
                 if f not in made_in and (f, x) not in read:
@@ -194,8 +304,52 @@ def _fusions(graph: Graph, platform: str) -> dict[int, Traffic]:
             reads.append(count)
         writes = tuple(t in program_outputs or any(not runs_in[c] <= mine for c, _ in consumers.get(t, ()))
                        for t in op.outputs)
-        out[op.index] = Traffic(tuple(sorted(mine)), tuple(reads), writes)
+        scale = 1.0
+        if op.index in attention and op.name == "dot_general":
+            scale = (CAUSAL_FRACTION if calls[op.index] in causal else 1.0) * (
+                FLASH_BACKWARD if _backward(op.name_stack) else 1.0)
+        if op.index in in_place:
+            reads = [0] * len(reads)
+        out[op.index] = Traffic(tuple(sorted(mine)), tuple(reads), writes, scale, op.index in in_place)
     return out
+
+
+def attention_internal(graph: Graph, platform: str) -> frozenset[int]:
+    """Values a fused attention kernel keeps to itself on `platform` (`FUSED_ATTENTION_PLATFORMS`):
+    made by an attention call's ops and read only by them (the scores, the mask, the
+    probabilities, the ones its backward reads too): they take no device memory; their operands
+    (the queries, keys and values) stay until the last op that reads them, which recomputes them
+    (as `recomputed` values do on XLA:CPU)."""
+    if platform not in FUSED_ATTENTION_PLATFORMS:
+        return frozenset()
+
+    def find() -> frozenset[int]:
+        calls = attention_calls(graph)
+        kernel = set(calls) | _mask_ops(graph, _marked(graph))
+        outputs = {t for t in graph.outputs if isinstance(t, int)}
+        consumers = graph.consumers()
+        # values the kernel makes, and what an unrolled scan's plumbing makes of them alone (a
+        # layer's probabilities stacked over the layers for the backward scan, sliced back out)
+        made = {t for i in kernel for t in graph.ops[i].outputs}
+        plumbing: set[int] = set()
+        for op in graph.ops:
+            if op.index not in kernel and op.name in _PLUMBING and op.tensor_inputs \
+                    and all(x in made for x in op.tensor_inputs):
+                plumbing.add(op.index)
+                made.update(op.outputs)
+        internal: set[int] = set()
+        for op in reversed(graph.ops):  # a value's readers come later: decided first
+            if op.index not in kernel and op.index not in plumbing:
+                continue
+            for t in op.outputs:
+                readers = consumers.get(t, ())
+                if t not in outputs and readers and all(
+                        j in kernel or (j in plumbing and all(u in internal for u in graph.ops[j].outputs))
+                        for j, _ in readers):
+                    internal.add(t)
+        return frozenset(internal)
+
+    return graph.cached(("attention_internal",), find)
 
 
 def _operand_bytes(op, graph: Graph, producer: Mapping[int, int]) -> int:
@@ -218,7 +372,7 @@ def memory_traffic_bytes(graph: Graph, traffic: Mapping[int, Traffic] | None = N
     for op in graph.ops:
         tr = traffic[op.index]
         total += sum(graph.tensors[x].nbytes * r for x, r in zip(op.inputs, tr.reads) if r)
-        total += sum(graph.tensors[t].nbytes for t, w in zip(op.outputs, tr.writes) if w)
+        total += sum(graph.tensors[t].nbytes for t, w in zip(op.outputs, tr.writes) if w and not tr.in_place)
     return float(total)
 
 

@@ -37,9 +37,10 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal as JaxLiteral, jaxpr_as_fun
 
-from planner.core.compat import apply_equation, scan_counts
+from planner.core.compat import apply_equation, called_from, scan_counts
+from planner.core.layer_index import FUSED_ATTENTION
 from planner.graph.ir import Graph
-from planner.graph.trace import trace
+from planner.graph.trace import ATTENTION_CORE, trace
 
 # Matmul-like primitives whose results "dots" keeps (jax.checkpoint_policies.dots_saveable).
 SAVEABLE = frozenset({"dot_general", "conv_general_dilated"})
@@ -52,7 +53,9 @@ POLICIES = ("full", "dots", "dots_no_batch")
 
 
 def keeps(primitive: str, params: Any, policy: str) -> bool:
-    """Whether `policy` keeps (does not recompute) the result of a `primitive` op with `params`."""
+    """Whether `policy` keeps (does not recompute) the result of a `primitive` op with `params`
+    (never one inside `jax.nn.dot_product_attention`'s core: a fused attention kernel saves its
+    output and recomputes its scores, as MaxText's "minimal_flash" policy does; the callers check)."""
     if policy == "dots":
         return primitive in SAVEABLE
     if policy == "dots_no_batch":
@@ -145,8 +148,11 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], env: dict, eqns: Sequence[int], o
 
 
 def _scope(eqn):
-    """The name scope `eqn` was traced under (so that the tracer names its op as before)."""
+    """The name scope `eqn` was traced under (so that the tracer names its op as before), with the
+    attention core's mark (`trace.ATTENTION_CORE`: the traced-again op's source is this interpreter)."""
     name = str(eqn.source_info.name_stack)
+    if called_from(eqn, ATTENTION_CORE) and FUSED_ATTENTION not in name.split("/"):
+        name = f"{name}/{FUSED_ATTENTION}" if name else FUSED_ATTENTION
     return jax.named_scope(name) if name else contextlib.nullcontext()
 
 
@@ -158,7 +164,8 @@ def _saved(body: Jaxpr, residual_vars: Sequence[Any], policy: str) -> list[Any]:
     invars = set(body.invars) | set(body.constvars)
     cone = _needed(body, residual_vars, invars)
     return [v for i in cone for v in body.eqns[i].outvars
-            if keeps(body.eqns[i].primitive.name, body.eqns[i].params, policy)]
+            if keeps(body.eqns[i].primitive.name, body.eqns[i].params, policy)
+            and not called_from(body.eqns[i], ATTENTION_CORE)]  # a fused attention saves its output only
 
 
 @dataclasses.dataclass(frozen=True)

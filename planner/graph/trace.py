@@ -18,14 +18,18 @@ import jax.numpy  # noqa: F401  (jax.numpy.stack in unroll_scan)
 import numpy as np
 from jax.extend import core as jcore
 
-from planner.core.compat import PLANNER_CONSTRAINT as JIT_BOUNDARY, scan_counts
+from planner.core.compat import PLANNER_CONSTRAINT as JIT_BOUNDARY, called_from, scan_counts
 from planner.core.errors import InvalidArgumentError
-from planner.core.layer_index import COND_BRANCH, SCAN_ITERATION
+from planner.core.layer_index import COND_BRANCH, FUSED_ATTENTION, SCAN_ITERATION
 from planner.core.static_args import is_array
 from planner.graph.ir import Body, Graph, Literal, Op, Region, Tensor, Traced, tensor_of
 
 # The records are `planner.graph.ir`'s; importers name them from here too.
-__all__ = ["CUSTOM_CALLS", "MAX_UNROLL", "trace"]
+__all__ = ["ATTENTION_CORE", "CUSTOM_CALLS", "MAX_UNROLL", "trace"]
+
+# The function of `jax.nn.dot_product_attention`'s XLA implementation that computes the attention
+# itself (jax/_src/nn/functions.py): its ops are named `.../fused_attention` (`_Builder.inline`).
+ATTENTION_CORE = "_dot_product_attention_core"
 
 # Scans up to this many iterations are unrolled for planning (see `_Builder.unroll_scan`).
 MAX_UNROLL = 512
@@ -84,6 +88,15 @@ class _Builder:
     consts: dict[int, Any] = dataclasses.field(default_factory=dict)
     regions: dict[int, list[Region]] = dataclasses.field(default_factory=dict)
     loop_ties: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    attention: dict[int, bool] = dataclasses.field(default_factory=dict)  # id(eqn) -> in the attention core
+
+    def in_attention(self, eqn) -> bool:
+        """Whether `eqn` computes `jax.nn.dot_product_attention`'s core (its source traceback; looked
+        up once per equation: an unrolled scan inlines its body's equations once per iteration)."""
+        key = id(eqn)
+        if key not in self.attention:
+            self.attention[key] = called_from(eqn, ATTENTION_CORE)
+        return self.attention[key]
 
     def new(self, aval) -> int:
         self.tensors.append(tensor_of(aval))
@@ -110,6 +123,8 @@ class _Builder:
             operands = [read(x) for x in eqn.invars]
             stack = str(eqn.source_info.name_stack)
             full = "/".join(p for p in (prefix, stack) if p)
+            if not full.endswith(FUSED_ATTENTION) and f"/{FUSED_ATTENTION}/" not in full and self.in_attention(eqn):
+                full = f"{full}/{FUSED_ATTENTION}" if full else FUSED_ATTENTION
             expand = {"scan": self.unroll_scan, "cond": self.inline_cond, "while": self.inline_while}.get(
                 eqn.primitive.name)
             if expand is not None and (eqn.primitive.name != "scan" or 0 < eqn.params["length"] <= MAX_UNROLL):

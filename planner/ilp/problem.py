@@ -16,7 +16,7 @@ from typing import Any
 
 from planner.core.sharding import Spec, enumerate_specs
 from planner.cost_model import CostModel
-from planner.graph.fusion import fusions, recomputed
+from planner.graph.fusion import attention_internal, fusions, recomputed
 from planner.graph.ir import Graph, Literal, Tensor
 from planner.ilp.followers import HEAVY, _followed, _followed_operand, _groups, _sig_key
 from planner.ilp.layer_sharing import layer_representatives, structural_representatives
@@ -149,7 +149,7 @@ class _Op:
     arrays: list[int]  # positions of array operands
     scalars: list[int]  # positions of scalar operands
     combined: bool  # in `combinable_ops`
-    traffic: tuple  # the op's (reads, writes) under the preset's fusions
+    traffic: tuple  # the op's (reads, writes charged, FLOP share) under the preset's fusions (`_traffic`)
 
 
 def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool = True,
@@ -226,6 +226,12 @@ def _input_nodes(built: _Decisions, graph: Graph, cost: CostModel, pins: Mapping
         built.owner[tid] = len(built.nodes) - 1
 
 
+def _traffic(t) -> tuple:
+    """An op's memory traffic as the strategies take it (`strategies._build`): (reads, writes
+    charged, FLOP share)."""
+    return t.reads, tuple(w and not t.in_place for w in t.writes), t.flop_scale
+
+
 def _add_op(inputs: _Inputs, built: _Decisions, op) -> None:
     """Op `op`'s part of the problem: nothing (a free result), a follower of its lead operand's
     decision, or a decision of its own."""
@@ -242,7 +248,7 @@ def _add_op(inputs: _Inputs, built: _Decisions, op) -> None:
                [k for k, x in enumerate(op.inputs) if isinstance(x, int) and graph.tensors[x].shape],
                [k for k, x in enumerate(op.inputs) if isinstance(x, int) and not graph.tensors[x].shape],
                op.index in inputs.combinable,
-               (inputs.memory_traffic[op.index].reads, inputs.memory_traffic[op.index].writes))
+               _traffic(inputs.memory_traffic[op.index]))
     lead = _followed_operand(op, sig, graph, built.free, seen.arrays)
     if lead is not None:
         _merge_follower(inputs, built, seen, lead)
@@ -389,7 +395,7 @@ def _memory_and_sharing(inputs: _Inputs, nodes: list[Node], edges: list[Edge], d
         if len(set(rep)) == len(rep):  # no repeated layers by name: find them by structure
             rep = structural_representatives(nodes, graph, edges)
     unwritten = frozenset(t for op in graph.ops for t, w in zip(op.outputs, unwritten_by[op.index].writes) if not w)
-    again = recomputed(graph, memory_platform)
+    again = recomputed(graph, memory_platform) | attention_internal(graph, memory_platform)
     live = live_ranges(graph, donated, fused_away(graph, unwritten, inputs.combinable, memory_platform, again))
     return unwritten, again, live, rep
 

@@ -111,20 +111,21 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
            cost: CostModel, combined: bool = False, traffic: Traffic | None = None) -> list[Strategy]:
     """Strategies for one label->axes assignment: all-reduce, or reduce-scatter onto a result dim.
 
-    `traffic`: (reads, writes) of `planner.graph.fusion.fusions`: each operand is charged memory time as
-    many times as the op reads it from device memory, each result when it is written there (None:
-    every operand once, every result)."""
+    `traffic`: (reads, writes[, FLOP share]) of `planner.graph.fusion.fusions`: each operand is charged
+    memory time as many times as the op reads it from device memory, each result when it is written
+    there, its FLOPs times the share it runs (None: every operand once, every result, every FLOP)."""
     mesh = cost.mesh
     in_specs = tuple(None if l is None else _spec_of(l, axes_of) for l in sig.inputs)
     base_out = tuple(_spec_of(l, axes_of) for l in sig.outputs)
     partial = tuple(sorted(a for l in sig.sum_labels for a in axes_of.get(l, ())))
     split = math.prod(mesh.axis_size(v) for v in axes_of.values())
-    reads, writes = traffic if traffic is not None else ((1,) * len(ins), (True,) * len(outs))
+    reads, writes = traffic[:2] if traffic is not None else ((1,) * len(ins), (True,) * len(outs))
+    share = traffic[2] if traffic is not None and len(traffic) > 2 else 1.0
     moved = sum(shard_bytes(t, s, mesh) * r for t, s, r in zip(ins, in_specs, reads)
                 if r and t is not None and s is not None)
     moved += sum(shard_bytes(t, s, mesh) for t, s, w in zip(outs, base_out, writes) if w)
     contraction = is_contraction(sig, ins, outs)
-    compute = cost.compute_time(sig.flops / split, moved, rate_dtypes(sig, ins, outs), kernels=int(contraction),
+    compute = cost.compute_time(sig.flops * share / split, moved, rate_dtypes(sig, ins, outs), kernels=int(contraction),
                                 narrow=gemm_narrow_dim(sig, axes_of, mesh) if contraction else None)
     assignment = tuple(sorted(axes_of.items()))
     if not partial:
