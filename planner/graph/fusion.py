@@ -37,6 +37,7 @@ import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 
+import jax.numpy as jnp
 import numpy as np
 
 from planner.core.layer_index import FUSED_ATTENTION
@@ -130,6 +131,7 @@ class Traffic:
     writes: tuple[bool, ...]
     flop_scale: float = 1.0  # the share of its FLOPs the op runs (a fused causal attention's matmuls)
     in_place: bool = False  # its result is written by its producers (`_in_place`): it moves no bytes itself
+    rate_dtype: str | None = None  # the dtype its FLOPs run at inside a fused kernel (`_kernel_dtypes`)
 
     @property
     def fusion(self) -> int:
@@ -233,6 +235,24 @@ def _causal_calls(graph: Graph, calls: dict[int, int]) -> set[int]:
     return {c for i, c in calls.items() if any(isinstance(x, int) and x in made for x in graph.ops[i].inputs)}
 
 
+def _kernel_dtypes(graph: Graph, calls: dict[int, int]) -> dict[int, str]:
+    """Per attention call, the dtype its matmuls run at in a fused kernel: the narrowest floating
+    dtype among their operands (the queries' and keys'; the materialised program's backward feeds
+    float32 softmax gradients to its matmuls, which a flash kernel converts to the compute dtype
+    before its tensor-core matmuls, FlashAttention-2 section 3.1)."""
+    out: dict[int, str] = {}
+    for i, c in calls.items():
+        op = graph.ops[i]
+        if op.name != "dot_general":
+            continue
+        for x in op.inputs[:2]:
+            if isinstance(x, int) and jnp.issubdtype(graph.tensors[x].dtype, jnp.floating):  # bf16 too
+                d = graph.tensors[x].dtype
+                if c not in out or d.itemsize < np.dtype(out[c]).itemsize:
+                    out[c] = str(d)
+    return out
+
+
 def _in_place(graph: Graph) -> set[int]:
     """The `stack` ops that make an unrolled scan's stacked outputs (`graph.trace.unroll_scan`): the
     scan writes each iteration's value into its slice of the output buffer as it makes it, so
@@ -251,6 +271,7 @@ def _fusions(graph: Graph, platform: str) -> dict[int, Traffic]:
     attention = attention_groups(graph) if platform in FUSED_ATTENTION_PLATFORMS else {}
     calls = attention_calls(graph) if attention else {}
     causal = _causal_calls(graph, calls)
+    kernel_dtype = _kernel_dtypes(graph, calls)
     in_place = _in_place(graph)
     for op in reversed(graph.ops):
         own = frozenset((op.index,))
@@ -310,7 +331,8 @@ def _fusions(graph: Graph, platform: str) -> dict[int, Traffic]:
                 FLASH_BACKWARD if _backward(op.name_stack) else 1.0)
         if op.index in in_place:
             reads = [0] * len(reads)
-        out[op.index] = Traffic(tuple(sorted(mine)), tuple(reads), writes, scale, op.index in in_place)
+        rate = kernel_dtype.get(calls[op.index]) if op.index in attention and op.name == "dot_general" else None
+        out[op.index] = Traffic(tuple(sorted(mine)), tuple(reads), writes, scale, op.index in in_place, rate)
     return out
 
 

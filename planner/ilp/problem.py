@@ -228,8 +228,8 @@ def _input_nodes(built: _Decisions, graph: Graph, cost: CostModel, pins: Mapping
 
 def _traffic(t) -> tuple:
     """An op's memory traffic as the strategies take it (`strategies._build`): (reads, writes
-    charged, FLOP share)."""
-    return t.reads, tuple(w and not t.in_place for w in t.writes), t.flop_scale
+    charged, FLOP share, the dtype its FLOPs run at inside a fused kernel or None)."""
+    return t.reads, tuple(w and not t.in_place for w in t.writes), t.flop_scale, t.rate_dtype
 
 
 def _add_op(inputs: _Inputs, built: _Decisions, op) -> None:

@@ -111,9 +111,10 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
            cost: CostModel, combined: bool = False, traffic: Traffic | None = None) -> list[Strategy]:
     """Strategies for one label->axes assignment: all-reduce, or reduce-scatter onto a result dim.
 
-    `traffic`: (reads, writes[, FLOP share]) of `planner.graph.fusion.fusions`: each operand is charged
-    memory time as many times as the op reads it from device memory, each result when it is written
-    there, its FLOPs times the share it runs (None: every operand once, every result, every FLOP)."""
+    `traffic`: (reads, writes[, FLOP share[, kernel dtype]]) of `planner.graph.fusion.fusions`: each
+    operand is charged memory time as many times as the op reads it from device memory, each result
+    when it is written there, its FLOPs times the share it runs, at the kernel dtype's rate when
+    given (None: every operand once, every result, every FLOP, at its operands' rate)."""
     mesh = cost.mesh
     in_specs = tuple(None if l is None else _spec_of(l, axes_of) for l in sig.inputs)
     base_out = tuple(_spec_of(l, axes_of) for l in sig.outputs)
@@ -121,12 +122,14 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
     split = math.prod(mesh.axis_size(v) for v in axes_of.values())
     reads, writes = traffic[:2] if traffic is not None else ((1,) * len(ins), (True,) * len(outs))
     share = traffic[2] if traffic is not None and len(traffic) > 2 else 1.0
+    kernel_dtype = traffic[3] if traffic is not None and len(traffic) > 3 else None
     moved = sum(shard_bytes(t, s, mesh) * r for t, s, r in zip(ins, in_specs, reads)
                 if r and t is not None and s is not None)
     moved += sum(shard_bytes(t, s, mesh) for t, s, w in zip(outs, base_out, writes) if w)
     contraction = is_contraction(sig, ins, outs)
-    compute = cost.compute_time(sig.flops * share / split, moved, rate_dtypes(sig, ins, outs), kernels=int(contraction),
-                                narrow=gemm_narrow_dim(sig, axes_of, mesh) if contraction else None)
+    dtypes = (np.dtype(kernel_dtype),) if kernel_dtype else rate_dtypes(sig, ins, outs)
+    compute = cost.compute_time(sig.flops * share / split, moved, dtypes, kernels=int(contraction),
+                                narrow=gemm_narrow_dim(sig, axes_of, mesh) if contraction and not kernel_dtype else None)
     assignment = tuple(sorted(axes_of.items()))
     if not partial:
         return [Strategy(assignment, in_specs, base_out, (), compute, 0.0)]
