@@ -272,3 +272,54 @@ def test_kernel_priced_at_its_matmuls_rate_not_its_float32_statistics():
     f32 = min(s.compute_time for s in enumerate_strategies(dataclasses.replace(sig, rate_dtypes=("float32",)), ins, outs,
                                                       cost))
     assert fastest < f32
+
+
+def test_dot_product_attention_priced_as_the_fused_kernel_on_gpu_targets():
+    """`jax.nn.dot_product_attention` traced on CPU becomes XLA's attention program; for a GPU or TPU
+    target each call's forward and backward are one fused kernel each: no score or probability in
+    memory, causal matmuls at half, the backward recomputing the scores, at the compute dtype's rate."""
+    from planner.core.mesh import MeshSpec
+    from planner.core.options import PlanOptions
+    from planner.graph.fusion import attention_calls, attention_groups, attention_internal, fusions
+    from planner.search.mesh_plan import make_plan
+    from zoo import get_model
+
+    seq = 256
+    dpa = get_model("llama-tiny", attention="dpa", dtype="bfloat16", seq=seq)
+    graph = planner.trace(dpa.train_step, dpa.abstract_state(), dpa.abstract_batch())
+    calls, groups = attention_calls(graph), attention_groups(graph)
+    assert len(set(groups.values())) == 4  # 2 layers x (forward, backward)
+    internal = attention_internal(graph, "gpu")
+    scores = {t for i in calls for t in graph.ops[i].outputs if graph.tensors[t].shape[-2:] == (seq, seq)}
+    assert scores and scores <= internal and not attention_internal(graph, "cpu")
+    gpu, cpu = fusions(graph, "gpu"), fusions(graph, "cpu")
+    dots = [i for i in calls if graph.ops[i].name == "dot_general"]
+    backward = {i for i in dots if "transpose(" in graph.ops[i].name_stack}
+    assert len(dots) == 12 and len(backward) == 8  # per layer 2 forward matmuls, 4 backward
+    assert all(gpu[i].flop_scale == (0.5 * 5 / 4 if i in backward else 0.5) for i in dots)
+    assert all(gpu[i].rate_dtype == "bfloat16" for i in dots)
+    assert any(graph.tensors[x].dtype == np.float32 for i in backward for x in graph.ops[i].inputs[:2])
+    assert all(cpu[i].flop_scale == 1.0 and cpu[i].rate_dtype is None for i in dots)
+
+    # planned for 8 H100s: less memory and time than the same model with its scores materialised
+    mesh, options = MeshSpec((8,), ("x",)), PlanOptions(hardware="h100-sxm")
+    plan = make_plan(graph, mesh, options)
+    xla = get_model("llama-tiny", attention="xla", dtype="bfloat16", seq=seq)
+    materialised = make_plan(planner.trace(xla.train_step, xla.abstract_state(), xla.abstract_batch()), mesh, options)
+    assert plan.prediction.memory_bytes_per_device < materialised.prediction.memory_bytes_per_device
+    assert plan.prediction.step_time_s < materialised.prediction.step_time_s
+    assert any("cuDNN" in k for k in plan.kernels) and not materialised.kernels
+    cpu_plan = make_plan(graph, mesh, PlanOptions(hardware="cpu"))
+    assert any("materialised" in k for k in cpu_plan.kernels)
+
+
+def test_zoo_llama_with_dot_product_attention_plans_and_matches(devices8):
+    """The attention marks change only pricing: the dpa Llama planned on 2x4 for an H100 target
+    runs on CPU and its first AdamW step matches the unsharded one."""
+    from tests.helpers import assert_bundle_step_close, concrete
+
+    b, state, batch = concrete("llama-tiny", attention="dpa")
+    planned = planner.plan_parallel(b.train_step, mesh="2x4", hardware="h100")
+    new_state, metrics = planned(state, batch)
+    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
+    assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)

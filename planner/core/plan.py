@@ -111,6 +111,8 @@ class Plan:
       solver: how the plan was found (`SolverStats`: status, times, problem size).
       options: the options the plan was made with, as it records them (`PlanOptions.recorded`).
       fallback_primitives: primitives planned replicated for lack of a rule.
+      kernels: how the plan priced the program's fused kernels, one line each (which attention
+        implementation it assumed for the target, which kernels run on shards).
       operand_specs: (op index, operand position, spec) where an op reads an operand in another
         layout than its producer left it: the planned resharding, pinned so XLA reshards there
         instead of picking another decomposition of the op.
@@ -151,6 +153,7 @@ class Plan:
     assumed_xla_flags: tuple[str, ...] = ()
     user_constraints: tuple[UserConstraint, ...] = ()
     levers: Levers = dataclasses.field(default_factory=Levers)
+    kernels: tuple[str, ...] = ()
 
     def with_levers(self, **records: Any) -> Plan:
         """This plan with the lever records given (`Levers` fields: accumulation=, remat=, offload=)."""
@@ -227,6 +230,7 @@ class Plan:
         ]
         if self.fallback_primitives:
             lines.append(f"  replicated (no rule)  {', '.join(self.fallback_primitives)}")
+        lines += [f"  kernels               {k}" for k in self.kernels]
         if self.pipeline:
             pl = self.pipeline
             lines.append(f"  pipeline              {pl.num_stages} stage(s), {pl.num_microbatches} "
@@ -285,6 +289,7 @@ class Plan:
             "xla_flags": list(self.assumed_xla_flags),
             "user_constraints": [c.to_json() for c in self.user_constraints],
             "levers": self.levers.to_json(),
+            "kernels": list(self.kernels),
         }
 
     @classmethod
@@ -323,6 +328,7 @@ class Plan:
                 solver=SolverStats.from_json(d["solver"]),
                 options=PlanOptions.from_json(d["options"]),
                 fallback_primitives=tuple(d.get("fallback_primitives", ())),
+                kernels=tuple(d.get("kernels", ())),
                 scatter_specs=tuple((int(i), int(k), spec_from_json(s)) for i, k, s in d.get("scatter_specs", ())),
                 operand_specs=tuple((int(i), int(k), spec_from_json(s)) for i, k, s in d.get("operand_specs", ())),
                 stages=tuple(PipelineStage.from_json(st, cls.from_dict) for st in d.get("stages", ())

@@ -18,6 +18,7 @@ import math
 from collections.abc import Sequence
 
 from planner.core.compat import pallas_grid
+from planner.graph.fusion import FUSED_ATTENTION_PLATFORMS, attention_calls
 from planner.graph.ir import Graph, Literal, Op
 from planner.graph.kernels import jaxpr_flops, kernel_flops, matmul_dtypes, parallel_axes
 from planner.ilp.opsig import Labels, OpSig, tensor_of
@@ -142,6 +143,41 @@ def ragged_dot_rule(op: Op, graph: Graph) -> OpSig:
     ins: list[Labels | None] = [tuple(l_lab), tuple(r_lab)]
     ins += [None if isinstance(x, Literal) else (None,) * len(graph.tensors[x].shape) for x in op.inputs[2:]]
     return OpSig(tuple(ins), (tuple(out_lab),), sizes, frozenset(sums), flops=2.0 * lhs.size * n)
+
+
+# What the fused attention of `jax.nn.dot_product_attention` is on each target platform.
+_FUSED_ATTENTION_KERNEL = {"gpu": "cuDNN's fused flash attention", "tpu": "the splash / flash attention kernel"}
+
+
+def kernel_notes(graph: Graph, platform: str) -> tuple[str, ...]:
+    """One line per kind of fused kernel in `graph` (`Plan.kernels`): how it was priced for a
+    target of `platform` and whether it runs on shards."""
+    notes = []
+    calls = attention_calls(graph)
+    if calls:
+        forward = {c for i, c in calls.items() if "transpose(" not in graph.ops[i].name_stack}
+        n = len(forward) or len(set(calls.values()))
+        if platform in FUSED_ATTENTION_PLATFORMS:
+            notes.append(f"jax.nn.dot_product_attention ({n} calls): priced as {_FUSED_ATTENTION_KERNEL[platform]} "
+                         "(scores never in memory, masked blocks skipped, the backward recomputing the scores)")
+        else:
+            notes.append(f"jax.nn.dot_product_attention ({n} calls): priced as XLA's attention program on "
+                         f"{platform} (scores materialised)")
+    kinds: dict[str, list[OpSig]] = {}
+    for op in graph.ops:
+        if op.name in ("pallas_call", "custom_partitioning"):
+            facts = pallas_grid(op.params) if op.name == "pallas_call" else None
+            name = facts.name if facts is not None else getattr(op.params.get("partition"), "name", op.name)
+            rule = pallas_call_rule if op.name == "pallas_call" else custom_partitioning_rule
+            kinds.setdefault(f"{op.name} {name!r}", []).append(rule(op, graph))
+    for name, sigs in kinds.items():
+        sig = sigs[0]
+        if not sig.known:
+            notes.append(f"{name} ({len(sigs)} ops): replicated, {sig.fallback}")
+        else:
+            notes.append(f"{name} ({len(sigs)} ops): on shards, split along {len(sig.sizes)} dimension(s), "
+                         f"{sum(s.flops for s in sigs):.3g} FLOPs")
+    return tuple(notes)
 
 
 KERNEL_RULES = {

@@ -460,6 +460,7 @@ def format_header(view: PlanView) -> str:
                      + _solver_quality(solver))
     if view.plan.fallback_primitives:
         lines.append(f"  replicated (no rule)  {', '.join(view.plan.fallback_primitives)}")
+    lines += [f"  kernels               {k}" for k in view.plan.kernels]
     return "\n".join(lines)
 
 

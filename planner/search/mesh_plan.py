@@ -12,6 +12,7 @@ import jax
 from planner.cost_model import Cluster, CostModel, get_hardware, hardware_with_links, ring_bytes, xla_flags
 from planner.core.errors import InvalidArgumentError, MeshError
 from planner.graph.ir import Graph
+from planner.ilp.kernel_rules import kernel_notes
 from planner.ilp.objective import step_parts, step_time
 from planner.ilp.problem import Problem, build_problem
 from planner.ilp.solver import Solution, solve
@@ -283,6 +284,8 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
         jax_mesh=jax_mesh,
         assumed_xla_flags=_xla_flags(problem, sol.choice),
         levers=levers,
+        kernels=graph.cached(("kernel_notes", problem.cost.hardware.platform),
+                             lambda: kernel_notes(graph, problem.cost.hardware.platform)),
     )
 
 
