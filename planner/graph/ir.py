@@ -258,15 +258,17 @@ def tensor_of(aval) -> Tensor:
 
 def matmul_flops(graph: Graph) -> dict[str, float]:
     """Matmul FLOPs per step by operand dtype: 2 x output size x contracted size of every dot_general
-    (what model FLOP utilisation counts)."""
+    (what model FLOP utilisation counts), under the narrower operand's dtype (a float32 softmax
+    gradient times bfloat16 keys is a bfloat16 model matmul: fused attention runs it so, and MFU
+    conventions count every model FLOP against the compute dtype's peak)."""
     out: dict[str, float] = {}
     for op in graph.ops:
         if op.name != "dot_general":
             continue
         (lhs_contract, _), _ = op.params["dimension_numbers"]
-        lhs = graph.tensors[op.inputs[0]] if isinstance(op.inputs[0], int) else op.inputs[0].tensor
+        lhs, rhs = (graph.tensors[x] if isinstance(x, int) else x.tensor for x in op.inputs[:2])
         res = graph.tensors[op.outputs[0]]
-        key = str(lhs.dtype)
+        key = str(min((lhs.dtype, rhs.dtype), key=lambda d: getattr(d, "itemsize", 8)))
         out[key] = out.get(key, 0.0) + 2.0 * res.size * math.prod(lhs.shape[d] for d in lhs_contract)
     return out
 

@@ -163,9 +163,13 @@ def _saved(body: Jaxpr, residual_vars: Sequence[Any], policy: str) -> list[Any]:
         return []
     invars = set(body.invars) | set(body.constvars)
     cone = _needed(body, residual_vars, invars)
+    core = {i for i, e in enumerate(body.eqns) if called_from(e, ATTENTION_CORE)}
+    # a fused attention keeps its output only (MaxText's "minimal_flash" keeps the "context"):
+    # values its core makes for itself are recomputed by its backward kernel
+    leaves = {v for v in body.outvars if not isinstance(v, JaxLiteral)} | {
+        v for i, e in enumerate(body.eqns) if i not in core for v in e.invars if not isinstance(v, JaxLiteral)}
     return [v for i in cone for v in body.eqns[i].outvars
-            if keeps(body.eqns[i].primitive.name, body.eqns[i].params, policy)
-            and not called_from(body.eqns[i], ATTENTION_CORE)]  # a fused attention saves its output only
+            if keeps(body.eqns[i].primitive.name, body.eqns[i].params, policy) and (i not in core or v in leaves)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -139,7 +139,8 @@ def _plan_copies(graph: Graph, layer: _Layer, policy: str, consumers, producer) 
     at = layer.backward[0]
     made = {t: i for i in layer.forward for t in graph.ops[i].outputs}
     saved = {t for t, i in made.items() if keeps(graph.ops[i].name, graph.ops[i].params, policy)
-             and FUSED_ATTENTION not in graph.ops[i].name_stack.split("/")}
+             and (FUSED_ATTENTION not in graph.ops[i].name_stack.split("/")  # a fused attention keeps its output only
+                  or any(FUSED_ATTENTION not in graph.ops[j].name_stack.split("/") for j, _ in consumers.get(t, ())))}
     residuals = {t for t in made if t not in saved and any(j >= at for j, _ in consumers.get(t, ()))}
     todo, copy = [made[t] for t in residuals], set()
     while todo:
