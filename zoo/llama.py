@@ -44,9 +44,11 @@ class LlamaConfig:
       mlp_dim: hidden width of the SwiGLU MLP (11008 for Llama-7B).
       scan_layers: scan one layer over stacked params instead of unrolling a Python loop.
       remat: rematerialise each layer in the backward pass (nn.remat).
-      attention: "xla" (the scores materialised: einsum, mask, softmax, einsum) or "fused" (Pallas
+      attention: "xla" (the scores materialised: einsum, mask, softmax, einsum), "fused" (Pallas
         flash attention, `jax.experimental.pallas.ops.gpu.attention.mha`, as GPU trainers run it;
-        interpreted on CPU; key/value heads repeated to the query heads, which that kernel needs).
+        interpreted on CPU; key/value heads repeated to the query heads, which that kernel needs) or
+        "dpa" (`jax.nn.dot_product_attention`: XLA's attention where it is traced, cuDNN's fused
+        kernel on a GPU, and so priced for GPU and TPU targets).
       rope_theta: base of the rotary frequencies.
       norm_eps: RMSNorm epsilon.
       dtype: compute dtype name ("float32", "bfloat16" or "float16"); parameters stay float32.
@@ -73,8 +75,8 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         validate_config(self)
-        if self.attention not in ("xla", "fused"):
-            raise ValueError(f"LlamaConfig.attention={self.attention!r} must be 'xla' or 'fused'")
+        if self.attention not in ("xla", "fused", "dpa"):
+            raise ValueError(f"LlamaConfig.attention={self.attention!r} must be 'xla', 'fused' or 'dpa'")
         if self.heads % self.kv_heads:
             raise ValueError(
                 f"LlamaConfig.heads={self.heads} is not a multiple of kv_heads={self.kv_heads}; "
@@ -136,6 +138,9 @@ class Attention(nn.Module):
         group = cfg.heads // cfg.kv_heads
         if cfg.attention == "fused":
             out = fused_attention(q, jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2))
+            return proj(features=cfg.d_model, axis=(-2, -1), name="out")(out)
+        if cfg.attention == "dpa":
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
             return proj(features=cfg.d_model, axis=(-2, -1), name="out")(out)
         q = q.reshape(batch, seq, cfg.kv_heads, group, cfg.head_dim)
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32)
