@@ -323,3 +323,39 @@ def test_zoo_llama_with_dot_product_attention_plans_and_matches(devices8):
     new_state, metrics = planned(state, batch)
     ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
     assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
+
+
+def test_long_sequence_attention_splits_the_queries_over_the_sequence(devices8):
+    """Context parallelism: one sequence with two heads on 8 devices cannot be split by batch or
+    heads; the plan splits jax.nn.dot_product_attention's queries over the sequence (each device
+    with every key and value: here computed from the replicated input), priced as the fused
+    kernel's share per device, and matches the unsharded step."""
+    seq, d, heads, hd = 512, 32, 2, 16
+
+    def loss(p, batch):
+        x = batch["x"]
+        rows = x.shape[0]
+        q, k, v = [(x @ p[n]).reshape(rows, seq, heads, hd) for n in ("wq", "wk", "wv")]
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return jnp.mean((o.reshape(rows, seq, heads * hd) @ p["wo"] - batch["y"]) ** 2)
+
+    ks = jax.random.split(jax.random.key(3), 6)
+    p = {n: jax.random.normal(ks[i], (d, heads * hd)) * 0.2 for i, n in enumerate(("wq", "wk", "wv"))}
+    p["wo"] = jax.random.normal(ks[3], (heads * hd, d)) * 0.2
+    batch = {"x": jax.random.normal(ks[4], (1, seq, d)), "y": jax.random.normal(ks[5], (1, seq, d))}
+    step = _sgd(loss)
+    planned = planner.plan_parallel(step, mesh="8", hardware="h100")
+    plan = planned.plan(p, batch)
+    graph = planner.trace(step, p, batch)
+    scores = next(op for op in graph.ops if op.name == "dot_general" and "fused_attention" in op.name_stack)
+    (spec,) = [s for op, _, s in plan.op_specs if op == scores.index]
+    t = graph.tensors[scores.outputs[0]].shape.index(seq)  # the queries' dimension of the scores
+    assert spec[t], f"queries not split over the sequence: {spec}"
+    new_p, value = planned(p, batch)
+    ref_p, ref_value = jax.jit(step)(p, batch)
+    assert_loss_close(value, ref_value, seq * d)
+    assert_sgd_step_close(loss, LR, p, batch, new_p)
+    # each device holds scores for its 64 queries against all 512 keys, never the whole [512, 512]
+    text = planned.lower(p, batch).compile().as_text()
+    assert re.search(rf"f32\[(?:\d+,)*{seq // 8},(?:\d+,)*{seq}\]", text)
+    assert not re.search(rf"f32\[(?:\d+,)*{seq},(?:\d+,)*{seq}\]", text)
