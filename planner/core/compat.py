@@ -131,9 +131,10 @@ class PallasGrid:
     Attributes:
       name: the kernel's name (the `name` parameter, else its kernel function's from the body's
         debug info).
-      grid: the grid's extent per axis.
-      index_operands: leading scalar-prefetch operands (no block mapping; their values steer
-        the index maps).
+      grid: the grid's extent per axis (None for an axis sized at run time, e.g. megablox's tiles).
+      index_operands: scalar-prefetch operands (no block mapping; their values steer the index
+        maps); with the run-time grid sizes, they lead the operands (an op's first
+        `len(operands) - (len(blocks) - num_outputs)`).
       num_outputs: the kernel's results (the last blocks).
       blocks: per operand after those, then per result: (array shape, per dimension the grid axis
         whose program id is that dimension's block index (None when the index map computes
@@ -145,7 +146,7 @@ class PallasGrid:
     """
 
     name: str
-    grid: tuple[int, ...]
+    grid: tuple[int | None, ...]
     index_operands: int
     num_outputs: int
     blocks: tuple[tuple[tuple[int, ...], tuple[int | None, ...], tuple[int, ...]], ...]
@@ -173,7 +174,7 @@ def pallas_grid(params: Mapping[str, Any]) -> PallasGrid | None:
     `name`; `jaxpr`), as jax 0.10 writes them."""
     try:
         gm = params["grid_mapping"]
-        grid = tuple(int(g) for g in gm.grid)
+        grid = tuple(int(g) if isinstance(g, int) else None for g in gm.grid)  # None: sized at run time
         blocks = []
         for bm in gm.block_mappings:
             index_map = bm.index_map_jaxpr.jaxpr
@@ -190,13 +191,21 @@ def pallas_grid(params: Mapping[str, Any]) -> PallasGrid | None:
         semantics = getattr(params.get("compiler_params"), "dimension_semantics", None)
         semantics = tuple(str(getattr(s, "name", s)).lower() for s in semantics) if semantics else None
         cost = params.get("cost_estimate")
-        source = getattr(getattr(params["jaxpr"], "debug_info", None), "func_src_info", None) or ""
-        return PallasGrid(str(params.get("name") or source.split(" at ")[0] or "pallas_call"), grid, int(gm.num_index_operands), int(gm.num_outputs),
+        return PallasGrid(str(params.get("name") or _kernel_function(params["jaxpr"])), grid, int(gm.num_index_operands), int(gm.num_outputs),
                           tuple(blocks),
                           semantics, params["jaxpr"], getattr(cost, "flops", None),
                           getattr(cost, "bytes_accessed", None))
     except (AttributeError, KeyError, TypeError, ValueError):
         return None
+
+
+def _kernel_function(body: Any) -> str:
+    """A kernel's function and where it is defined, from its body's debug info ("kernel at
+    /path/gmm.py:301" -> "kernel (gmm.py:301)"); "pallas_call" without one."""
+    source = getattr(getattr(body, "debug_info", None), "func_src_info", None) or ""
+    name, _, where = source.partition(" at ")
+    where = where.rsplit("/", 1)[-1]
+    return f"{name} ({where})" if name and where and not where.startswith("<") else name or "pallas_call"
 
 
 def pallas_call_on_shard(params: Mapping[str, Any], splits: Mapping[int, int]) -> dict[str, Any]:
@@ -207,7 +216,7 @@ def pallas_call_on_shard(params: Mapping[str, Any], splits: Mapping[int, int]) -
     same parameters as `pallas_grid`, and on `GridMapping` / `BlockMapping` being dataclasses
     whose `grid`, `block_mappings`, `array_aval` fields may be replaced."""
     gm = params["grid_mapping"]
-    grid = tuple(g // splits.get(i, 1) for i, g in enumerate(gm.grid))
+    grid = tuple(g // splits[i] if i in splits else g for i, g in enumerate(gm.grid))
     mappings = []
     for bm in gm.block_mappings:
         index_map = bm.index_map_jaxpr.jaxpr

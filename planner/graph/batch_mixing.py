@@ -209,13 +209,15 @@ def _pallas(graph, op, dims, outs, b):
     """A Pallas kernel: the batch must lie along a grid axis the kernel is independent along
     (`graph.kernels.parallel_axes`), which then indexes each result's batch dimension."""
     facts = pallas_grid(op.params)
-    axes = set(parallel_axes(facts)[0]) if facts is not None else set()
-    found = {facts.blocks[k - facts.index_operands][1][d] for k, d in enumerate(dims)
-             if d is not None and k >= facts.index_operands} if facts is not None else set()
-    if len(found) != 1 or not found <= axes:
-        return [None] * len(outs), f"runs kernel {facts.name if facts else '?'!r} across the batch"
-    a = found.pop()
+    if facts is None:
+        return [None] * len(outs), "runs a kernel it cannot read across the batch"
+    axes = set(parallel_axes(facts)[0])
     n_in = len(facts.blocks) - facts.num_outputs
+    lead = len(op.inputs) - n_in  # scalar-prefetch operands and run-time grid sizes come first
+    found = {facts.blocks[k - lead][1][d] if k >= lead else None for k, d in enumerate(dims) if d is not None}
+    if len(found) != 1 or not found <= axes:
+        return [None] * len(outs), f"runs kernel {facts.name!r} across the batch"
+    a = found.pop()
     return [facts.blocks[n_in + j][1].index(a) for j in range(len(outs))], None
 
 

@@ -11,6 +11,7 @@ summed over the grid.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +20,8 @@ import numpy as np
 from jax.extend import core as jcore
 
 from planner.core.compat import PallasGrid
+
+log = logging.getLogger("planner")
 
 
 def parallel_axes(facts: PallasGrid) -> tuple[tuple[int, ...], str]:
@@ -29,7 +32,7 @@ def parallel_axes(facts: PallasGrid) -> tuple[tuple[int, ...], str]:
     why: list[str] = []
     found = []
     for g, extent in enumerate(facts.grid):
-        if extent <= 1:
+        if extent is None or extent <= 1:
             continue
         if facts.semantics is not None and g < len(facts.semantics) and "parallel" not in facts.semantics[g]:
             why.append(f"grid axis {g} is {facts.semantics[g]!r}")
@@ -99,7 +102,10 @@ def _dot_flops(eqn) -> float:
 def kernel_flops(facts: PallasGrid) -> float:
     """The kernel's FLOPs summed over its grid (module docstring): matmuls only, each loop's body
     times its trip count where the body's scalar arithmetic gives it (once where it does not)."""
-    grid = facts.grid
+    if any(g is None for g in facts.grid):  # an axis sized at run time: its programs counted once
+        log.warning("kernel %r: grid axes sized at run time; its FLOPs are counted for one program along them "
+                    "(give the kernel a cost_estimate)", facts.name)
+    grid = tuple(g or 1 for g in facts.grid)
     per_program = _flops(facts.body, {}, grid)
     return float(np.broadcast_to(np.asarray(per_program, dtype=np.float64), grid).sum()) if grid else float(per_program)
 

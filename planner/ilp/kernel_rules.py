@@ -48,15 +48,16 @@ def pallas_call_rule(op: Op, graph: Graph) -> OpSig:
     def labels(axes_of: Sequence[int | None]) -> Labels:
         return tuple(f"g{a}" if a in wanted else None for a in axes_of)
 
+    n_in = len(facts.blocks) - facts.num_outputs
+    lead = len(op.inputs) - n_in  # scalar-prefetch operands and run-time grid sizes come first
     ins: list[Labels | None] = []
     for k, x in enumerate(op.inputs):
         if isinstance(x, Literal):
             ins.append(None)
-        elif k < facts.index_operands:
+        elif k < lead:
             ins.append((None,) * len(graph.tensors[x].shape))
         else:
-            ins.append(labels(facts.blocks[k - facts.index_operands][1]))
-    n_in = len(facts.blocks) - facts.num_outputs
+            ins.append(labels(facts.blocks[k - lead][1]))
     outs = tuple(labels(facts.blocks[n_in + j][1]) for j in range(len(op.outputs)))
     sizes = {f"g{a}": facts.grid[a] for a in axes}
     return OpSig(tuple(ins), outs, sizes, flops=float(flops), rate_dtypes=matmul_dtypes(facts.body))
@@ -169,7 +170,8 @@ def kernel_notes(graph: Graph, platform: str) -> tuple[str, ...]:
             facts = pallas_grid(op.params) if op.name == "pallas_call" else None
             name = facts.name if facts is not None else getattr(op.params.get("partition"), "name", op.name)
             rule = pallas_call_rule if op.name == "pallas_call" else custom_partitioning_rule
-            kinds.setdefault(f"{op.name} {name!r}", []).append(rule(op, graph))
+            sig = rule(op, graph)
+            kinds.setdefault(f"{op.name} {name!r}" + ("" if sig.known else " "), []).append(sig)
     for name, sigs in kinds.items():
         sig = sigs[0]
         if not sig.known:
