@@ -394,3 +394,33 @@ def test_megablox_gmm_moe_plans_its_kernels_on_shards(devices8):
     ref_p, ref_value = jax.jit(step)(p, batch)
     assert_loss_close(value, ref_value, t * d)
     assert_trees_close(new_p, ref_p, rtol=0, atol=0)  # each output tile's sums are the kernel's own
+
+
+def test_custom_partitioning_rules_as_users_state_them():
+    """A user's own `custom_partitioning` call: its rule as an einsum-like string, or as a function of
+    the operand types (how jax's cuDNN attention states its rule), read factor by factor; a rule
+    that does not name one factor per dimension is planned replicated, saying so."""
+    from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
+
+    def body(x, w):
+        return jnp.tanh(x) * w
+
+    def partition(mesh, args, result):
+        return mesh, body, result.sharding, tuple(a.sharding for a in args)
+
+    by_string = custom_partitioning(body)
+    by_string.def_partition(partition=partition, sharding_rule="b s, b s -> b s")
+    by_function = custom_partitioning(body)
+    by_function.def_partition(partition=partition, sharding_rule=lambda mesh, ins, outs: SdyShardingRule(
+        (("rows", "cols"), ("rows", "cols")), (("rows", "cols"),)))
+    placeholder = custom_partitioning(body)
+    placeholder.def_partition(partition=partition, sharding_rule=lambda mesh, ins, outs: SdyShardingRule(
+        (("rows", "cols"), ("all",)), (("rows", "cols"),)))
+    x = jnp.ones((8, 16))
+    for call, want in ((by_string, ("b", "s")), (by_function, ("rows", "cols"))):
+        graph = planner.trace(call, x, x)
+        sig = signature(graph.ops[0], graph)
+        assert sig.known and sig.inputs == (want, want) and sig.outputs == (want,)
+    graph = planner.trace(placeholder, x, x)
+    sig = signature(graph.ops[0], graph)
+    assert not sig.known and "one factor per dimension" in sig.fallback
