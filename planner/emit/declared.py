@@ -51,12 +51,8 @@ class _Partition:
 
     def __call__(self, mesh, arg_shapes, result_shape):
         results = result_shape if isinstance(result_shape, (tuple, list)) else (result_shape,)
-        shared, axes_of = self.shared(), {}
-        for axes, r in zip(self.results, results):
-            spec = tuple(r.sharding.spec) + (None,) * (len(axes) - len(r.sharding.spec))
-            for name, part in zip(axes, spec):
-                if name in shared and part is not None:
-                    axes_of.setdefault(name, part)
+        shared = self.shared()
+        axes_of = _split_names(self.results, results, shared)
 
         def sharding(axes: Axes) -> NamedSharding:
             return NamedSharding(mesh, PartitionSpec(*(axes_of.get(a) if a in shared else None for a in axes)))
@@ -64,6 +60,18 @@ class _Partition:
         outs = tuple(sharding(a) for a in self.results)
         return mesh, self.fn, outs if isinstance(result_shape, (tuple, list)) else outs[0], \
             tuple(sharding(a) for a in self.operands)
+
+
+def _split_names(declared: Sequence[Axes], shapes: Sequence[Any], shared: set[str]) -> dict[str, Any]:
+    """Declared name -> the mesh axes the first of `shapes` (values with a `.sharding`) holding it
+    splits it over, for the names in `shared`."""
+    axes_of: dict[str, Any] = {}
+    for axes, value in zip(declared, shapes):
+        spec = tuple(value.sharding.spec) + (None,) * (len(axes) - len(value.sharding.spec))
+        for name, part in zip(axes, spec):
+            if name in shared and part is not None:
+                axes_of.setdefault(name, part)
+    return axes_of
 
 
 def _rule(operands: Sequence[Axes], results: Sequence[Axes]) -> SdyShardingRule:
@@ -102,12 +110,7 @@ def _partitioned(fn: Callable[..., Any], operands: tuple[Axes, ...], results: tu
 def _infer(partition: _Partition, mesh, arg_shapes, result_shape):
     """The results' shardings from the operands' (GSPMD's propagation through the call): each
     shared name split as the first operand holding it is."""
-    shared, axes_of = partition.shared(), {}
-    for axes, a in zip(partition.operands, arg_shapes):
-        spec = tuple(a.sharding.spec) + (None,) * (len(axes) - len(a.sharding.spec))
-        for name, part in zip(axes, spec):
-            if name in shared and part is not None:
-                axes_of.setdefault(name, part)
+    axes_of = _split_names(partition.operands, arg_shapes, partition.shared())
     outs = tuple(NamedSharding(mesh, PartitionSpec(*(axes_of.get(x) for x in axes))) for axes in partition.results)
     return outs if isinstance(result_shape, (tuple, list)) else outs[0]
 
