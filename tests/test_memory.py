@@ -241,3 +241,23 @@ def test_a_temporary_borrows_an_unwritten_output_only_where_it_fits(split):
     compiled = memory_stats(jax.jit(f).lower(x).compile()).peak_bytes
     outputs = 16 if split else 1
     assert compiled - profile.max() in (0, 8 * outputs), (compiled, profile.max())
+
+
+def test_a_scans_stacked_output_is_one_buffer_its_iterations_write():
+    """An unrolled scan's stacked output lives from its first iteration's value on and the
+    per-iteration values take no memory of their own (the scan writes each into its slice), so a
+    layer's residuals are not counted twice at the stack."""
+    from planner.graph.fusion import in_place_stacks
+    from planner.ilp.live_ranges import live_ranges
+    from tests.helpers import zoo_graph
+
+    graph = zoo_graph("llama-tiny")  # its layers are one scan
+    live = live_ranges(graph)
+    producer = {t: op.index for op in graph.ops for t in op.outputs}
+    stacks = in_place_stacks(graph)
+    assert stacks
+    for i in stacks:
+        op = graph.ops[i]
+        parts = [x for x in op.inputs if isinstance(x, int) and x in producer]
+        assert parts and all(live[x] == (-1, -2) for x in parts)
+        assert live[op.outputs[0]][0] == min(producer[x] for x in parts)

@@ -130,7 +130,7 @@ class Traffic:
     reads: tuple[float, ...]
     writes: tuple[bool, ...]
     flop_scale: float = 1.0  # the share of its FLOPs the op runs (a fused causal attention's matmuls)
-    in_place: bool = False  # its result is written by its producers (`_in_place`): it moves no bytes itself
+    in_place: bool = False  # its result is written by its producers (`in_place_stacks`): it moves no bytes itself
     rate_dtype: str | None = None  # the dtype its FLOPs run at inside a fused kernel (`_kernel_dtypes`)
 
     @property
@@ -253,7 +253,7 @@ def _kernel_dtypes(graph: Graph, calls: dict[int, int]) -> dict[int, str]:
     return out
 
 
-def _in_place(graph: Graph) -> set[int]:
+def in_place_stacks(graph: Graph) -> set[int]:
     """The `stack` ops that make an unrolled scan's stacked outputs (`graph.trace.unroll_scan`): the
     scan writes each iteration's value into its slice of the output buffer as it makes it, so
     stacking reads and writes nothing more."""
@@ -272,7 +272,7 @@ def _fusions(graph: Graph, platform: str) -> dict[int, Traffic]:
     calls = attention_calls(graph) if attention else {}
     causal = _causal_calls(graph, calls)
     kernel_dtype = _kernel_dtypes(graph, calls)
-    in_place = _in_place(graph)
+    in_place = in_place_stacks(graph)
     for op in reversed(graph.ops):
         own = frozenset((op.index,))
         runs_in[op.index] = own

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+from planner.graph.fusion import in_place_stacks
 from planner.graph.ir import Graph
 
 # Backends that never write a value XLA keeps inside a fusion (experiments/check_gpu.py); XLA:CPU writes
@@ -78,7 +79,26 @@ def live_ranges(graph: Graph, donated: Sequence[tuple[int, int]] = (),
             last[x] = end
     for tin, tout in donated:
         last[tin] = used[tin] - 1 if used[tin] == first[tout] else used[tin]
+    _alias_scan_outputs(graph, first, last)
     return tuple(zip(first, last))
+
+
+def _alias_scan_outputs(graph: Graph, first: list[int], last: list[int]) -> None:
+    """An unrolled scan's stacked output (`graph.fusion.in_place_stacks`) is one buffer the scan
+    writes each iteration's value into: it lives from the first iteration's value on, and the
+    per-iteration values take no memory of their own (counting both held every layer's residuals
+    twice at the stack)."""
+    kept = set(graph.inputs) | set(graph.consts) | {x for x in graph.outputs if isinstance(x, int)}
+    for i in in_place_stacks(graph):
+        op = graph.ops[i]
+        parts = [x for x in op.inputs if isinstance(x, int) and x not in kept]
+        made = [first[x] for x in parts if first[x] >= 0]
+        if not made:
+            continue
+        out = op.outputs[0]
+        first[out] = min(made)
+        for x in parts:
+            first[x], last[x] = -1, -2
 
 
 def offloaded_live_ranges(graph: Graph, live: Sequence[tuple[int, int]], offloaded: Sequence[tuple[int, int]],
