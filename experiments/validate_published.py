@@ -185,8 +185,7 @@ def split_of(make, layers_total: int, hardware: str, seq: int) -> dict:
             outs = [g.tensors[t] for t in op.outputs]
             sig = signature(op, g)
             tr = traffic[op.index]
-            (st,) = enumerate_strategies(sig, ins, outs, cost, traffic=(tr.reads, tr.writes, tr.flop_scale,
-                                                                       tr.rate_dtype))[:1]
+            (st,) = enumerate_strategies(sig, ins, outs, cost, traffic=tr.charged)[:1]
             if is_contraction(sig, ins, outs):
                 out["matmul"] += st.cost
             elif any(t is not None and t.shape[-2:] == (seq, seq) for t in ins + outs):

@@ -19,6 +19,18 @@ COND_BRANCH = "branch"
 # (`planner.graph.fusion.attention_groups`).
 FUSED_ATTENTION = "fused_attention"
 
+
+def in_fused_attention(name_stack: str) -> bool:
+    """Whether an op of this name stack computes `jax.nn.dot_product_attention`'s core."""
+    return FUSED_ATTENTION in name_stack.split("/")
+
+
+def with_fused_attention(name_stack: str) -> str:
+    """`name_stack` marked as inside `jax.nn.dot_product_attention`'s core (once)."""
+    if in_fused_attention(name_stack):
+        return name_stack
+    return f"{name_stack}/{FUSED_ATTENTION}" if name_stack else FUSED_ATTENTION
+
 INDEXED = re.compile(r"(?<![A-Za-z0-9])([A-Za-z][A-Za-z0-9_]*?)_(\d+)(?![A-Za-z0-9])")
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Sequence
 
 from planner.core.compat import pallas_grid
 from planner.graph.ir import Graph, Literal, Op
-from planner.graph.kernels import parallel_axes
+from planner.graph.kernels import parallel_axes, sharding_rule_factors
 
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                          "reduce_xor", "argmax", "argmin"})
@@ -224,13 +224,16 @@ def _pallas(graph, op, dims, outs, b):
 def _declared(graph, op, dims, outs, b):
     """A kernel declared with `planner.register_kernel` (`custom_partitioning`): the batch along a
     declared name every result holds."""
-    rule = op.params.get("sharding_rule")
-    names = {rule.operand_mappings[k][d] for k, d in enumerate(dims) if d is not None} if rule is not None else set()
-    shared = set.intersection(*(set(m) for m in rule.result_mappings)) if rule is not None else set()
-    if len(names) != 1 or not names <= shared - set(rule.need_replication_factors):
+    found = sharding_rule_factors(op, graph)
+    if isinstance(found, str):
+        return [None] * len(outs), f"runs a kernel whose rule it cannot read across the batch ({found})"
+    operands, results, whole = found
+    names = {operands[k][d] for k, d in enumerate(dims) if d is not None}
+    shared = set.intersection(*(set(m) for m in results)) if results else set()
+    if len(names) != 1 or None in names or not names <= shared - set(whole):
         return [None] * len(outs), "runs a declared kernel across the batch"
     name = names.pop()
-    return [list(m).index(name) for m in rule.result_mappings], None
+    return [list(m).index(name) for m in results], None
 
 
 _RULES: dict[str, _Rule] = {

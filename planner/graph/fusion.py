@@ -40,7 +40,7 @@ from types import MappingProxyType
 import jax.numpy as jnp
 import numpy as np
 
-from planner.core.layer_index import FUSED_ATTENTION
+from planner.core.layer_index import in_fused_attention
 from planner.graph.ir import Graph
 
 # Ops XLA fuses into loop / input fusions: elementwise arithmetic and comparisons, conversions,
@@ -134,6 +134,12 @@ class Traffic:
     rate_dtype: str | None = None  # the dtype its FLOPs run at inside a fused kernel (`_kernel_dtypes`)
 
     @property
+    def charged(self) -> tuple:
+        """The traffic as the strategies price it (`ilp.strategies._build`): (reads, writes charged
+        (an in-place result's are its producers'), FLOP share, the dtype its FLOPs run at)."""
+        return self.reads, tuple(w and not self.in_place for w in self.writes), self.flop_scale, self.rate_dtype
+
+    @property
     def fusion(self) -> int:
         """The op's fusion id (ops of one fusion share it; an unfused op has its own); for an op
         duplicated into several fusions, the first of `fusions`."""
@@ -166,32 +172,38 @@ def fusions(graph: Graph, platform: str = "cpu") -> Mapping[int, Traffic]:
     return graph.cached(("fusions", platform), lambda: MappingProxyType(_fusions(graph, platform)))
 
 
-def _marked(graph: Graph) -> list[int]:
-    return [op.index for op in graph.ops if op.name_stack.endswith(FUSED_ATTENTION)
-            or f"/{FUSED_ATTENTION}/" in op.name_stack]
-
-
-def _mask_ops(graph: Graph, marked: list[int]) -> set[int]:
+def _mask_ops(graph: Graph) -> frozenset[int]:
     """The marked ops that compute from no array but constants (the causal mask: iotas compared;
     JAX hoists them out of a scanned layer, so every layer's attention reads them): a flash kernel
-    computes them in place, and they join no call (they would join every layer's into one)."""
-    producer = {t: op.index for op in graph.ops for t in op.outputs}
-    mask: set[int] = set()
-    for i in marked:
-        if all(not isinstance(x, int) or x in graph.consts or producer.get(x) in mask for x in graph.ops[i].inputs):
-            mask.add(i)
-    return mask
+    computes them in place, and they join no call (they would join every layer's into one).
+    Computed once per graph (`Graph.cached`)."""
+    def find() -> frozenset[int]:
+        marked = [op for op in graph.ops if in_fused_attention(op.name_stack)]
+        producer = graph.producers() if marked else {}
+        mask: set[int] = set()
+        for op in marked:
+            if all(
+                    not isinstance(x, int) or x in graph.consts or producer.get(x, (None,))[0] in mask
+                    for x in op.inputs):
+                mask.add(op.index)
+        return frozenset(mask)
+
+    return graph.cached(("attention_masks",), find)
 
 
 def attention_calls(graph: Graph) -> dict[int, int]:
     """op index -> its attention call (the first op's index): the ops of one call of
     `jax.nn.dot_product_attention`'s core (named `.../fused_attention` by the tracer), forward and
-    backward, grouped by the values they pass each other (the mask's ops aside, `_mask_ops`)."""
-    marked = _marked(graph)
-    if not marked:
+    backward, grouped by the values they pass each other (the mask's ops aside, `_mask_ops`).
+    Computed once per graph (`Graph.cached`; read-only)."""
+    return graph.cached(("attention_calls",), lambda: _attention_calls(graph))
+
+
+def _attention_calls(graph: Graph) -> dict[int, int]:
+    mask = _mask_ops(graph)
+    parent = {op.index: op.index for op in graph.ops if in_fused_attention(op.name_stack) and op.index not in mask}
+    if not parent:
         return {}
-    mask = _mask_ops(graph, marked)
-    parent = {i: i for i in marked if i not in mask}
 
     def find(i: int) -> int:
         while parent[i] != i:
@@ -209,7 +221,8 @@ def attention_calls(graph: Graph) -> dict[int, int]:
     return {i: find(i) for i in parent}
 
 
-def _backward(name_stack: str) -> bool:
+def is_backward(name_stack: str) -> bool:
+    """Whether an op of this name stack belongs to a derivative's transpose (the backward pass)."""
     return name_stack.startswith("transpose(") or "/transpose(" in name_stack
 
 
@@ -220,15 +233,14 @@ def attention_groups(graph: Graph) -> dict[int, int]:
     calls = attention_calls(graph)
     first: dict[tuple[int, bool], int] = {}
     for i in sorted(calls):
-        first.setdefault((calls[i], _backward(graph.ops[i].name_stack)), i)
-    return {i: first[(c, _backward(graph.ops[i].name_stack))] for i, c in calls.items()}
+        first.setdefault((calls[i], is_backward(graph.ops[i].name_stack)), i)
+    return {i: first[(c, is_backward(graph.ops[i].name_stack))] for i, c in calls.items()}
 
 
 def _causal_calls(graph: Graph, calls: dict[int, int]) -> set[int]:
     """The attention calls that mask causally: they read a mask made by jax.nn's `jnp.tril` (a
     named call among `_mask_ops`)."""
-    marked = _marked(graph)
-    mask = _mask_ops(graph, marked)
+    mask = _mask_ops(graph)
     if not any("/tril" in graph.ops[i].name_stack for i in mask):
         return set()
     made = {t for i in mask for t in graph.ops[i].outputs}
@@ -328,7 +340,7 @@ def _fusions(graph: Graph, platform: str) -> dict[int, Traffic]:
         scale = 1.0
         if op.index in attention and op.name == "dot_general":
             scale = (CAUSAL_FRACTION if calls[op.index] in causal else 1.0) * (
-                FLASH_BACKWARD if _backward(op.name_stack) else 1.0)
+                FLASH_BACKWARD if is_backward(op.name_stack) else 1.0)
         if op.index in in_place:
             reads = [0] * len(reads)
         rate = kernel_dtype.get(calls[op.index]) if op.index in attention and op.name == "dot_general" else None
@@ -347,7 +359,7 @@ def attention_internal(graph: Graph, platform: str) -> frozenset[int]:
 
     def find() -> frozenset[int]:
         calls = attention_calls(graph)
-        kernel = set(calls) | _mask_ops(graph, _marked(graph))
+        kernel = set(calls) | _mask_ops(graph)
         outputs = {t for t in graph.outputs if isinstance(t, int)}
         consumers = graph.consumers()
         # values the kernel makes, and what an unrolled scan's plumbing makes of them alone (a

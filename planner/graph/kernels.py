@@ -20,6 +20,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from planner.core.compat import PallasGrid
+from planner.graph.ir import Graph, Literal, Op
 
 log = logging.getLogger("planner")
 
@@ -202,3 +203,39 @@ def _while_flops(eqn, env: dict, grid: tuple[int, ...]) -> Any:
     return np.maximum(np.asarray(hi) - np.asarray(lo), 0) * body
 
 
+# ----- a `custom_partitioning` call's sharding rule -------------------------------------------------
+def _tensor(graph: Graph, x):
+    return x.tensor if isinstance(x, Literal) else graph.tensors[x]
+
+
+def sharding_rule_factors(op: Op, graph: Graph):
+    """(operand factor tuples, result factor tuples, factors that need replication) of a
+    `custom_partitioning` call's Shardy rule, one factor per dimension: a `SdyShardingRule`, an
+    einsum-like string ("b s, b s -> b s"; "..." and compound factors keep their dimensions whole),
+    or a function of the static arguments and the operand and result types giving one (as jax's
+    cuDNN attention states its rule); why not, as a string, where it cannot be read so."""
+    rule = op.params.get("sharding_rule")
+    if callable(rule) and not isinstance(rule, str):
+        ins = [_tensor(graph, x) for x in op.inputs]
+        try:
+            rule = rule(*op.params.get("static_args", ()), None, ins, [graph.tensors[t] for t in op.outputs])
+        except Exception as e:  # the rule is the user's code: any failure means "cannot read it"
+            return f"its sharding rule function failed outside lowering ({type(e).__name__})"
+    if isinstance(rule, str):
+        if "->" not in rule:
+            return "its sharding rule has no '->'"
+        lhs, rhs = rule.split("->", 1)
+        def parse(side):
+            return [tuple(f if f.isidentifier() else None for f in part.split()) for part in side.split(",")]
+        ops_map, res_map, whole = parse(lhs), parse(rhs), ()
+    else:
+        ops_map = getattr(rule, "operand_mappings", None)
+        res_map = getattr(rule, "result_mappings", None)
+        whole = tuple(getattr(rule, "need_replication_factors", ()))
+        if ops_map is None or res_map is None:
+            return "it states no sharding rule"
+    ranks = [len(_tensor(graph, x).shape) for x in op.inputs] + [len(graph.tensors[t].shape) for t in op.outputs]
+    if len(ops_map) != len(op.inputs) or len(res_map) != len(op.outputs) or any(
+            len(m) != r for m, r in zip(list(ops_map) + list(res_map), ranks)):
+        return "its sharding rule does not name one factor per dimension of every operand and result"
+    return tuple(tuple(m) for m in ops_map), tuple(tuple(m) for m in res_map), whole

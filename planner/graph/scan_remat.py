@@ -38,7 +38,7 @@ import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal as JaxLiteral, jaxpr_as_fun
 
 from planner.core.compat import apply_equation, called_from, scan_counts
-from planner.core.layer_index import FUSED_ATTENTION
+from planner.core.layer_index import with_fused_attention
 from planner.graph.ir import Graph
 from planner.graph.trace import ATTENTION_CORE, trace
 
@@ -151,8 +151,8 @@ def _scope(eqn):
     """The name scope `eqn` was traced under (so that the tracer names its op as before), with the
     attention core's mark (`trace.ATTENTION_CORE`: the traced-again op's source is this interpreter)."""
     name = str(eqn.source_info.name_stack)
-    if called_from(eqn, ATTENTION_CORE) and FUSED_ATTENTION not in name.split("/"):
-        name = f"{name}/{FUSED_ATTENTION}" if name else FUSED_ATTENTION
+    if called_from(eqn, ATTENTION_CORE):
+        name = with_fused_attention(name)
     return jax.named_scope(name) if name else contextlib.nullcontext()
 
 

@@ -20,7 +20,7 @@ from jax.extend import core as jcore
 
 from planner.core.compat import PLANNER_CONSTRAINT as JIT_BOUNDARY, called_from, scan_counts
 from planner.core.errors import InvalidArgumentError
-from planner.core.layer_index import COND_BRANCH, FUSED_ATTENTION, SCAN_ITERATION
+from planner.core.layer_index import COND_BRANCH, SCAN_ITERATION, in_fused_attention, with_fused_attention
 from planner.core.static_args import is_array
 from planner.graph.ir import Body, Graph, Literal, Op, Region, Tensor, Traced, tensor_of
 
@@ -123,8 +123,8 @@ class _Builder:
             operands = [read(x) for x in eqn.invars]
             stack = str(eqn.source_info.name_stack)
             full = "/".join(p for p in (prefix, stack) if p)
-            if not full.endswith(FUSED_ATTENTION) and f"/{FUSED_ATTENTION}/" not in full and self.in_attention(eqn):
-                full = f"{full}/{FUSED_ATTENTION}" if full else FUSED_ATTENTION
+            if not in_fused_attention(full) and self.in_attention(eqn):
+                full = with_fused_attention(full)
             expand = {"scan": self.unroll_scan, "cond": self.inline_cond, "while": self.inline_while}.get(
                 eqn.primitive.name)
             if expand is not None and (eqn.primitive.name != "scan" or 0 < eqn.params["length"] <= MAX_UNROLL):

@@ -18,9 +18,9 @@ import math
 from collections.abc import Sequence
 
 from planner.core.compat import pallas_grid
-from planner.graph.fusion import FUSED_ATTENTION_PLATFORMS, attention_calls
+from planner.graph.fusion import FUSED_ATTENTION_PLATFORMS, attention_calls, is_backward
 from planner.graph.ir import Graph, Literal, Op
-from planner.graph.kernels import jaxpr_flops, kernel_flops, matmul_dtypes, parallel_axes
+from planner.graph.kernels import jaxpr_flops, kernel_flops, matmul_dtypes, parallel_axes, sharding_rule_factors
 from planner.ilp.opsig import Labels, OpSig, tensor_of
 
 # How to say what the planner could not see in a kernel (one warning per kernel).
@@ -70,7 +70,7 @@ def custom_partitioning_rule(op: Op, graph: Graph) -> OpSig:
     compound one, one the results lack) stays whole. FLOPs: what the declaration states
     (`register_kernel(flops=)`), else the matmuls of the call's body."""
     name = getattr(op.params.get("partition"), "name", None) or getattr(op.params.get("partition"), "__name__", "?")
-    found = _rule_mappings(op, graph)
+    found = sharding_rule_factors(op, graph)
     if isinstance(found, str):
         return _replicated(op, graph, f"custom_partitioning call {name!r}: {found}; {DECLARE}")
     ops_map, res_map, whole = found
@@ -99,39 +99,6 @@ def custom_partitioning_rule(op: Op, graph: Graph) -> OpSig:
     if not sizes:
         return _replicated(op, graph, f"the sharding rule of {name!r} names no dimension in every result; " + DECLARE)
     return OpSig(ins, outs, sizes, flops=float(flops), rate_dtypes=matmul_dtypes(body.jaxpr) if body is not None else ())
-
-
-def _rule_mappings(op: Op, graph: Graph):
-    """(operand factor tuples, result factor tuples, factors that need replication) of a
-    `custom_partitioning` call's Shardy rule, one factor per dimension: a `SdyShardingRule`, an
-    einsum-like string ("b s, b s -> b s"; "..." and compound factors keep their dimensions whole),
-    or a function of the static arguments and the operand and result types giving one (as jax's
-    cuDNN attention states its rule); why not, as a string, where it cannot be read so."""
-    rule = op.params.get("sharding_rule")
-    if callable(rule) and not isinstance(rule, str):
-        ins = [tensor_of(graph, x) for x in op.inputs]
-        try:
-            rule = rule(*op.params.get("static_args", ()), None, ins, [graph.tensors[t] for t in op.outputs])
-        except Exception as e:  # the rule is the user's code: any failure means "cannot read it"
-            return f"its sharding rule function failed outside lowering ({type(e).__name__})"
-    if isinstance(rule, str):
-        if "->" not in rule:
-            return "its sharding rule has no '->'"
-        lhs, rhs = rule.split("->", 1)
-        def parse(side):
-            return [tuple(f if f.isidentifier() else None for f in part.split()) for part in side.split(",")]
-        ops_map, res_map, whole = parse(lhs), parse(rhs), ()
-    else:
-        ops_map = getattr(rule, "operand_mappings", None)
-        res_map = getattr(rule, "result_mappings", None)
-        whole = tuple(getattr(rule, "need_replication_factors", ()))
-        if ops_map is None or res_map is None:
-            return "it states no sharding rule"
-    ranks = [len(tensor_of(graph, x).shape) for x in op.inputs] + [len(graph.tensors[t].shape) for t in op.outputs]
-    if len(ops_map) != len(op.inputs) or len(res_map) != len(op.outputs) or any(
-            len(m) != r for m, r in zip(list(ops_map) + list(res_map), ranks)):
-        return "its sharding rule does not name one factor per dimension of every operand and result"
-    return tuple(tuple(m) for m in ops_map), tuple(tuple(m) for m in res_map), whole
 
 
 # ----- grouped matmuls ------------------------------------------------------------------------------
@@ -188,7 +155,7 @@ def kernel_notes(graph: Graph, platform: str) -> tuple[str, ...]:
     notes = []
     calls = attention_calls(graph)
     if calls:
-        forward = {c for i, c in calls.items() if "transpose(" not in graph.ops[i].name_stack}
+        forward = {c for i, c in calls.items() if not is_backward(graph.ops[i].name_stack)}
         n = len(forward) or len(set(calls.values()))
         if platform in FUSED_ATTENTION_PLATFORMS:
             notes.append(f"jax.nn.dot_product_attention ({n} calls): priced as {_FUSED_ATTENTION_KERNEL[platform]} "

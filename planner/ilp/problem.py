@@ -149,7 +149,7 @@ class _Op:
     arrays: list[int]  # positions of array operands
     scalars: list[int]  # positions of scalar operands
     combined: bool  # in `combinable_ops`
-    traffic: tuple  # the op's (reads, writes charged, FLOP share) under the preset's fusions (`_traffic`)
+    traffic: tuple  # the op's (reads, writes charged, FLOP share) under the preset's fusions (`fusion.Traffic.charged`)
 
 
 def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool = True,
@@ -226,12 +226,6 @@ def _input_nodes(built: _Decisions, graph: Graph, cost: CostModel, pins: Mapping
         built.owner[tid] = len(built.nodes) - 1
 
 
-def _traffic(t) -> tuple:
-    """An op's memory traffic as the strategies take it (`strategies._build`): (reads, writes
-    charged, FLOP share, the dtype its FLOPs run at inside a fused kernel or None)."""
-    return t.reads, tuple(w and not t.in_place for w in t.writes), t.flop_scale, t.rate_dtype
-
-
 def _add_op(inputs: _Inputs, built: _Decisions, op) -> None:
     """Op `op`'s part of the problem: nothing (a free result), a follower of its lead operand's
     decision, or a decision of its own."""
@@ -248,7 +242,7 @@ def _add_op(inputs: _Inputs, built: _Decisions, op) -> None:
                [k for k, x in enumerate(op.inputs) if isinstance(x, int) and graph.tensors[x].shape],
                [k for k, x in enumerate(op.inputs) if isinstance(x, int) and not graph.tensors[x].shape],
                op.index in inputs.combinable,
-               _traffic(inputs.memory_traffic[op.index]))
+               inputs.memory_traffic[op.index].charged)
     lead = _followed_operand(op, sig, graph, built.free, seen.arrays)
     if lead is not None:
         _merge_follower(inputs, built, seen, lead)

@@ -17,10 +17,11 @@ from planner.core.sharding import Spec, active_axes, axis_dim, num_shards
 
 # (collective kind, mesh axes, buffer bytes on one device)
 Comm = tuple[str, tuple[int, ...], int]
-# (reads, writes): how many times an op reads each operand from device memory (once per fusion it
-# runs in; 0 when the value is made inside) and which results it writes there, after fusion
-# (`planner.graph.fusion.Traffic`).
-Traffic = tuple[tuple[int, ...], tuple[bool, ...]]
+# (reads, writes, FLOP share, kernel dtype): how many times an op reads each operand from device
+# memory (once per fusion it runs in; 0 when the value is made inside; a slice its window's share),
+# which results it writes there, the share of its FLOPs it runs and the dtype they run at inside a
+# fused kernel (None: its operands'), after fusion (`planner.graph.fusion.Traffic.charged`).
+Traffic = tuple[tuple[float, ...], tuple[bool, ...], float, "str | None"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -111,7 +112,7 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
            cost: CostModel, combined: bool = False, traffic: Traffic | None = None) -> list[Strategy]:
     """Strategies for one label->axes assignment: all-reduce, or reduce-scatter onto a result dim.
 
-    `traffic`: (reads, writes[, FLOP share[, kernel dtype]]) of `planner.graph.fusion.fusions`: each
+    `traffic`: (reads, writes, FLOP share, kernel dtype): `planner.graph.fusion.Traffic.charged`: each
     operand is charged memory time as many times as the op reads it from device memory, each result
     when it is written there, its FLOPs times the share it runs, at the kernel dtype's rate when
     given (None: every operand once, every result, every FLOP, at its operands' rate)."""
@@ -120,9 +121,8 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
     base_out = tuple(_spec_of(l, axes_of) for l in sig.outputs)
     partial = tuple(sorted(a for l in sig.sum_labels for a in axes_of.get(l, ())))
     split = math.prod(mesh.axis_size(v) for v in axes_of.values())
-    reads, writes = traffic[:2] if traffic is not None else ((1,) * len(ins), (True,) * len(outs))
-    share = traffic[2] if traffic is not None and len(traffic) > 2 else 1.0
-    kernel_dtype = traffic[3] if traffic is not None and len(traffic) > 3 else None
+    reads, writes, share, kernel_dtype = traffic if traffic is not None else (
+        (1,) * len(ins), (True,) * len(outs), 1.0, None)
     moved = sum(shard_bytes(t, s, mesh) * r for t, s, r in zip(ins, in_specs, reads)
                 if r and t is not None and s is not None)
     moved += sum(shard_bytes(t, s, mesh) for t, s, w in zip(outs, base_out, writes) if w)

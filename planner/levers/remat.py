@@ -49,7 +49,7 @@ from planner.graph.ir import Body, Graph, Op, Recompute
 from planner.graph.scan_remat import (POLICIES as SCAN_POLICIES, is_recomputed, keeps, recomputable_scans,
                                       recompute_scans)
 from planner.ilp.levers import LEVERS, RAISE, levers_text
-from planner.core.layer_index import FUSED_ATTENTION, find_indexed
+from planner.core.layer_index import find_indexed, in_fused_attention
 from planner.core.options import REMAT
 from planner.core.plan import Plan
 from planner.core.plan_records import RematRecord
@@ -139,8 +139,8 @@ def _plan_copies(graph: Graph, layer: _Layer, policy: str, consumers, producer) 
     at = layer.backward[0]
     made = {t: i for i in layer.forward for t in graph.ops[i].outputs}
     saved = {t for t, i in made.items() if keeps(graph.ops[i].name, graph.ops[i].params, policy)
-             and (FUSED_ATTENTION not in graph.ops[i].name_stack.split("/")  # a fused attention keeps its output only
-                  or any(FUSED_ATTENTION not in graph.ops[j].name_stack.split("/") for j, _ in consumers.get(t, ())))}
+             and (not in_fused_attention(graph.ops[i].name_stack)  # a fused attention keeps its output only
+                  or any(not in_fused_attention(graph.ops[j].name_stack) for j, _ in consumers.get(t, ())))}
     residuals = {t for t in made if t not in saved and any(j >= at for j, _ in consumers.get(t, ()))}
     todo, copy = [made[t] for t in residuals], set()
     while todo:
