@@ -59,7 +59,9 @@ def plan_options(args, budget: float | None, cluster: Cluster | None = None) -> 
     """The `PlanOptions` the flags ask for, under the memory `budget`."""
     base = {"memory_budget": budget, "hardware": args.hardware, "profile": args.profile,
             "num_microbatches": args.microbatches, "inter_host": args.inter_host, "intra_host": args.intra_host}
-    if cluster is not None and (args.inter_host or args.intra_host):
+    if cluster is not None and cluster.topology is not None:
+        base["hardware"] = str(cluster)  # each axis priced by the levels it spans (`cost_model.topology`)
+    elif cluster is not None and (args.inter_host or args.intra_host):
         # the hosts' network is shared by the cluster's devices per host, not the preset's
         base["hardware"] = f"{cluster.hosts}x{cluster.devices_per_host}:{get_hardware(args.hardware).name}"
     if args.pipeline is not None:

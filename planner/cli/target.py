@@ -6,9 +6,11 @@ import math
 import os
 import re
 
-from planner.core.errors import PlannerError
+from planner.core.errors import PlannerError, first_line
 from planner.core.mesh import MeshSpec, default_axis_names
-from planner.cost_model import Cluster, hardware_with_links
+from planner.cost_model import Cluster, get_hardware, hardware_with_links
+from planner.cost_model.topology import Topology, is_topology, levels_text, topology_from_levels
+from planner.core.units import parse_link
 from planner.search.candidates import candidate_meshes, default_mesh_ndim
 from planner.stages.submesh import make_cluster
 from planner.cli.errors import CLIError
@@ -58,11 +60,34 @@ def _read_json(path: str):
         raise CLIError(f"--cluster {path!r} is not JSON ({e.msg} at line {e.lineno})") from None
 
 
-def read_cluster_file(args) -> None:
+def _levels_file(args, path: str, data: dict) -> Cluster:
+    """A cluster file with topology levels: {"hardware": PRESET, "devices_per_host": N (optional),
+    "levels": [{"name", "size", "link": "BANDWIDTH[,LATENCY]", "torus": [..], "wrap": [..]}, ...]},
+    innermost level first (`cost_model.topology.topology_from_levels`)."""
+    unknown = sorted(set(data) - {"hardware", "devices_per_host", "levels"})
+    if unknown:
+        raise CLIError(f"--cluster {path!r}: unknown key(s) {', '.join(unknown)}; a levels file has hardware, "
+                       "devices_per_host and levels")
+    try:
+        hw = get_hardware(data.get("hardware") or args.hardware)
+        topo = topology_from_levels(data["levels"], hw, data.get("devices_per_host"), parse_link, "levels")
+    except Exception as e:  # noqa: BLE001 - any malformed level: one line naming the file
+        raise CLIError(f"--cluster {path!r}: {first_line(e)}") from None
+    topo = Topology(topo.levels, topo.devices_per_host, levels_text(topo, hw))
+    if args.hardware is not None and get_hardware(args.hardware).name != hw.name:
+        raise CLIError(f"--cluster {path!r} is {hw.name} hardware but --hardware is {args.hardware!r}; give it once")
+    args.hardware = hw.name
+    return Cluster.of_topology(topo, hw)
+
+
+def read_cluster_file(args) -> Cluster | None:
     """Reads `--cluster FILE` (JSON) into args.cluster ("HOSTSxDEVICES[:PRESET]") and the link flags
-    (a flag given on the command line wins over the file)."""
+    (a flag given on the command line wins over the file); a file of topology levels is returned
+    as its cluster."""
     path = args.cluster
     data = _read_json(path)
+    if isinstance(data, dict) and "levels" in data:
+        return _levels_file(args, path, data)
     if not isinstance(data, dict) or not {"hosts", "devices_per_host"} <= set(data):
         raise CLIError(f"--cluster {path!r}: expected a JSON object with hosts and devices_per_host (and optionally "
                        "hardware, inter_host, intra_host)")
@@ -76,12 +101,31 @@ def read_cluster_file(args) -> None:
     for key in ("inter_host", "intra_host"):
         if getattr(args, key) is None and data.get(key) is not None:
             setattr(args, key, data[key])
+    return None
+
+
+def _topology_target(args, text: str) -> Cluster:
+    """A cluster described by its topology (`v5p:8x8x8`, `2xv5p:8x8x8`, `gb200-nvl72:2`); its hardware
+    becomes args.hardware."""
+    try:
+        cluster = Cluster.parse(text)
+    except ValueError as e:
+        raise CLIError(f"--cluster {text!r}: {e}") from None
+    if args.hardware is not None and get_hardware(args.hardware).name != cluster.hardware.name:
+        raise CLIError(f"--cluster {text} is {cluster.hardware.name} hardware but --hardware is {args.hardware!r}; "
+                       "give it once")
+    args.hardware = cluster.hardware.name
+    return cluster
 
 
 def _cluster_target(args) -> Cluster:
     """--cluster (a shape or a file); its hardware preset, if it names one, becomes args.hardware."""
     if args.cluster.strip().lower().endswith(".json") or os.path.isfile(args.cluster):
-        read_cluster_file(args)
+        topology = read_cluster_file(args)
+        if topology is not None:
+            return topology
+    if is_topology(args.cluster):
+        return _topology_target(args, args.cluster)
     cluster = parse_cluster(args.cluster)
     preset = args.cluster.partition(":")[2].strip() or None
     if preset is not None:
@@ -114,6 +158,9 @@ def pipeline_target(args, cluster: Cluster | None, num_devices: int) -> Cluster:
     --inter-host / --intra-host give."""
     hosts, per_host = (cluster.hosts, cluster.devices_per_host) if cluster else (1, num_devices)
     try:
+        if cluster is not None and cluster.topology is not None:
+            return cluster.with_links(hardware_with_links(cluster.hardware, args.inter_host, args.intra_host,
+                                                          cluster.topology.devices_per_host))
         linked = hardware_with_links(args.hardware, args.inter_host, args.intra_host, per_host)
         return make_cluster(hosts, per_host, linked)
     except (ValueError, PlannerError) as e:

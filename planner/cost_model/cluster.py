@@ -1,4 +1,9 @@
-"""A cluster: hosts x devices per host, and the links inside and between hosts.
+"""A cluster: hosts x devices per host, and the links inside and between hosts; or a topology.
+
+`HOSTSxDEVICES[:PRESET]` clusters are priced here as below. Clusters described by their topology
+(`v5p:8x8x8`, `2xv5p:8x8x8`, `gb200-nvl72:2`; `cost_model.topology`) count their fast domains (a
+slice, an NVLink rack) as the "hosts" of the search (pipeline stages, inter-host axes) and price
+every mesh axis and axis group by the levels and torus dimensions it spans.
 
 A logical mesh is laid out row-major over the cluster's devices in order (host 0's devices first,
 as `jax.devices()` orders them and `MeshSpec.to_jax_mesh` places them). A mesh axis whose groups
@@ -13,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from planner.cost_model.collectives import AxisLink
+from planner.cost_model.topology import Link, Topology, is_topology, parse_topology, two_level
 from planner.cost_model.hardware import (
     CLUSTER_PATTERN,
     DEFAULT_HARDWARE,
@@ -20,21 +26,6 @@ from planner.cost_model.hardware import (
     get_hardware,
 )
 from planner.core.mesh import MeshSpec
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Link:
-    """One direction of a per-device link: bandwidth (bytes/s) and latency (s)."""
-
-    bandwidth: float
-    latency: float
-
-    def __post_init__(self):
-        if not (self.bandwidth > 0 and self.latency >= 0):
-            raise ValueError(f"link bandwidth={self.bandwidth!r} must be > 0 and latency={self.latency!r} >= 0")
-
-    def axis_link(self) -> AxisLink:
-        return AxisLink(self.latency, 1.0 / self.bandwidth)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,6 +38,8 @@ class Cluster:
       hardware: the device kind (compute peaks, default link figures).
       intra: link between devices of one host (default: the hardware's intra-host figures).
       inter: link between hosts, per device (default: the hardware's inter-host figures).
+      topology: for clusters described by their topology: its levels; `hosts` and
+        `devices_per_host` are then its fast domains (level 0 units) and their size.
     """
 
     hosts: int
@@ -54,21 +47,33 @@ class Cluster:
     hardware: Hardware = DEFAULT_HARDWARE
     intra: Link | None = None
     inter: Link | None = None
+    topology: Topology | None = None
 
     def __post_init__(self):
         for name in ("hosts", "devices_per_host"):
             v = getattr(self, name)
             if isinstance(v, bool) or not (isinstance(v, (int, np.integer)) and v >= 1):
                 raise ValueError(f"cluster {name}={v!r} must be an int >= 1")
+        t = self.topology
+        if t is not None and (t.domains, t.domain_size) != (self.hosts, self.devices_per_host):
+            raise ValueError(f"cluster {self.hosts}x{self.devices_per_host} does not match its topology {t} "
+                             f"({t.domains} domains of {t.domain_size})")
 
     @staticmethod
     def is_cluster(text: object) -> bool:
-        """Whether `text` is a cluster description ("HOSTSxDEVICES[:PRESET]")."""
-        return isinstance(text, str) and CLUSTER_PATTERN.match(text) is not None
+        """Whether `text` is a cluster description ("HOSTSxDEVICES[:PRESET]" or a topology)."""
+        return isinstance(text, str) and (CLUSTER_PATTERN.match(text) is not None or is_topology(text))
+
+    @classmethod
+    def of_topology(cls, topology: Topology, hardware: Hardware) -> Cluster:
+        return cls(topology.domains, topology.domain_size, hardware, topology=topology)
 
     @classmethod
     def parse(cls, text: str) -> Cluster:
-        """A cluster from `"HOSTSxDEVICES[:PRESET]"`, e.g. `"4x8:h100"`."""
+        """A cluster from `"HOSTSxDEVICES[:PRESET]"`, e.g. `"4x8:h100"`, or a topology such as
+        `"v5p:8x8x8"`, `"2xv5p:8x8x8"` or `"gb200-nvl72:2"`."""
+        if is_topology(text):
+            return cls.of_topology(*parse_topology(text))
         m = CLUSTER_PATTERN.match(text)
         if not m:
             raise ValueError(f"cluster {text!r} is not of the form 'HOSTSxDEVICES[:PRESET]', e.g. '4x8:h100'")
@@ -86,6 +91,36 @@ class Cluster:
     def inter_link(self) -> Link:
         return self.inter or Link(self.hardware.inter_bandwidth, self.hardware.inter_latency)
 
+    @property
+    def topo(self) -> Topology:
+        """The topology: the described one, or two switched levels (host, network)."""
+        if self.topology is not None:
+            return self.topology
+        return two_level(self.hosts, self.devices_per_host, self.intra_link, self.inter_link)
+
+    @property
+    def physical_hosts(self) -> int:
+        """Processes (TPU VMs, servers, trays) of the cluster."""
+        if self.topology is None:
+            return self.hosts
+        return max(1, self.num_devices // self.topology.devices_per_host)
+
+    def with_links(self, hardware: Hardware) -> Cluster:
+        """This cluster on `hardware` whose intra/inter links were overridden (`hardware_with_links`):
+        for a topology, level 0's link becomes the intra-host figure (one port of a torus) and the
+        outermost level's the inter-host one."""
+        if self.topology is None:
+            return dataclasses.replace(self, hardware=hardware)
+        levels = list(self.topology.levels)
+        if hardware.intra_bandwidth != self.hardware.intra_bandwidth or \
+                hardware.intra_latency != self.hardware.intra_latency:
+            levels[0] = dataclasses.replace(levels[0], link=Link(hardware.intra_bandwidth, hardware.intra_latency))
+        if len(levels) > 1 and (hardware.inter_bandwidth != self.hardware.inter_bandwidth
+                                or hardware.inter_latency != self.hardware.inter_latency):
+            levels[-1] = dataclasses.replace(levels[-1], link=Link(hardware.inter_bandwidth, hardware.inter_latency))
+        topo = dataclasses.replace(self.topology, levels=tuple(levels))
+        return dataclasses.replace(self, hardware=hardware, topology=topo)
+
     def host_of(self) -> tuple[int, ...]:
         """Host index of each device, in device order."""
         return tuple(i // self.devices_per_host for i in range(self.num_devices))
@@ -94,15 +129,36 @@ class Cluster:
         """Mesh axes whose device groups span more than one host."""
         if mesh.size != self.num_devices:
             raise ValueError(f"mesh {mesh} has {mesh.size} devices but cluster {self} has {self.num_devices}")
+        if self.topology is not None:
+            return self.topology.crossing_axes(mesh.shape)
         return tuple(a for a in range(mesh.ndim) if spans_hosts(mesh, (a,), self.host_of()))
 
+    def group_links(self, mesh: MeshSpec) -> tuple[tuple[tuple[int, ...], AxisLink], ...]:
+        """Links of groups of several axes where the topology prices them otherwise than by their
+        slowest axis (tori: a group over several dimensions uses all their ports); () otherwise."""
+        if self.topology is None or not any(lv.torus for lv in self.topology.levels):
+            return ()
+        return self.topology.mesh_links(mesh.shape)[1]
+
     def axis_links(self, mesh: MeshSpec) -> tuple[AxisLink, ...]:
+        if self.topology is not None:
+            if mesh.size != self.num_devices:
+                raise ValueError(f"mesh {mesh} has {mesh.size} devices but cluster {self} has {self.num_devices}")
+            return self.topology.mesh_links(mesh.shape)[0]
         inter = set(self.inter_host_axes(mesh))
         return tuple(
             (self.inter_link if a in inter else self.intra_link).axis_link() for a in range(mesh.ndim)
         )
 
+    def describe(self) -> str:
+        """In words, for reports: "2 hosts x 8 devices" or the topology's levels."""
+        if self.topology is None:
+            return f"{self.hosts} hosts x {self.devices_per_host} devices"
+        return f"{self.topology} ({self.num_devices} devices: {self.topology.describe()})"
+
     def __str__(self) -> str:
+        if self.topology is not None:
+            return str(self.topology)
         return f"{self.hosts}x{self.devices_per_host}:{self.hardware.name}"
 
 

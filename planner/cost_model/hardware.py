@@ -291,6 +291,46 @@ TPU_V5P = Hardware("tpu-v5p", flops_f32=459e12, flops_bf16=459e12, memory_bytes=
                    matmul_curve=_sweep_curve(_H100_BF16_SWEEP, 459 / 989), matmul_efficiency=_MAMF_H100,
                    memory_efficiency=_HOPPER_MEMORY_EFFICIENCY, rates_source=_STAND_IN)
 
+# Cloud TPU v6e (Trillium) docs, "System architecture": 918 TFLOP/s bf16, 32 GB HBM at 1,638 GB/s,
+# bidirectional ICI 800 GB/s per chip over 4 ports of a 2D torus (100 GB/s per port per direction),
+# 8 chips per host, 256-chip pods (16x16). The page gives no per-host NIC figure; the DCN link is
+# assumed equal to v5e's 2 x 100 Gb/s per 8-chip host (3.125 GB/s per chip), an assumption stated
+# here until a multislice profile (`planner profile`) measures it. As for the other TPU presets,
+# `intra_bandwidth` is one torus dimension's ring (two ports' worth of one direction); a
+# topology (`v6e:16x16`, `cost_model.topology`) prices each axis by the torus dimensions it spans.
+TPU_V6E = Hardware("tpu-v6e", flops_f32=918e12, flops_bf16=918e12, memory_bytes=32 * _GB,
+                   memory_bandwidth=1.638e12, intra_bandwidth=200 * _GB, intra_latency=5e-6,
+                   inter_bandwidth=3.125 * _GB, inter_latency=30e-6, devices_per_host=8,
+                   device_kind=r"^tpu v6", platform="tpu",
+                   matmul_curve=_sweep_curve(_H100_BF16_SWEEP, 918 / 989), matmul_efficiency=_MAMF_H100,
+                   memory_efficiency=_HOPPER_MEMORY_EFFICIENCY, rates_source=_STAND_IN)
+
+# Blackwell. NVIDIA Blackwell architecture technical brief, as tabulated by G. Lockwood
+# (glennklockwood.com/garden/processors/B200): HGX B200 at 1,000 W: FP32 80 TFLOP/s, BF16 2,250
+# TFLOP/s dense; the GB200 part at 1,200 W: FP32 90, BF16 2,500 dense; HBM3e at 8 TB/s. Memory: DGX
+# B200 datasheet 1,440 GB for 8 GPUs (180 GB each); GB200 NVL72 datasheet 13.4 TB for 72 GPUs (186
+# GB each, as MLPerf's GB200 system descriptions list it). NVLink 5: 1.8 TB/s bidirectional per GPU
+# (900 GB/s per direction) to every GPU of the NVLink domain, through NVLink switches: 8 GPUs in
+# an HGX B200, 72 across the 18 compute trays of a GB200 NVL72 (4 GPUs per tray). Between domains:
+# DGX B200 8x ConnectX-7 400 Gb/s, and a GB200 compute tray 4x ConnectX-7 for its 4 GPUs (MLPerf
+# Inference v6.1, Crusoe GB200-NVL72 system description): 50 GB/s per GPU either way. Host links:
+# HGX B200 hosts are PCIe Gen5 x16 (63 GB/s per direction); a GB200 superchip joins one Grace CPU to
+# its two GPUs by NVLink-C2C, 900 GB/s bidirectional (GB200 datasheet), 225 GB/s per GPU per
+# direction. No GEMM sweep of Blackwell is published with the H100 sweep's method: the H100 sweep
+# scaled by the peak ratio stands in (`_STAND_IN`).
+B200 = Hardware("b200", flops_f32=80e12, flops_bf16=2250e12, memory_bytes=180 * _GB, memory_bandwidth=8e12,
+                intra_bandwidth=900 * _GB, intra_latency=2e-6, inter_bandwidth=50 * _GB, inter_latency=10e-6,
+                devices_per_host=8, device_kind=r"^nvidia b200", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
+                matmul_efficiency=_MAMF_H100, host_bandwidth=_PCIE5_X16,
+                matmul_curve=_sweep_curve(_H100_BF16_SWEEP, 2250 / 989), memory_efficiency=_HOPPER_MEMORY_EFFICIENCY,
+                rates_source=_STAND_IN)
+GB200 = Hardware("gb200", flops_f32=90e12, flops_bf16=2500e12, memory_bytes=186 * _GB, memory_bandwidth=8e12,
+                 intra_bandwidth=900 * _GB, intra_latency=2e-6, inter_bandwidth=50 * _GB, inter_latency=10e-6,
+                 devices_per_host=4, device_kind=r"gb200", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
+                 matmul_efficiency=_MAMF_H100, host_bandwidth=225 * _GB,
+                 matmul_curve=_sweep_curve(_H100_BF16_SWEEP, 2500 / 989), memory_efficiency=_HOPPER_MEMORY_EFFICIENCY,
+                 rates_source=_STAND_IN)
+
 # This development machine: a 2-vCPU AMD EPYC (Zen 5, AVX-512, 2.6 GHz; `lscpu`) split into 8 XLA
 # host devices (`--xla_force_host_platform_device_count=8`), so each device gets 1/8 of the host.
 # Peak: 2 cores x 2.6 GHz x 64 f32 FLOP/cycle (two 512-bit FMA pipes) / 8 = 41.6 GFLOP/s per device
@@ -314,11 +354,13 @@ CPU = Hardware("cpu", flops_f32=41.6e9, flops_bf16=41.6e9, memory_bytes=24 * _GB
                             "device; the memory figure is the measured streaming rate)")
 
 PRESETS: Mapping[str, Hardware] = MappingProxyType(
-    {hw.name: hw for hw in (H100_SXM, H200, A100_40GB, A100_80GB, V100_16GB, TPU_V4, TPU_V5E, TPU_V5P, CPU)}
+    {hw.name: hw for hw in (H100_SXM, H200, A100_40GB, A100_80GB, V100_16GB, TPU_V4, TPU_V5E, TPU_V5P, TPU_V6E, B200,
+                            GB200, CPU)}
 )
 _ALIASES: Mapping[str, str] = MappingProxyType(
     {"h100": "h100-sxm", "a100": "a100-80gb", "v100": "v100-16gb", "v4": "tpu-v4", "v5e": "tpu-v5e",
-     "v5p": "tpu-v5p"}
+     "v5p": "tpu-v5p", "v6e": "tpu-v6e",
+     "trillium": "tpu-v6e"}
 )
 DEFAULT_HARDWARE = A100_80GB
 
@@ -339,11 +381,14 @@ def get_hardware(name_or_hw: str | Hardware | None) -> Hardware:
     m = CLUSTER_PATTERN.match(str(name_or_hw))
     if m:
         return get_hardware(m.group(3)) if m.group(3) else DEFAULT_HARDWARE
+    from planner.cost_model.topology import is_topology, parse_topology  # topology imports this module
+    if is_topology(name_or_hw):
+        return parse_topology(str(name_or_hw))[1]
     key = str(name_or_hw).lower()
     key = _ALIASES.get(key, key)
     if key not in PRESETS:
         raise ValueError(f"unknown hardware {name_or_hw!r}; known presets: {', '.join(sorted(PRESETS))} "
-                         "(or a cluster such as '4x8:h100')")
+                         "(or a cluster such as '4x8:h100' or 'v5p:8x8x8')")
     return PRESETS[key]
 
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from planner.cost_model.cluster import Cluster
-from planner.cost_model.collectives import AxisLink, analytic_time, best_time, check_kind, group_link, ring_steps
+from planner.cost_model.collectives import AxisLink, best_time, check_kind, group_link, ring_steps
 from planner.cost_model.hardware import (
     DEFAULT_HARDWARE,
     Hardware,
@@ -20,6 +20,7 @@ from planner.cost_model.hardware import (
     peak_flops,
     rate_class,
 )
+from planner.cost_model.topology import is_topology
 from planner.cost_model.profile_db import MeasuredCollectives, ProfileDB, bind, check_device_kind, load_profile
 from planner.core.errors import MeshError
 from planner.core.mesh import MeshSpec
@@ -130,12 +131,16 @@ class CostModel:
       links: alpha/beta of each mesh axis, for the analytic model.
       measured: profiled curves per (collective, axis group); where present they replace the
         analytic time.
+      group_links: ((axes, link), ...) for groups of several axes the topology prices otherwise
+        than by their slowest axis (a torus: a group over several dimensions uses all their ports);
+        other groups run at their slowest axis's link (`collectives.group_link`).
     """
 
     mesh: MeshSpec
     hardware: Hardware
     links: tuple[AxisLink, ...]
     measured: MeasuredCollectives | None = None
+    group_links: tuple[tuple[tuple[int, ...], AxisLink], ...] = ()
 
     def __post_init__(self):
         if len(self.links) != self.mesh.ndim:
@@ -157,7 +162,14 @@ class CostModel:
     def for_cluster(cls, mesh: MeshSpec, cluster: Cluster) -> CostModel:
         """Analytic model of `mesh` laid out row-major over `cluster`: axes that span hosts use the
         inter-host link."""
-        return cls(mesh, cluster.hardware, cluster.axis_links(mesh))
+        return cls(mesh, cluster.hardware, cluster.axis_links(mesh), group_links=cluster.group_links(mesh))
+
+    @classmethod
+    def for_topology_part(cls, mesh: MeshSpec, cluster: Cluster) -> CostModel:
+        """Analytic model of `mesh` laid out row-major over the first `mesh.size` devices of a
+        topology cluster (a pipeline stage's submesh, a smaller mesh planned for it)."""
+        links, groups = cluster.topo.mesh_links(mesh.shape)
+        return cls(mesh, cluster.hardware, links, group_links=groups)
 
     @classmethod
     def from_profile(cls, mesh: MeshSpec, profile: Any, hardware: str | Hardware | None = None,
@@ -214,6 +226,14 @@ class CostModel:
         """
         if profile is not None:
             return cls.from_profile(mesh, profile, hardware, tuple(inter_host_axes) or None)
+        if is_topology(hardware):
+            cluster = Cluster.parse(hardware)
+            if mesh.size > cluster.num_devices:
+                raise MeshError(f"cluster {hardware!r} has {cluster.num_devices} devices but the mesh {mesh} has "
+                                f"{mesh.size}; describe the cluster the mesh runs on")
+            if mesh.size == cluster.num_devices:
+                return cls.for_cluster(mesh, cluster)
+            return cls.for_topology_part(mesh, cluster)
         if Cluster.is_cluster(hardware) and not inter_host_axes:
             cluster = Cluster.parse(hardware)
             if cluster.num_devices != mesh.size:
@@ -237,10 +257,19 @@ class CostModel:
             if curve is not None:
                 t = curve(nbytes)
                 return max(0.0, t - curve.fit.alpha) if combined else t
+        link = self.link_of(axes)
         if combined:
-            links = tuple(AxisLink(0.0, link.beta) for link in self.links)
-            return analytic_time(kind, nbytes, axes, self.mesh, links)
-        return analytic_time(kind, nbytes, axes, self.mesh, self.links)
+            link = AxisLink(0.0, link.beta)
+        return best_time(kind, nbytes, self.mesh.axis_size(axes), link)[0]
+
+    def link_of(self, axes: Sequence[int]) -> AxisLink:
+        """The link a collective over `axes` (sorted, of size > 1) runs at."""
+        axes = tuple(axes)
+        if len(axes) > 1:
+            for group, link in self.group_links:
+                if group == axes:
+                    return link
+        return group_link(axes, self.links)
 
     def collective_latency(self, kind: str, axes: Sequence[int]) -> float:
         """The latency `collective_time(..., combined=True)` leaves out: what one combined collective
@@ -254,7 +283,7 @@ class CostModel:
             curve = self.measured.get(kind, axes)
             if curve is not None:
                 return max(0.0, curve.fit.alpha)
-        return ring_steps(kind, self.mesh.axis_size(axes)) * group_link(axes, self.links).alpha
+        return ring_steps(kind, self.mesh.axis_size(axes)) * self.link_of(axes).alpha
 
     def algorithm(self, kind: str, nbytes: float, axes: Sequence[int]) -> str:
         """How the time of `collective_time` is obtained: "measured", "ring" or "tree"."""
@@ -262,7 +291,7 @@ class CostModel:
         if self.measured is not None and self.measured.get(kind, axes) is not None:
             return "measured"
         n = self.mesh.axis_size(axes)
-        return best_time(kind, nbytes, n, group_link(axes, self.links))[1] if n > 1 else "ring"
+        return best_time(kind, nbytes, n, self.link_of(axes))[1] if n > 1 else "ring"
 
     def compute_time(self, flops: float, bytes_accessed: float,
                      dtypes: np.dtype | Iterable[np.dtype] | None = None, kernels: int = 0,

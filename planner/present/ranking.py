@@ -114,8 +114,7 @@ def plan_view(ranked: Ranked, graph: Graph, label: str, devices: int, cluster: C
         "model": label,
         "devices": devices,
         "cluster": None if cluster is None else {"hosts": cluster.hosts, "devices_per_host": cluster.devices_per_host},
-        "cluster_text": (f"{cluster.hosts} hosts x {cluster.devices_per_host} devices" if cluster
-                         else f"{devices} devices"),
+        "cluster_text": cluster.describe() if cluster else f"{devices} devices",
         "inter_host_axes": ([0] if multi_stage and best.mesh.ndim > 1 else
                             list(best.options.inter_host_axes)),
         "hardware": dict(hardware),
@@ -127,6 +126,9 @@ def plan_view(ranked: Ranked, graph: Graph, label: str, devices: int, cluster: C
         "ranking": [row for row, _ in ranked],
         "planning_time_s": round(planning_time_s, 2),
     }
+    if cluster is not None and cluster.topology is not None and best.mesh.size == cluster.num_devices:
+        data["context"]["topology"] = {"text": str(cluster),
+                                       "split": [list(p) for p in cluster.topology.split_axes(best.mesh.shape)]}
     view = PlanView.from_dict(data)
     if view.rules is not None and not multi_stage:  # a multi-stage plan's top-level specs are placeholders
         data["context"]["logical_axis_rules"] = view.rules.to_dict()

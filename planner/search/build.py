@@ -18,6 +18,7 @@ from planner.ilp.problem import Problem
 from planner.ilp.levers import LEVERS, levers_of
 from planner.ilp.memory_bounds import liveness_floor, memory_floor, memory_lower_bound, over_budget_strategies
 from planner.ilp.solver import PROBE_UNITS, probe_bound
+from planner.cost_model.topology import is_topology
 from planner.search.candidates import inter_host_axes, mirror_key
 from planner.search.cores import idle_cores
 from planner.search.mesh_plan import donated_inputs, plan_problem
@@ -79,7 +80,8 @@ def _admit(search: Search, k: int, spec: MeshSpec, inter: tuple[int, ...]) -> tu
     """Mesh `k` as a candidate, or None (recorded) when it is another mesh with its axes permuted
     (`mirror_key`) or the memory floor of its device count is over the budget."""
     options = search.options
-    key = mirror_key(spec, inter) if options.profile is None else None
+    # a topology prices a permuted mesh's axes otherwise (row-major over a torus): no twins there
+    key = mirror_key(spec, inter) if options.profile is None and not is_topology(options.hardware) else None
     if key is not None and key in search.keys:
         log.info("mesh %s: the problem of mesh %s with its axes permuted; not planned again", spec, search.keys[key])
         return dataclasses.replace(search, twins=search.twins + ((spec, inter, key),)), None

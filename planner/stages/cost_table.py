@@ -37,7 +37,7 @@ from planner.search.cores import idle_cores
 from planner.stages.clustering import Layers
 from planner.stages.layer_cost import LayerCost, layer_cost
 from planner.stages.layer_facts import LayerFacts, external_inputs, layer_edges, layer_facts
-from planner.stages.submesh import LogicalMesh, effective_hardware
+from planner.stages.submesh import LogicalMesh, effective_hardware, planning_hardware
 
 
 # The hand layouts each layer is also planned in (`LayerCostTable.variants`; see the module docstring).
@@ -140,7 +140,7 @@ class LayerCostTable:
 
     def _solve(self, layer: int, mesh_index: int, pinned: Mapping[int, Spec]) -> LayerCost:
         return layer_cost(self.graph, self.layers, self.facts[layer], layer, self.meshes[mesh_index],
-                           effective_hardware(self.cluster), self.options, pinned)
+                           planning_hardware(self.cluster), self.options, pinned)
 
     def cost(self, layer: int, mesh_index: int, variant: str = "") -> LayerCost:
         key, pinned = self._key(layer, mesh_index, variant)

@@ -36,7 +36,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 
-from planner.cost_model import Hardware
+from planner.cost_model import Hardware, get_hardware
 from planner.core.errors import MeshError, PlannerError
 from planner.core.options import PlanOptions
 from planner.core.plan import PredictedCollective
@@ -117,12 +117,12 @@ def zero_spec(shape: tuple[int, ...], spec: Spec, mesh) -> Spec:
 
 
 def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmesh: LogicalMesh,
-               hardware: Hardware, options: PlanOptions, pinned: Mapping[int, Spec] | None = None) -> LayerCost:
+               hardware: str | Hardware, options: PlanOptions, pinned: Mapping[int, Spec] | None = None) -> LayerCost:
     """The layer planned alone on `lmesh` with the inputs `pinned` fixes (see the module docstring)."""
     sub, ext = subgraph(graph, facts.ops, f"{layers.names[layer]}/", facts.param_grads, facts.exported)
     if not sub.ops:
         return LayerCost(0.0, 0.0, 0.0, 0.0, 0.0)
-    cost = lmesh.cost_model(hardware)
+    cost = lmesh.cost_model(get_hardware(hardware))
     opts = dataclasses.replace(options, memory_budget=None, pipeline=False, tie_outputs=True,
                                inter_host_axes=lmesh.host_axes, hardware=hardware,
                                donate_argnums=())  # a layer's subgraph: no step arguments of its own

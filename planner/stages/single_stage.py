@@ -31,7 +31,7 @@ from planner.stages.layer_facts import boundary_bytes
 from planner.stages.pipeline_plan import PipelinePlan
 from planner.stages.search_space import SearchSpace, layer_table
 from planner.stages.stage_cost import StageTimes, stage_times
-from planner.stages.submesh import LogicalMesh, effective_hardware
+from planner.stages.submesh import LogicalMesh, planning_hardware
 
 log = logging.getLogger("planner")
 
@@ -91,7 +91,7 @@ def _as_whole_program(space: SearchSpace, graph: Graph, st1: StageTimes, one: Si
     try:
         whole = make_plan(graph, lm.mesh, dataclasses.replace(
             space.options, pipeline=False, memory_budget=space.budget, inter_host_axes=lm.host_axes,
-            hardware=effective_hardware(space.cluster)), bound, pins=input_pins(space.pins, graph, lm))
+            hardware=planning_hardware(space.cluster)), bound, pins=input_pins(space.pins, graph, lm))
         one = dataclasses.replace(one, time_s=whole.prediction.step_time_s, whole=whole, whole_axes=lm.host_axes)
     except PlannerError as e:
         log.info("single stage on %s: %s", lm.mesh, e)
@@ -149,7 +149,7 @@ def _single_stage_search(graph: Graph, cluster: Cluster, options: PlanOptions, b
     """The fastest single-stage plan of `graph` on the cluster's mesh shapes (`search.meshes.search_meshes`
     with the cluster's links; meshes that cannot beat `beat` pruned), with its inter-host axes; None
     when none fits `budget` or beats `beat`."""
-    single = dataclasses.replace(options, pipeline=False, memory_budget=budget, hardware=effective_hardware(cluster))
+    single = dataclasses.replace(options, pipeline=False, memory_budget=budget, hardware=planning_hardware(cluster))
     bound = list(devices)[:cluster.num_devices] if len(devices) >= cluster.num_devices else None
     results = search_meshes(graph, candidate_meshes(cluster.num_devices), single,
                             devices_per_host=cluster.devices_per_host, devices=bound, beat=beat,

@@ -44,6 +44,15 @@ def boundary_link(cluster: Cluster) -> AxisLink:
     return inter_link(cluster) if cluster.hosts > 1 else intra_link(cluster)
 
 
+def planning_hardware(cluster: Cluster) -> str | Hardware:
+    """What `PlanOptions.hardware` says to plan a stage or the whole of `cluster` with: a topology
+    cluster's description (each axis priced by the levels it spans; the options' link overrides
+    applied again), else the hardware record carrying the cluster's two links."""
+    if cluster.topology is not None:
+        return str(cluster)
+    return effective_hardware(cluster)
+
+
 def effective_hardware(cluster: Cluster) -> Hardware:
     """The cluster's hardware record carrying its links, for cost models built from `Hardware` alone."""
     intra, inter = cluster.intra_link, cluster.inter_link
@@ -58,9 +67,19 @@ class LogicalMesh:
     mesh: MeshSpec
     links: tuple[AxisLink, ...]
     host_axes: tuple[int, ...]
+    groups: tuple[tuple[tuple[int, ...], AxisLink], ...] = ()
 
     def cost_model(self, hardware: Hardware) -> CostModel:
-        return CostModel(self.mesh, hardware, self.links)
+        return CostModel(self.mesh, hardware, self.links, group_links=self.groups)
+
+
+def _priced(lm: LogicalMesh, cluster: Cluster) -> LogicalMesh:
+    """`lm` with a topology cluster's links: the mesh laid out over the cluster's first devices, each
+    axis and axis group priced by the levels and torus dimensions it spans."""
+    if cluster.topology is None:
+        return lm
+    links, groups = cluster.topo.mesh_links(lm.mesh.shape)
+    return dataclasses.replace(lm, links=links, groups=groups)
 
 
 # Clusters of more hosts than this plan stages on whole hosts, 2^k of them (or all): Alpa's space, every
@@ -104,15 +123,18 @@ def logical_meshes(submesh: Shape, cluster: Cluster, max_ndim: int = 2) -> tuple
     size = n * m
     one_d = LogicalMesh(MeshSpec((size,), default_axis_names(1)),
                         (inter_link(cluster) if n > 1 else intra_link(cluster),), (0,) if n > 1 else ())
+    one_d = _priced(one_d, cluster)
     if max_ndim < 2:
         return (one_d,)
     if n > 1:
-        return (LogicalMesh(MeshSpec((n, m), default_axis_names(2)), (inter_link(cluster), intra_link(cluster)), (0,)),)
+        return (_priced(LogicalMesh(MeshSpec((n, m), default_axis_names(2)), (inter_link(cluster), intra_link(cluster)),
+                                    (0,)), cluster),)
     factors = [a for a in range(2, size) if size % a == 0 and a * a <= size]
     if not factors:
         return (one_d,)
     a = max(factors)
-    return (LogicalMesh(MeshSpec((a, size // a), default_axis_names(2)), (intra_link(cluster),) * 2, ()),)
+    return (_priced(LogicalMesh(MeshSpec((a, size // a), default_axis_names(2)), (intra_link(cluster),) * 2, ()),
+                    cluster),)
 
 
 def tensor_parallel_mesh(submesh: Shape, cluster: Cluster, ways: int) -> LogicalMesh:
@@ -129,9 +151,9 @@ def tensor_parallel_mesh(submesh: Shape, cluster: Cluster, ways: int) -> Logical
                                    "host of each stage")
     first = inter_link(cluster) if n > 1 else intra_link(cluster)
     if n * m == ways:
-        return LogicalMesh(MeshSpec((ways,), default_axis_names(1)), (intra_link(cluster),), ())
-    return LogicalMesh(MeshSpec((n * m // ways, ways), default_axis_names(2)), (first, intra_link(cluster)),
-                       (0,) if n > 1 else ())
+        return _priced(LogicalMesh(MeshSpec((ways,), default_axis_names(1)), (intra_link(cluster),), ()), cluster)
+    return _priced(LogicalMesh(MeshSpec((n * m // ways, ways), default_axis_names(2)), (first, intra_link(cluster)),
+                               (0,) if n > 1 else ()), cluster)
 
 
 def place_submeshes(shapes: Sequence[Shape], cluster: Cluster) -> tuple[tuple[int, ...], ...]:

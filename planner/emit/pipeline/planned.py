@@ -41,7 +41,7 @@ from planner.stages.microbatches import UntraceableMicrobatches
 from planner.stages.pipeline_plan import PipelinePlan
 from planner.stages.single_stage import input_pins
 from planner.emit.pipeline.runtime import PipelinedStep, StageLowered
-from planner.stages.submesh import LogicalMesh, effective_hardware, make_cluster
+from planner.stages.submesh import LogicalMesh, make_cluster, planning_hardware
 
 
 def cluster_for(mesh: MeshSpec | None, num_devices: int, options: PlanOptions) -> Cluster:
@@ -64,7 +64,9 @@ def pipeline_cluster(mesh: MeshSpec | None, num_devices: int, options: PlanOptio
     base = cluster_for(mesh, num_devices, options)
     if options.inter_host is None and options.intra_host is None:
         return base
-    hw = hardware_with_links(base.hardware, options.inter_host, options.intra_host, base.devices_per_host)
+    hw = hardware_with_links(base.hardware, options.inter_host, options.intra_host, base.topo.devices_per_host)
+    if base.topology is not None:
+        return base.with_links(hw)
     return make_cluster(base.hosts, base.devices_per_host, hw)
 
 
@@ -215,7 +217,7 @@ def stage_plans_for(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph,
     step = PipelinedStep.from_plan(loss_fn, update, pp, positions)
     layouts = [dataclasses.replace(lay, specs=rekey(lay.specs)) for lay in step.layouts]
     step = PipelinedStep(loss_fn, update, layouts, step.num_microbatches, step.schedule)
-    hw = effective_hardware(cluster)
+    hw = planning_hardware(cluster)
     opts = [dataclasses.replace(options, hardware=hw, inter_host_axes=st.host_axes) for st in pp.stages]
     return step.stage_plan_records(params, batch, opts)
 
@@ -328,7 +330,7 @@ def plan_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, clu
         jax_mesh = st.mesh.to_jax_mesh([devices[i] for i in st.devices]) if max(st.devices) < len(devices) else None
         pinned = input_pins(kwargs.get("pins"), graph, LogicalMesh(st.mesh, (), st.host_axes))
         plan = make_plan(graph, st.mesh, dataclasses.replace(options, inter_host_axes=st.host_axes,
-                                                             hardware=effective_hardware(cluster)), jax_mesh, pins=pinned)
+                                                             hardware=planning_hardware(cluster)), jax_mesh, pins=pinned)
     return dataclasses.replace(plan, pipeline=pp.facts()), pp
 
 
