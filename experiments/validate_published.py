@@ -577,6 +577,72 @@ def main_h100(args) -> list[dict]:
     return results + toolbox
 
 
+# ----- A TPU slice: MaxText's Llama-2-70B on v5p-1024 (512 chips, one 8x8x8 slice) ------------------
+# MaxText docs, reference/models/tiering.md ("Optimized models tiering", v5p Gold): Llama 2 70B on 512
+# chips, BF16, seq 4096: 65.4% MFU, ~692 tokens/s/device; its recipe (MaxText/configs/v5p/llama2_70b.sh)
+# runs per_device_batch_size=4 (global batch 2048, "4M token global batch size on 1 x v5p-512"), remat
+# save_dot_except_mlpwi, MaxText's default mesh (ici_fsdp_parallelism over the whole slice), flash
+# attention. Step time = 2048 x 4096 tokens / (692 x 512 tokens/s) = 23.68 s.
+V5P_BATCH, V5P_SEQ, V5P_TOKENS_PER_S_PER_CHIP, V5P_CHIPS = 2048, 4096, 692.0, 512
+V5P_STEP_S = V5P_BATCH * V5P_SEQ / (V5P_TOKENS_PER_S_PER_CHIP * V5P_CHIPS)
+V5P_FN = "experiments/models/llama7b_fused.py:make_70b_dpa_step"
+
+
+def v5p_row(cluster: str, attention_fn: str = V5P_FN) -> dict:
+    """`planner plan --fn ... --cluster CLUSTER --batch 2048 --seq 4096`, as a user runs it, read back
+    from its --json file."""
+    import tempfile
+
+    from planner import cli
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "plan.json"
+        t0 = time.perf_counter()
+        code = cli.main(["plan", "--fn", attention_fn, "--cluster", cluster, "--batch", str(V5P_BATCH), "--seq",
+                         str(V5P_SEQ), "--quiet", "--json", str(path)])
+        took = time.perf_counter() - t0
+        if code != 0:
+            return {"cluster": cluster, "error": f"planner plan exited {code}"}
+        data = json.loads(path.read_text())
+    pred = data["prediction"]
+    ctx = data.get("context") or {}
+    return {"cluster": cluster, "step_s": pred["step_time_s"], "measured_step_s": V5P_STEP_S,
+            "ratio_to_measured": V5P_STEP_S / pred["step_time_s"], "memory_gb": pred["memory_bytes_per_device"] / 1e9,
+            "mesh": "x".join(map(str, data["mesh"]["shape"])), "stages": max(1, len(data.get("stages") or ())),
+            "split": (ctx.get("topology") or {}).get("split"), "levers": data.get("levers"),
+            "planning_s": round(took, 1)}
+
+
+def main_v5p(args) -> list[dict]:
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for cluster in ("v5p:8x8x8", "2xv5p:8x8x8"):
+        print(f"Llama-2-70B (batch {V5P_BATCH}, seq {V5P_SEQ}, flash attention) on {cluster} ...", flush=True)
+        rows.append(v5p_row(cluster))
+        print(f"    {rows[-1]}", flush=True)
+    lines = ["", f"MaxText's Llama-2-70B on 512 v5p chips (batch {V5P_BATCH}, seq {V5P_SEQ}; MaxText docs, "
+             f"reference/models/tiering.md: 65.4% MFU, ~692 tokens/s/chip = {V5P_STEP_S:.2f} s/step), planned by "
+             f"`planner plan --fn {V5P_FN} --cluster C --batch {V5P_BATCH} --seq {V5P_SEQ}` "
+             "(experiments/validate_published.py --generation v5p)", "",
+             "| cluster | mesh | split (dcn x ici per axis) | stages | predicted s/step | measured s/step | "
+             "predicted / measured | memory GB | planning s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['cluster']} | {r['error']} | | | | | | | |")
+            continue
+        measured = f"{V5P_STEP_S:.2f}" if r["cluster"] == "v5p:8x8x8" else "- (512 chips' figure: "\
+            f"{V5P_STEP_S:.2f})"
+        ratio = f"{r['step_s'] / V5P_STEP_S:.3f}" if r["cluster"] == "v5p:8x8x8" else "-"
+        lines.append(f"| {r['cluster']} | {r['mesh']} | {r['split']} | {r['stages']} | {r['step_s']:.2f} | {measured} | "
+                     f"{ratio} | {r['memory_gb']:.1f} | {r['planning_s']} |")
+    text = "\n".join(lines) + "\n"
+    (out / "published_v5p.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
+    (out / "published_v5p.md").write_text(text)
+    print(text)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", help="comma-separated row names (default: all), e.g. 1.7B,39.1B; the other rows of "
@@ -590,9 +656,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="run the planner's own search only on rows with at most this many GPUs (it plans "
                         "every submesh of the cluster: minutes per row at 64 hosts on 2 cores)")
     p.add_argument("--out", default=str(RESULTS), help="directory for published.{json,md,png}")
-    p.add_argument("--generation", choices=("a100", "h100"), default="a100",
+    p.add_argument("--generation", choices=("a100", "h100", "v5p"), default="a100",
                    help="a100: Megatron-LM SC21 Table 1 (published.{json,md,png}); h100: MaxText's Llama2-7B on A3 "
-                        "VMs (published_h100.{json,md})")
+                        "VMs (published_h100.{json,md}); v5p: MaxText's Llama-2-70B on a v5p 8x8x8 slice and on two "
+                        "(published_v5p.{json,md})")
     p.add_argument("--attention", choices=("dpa", "xla"), default="dpa",
                    help="h100: the zoo Llama's attention (dpa: jax.nn.dot_product_attention, priced as cuDNN's fused "
                         "kernel, as the runs used; xla: the scores materialised)")
@@ -601,6 +668,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(message)s")
     if args.generation == "h100":
         return main_h100(args)
+    if args.generation == "v5p":
+        return main_v5p(args)
     wanted = set(args.rows.split(",")) if args.rows else None
     rows = [r for r in ROWS if wanted is None or r.name in wanted]
     if wanted and len(rows) != len(wanted):

@@ -226,3 +226,58 @@ def test_cli_topology_clusters(capsys, tmp_path):
     code = cli.main(["plan", "--model", "mlp-tiny", "--quiet", "--cluster", str(bad)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "needs 'size' and 'link'" in err and len(err.splitlines()) == 1, err
+
+
+def test_decorator_reads_the_topology_of_live_tpu_devices():
+    """Planned on devices that carry torus coordinates (faked: a v5p 2x2x2 slice, shuffled), the
+    decorator prices that topology and lays meshes over the devices in its order; CPU devices carry
+    none and keep theirs."""
+    from planner.planning.step import StepPlanner
+
+    fake = _fake_tpus((2, 2, 2), seed=3)
+    sp = StepPlanner.create(devices=fake)
+    assert sp.options.hardware == "v5p:2x2x2"
+    assert [d.coords for d in sp.devices] == list(np.ndindex(2, 2, 2))
+    sp = StepPlanner.create(devices=fake, hardware="h100")  # another kind named: the user's word stands
+    assert sp.options.hardware == "h100" and list(sp.devices) == fake
+    sp = StepPlanner.create()
+    assert sp.options.hardware is None and list(sp.devices) == jax.devices()
+
+
+def test_profile_levels_serve_another_shape_of_the_same_hardware():
+    """A profile measures each level alone (an axis inside a host, an axis across hosts); its
+    per-level links then price a topology of another shape: here 2 hosts x 4 measured, 4 x 4 planned."""
+    from planner.cost_model.profile_db import ProfileDB, measured_levels
+    from planner.cost_model.profiling import summary
+    from planner.cost_model.topology import levels_text, topology_from_levels
+    from planner.core.units import parse_link
+
+    intra, inter = AxisLink(5e-6, 1 / 20e9), AxisLink(40e-6, 1 / 2e9)
+    db = ProfileDB.synthetic((2, 4), [inter, intra], host_of=(0,) * 4 + (1,) * 4)
+    levels = measured_levels(db)
+    assert levels[0].bandwidth == pytest.approx(20e9, rel=1e-6) and levels[0].latency == pytest.approx(5e-6, rel=1e-3)
+    assert levels[1].bandwidth == pytest.approx(2e9, rel=1e-6) and levels[1].latency == pytest.approx(40e-6, rel=1e-3)
+    assert "level host" in summary(db) and "level network" in summary(db)
+    cpu = get_hardware("cpu")
+    target = topology_from_levels([{"name": "host", "size": 4, "link": "1GB/s"}, {"name": "network", "size": 4,
+                                                                                  "link": "0.1GB/s"}],
+                                  cpu, 4, parse_link, "test")
+    cm = CostModel.build(_mesh(4, 4), levels_text(target, cpu), profile=db)
+    assert _gbps(cm.links[0]) == pytest.approx(2, rel=1e-6) and _gbps(cm.links[1]) == pytest.approx(20, rel=1e-6)
+
+
+def test_profile_of_one_slice_serves_a_larger_slice():
+    """Measured on a v5p 2x2x2 slice (no wraparound: every axis one port each way) at 80 GB/s per
+    port, the profile prices a 4x4x4 cube: an axis on a wrapped dimension 2 x 80, two dimensions 4 x 80."""
+    import dataclasses as dc
+
+    from planner.cost_model.profile_db import ProfileDB, measured_levels
+
+    port = AxisLink(4e-6, 1 / 80e9)
+    db = ProfileDB.synthetic((2, 2, 2), [port] * 3, device_kind="TPU v5p", platform="tpu")
+    db = dc.replace(db, topology="v5p:2x2x2")
+    assert measured_levels(db)[0].bandwidth == pytest.approx(80e9, rel=1e-6)
+    cm = CostModel.build(_mesh(4, 16), "v5p:4x4x4", profile=db)
+    assert [round(_gbps(link)) for link in cm.links] == [160, 320]
+    assert round(_gbps(cm.link_of((0, 1)))) == 480
+    assert cm.links[0].alpha == pytest.approx(4e-6, rel=1e-3)

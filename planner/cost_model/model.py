@@ -21,8 +21,9 @@ from planner.cost_model.hardware import (
     rate_class,
 )
 from planner.cost_model.topology import is_topology
-from planner.cost_model.profile_db import MeasuredCollectives, ProfileDB, bind, check_device_kind, load_profile
-from planner.core.errors import MeshError
+from planner.cost_model.profile_db import (MeasuredCollectives, ProfileDB, bind, check_device_kind, load_profile,
+                                          measured_levels, profiled_topology)
+from planner.core.errors import MeshError, ProfileError
 from planner.core.mesh import MeshSpec
 
 log = logging.getLogger("planner")
@@ -198,6 +199,8 @@ class CostModel:
         if hw is None and device_kind is None:
             device_kind = jax.devices()[0].device_kind
         check_device_kind(db, hw, device_kind if hw is None else None)
+        if is_topology(hardware) and db.num_devices != mesh.size:
+            return cls.from_profiled_levels(mesh, db, str(hardware))
         measured = bind(db, mesh)
         if db.jax_version not in (jax.__version__, "synthetic"):
             log.info("profile %s was measured with jax %s; this is jax %s (collective implementations may differ)",
@@ -207,6 +210,40 @@ class CostModel:
         fallback = cls.default(mesh, base, inter).links
         links = tuple(m if m is not None else f for m, f in zip(measured.links, fallback))
         return cls(mesh, base, links, measured)
+
+    @classmethod
+    def from_profiled_levels(cls, mesh: MeshSpec, db: ProfileDB, topology: str) -> CostModel:
+        """A topology planned with a profile measured on other devices of the same kind (another slice
+        shape, another host count): the profile's compute rates, and each level's link from what its
+        collectives measured (`profile_db.measured_levels`: innermost level for innermost level,
+        outermost for outermost); levels it did not measure keep the preset's figures.
+
+        Raises:
+          ProfileError: the profile measured no collective to read a level from.
+        """
+        cluster = Cluster.parse(topology)
+        measured = measured_levels(db)
+        if not measured:
+            raise ProfileError(f"profile {db.name} has no single-axis collective to read its links from; re-run "
+                               "`planner profile` (with its default collectives)")
+        profiled_depth = len(profiled_topology(db).levels)
+        levels = list(cluster.topology.levels)
+        used = []
+        for i, link in sorted(measured.items()):
+            j = 0 if i == 0 else len(levels) - 1 if i == profiled_depth - 1 and len(levels) > 1 else None
+            if j is None:
+                continue
+            levels[j] = dataclasses.replace(levels[j], link=link)
+            used.append(f"{levels[j].name} {link.bandwidth / 1e9:.3g} GB/s")
+        log.info("profile %s (%d devices) serves %s by its levels: %s", db.name, db.num_devices, topology,
+                 ", ".join(used))
+        linked = dataclasses.replace(cluster, hardware=profiled_hardware(db, cluster.hardware),
+                                     topology=dataclasses.replace(cluster.topology, levels=tuple(levels)))
+        if mesh.size == linked.num_devices:
+            return cls.for_cluster(mesh, linked)
+        if mesh.size > linked.num_devices:
+            raise MeshError(f"cluster {topology!r} has {linked.num_devices} devices but the mesh {mesh} has {mesh.size}")
+        return cls.for_topology_part(mesh, linked)
 
     @classmethod
     def build(cls, mesh: MeshSpec, hardware: str | Hardware | None = None, inter_host_axes: Sequence[int] = (),

@@ -24,6 +24,7 @@ from planner.cost_model.cluster import group_offsets, spans_hosts
 from planner.cost_model.collectives import COLLECTIVES, AxisLink, analytic_time, ring_bytes, ring_steps
 from planner.cost_model.fit import Curve, Fit, fit_alpha_beta, geometric_sizes
 from planner.cost_model.hardware import Hardware, hardware_for_device_kind
+from planner.cost_model.topology import Link, Topology, is_topology, parse_topology, two_level
 from planner.core.errors import ProfileError
 from planner.core.mesh import MeshSpec, default_axis_names
 
@@ -84,6 +85,8 @@ class ProfileDB:
       device_memory_bytes: memory one device can allocate (None: the backend does not say).
       host_bandwidth: measured bytes/s of one direction of a device's link to its host's pinned
         memory, as the planned program copies (None: not measured, or no host memory space).
+      topology: the profiled devices' topology (`cost_model.topology`, e.g. "2xv5p:4x4x4") when
+        they carry their place in a torus; None: hosts (`host_of`) on a network.
     """
 
     device_kind: str
@@ -104,6 +107,7 @@ class ProfileDB:
     kernel_launch_s: float | None = None
     device_memory_bytes: float | None = None
     host_bandwidth: float | None = None
+    topology: str | None = None
 
     @property
     def name(self) -> str:
@@ -157,6 +161,7 @@ class ProfileDB:
                 "host_bandwidth": self.host_bandwidth,
                 "samples": [dict(s) for s in self.compute_samples],
             },
+            **({"topology": self.topology} if self.topology else {}),
         }
 
     @classmethod
@@ -197,6 +202,7 @@ class ProfileDB:
             kernel_launch_s=None if launch is None else float(launch),
             device_memory_bytes=None if capacity is None else float(capacity),
             host_bandwidth=None if host is None else float(host),
+            topology=reader.topology(data),
         )
 
     @classmethod
@@ -378,6 +384,46 @@ def bind(db: ProfileDB, mesh: MeshSpec) -> MeasuredCollectives:
     return MeasuredCollectives(curves, tuple(links), inter, db.name)
 
 
+def profiled_topology(db: ProfileDB) -> Topology:
+    """The profiled devices' topology: the recorded one, else the processes as hosts on a network
+    (device positions process-major, as `jax.devices()` orders them). Only its structure is used."""
+    if db.topology:
+        return parse_topology(db.topology)[0]
+    hosts = max(1, len(set(db.host_of)))
+    links = Link(1.0, 0.0)  # placeholders: `measured_levels` reads the structure
+    return two_level(hosts, db.num_devices // hosts, links, links)
+
+
+def measured_levels(db: ProfileDB) -> dict[int, Link]:
+    """Each level of the profiled topology that a measured single-axis collective crossed (its
+    outermost level), with the link the measurements imply: per device for a switched level, per
+    port for a torus (the group's bandwidth over the ports its ring used, `Level.ports`); the
+    median over the groups and kinds (all-gather, reduce-scatter, all-reduce) measured on it.
+
+    This is how a profile of one slice (or host count) serves another topology of the same devices:
+    the levels' links are the hardware's, whatever the shape (`CostModel.from_profile`)."""
+    topo = profiled_topology(db)
+    if topo.num_devices != db.num_devices:
+        return {}
+    found: dict[int, list[tuple[float, float]]] = {}
+    for e in db.collectives:
+        n = e.group_size
+        if len(e.axes) != 1 or n < 2 or e.collective not in ("all-gather", "reduce-scatter", "all-reduce"):
+            continue
+        c = db.curve(e)
+        if c.slope <= 0:
+            continue
+        level, ports = topo.group_ports(e.devices)
+        beta = c.slope / ring_bytes(e.collective, 1.0, n)
+        found.setdefault(level, []).append((1.0 / (beta * ports), max(0.0, c.fit.alpha / ring_steps(e.collective, n))))
+    out = {}
+    for level, pairs in found.items():
+        bws = sorted(b for b, _ in pairs)
+        lats = sorted(a for _, a in pairs)
+        out[level] = Link(bws[len(bws) // 2], lats[len(lats) // 2])
+    return out
+
+
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
     """Writes `data` as JSON to `path` atomically (temporary file in the same folder, fsync, replace)."""
     path = os.fspath(path)
@@ -438,6 +484,15 @@ class _Reader:
     def get_list(self, d: Mapping, key: str, typ: type, where: str = "") -> list:
         items = self.get(d, key, list, where)
         return [self._check(v, typ, where, f"{key}[{i}]") for i, v in enumerate(items)]
+
+    def topology(self, data: Mapping) -> str | None:
+        text = data.get("topology")
+        if text is None:
+            return None
+        if not is_topology(text):
+            raise ProfileError(f"profile {self.name}: topology={text!r} is not a topology description such as "
+                               "'v5p:4x4x4'")
+        return str(text)
 
     def devices(self, data: Mapping) -> tuple[MeshSpec, int, tuple[int, ...]]:
         """(mesh, number of devices, host of each device), checked against each other."""

@@ -30,7 +30,9 @@ from planner.cost_model.cluster import group_offsets
 from planner.cost_model.collectives import COLLECTIVES
 from planner.cost_model.fit import Curve, geometric_sizes
 from planner.cost_model.model import attention_curve, matmul_curve
-from planner.cost_model.profile_db import CollectiveSamples, ProfileDB, axis_groups, utc_now
+from planner.cost_model.profile_db import (CollectiveSamples, ProfileDB, axis_groups, measured_levels, profiled_topology,
+                                          utc_now)
+from planner.cost_model.topology import device_order, from_devices
 from planner.core.errors import InvalidArgumentError, PlannerError, ProfileError
 from planner.core.mesh import MeshSpec, default_axis_names, parse_mesh
 from planner.core.units import parse_bytes, positive_int
@@ -97,6 +99,7 @@ def profile(mesh: jax.sharding.Mesh, sizes: Sequence[int], repeats: int = 5, war
     if compute:
         matmul, memory, host, compute_samples, launch = _measure_compute(mesh, max(sizes), progress)
     device = mesh.devices.flat[0]
+    found = from_devices(list(mesh.devices.flat))
     return ProfileDB(
         device_kind=device.device_kind,
         platform=device.platform,
@@ -115,6 +118,7 @@ def profile(mesh: jax.sharding.Mesh, sizes: Sequence[int], repeats: int = 5, war
         kernel_launch_s=launch,
         device_memory_bytes=device_memory_bytes(device),
         host_bandwidth=host,
+        topology=str(found[0]) if found is not None else None,
     )
 
 
@@ -181,6 +185,12 @@ def summary(db: ProfileDB) -> str:
         axes = "*".join(db.mesh.axis_names[a] for a in e.axes)
         lines.append(f"  {e.collective:<20}{axes:<12}{e.group_size:>4}{e.fit.alpha * 1e6:>12.1f}{bw:>10}"
                      f"{e.fit.rel_rmse:>8.0%}")
+    topo = profiled_topology(db)
+    for level, link in sorted(measured_levels(db).items()):
+        lv = topo.levels[level]
+        what = "per port, one direction" if lv.torus else "per device, one direction"
+        lines.append(f"  level {lv.name:<10} {link.bandwidth / 1e9:10.2f} GB/s {what}, {link.latency * 1e6:.1f} us per "
+                     "step (serves other shapes of this topology)")
     for dtype, flops in db.matmul_flops:
         lines.append(f"  matmul {dtype:<10} {flops / 1e9:10.2f} GFLOP/s per device")
     for cls, points in matmul_curve(db):
@@ -265,8 +275,18 @@ def _init_distributed(args: argparse.Namespace) -> None:
 
 
 def _mesh(text: str | None) -> jax.sharding.Mesh:
+    """The mesh measured: --mesh, else on devices that carry torus coordinates (TPU) the slices
+    and the torus dimensions, one axis each (every level measured alone), the devices in topology
+    order; else processes x local devices."""
     devices = jax.devices()
-    if text is None:
+    found = from_devices(devices)
+    if found is not None:
+        devices = device_order(devices, found[0])
+    if text is None and found is not None:
+        topo = found[0]
+        shape = ((topo.domains,) if topo.domains > 1 else ()) + tuple(topo.levels[0].torus)
+        spec = MeshSpec(shape, default_axis_names(len(shape)))
+    elif text is None:
         procs = jax.process_count()
         shape = (procs, len(devices) // procs) if procs > 1 else (len(devices),)
         spec = MeshSpec(shape, default_axis_names(len(shape)))

@@ -135,19 +135,25 @@ class Topology:
             pos = pos // lv.size
         return out
 
-    def group_link(self, positions: Sequence[int]) -> AxisLink:
-        """The link a collective over the devices at `positions` runs at (see the module doc)."""
+    def group_ports(self, positions: Sequence[int]) -> tuple[int, float]:
+        """(the outermost level the devices at `positions` span, the links' worth a ring over them
+        uses there: 1 on a switched level, `Level.ports` on a torus)."""
         digits = self.digits(positions)
         crossed = [i for i in range(len(self.levels)) if len(np.unique(digits[:, i])) > 1]
         if not crossed:
-            lv = self.levels[0]
-            return lv.link.axis_link()
-        lv = self.levels[crossed[-1]]
+            return 0, 1.0
+        i = crossed[-1]
+        lv = self.levels[i]
         if not lv.torus:
-            return lv.link.axis_link()
-        coords = np.stack(np.unravel_index(digits[:, crossed[-1]], lv.torus), axis=1)
-        ways = lv.ports(coords)
-        return AxisLink(lv.link.latency, 1.0 / (lv.link.bandwidth * ways))
+            return i, 1.0
+        coords = np.stack(np.unravel_index(digits[:, i], lv.torus), axis=1)
+        return i, lv.ports(coords)
+
+    def group_link(self, positions: Sequence[int]) -> AxisLink:
+        """The link a collective over the devices at `positions` runs at (see the module doc)."""
+        i, ports = self.group_ports(positions)
+        link = self.levels[i].link
+        return AxisLink(link.latency, 1.0 / (link.bandwidth * ports))
 
     def mesh_links(self, shape: Sequence[int], positions: Sequence[int] | None = None
                    ) -> tuple[tuple[AxisLink, ...], tuple[tuple[tuple[int, ...], AxisLink], ...]]:

@@ -13,6 +13,8 @@ from planner.configs.pins import (check_stage_pins, intermediate_patterns, logic
                                   resolve as resolve_pins, rules_to_pins, stage_pins)
 from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.core.units import format_bytes
+from planner.cost_model import Cluster, Hardware, get_hardware
+from planner.cost_model.topology import device_order, from_devices
 from planner.core.mesh import MeshSpec, context_mesh, default_axis_names, parse_mesh
 from planner.core.options import PlanOptions
 from planner.core.plan import Plan
@@ -37,6 +39,21 @@ def check_step(fn: Any) -> None:
     """Raises InvalidArgumentError unless `fn` is callable."""
     if not callable(fn):
         raise InvalidArgumentError(f"plan_parallel needs a callable train step, got {type(fn).__name__}")
+
+
+def live_topology(options: PlanOptions, devices: list[Any]) -> tuple[PlanOptions, list[Any]]:
+    """On devices that carry their place in a torus (TPU `coords`, `slice_index`), the options priced
+    on that topology (`cost_model.topology.from_devices`) and the devices in the order its pricing
+    lays meshes out; unchanged where the devices carry none (GPU, CPU) or the options name a cluster."""
+    if Cluster.is_cluster(options.hardware) or isinstance(options.hardware, Hardware) or options.profile is not None:
+        return options, devices
+    found = from_devices(devices)
+    if found is None:
+        return options, devices
+    topology, hw = found
+    if options.hardware is not None and get_hardware(options.hardware).name != hw.name:
+        return options, devices
+    return dataclasses.replace(options, hardware=str(topology)), device_order(devices, topology)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +100,8 @@ class StepPlanner:
         checked = check_options(PlanOptions.from_kwargs({**options, "donate_argnums": donate_argnums}))
         found = list(devices) if devices is not None else jax.devices()
         user_mesh = context_mesh() if mesh is None else mesh
+        if user_mesh is None:
+            checked, found = live_topology(checked, found)
         spec, jax_mesh = None, None
         if user_mesh is not None:
             spec, jax_mesh = parse_mesh(user_mesh, len(found))
