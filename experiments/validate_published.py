@@ -591,6 +591,8 @@ V5P_FN = "experiments/models/llama7b_fused.py:make_70b_dpa_step"
 def v5p_row(cluster: str, attention_fn: str = V5P_FN) -> dict:
     """`planner plan --fn ... --cluster CLUSTER --batch 2048 --seq 4096`, as a user runs it, read back
     from its --json file."""
+    import contextlib
+    import io
     import tempfile
 
     from planner import cli
@@ -598,19 +600,29 @@ def v5p_row(cluster: str, attention_fn: str = V5P_FN) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "plan.json"
         t0 = time.perf_counter()
-        code = cli.main(["plan", "--fn", attention_fn, "--cluster", cluster, "--batch", str(V5P_BATCH), "--seq",
-                         str(V5P_SEQ), "--quiet", "--json", str(path)])
+        with contextlib.redirect_stdout(io.StringIO()):  # the report; the figures come from --json
+            code = cli.main(["plan", "--fn", attention_fn, "--cluster", cluster, "--batch", str(V5P_BATCH), "--seq",
+                             str(V5P_SEQ), "--quiet", "--json", str(path)])
         took = time.perf_counter() - t0
         if code != 0:
             return {"cluster": cluster, "error": f"planner plan exited {code}"}
         data = json.loads(path.read_text())
-    pred = data["prediction"]
+    pred = data["predicted"]
     ctx = data.get("context") or {}
     return {"cluster": cluster, "step_s": pred["step_time_s"], "measured_step_s": V5P_STEP_S,
             "ratio_to_measured": V5P_STEP_S / pred["step_time_s"], "memory_gb": pred["memory_bytes_per_device"] / 1e9,
             "mesh": "x".join(map(str, data["mesh"]["shape"])), "stages": max(1, len(data.get("stages") or ())),
+            "maxtext": _maxtext_text(data),
             "split": (ctx.get("topology") or {}).get("split"), "levers": data.get("levers"),
             "planning_s": round(took, 1)}
+
+
+def _maxtext_text(data: dict) -> str | None:
+    """The plan's `ici_*` / `dcn_*` line, as `planner plan` prints it."""
+    from planner.present.report import PlanView, maxtext_mesh
+
+    topo = (data.get("context") or {}).get("topology")
+    return maxtext_mesh(PlanView.from_dict(data), topo).split("  (")[0] if topo else None
 
 
 def main_v5p(args) -> list[dict]:
@@ -625,7 +637,7 @@ def main_v5p(args) -> list[dict]:
              f"reference/models/tiering.md: 65.4% MFU, ~692 tokens/s/chip = {V5P_STEP_S:.2f} s/step), planned by "
              f"`planner plan --fn {V5P_FN} --cluster C --batch {V5P_BATCH} --seq {V5P_SEQ}` "
              "(experiments/validate_published.py --generation v5p)", "",
-             "| cluster | mesh | split (dcn x ici per axis) | stages | predicted s/step | measured s/step | "
+             "| cluster | mesh | as MaxText sets it | stages | predicted s/step | measured s/step | "
              "predicted / measured | memory GB | planning s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
@@ -634,7 +646,7 @@ def main_v5p(args) -> list[dict]:
         measured = f"{V5P_STEP_S:.2f}" if r["cluster"] == "v5p:8x8x8" else "- (512 chips' figure: "\
             f"{V5P_STEP_S:.2f})"
         ratio = f"{r['step_s'] / V5P_STEP_S:.3f}" if r["cluster"] == "v5p:8x8x8" else "-"
-        lines.append(f"| {r['cluster']} | {r['mesh']} | {r['split']} | {r['stages']} | {r['step_s']:.2f} | {measured} | "
+        lines.append(f"| {r['cluster']} | {r['mesh']} | {r['maxtext']} | {r['stages']} | {r['step_s']:.2f} | {measured} | "
                      f"{ratio} | {r['memory_gb']:.1f} | {r['planning_s']} |")
     text = "\n".join(lines) + "\n"
     (out / "published_v5p.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")

@@ -229,3 +229,36 @@ def test_auto_says_when_it_has_no_layer_to_recompute():
     with pytest.raises(InfeasiblePlanError) as e:
         planner.plan(jax.value_and_grad(loss), ws, x, mesh="1x8", remat="auto", memory_budget="1KB")
     assert "remat='auto' found no layer it can recompute" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_auto_bounds_each_policy_by_the_fastest_that_fits(devices8):
+    """remat="auto" solves a policy only for a plan that beats the fastest fitting one so far (the
+    mesh search's `beat`); the answer is the one solving every policy to the end gives."""
+    import math
+
+    from planner.levers.remat import plan_remat
+    from planner.search.meshes import search_meshes
+
+    params, x = _blocks_data(layers=6, rows=512)
+    graph = trace(_sgd_step, params, x)
+    spec, _ = parse_mesh("2x4")
+    plain = make_plan(graph, spec, PlanOptions()).prediction.memory_bytes_per_device
+    options = PlanOptions(memory_budget=0.8 * plain)
+    beats = []
+
+    def plan_fn(g, smallest, beat=math.inf, honour=True):
+        beats.append(beat)
+        results = search_meshes(g, [spec], options, min_peak_search=smallest, beat=beat if honour else math.inf)
+        if results[0].plan is None:
+            raise InfeasiblePlanError("no plan", None)
+        return results
+
+    def of(results):
+        return results[0].plan
+
+    _, bounded, policy, _ = plan_remat(graph, "auto", options.memory_budget, plan_fn, of)
+    assert any(math.isfinite(b) for b in beats), beats  # a policy after the first that fit was bounded
+    _, full, policy_full, _ = plan_remat(graph, "auto", options.memory_budget,
+                                         lambda g, s, beat=math.inf: plan_fn(g, s, beat, honour=False), of)
+    assert policy == policy_full
+    assert of(bounded).prediction.step_time_s == pytest.approx(of(full).prediction.step_time_s, rel=1e-9)

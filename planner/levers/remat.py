@@ -38,6 +38,7 @@ plans (pipeline stages choose recomputation per stage, `pipeline="auto"`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import logging
 import re
 from collections import defaultdict
@@ -371,7 +372,10 @@ def _plan_auto(graph: Graph, names: Sequence[str], plan_fn: Callable[[Graph, boo
         transformed = rematerialize(graph, None, policy)
         if transformed is graph:
             break
-        probe = _probe(transformed, policy, len(names), len(names), plan_fn, plan_of)
+        # a policy is only worth its solve if it can beat the fastest fitting plan so far: its search
+        # stops once the solver proves it cannot (`search.meshes.search_meshes(beat=...)`)
+        beat = min((f[0] for f in found), default=math.inf)
+        probe = _probe(transformed, policy, len(names), len(names), plan_fn, plan_of, beat)
         if isinstance(probe, InfeasiblePlanError):
             failed[policy] = probe
         else:
@@ -409,14 +413,16 @@ def _fully_recomputed(graph: Graph, failed: dict[str, InfeasiblePlanError],
                               best, min(floors) if floors else None, levers=levers)
 
 
-def _probe(transformed: Graph, policy: str, n: int, total: int, plan_fn: Callable[[Graph, bool], T],
-           plan_of: Callable[[T], Plan]) -> tuple[float, int, Graph, T, str] | InfeasiblePlanError:
+def _probe(transformed: Graph, policy: str, n: int, total: int, plan_fn: Callable[..., T],
+           plan_of: Callable[[T], Plan], beat: float = math.inf) -> tuple[float, int, Graph, T, str] | InfeasiblePlanError:
     """`transformed` (`policy` on the first `n` of `total` layers) planned without the smallest-peak
-    search, logged: its `plan_remat` candidate, or the error when it does not fit."""
+    search, logged: its `plan_remat` candidate, or the error when it does not fit (or, with a finite
+    `beat`, when no plan of it fits and beats that step time)."""
     try:
-        result = plan_fn(transformed, False)
+        result = plan_fn(transformed, False) if math.isinf(beat) else plan_fn(transformed, False, beat)
     except InfeasiblePlanError as e:
-        log.info("remat auto: %s on %s does not fit", policy, _which(n, total))
+        log.info("remat auto: %s on %s does not fit%s", policy, _which(n, total),
+                 "" if math.isinf(beat) else f" or beat {beat:.4g} s/step")
         return e
     step = plan_of(result).prediction.step_time_s
     log.info("remat auto: %s on %s fits, %.4g s/step", policy, _which(n, total), step)

@@ -20,6 +20,7 @@ When nothing fits, the answer is the one-line "does not fit" after every lever w
 from __future__ import annotations
 
 import dataclasses
+import math
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,7 +46,9 @@ log = logging.getLogger("planner")
 # (graph, options, search for the smallest peak when nothing fits, only this mesh or None: every
 # mesh of the run) -> one result per mesh, the best first (its plan None when no mesh gives one);
 # may raise InfeasiblePlanError instead.
-Search = Callable[[Graph, PlanOptions, bool, "MeshSpec | None"], Sequence[MeshResult]]
+# (graph, options, smallest-peak search, only this mesh or None[, beat: a step time a plan must beat,
+# meshes that provably cannot are pruned]) -> the mesh search's results
+Search = Callable[..., Sequence[MeshResult]]
 
 EXPLICIT_OFFLOAD = ("opt-state", "opt-state+params")
 
@@ -118,7 +121,8 @@ def _compose(step: Callable[..., Any], graph: Graph, options: PlanOptions, searc
                    key=lambda r: r.plan.prediction.step_time_s, default=single.results[0]).mesh
         log.info("the plan needs a memory lever: weighing gradient accumulation against it on mesh %s", mesh)
         try:
-            found = _accumulated(step, graph, options, lambda g, o, smallest, only=None: search(g, o, smallest, mesh),
+            found = _accumulated(step, graph, options,
+                                 lambda g, o, smallest, only=None, beat=math.inf: search(g, o, smallest, mesh, beat),
                                  bounds, "auto", smallest=2)
         except PlannerError:
             return single
@@ -133,8 +137,10 @@ def compose_on_meshes(step: Callable[..., Any], graph: Graph, meshes: Sequence[M
     """`compose` over a mesh search of `meshes` (`search.meshes.search_meshes`, hosts of `per_host`
     devices): how `planner plan` and `planner compare` plan."""
 
-    def search(g: Graph, o: PlanOptions, smallest: bool, only: MeshSpec | None = None) -> Sequence[MeshResult]:
-        return search_meshes(g, [only] if only is not None else meshes, o, per_host, min_peak_search=smallest)
+    def search(g: Graph, o: PlanOptions, smallest: bool, only: MeshSpec | None = None,
+               beat: float = math.inf) -> Sequence[MeshResult]:
+        return search_meshes(g, [only] if only is not None else meshes, o, per_host, min_peak_search=smallest,
+                             beat=beat)
 
     return compose(step, graph, options, search, MeshSpec((meshes[0].size,), default_axis_names(1)))
 
@@ -148,20 +154,21 @@ def _single(graph: Graph, options: PlanOptions, search: Search) -> Composed:
     if mode in EXPLICIT_OFFLOAD or mode == "off" or budget is None:
         explicit = mode in EXPLICIT_OFFLOAD
 
-        def plan_fn(g: Graph, smallest: bool) -> tuple[Graph, Sequence[MeshResult]]:
+        def plan_fn(g: Graph, smallest: bool, beat: float = math.inf) -> tuple[Graph, Sequence[MeshResult]]:
             s = streamed(g) if explicit else g
-            return s, _found(search(s, options if explicit else _offload(options, "off"), smallest, None), budget)
+            return s, _found(search(s, options if explicit else _offload(options, "off"), smallest, None,
+                                    **_beat(beat)), budget)
 
         return _remat(graph, options, plan_fn)
     plain = _offload(options, "off")
     with_offload = _offload(options, "auto")
 
-    def without(g: Graph, smallest: bool) -> tuple[Graph, Sequence[MeshResult]]:
-        return g, _found(search(g, plain, smallest, None), budget)
+    def without(g: Graph, smallest: bool, beat: float = math.inf) -> tuple[Graph, Sequence[MeshResult]]:
+        return g, _found(search(g, plain, smallest, None, **_beat(beat)), budget)
 
-    def offloaded(g: Graph, smallest: bool) -> tuple[Graph, Sequence[MeshResult]]:
+    def offloaded(g: Graph, smallest: bool, beat: float = math.inf) -> tuple[Graph, Sequence[MeshResult]]:
         s = streamed(g)
-        return s, _found(search(s, with_offload, smallest, None), budget)
+        return s, _found(search(s, with_offload, smallest, None, **_beat(beat)), budget)
 
     try:
         first = _remat(graph, dataclasses.replace(options, offload="off"), without, smallest=False)
@@ -194,8 +201,8 @@ def _remat(graph: Graph, options: PlanOptions, plan_fn, smallest: bool = True) -
     """Recomputation (`levers.remat.plan_remat`, `options.remat`) over `plan_fn` (graph, smallest
     peak search) -> (the graph planned, its results); `smallest`: False never searches for the
     smallest peak (a caller that tries another lever after this one)."""
-    def fn(g: Graph, want: bool):
-        return plan_fn(g, want and smallest)
+    def fn(g: Graph, want: bool, beat: float = math.inf):
+        return plan_fn(g, want and smallest, beat)
 
     rewritten, (planned, results), policy, without = plan_remat(graph, options.remat, options.memory_budget, fn,
                                                                 lambda found: found[1][0].plan)
@@ -203,6 +210,12 @@ def _remat(graph: Graph, options: PlanOptions, plan_fn, smallest: bool = True) -
         results = [dataclasses.replace(r, plan=remat_record(r.plan, graph, rewritten, policy, without))
                    if r.plan else r for r in results]
     return Composed(planned, tuple(results))
+
+
+def _beat(beat: float) -> dict[str, float]:
+    """The `beat` keyword for a `Search` call: given only when finite (a search made elsewhere, a
+    benchmark's single-mesh one, need not take it)."""
+    return {} if math.isinf(beat) else {"beat": beat}
 
 
 def _offload(options: PlanOptions, mode: str) -> PlanOptions:
@@ -360,6 +373,9 @@ def no_plan(results: Sequence[MeshResult], budget: float | None) -> PlannerError
     """The error of a search where no mesh shape gave a plan: what did not fit, and what to try."""
     if any(r.over_budget for r in results):
         return no_fit_error(results, budget)
+    if results and all(r.pruned is not None for r in results):  # a search given a step time to beat
+        return InfeasiblePlanError("no plan beats the step time to beat: " + "; ".join(
+            f"{r.mesh}: {r.pruned}" for r in results))
     errors = [r.error for r in results if r.error is not None]
     if len(errors) == 1:
         return errors[0]

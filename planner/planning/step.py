@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -150,10 +151,10 @@ class StepPlanner:
 
     def _searcher(self, args: tuple[Any, ...]) -> Callable[..., Sequence[MeshResult]]:
         """The composition's `Search` for this planner and the step's arguments `args`."""
-        return lambda g, o, smallest, only=None: self._search(g, o, smallest, args, only)
+        return lambda g, o, smallest, only=None, beat=math.inf: self._search(g, o, smallest, args, only, beat)
 
     def _search(self, g: Graph, options: PlanOptions, smallest: bool, args: tuple[Any, ...],
-                only: MeshSpec | None = None) -> Sequence[MeshResult]:
+                only: MeshSpec | None = None, beat: float = math.inf) -> Sequence[MeshResult]:
         """`g` planned on the mesh with its pins (`smallest`: search for the smallest peak when nothing
         fits; raises make_plan's one-line answer then), or by the mesh search over the devices (or
         on `only`, one of their meshes)."""
@@ -161,7 +162,7 @@ class StepPlanner:
             plan = make_plan(g, self.mesh, options, self.jax_mesh, pins=self.pinned(g, args), min_peak_search=smallest)
             return (MeshResult(self.mesh, plan, None, options.inter_host_axes, 0.0),)
         meshes = [only] if only is not None else self._candidate_meshes()
-        return search_meshes(g, meshes, options, devices=self.devices, min_peak_search=smallest)
+        return search_meshes(g, meshes, options, devices=self.devices, min_peak_search=smallest, beat=beat)
 
     def trace(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Graph:
         """The step's graph, traced under the user's mesh (its own `reshard`/`shard_map` calls see it)."""
