@@ -242,7 +242,8 @@ class CostModel:
         if mesh.size == linked.num_devices:
             return cls.for_cluster(mesh, linked)
         if mesh.size > linked.num_devices:
-            raise MeshError(f"cluster {topology!r} has {linked.num_devices} devices but the mesh {mesh} has {mesh.size}")
+            raise MeshError(f"cluster {topology!r} has {linked.num_devices} devices but the mesh {mesh} has "
+                            f"{mesh.size}")
         return cls.for_topology_part(mesh, linked)
 
     @classmethod

@@ -22,6 +22,7 @@ the DCN's 6.25 GB/s per chip.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import re
@@ -172,11 +173,9 @@ class Topology:
             return self.group_link(grid[index].ravel())
 
         singles = tuple(link((a,)) for a in range(ndim))
-        groups = []
-        for k in range(2, ndim + 1):
-            for axes in _combinations(ndim, k):
-                groups.append((axes, link(axes)))
-        return singles, tuple(groups)
+        groups = tuple((axes, link(axes)) for k in range(2, ndim + 1)
+                       for axes in itertools.combinations(range(ndim), k))
+        return singles, groups
 
     def crossing_axes(self, shape: Sequence[int]) -> tuple[int, ...]:
         """Axes of a row-major mesh whose groups span more than one unit of level 0."""
@@ -207,11 +206,6 @@ class Topology:
 
     def __str__(self) -> str:
         return self.text or self.describe()
-
-
-def _combinations(n: int, k: int) -> list[tuple[int, ...]]:
-    import itertools
-    return list(itertools.combinations(range(n), k))
 
 
 # ----- descriptions users write ----------------------------------------------------------------
@@ -351,8 +345,7 @@ def topology_from_levels(levels: Sequence[Mapping[str, Any]], hardware: Hardware
         wrap = tuple(bool(w) for w in lv.get("wrap", [True] * len(torus)))
         out.append(Level(str(lv.get("name", f"level{i}")), lv["size"],
                          Link(bandwidth, default_latency if latency is None else latency), torus, wrap))
-    topo = Topology(tuple(out), devices_per_host or min(hardware.devices_per_host, out[0].size))
-    return topo
+    return Topology(tuple(out), devices_per_host or min(hardware.devices_per_host, out[0].size))
 
 
 # ----- real devices ----------------------------------------------------------------------------

@@ -414,7 +414,8 @@ def _fully_recomputed(graph: Graph, failed: dict[str, InfeasiblePlanError],
 
 
 def _probe(transformed: Graph, policy: str, n: int, total: int, plan_fn: Callable[..., T],
-           plan_of: Callable[[T], Plan], beat: float = math.inf) -> tuple[float, int, Graph, T, str] | InfeasiblePlanError:
+           plan_of: Callable[[T], Plan],
+           beat: float = math.inf) -> tuple[float, int, Graph, T, str] | InfeasiblePlanError:
     """`transformed` (`policy` on the first `n` of `total` layers) planned without the smallest-peak
     search, logged: its `plan_remat` candidate, or the error when it does not fit (or, with a finite
     `beat`, when no plan of it fits and beats that step time)."""
