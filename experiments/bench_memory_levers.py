@@ -78,7 +78,7 @@ def run(model: str, cluster: str, layers: int | None, levers: str, time_limit: f
     try:
         if levers == "joint":
             plan = compose(b.train_step, graph, options,
-                           lambda g, o, smallest, only=None: (MeshResult(mesh, make_plan(g, mesh, o, min_peak_search=smallest),
+                           lambda g, o, smallest, only=None, **_: (MeshResult(mesh, make_plan(g, mesh, o, min_peak_search=smallest),
                                                               None, o.inter_host_axes, 0.0),), mesh).plan
             row["remat"] = plan.levers.remat.policy if plan.levers.remat else "off"
         elif accumulate == "auto":

@@ -341,7 +341,7 @@ def run_abstract(model: str, cluster: str, time_limit: float, configs: tuple[str
                                     shapes, mesh, complete=True)
             accumulated = None
             if config in PLANNERS:  # the planner's levers as `planner plan` composes them (`planning.composition`)
-                plan = compose(b.train_step, graph, check_options(opts), lambda g, o, smallest, only=None: (
+                plan = compose(b.train_step, graph, check_options(opts), lambda g, o, smallest, only=None, **_: (
                     MeshResult(mesh, make_plan(g, mesh, o, min_peak_search=smallest), None, o.inter_host_axes, 0.0),),
                     mesh).plan
                 acc = plan.levers.accumulation

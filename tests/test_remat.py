@@ -262,3 +262,35 @@ def test_auto_bounds_each_policy_by_the_fastest_that_fits(devices8):
                                          lambda g, s, beat=math.inf: plan_fn(g, s, beat, honour=False), of)
     assert policy == policy_full
     assert of(bounded).prediction.step_time_s == pytest.approx(of(full).prediction.step_time_s, rel=1e-9)
+
+
+def test_accumulated_microbatch_policies_are_bounded_too(devices8):
+    """Gradient accumulation plans each microbatch step with remat="auto": there too a policy after
+    the first that fits is searched with that plan's step time to beat, through every wrapper of the
+    composition's search (`_accumulated`'s recording one included)."""
+    import math
+
+    import optax
+
+    from planner.core.mesh import MeshSpec
+    from planner.planning.composition import compose
+    from planner.search.meshes import search_meshes
+
+    step = planner.pipelinable(_blocks_loss, optax.sgd(LR))
+    params, x = _blocks_data(layers=6, rows=512)
+    state = {"params": params, "opt_state": optax.sgd(LR).init(params)}
+    graph = trace(step, state, x)
+    spec, _ = parse_mesh("2x4")
+    beats = []
+
+    def search(g, o, smallest, only=None, beat=math.inf):
+        beats.append(beat)
+        return search_meshes(g, [spec], o, min_peak_search=smallest, beat=beat)
+
+    # the 256-row microbatch step needs 233 kB on 2x4 without recomputation, 152 kB with "dots"
+    budget = 200e3
+    options = PlanOptions(memory_budget=budget, accumulate=2, remat="auto", donate_argnums=(0,))
+    plan = compose(step, graph, options, search, MeshSpec((8,), ("x",))).plan
+    assert plan.levers.accumulation.microbatches == 2 and plan.levers.remat.policy != "off"
+    assert plan.prediction.memory_bytes_per_device <= budget
+    assert any(math.isfinite(b) for b in beats), beats

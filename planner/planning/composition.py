@@ -122,7 +122,7 @@ def _compose(step: Callable[..., Any], graph: Graph, options: PlanOptions, searc
         log.info("the plan needs a memory lever: weighing gradient accumulation against it on mesh %s", mesh)
         try:
             found = _accumulated(step, graph, options,
-                                 lambda g, o, smallest, only=None, beat=math.inf: search(g, o, smallest, mesh, beat),
+                                 lambda g, o, smallest, only=None, beat=math.inf: search(g, o, smallest, mesh, **_beat(beat)),
                                  bounds, "auto", smallest=2)
         except PlannerError:
             return single
@@ -301,8 +301,9 @@ def _accumulated(step: Callable[..., Any], graph: Graph, options: PlanOptions, s
     def plan_micro(g: Graph, inner: float | None) -> tuple[Graph, Plan]:
         opts = _offload(micro_options(options, inner), "off")
 
-        def recorded(h: Graph, o: PlanOptions, smallest: bool, only: MeshSpec | None = None) -> Sequence[MeshResult]:
-            results = search(h, o, smallest, only)
+        def recorded(h: Graph, o: PlanOptions, smallest: bool, only: MeshSpec | None = None,
+                     beat: float = math.inf) -> Sequence[MeshResult]:
+            results = search(h, o, smallest, only, **_beat(beat))
             seen.append(results)
             return results
 
