@@ -588,7 +588,7 @@ V5P_STEP_S = V5P_BATCH * V5P_SEQ / (V5P_TOKENS_PER_S_PER_CHIP * V5P_CHIPS)
 V5P_FN = "experiments/models/llama7b_fused.py:make_70b_dpa_step"
 
 
-def v5p_row(cluster: str, attention_fn: str = V5P_FN) -> dict:
+def v5p_row(cluster: str, attention_fn: str = V5P_FN, batch: int = V5P_BATCH, seq: int = V5P_SEQ) -> dict:
     """`planner plan --fn ... --cluster CLUSTER --batch 2048 --seq 4096`, as a user runs it, read back
     from its --json file."""
     import contextlib
@@ -601,8 +601,8 @@ def v5p_row(cluster: str, attention_fn: str = V5P_FN) -> dict:
         path = pathlib.Path(tmp) / "plan.json"
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(io.StringIO()):  # the report; the figures come from --json
-            code = cli.main(["plan", "--fn", attention_fn, "--cluster", cluster, "--batch", str(V5P_BATCH), "--seq",
-                             str(V5P_SEQ), "--quiet", "--json", str(path)])
+            code = cli.main(["plan", "--fn", attention_fn, "--cluster", cluster, "--batch", str(batch), "--seq",
+                             str(seq), "--quiet", "--json", str(path)])
         took = time.perf_counter() - t0
         if code != 0:
             return {"cluster": cluster, "error": f"planner plan exited {code}"}
@@ -611,7 +611,7 @@ def v5p_row(cluster: str, attention_fn: str = V5P_FN) -> dict:
     ctx = data.get("context") or {}
     return {"cluster": cluster, "step_s": pred["step_time_s"], "measured_step_s": V5P_STEP_S,
             "ratio_to_measured": V5P_STEP_S / pred["step_time_s"], "memory_gb": pred["memory_bytes_per_device"] / 1e9,
-            "mesh": "x".join(map(str, data["mesh"]["shape"])), "stages": max(1, len(data.get("stages") or ())),
+            "mesh": "x".join(map(str, data["mesh"].values())), "stages": max(1, len(data.get("stages") or ())),
             "maxtext": _maxtext_text(data),
             "split": (ctx.get("topology") or {}).get("split"), "levers": data.get("levers"),
             "planning_s": round(took, 1)}
