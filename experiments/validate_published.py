@@ -619,7 +619,8 @@ def v5p_row(cluster: str, attention_fn: str = V5P_FN, batch: int = V5P_BATCH, se
 
 def _maxtext_text(data: dict) -> str | None:
     """The plan's `ici_*` / `dcn_*` line, as `planner plan` prints it."""
-    from planner.present.report import PlanView, maxtext_mesh
+    from planner.present.report import PlanView
+    from planner.present.topology_view import maxtext_mesh
 
     topo = (data.get("context") or {}).get("topology")
     return maxtext_mesh(PlanView.from_dict(data), topo).split("  (")[0] if topo else None

@@ -247,7 +247,8 @@ def test_decorator_reads_the_topology_of_live_tpu_devices():
 def test_profile_levels_serve_another_shape_of_the_same_hardware():
     """A profile measures each level alone (an axis inside a host, an axis across hosts); its
     per-level links then price a topology of another shape: here 2 hosts x 4 measured, 4 x 4 planned."""
-    from planner.cost_model.profile_db import ProfileDB, measured_levels
+    from planner.cost_model.profile_db import ProfileDB
+    from planner.cost_model.profile_levels import measured_levels
     from planner.cost_model.profiling import summary
     from planner.cost_model.topology import levels_text, topology_from_levels
     from planner.core.units import parse_link
@@ -271,7 +272,8 @@ def test_profile_of_one_slice_serves_a_larger_slice():
     port, the profile prices a 4x4x4 cube: an axis on a wrapped dimension 2 x 80, two dimensions 4 x 80."""
     import dataclasses as dc
 
-    from planner.cost_model.profile_db import ProfileDB, measured_levels
+    from planner.cost_model.profile_db import ProfileDB
+    from planner.cost_model.profile_levels import measured_levels
 
     port = AxisLink(4e-6, 1 / 80e9)
     db = ProfileDB.synthetic((2, 2, 2), [port] * 3, device_kind="TPU v5p", platform="tpu")

@@ -21,6 +21,7 @@ import numpy as np
 
 from planner.core.errors import InvalidArgumentError
 from planner.core.units import parse_link
+from planner.cost_model.topology_text import is_topology, topology_preset
 
 _NUMERIC = ("flops_f32", "flops_bf16", "memory_bytes", "memory_bandwidth", "intra_bandwidth", "intra_latency",
             "inter_bandwidth", "inter_latency")
@@ -381,9 +382,8 @@ def get_hardware(name_or_hw: str | Hardware | None) -> Hardware:
     m = CLUSTER_PATTERN.match(str(name_or_hw))
     if m:
         return get_hardware(m.group(3)) if m.group(3) else DEFAULT_HARDWARE
-    from planner.cost_model.topology import is_topology, parse_topology  # topology imports this module
     if is_topology(name_or_hw):
-        return parse_topology(str(name_or_hw))[1]
+        return get_hardware(topology_preset(str(name_or_hw)))
     key = str(name_or_hw).lower()
     key = _ALIASES.get(key, key)
     if key not in PRESETS:

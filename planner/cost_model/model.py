@@ -21,8 +21,8 @@ from planner.cost_model.hardware import (
     rate_class,
 )
 from planner.cost_model.topology import is_topology
-from planner.cost_model.profile_db import (MeasuredCollectives, ProfileDB, bind, check_device_kind, load_profile,
-                                          measured_levels, profiled_topology)
+from planner.cost_model.profile_db import MeasuredCollectives, ProfileDB, bind, check_device_kind, load_profile
+from planner.cost_model.profile_levels import measured_levels, profiled_topology
 from planner.core.errors import MeshError, ProfileError
 from planner.core.mesh import MeshSpec
 

@@ -24,7 +24,7 @@ from planner.cost_model.cluster import group_offsets, spans_hosts
 from planner.cost_model.collectives import COLLECTIVES, AxisLink, analytic_time, ring_bytes, ring_steps
 from planner.cost_model.fit import Curve, Fit, fit_alpha_beta, geometric_sizes
 from planner.cost_model.hardware import Hardware, hardware_for_device_kind
-from planner.cost_model.topology import Link, Topology, is_topology, parse_topology, two_level
+from planner.cost_model.topology import is_topology
 from planner.core.errors import ProfileError
 from planner.core.mesh import MeshSpec, default_axis_names
 
@@ -382,46 +382,6 @@ def bind(db: ProfileDB, mesh: MeshSpec) -> MeasuredCollectives:
         )
     inter = tuple(a for a in range(mesh.ndim) if spans_hosts(mesh, (a,), db.host_of))
     return MeasuredCollectives(curves, tuple(links), inter, db.name)
-
-
-def profiled_topology(db: ProfileDB) -> Topology:
-    """The profiled devices' topology: the recorded one, else the processes as hosts on a network
-    (device positions process-major, as `jax.devices()` orders them). Only its structure is used."""
-    if db.topology:
-        return parse_topology(db.topology)[0]
-    hosts = max(1, len(set(db.host_of)))
-    links = Link(1.0, 0.0)  # placeholders: `measured_levels` reads the structure
-    return two_level(hosts, db.num_devices // hosts, links, links)
-
-
-def measured_levels(db: ProfileDB) -> dict[int, Link]:
-    """Each level of the profiled topology that a measured single-axis collective crossed (its
-    outermost level), with the link the measurements imply: per device for a switched level, per
-    port for a torus (the group's bandwidth over the ports its ring used, `Level.ports`); the
-    median over the groups and kinds (all-gather, reduce-scatter, all-reduce) measured on it.
-
-    This is how a profile of one slice (or host count) serves another topology of the same devices:
-    the levels' links are the hardware's, whatever the shape (`CostModel.from_profile`)."""
-    topo = profiled_topology(db)
-    if topo.num_devices != db.num_devices:
-        return {}
-    found: dict[int, list[tuple[float, float]]] = {}
-    for e in db.collectives:
-        n = e.group_size
-        if len(e.axes) != 1 or n < 2 or e.collective not in ("all-gather", "reduce-scatter", "all-reduce"):
-            continue
-        c = db.curve(e)
-        if c.slope <= 0:
-            continue
-        level, ports = topo.group_ports(e.devices)
-        beta = c.slope / ring_bytes(e.collective, 1.0, n)
-        found.setdefault(level, []).append((1.0 / (beta * ports), max(0.0, c.fit.alpha / ring_steps(e.collective, n))))
-    out = {}
-    for level, pairs in found.items():
-        bws = sorted(b for b, _ in pairs)
-        lats = sorted(a for _, a in pairs)
-        out[level] = Link(bws[len(bws) // 2], lats[len(lats) // 2])
-    return out
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:

@@ -30,8 +30,8 @@ from planner.cost_model.cluster import group_offsets
 from planner.cost_model.collectives import COLLECTIVES
 from planner.cost_model.fit import Curve, geometric_sizes
 from planner.cost_model.model import attention_curve, matmul_curve
-from planner.cost_model.profile_db import (CollectiveSamples, ProfileDB, axis_groups, measured_levels,
-                                          profiled_topology, utc_now)
+from planner.cost_model.profile_db import CollectiveSamples, ProfileDB, axis_groups, utc_now
+from planner.cost_model.profile_levels import measured_levels, profiled_topology
 from planner.cost_model.topology import device_order, from_devices
 from planner.core.errors import InvalidArgumentError, PlannerError, ProfileError
 from planner.core.mesh import MeshSpec, default_axis_names, parse_mesh

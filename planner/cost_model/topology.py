@@ -25,7 +25,6 @@ import dataclasses
 import itertools
 import json
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +32,8 @@ import numpy as np
 
 from planner.cost_model.collectives import AxisLink
 from planner.cost_model.hardware import GB200, Hardware, get_hardware
+from planner.cost_model.topology_text import NVL72_PATTERN, TPU_SLICE_PATTERN
+from planner.cost_model.topology_text import is_topology as is_topology  # re-exported: topology texts
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -218,9 +219,7 @@ _ICI_PORT = {"tpu-v4": 50e9, "tpu-v5p": 100e9, "tpu-v5e": 50e9, "tpu-v6e": 100e9
 # (Cloud TPU v5p docs' configuration table lists slices by cubes; the scaling book, part 2: "full
 # cubes have wraparounds"); v5e and v6e only along a dimension of the full pod's length 16.
 _CUBE = {"tpu-v4", "tpu-v5p"}
-_TPU_SLICE = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(tpu-)?(v4|v5p|v5e|v6e)\s*:\s*(\d+(?:\s*x\s*\d+){1,2})\s*$",
-                        re.IGNORECASE)
-_NVL72 = re.compile(r"^\s*gb200-nvl72(?:\s*:\s*(\d+))?\s*$", re.IGNORECASE)
+_TPU_SLICE, _NVL72 = TPU_SLICE_PATTERN, NVL72_PATTERN
 
 
 def _wraps(generation: str, shape: tuple[int, ...]) -> tuple[bool, ...]:
@@ -261,16 +260,6 @@ def nvl72(racks: int = 1) -> tuple[Topology, Hardware]:
     if racks > 1:
         levels.append(Level("infiniband", racks, Link(hw.inter_bandwidth, hw.inter_latency)))
     return Topology(tuple(levels), hw.devices_per_host, f"gb200-nvl72:{racks}"), hw
-
-
-def is_topology(text: object) -> bool:
-    """Whether `text` names a topology (`v5p:8x8x8`, `2xv5p:8x8x8`, `gb200-nvl72:2`, or the JSON of
-    its levels, `levels_text`)."""
-    if not isinstance(text, str):
-        return False
-    if text.lstrip().startswith("{"):
-        return '"levels"' in text
-    return _TPU_SLICE.match(text) is not None or _NVL72.match(text) is not None
 
 
 def levels_text(topology: Topology, hardware: Hardware) -> str:

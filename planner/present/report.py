@@ -23,6 +23,7 @@ from planner.core.units import format_bytes
 from planner.cost_model import peak_flops
 from planner.ilp.levers import LEVERS
 from planner.present.logical_axes import Axes, AxisRules, Leaf, classify, infer_rules
+from planner.present.topology_view import maxtext_mesh, topology_line
 from planner.stages.clustering import stacked_note
 
 
@@ -463,56 +464,9 @@ def format_header(view: PlanView) -> str:
     lines += [f"  kernels               {k}" for k in view.plan.kernels]
     topo = ctx.get("topology")
     if topo and not (view.plan.pipeline and len(view.plan.stages) > 1):
-        lines += [f"  on the topology       {_topology_line(view, topo)}",
+        lines += [f"  on the topology       {topology_line(view, topo)}",
                   f"  as MaxText sets it    {maxtext_mesh(view, topo)}"]
     return "\n".join(lines)
-
-
-def _topology_line(view: PlanView, topo: Mapping[str, Any]) -> str:
-    """Each mesh axis with its size across fast domains (DCN) and inside one (ICI / NVLink)."""
-    split = topo.get("split") or ()
-    parts = []
-    for name, (across, inside) in zip(view.axis_names, split):
-        parts.append(f"{name}={across * inside}" + (f" ({across} across x {inside} inside)" if across > 1 else
-                                                   " (inside)"))
-    return f"{topo.get('text', '?')}: " + ", ".join(parts)
-
-
-_MAXTEXT_ROLES = ("data", "fsdp", "tensor", "sequence")
-
-
-def axis_role(view: PlanView, axis: str) -> str:
-    """What a mesh axis does, in MaxText's mesh-axis vocabulary: "fsdp" when it splits parameters and
-    the batch, "tensor" when parameters but not the batch, "sequence" when a data dimension other
-    than the batch, "data" otherwise (the batch only, or nothing)."""
-    params = batch = seq = False
-    for leaf in view.leaves or ():
-        dims = [axis in axes for axes in leaf.spec]
-        if leaf.role == "param" and any(dims):
-            params = True
-        elif leaf.role == "data" and dims:
-            batch = batch or dims[0]
-            seq = seq or any(dims[1:])
-    return "fsdp" if params and batch else "tensor" if params else "sequence" if seq and not batch else "data"
-
-
-def maxtext_mesh(view: PlanView, topo: Mapping[str, Any]) -> str:
-    """The plan's mesh as MaxText's `ici_*_parallelism` / `dcn_*_parallelism` settings (each axis
-    named by its role, `axis_role`; two axes of one role are multiplied, as MaxText would lay them
-    on one axis)."""
-    split = topo.get("split") or ()
-    ici: dict[str, int] = {}
-    dcn: dict[str, int] = {}
-    for name, (across, inside) in zip(view.axis_names, split):
-        role = axis_role(view, name)
-        ici[role] = ici.get(role, 1) * inside
-        dcn[role] = dcn.get(role, 1) * across
-    roles = [r for r in _MAXTEXT_ROLES if r in ici]
-    text = " ".join(f"ici_{r}_parallelism={ici[r]}" for r in roles)
-    if any(dcn[r] > 1 for r in roles):
-        text += " " + " ".join(f"dcn_{r}_parallelism={dcn[r]}" for r in roles if dcn[r] > 1)
-    names = ", ".join(f"{n}->{axis_role(view, n)}" for n in view.axis_names)
-    return f"{text}  ({names})"
 
 
 def format_plan(view: PlanView, top: int | None = None) -> str:
