@@ -37,6 +37,13 @@ def main() -> int:
     batch = jax.tree_util.tree_map(np.asarray, b.make_batch(jax.random.key(1)))
     new_state, metrics = step(state, batch)
 
+    # `planner profile`'s measurement over both processes (small and quick: all-gathers of up to
+    # 4 MiB): the level inside a process and the one between them, each measured alone.
+    from planner.cost_model.profiling import profile
+    db = profile(mesh, [4096, 65536, 1 << 20, 4 << 20], repeats=2, warmup=1, collectives=("all-gather",), compute=False)
+    if pid == 0:
+        db.save(os.path.join(out_dir, "profile.json"))
+
     # This process's shards of the result, written for the test to assemble and compare with the
     # unsharded step (no further cross-process collectives here: the fewer the coordination
     # service has in flight at shutdown, the better).

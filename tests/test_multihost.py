@@ -70,3 +70,26 @@ def test_two_processes_plan_identically_and_match_one_process(tmp_path):
     assert all(c.all() for c in covered), "the two processes' shards do not cover every result"
     new_state, metrics = jax.tree_util.tree_unflatten(tree, got)
     assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
+    _profile_measured_each_level(tmp_path / "profile.json")
+
+
+def _profile_measured_each_level(path: pathlib.Path) -> None:
+    """The profile the two processes measured: its two levels (inside a process, between them) each
+    read from the groups that cross it, and those links price a topology of another shape."""
+    from planner.core.mesh import MeshSpec
+    from planner.cost_model import CostModel, get_hardware
+    from planner.cost_model.profile_db import ProfileDB
+    from planner.cost_model.profile_levels import measured_levels
+    from planner.cost_model.profiling import summary
+    from planner.cost_model.topology import Link, Topology, Level, levels_text
+
+    db = ProfileDB.load(path)
+    assert db.num_processes == 2 and db.host_of == (0,) * 4 + (1,) * 4 and db.topology is None
+    levels = measured_levels(db)
+    assert sorted(levels) == [0, 1] and all(link.bandwidth > 0 for link in levels.values())
+    text = summary(db)
+    assert "level host" in text and "level network" in text
+    cpu = get_hardware("cpu")
+    target = Topology((Level("host", 4, Link(1e9, 1e-6)), Level("network", 4, Link(1e8, 1e-5))), 4)
+    cm = CostModel.build(MeshSpec((4, 4), ("x", "y")), levels_text(target, cpu), profile=db)
+    assert 1 / cm.links[0].beta == levels[1].bandwidth and 1 / cm.links[1].beta == levels[0].bandwidth
