@@ -1,5 +1,6 @@
-"""Predicted against published training throughput: Megatron-LM's GPT runs on A100 clusters, and
-MaxText's Llama2-7B runs on H100 VMs (`--generation h100`, see `H100_ROWS`).
+"""Predicted against published training throughput: Megatron-LM's GPT runs on A100 clusters,
+MaxText's Llama2-7B runs on H100 VMs (`--generation h100`, see `H100_ROWS`), and MaxText's
+Llama-2-70B on TPU v5p and v6e slices (`--generation tpu`, see `TPU_ROWS`).
 
 Source: D. Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM", SC21 (arXiv:2104.04473), Table 1 (the rows below; weak scaling, 1.7B to 145.6B
@@ -577,15 +578,24 @@ def main_h100(args) -> list[dict]:
     return results + toolbox
 
 
-# ----- A TPU slice: MaxText's Llama-2-70B on v5p-1024 (512 chips, one 8x8x8 slice) ------------------
-# MaxText docs, reference/models/tiering.md ("Optimized models tiering", v5p Gold): Llama 2 70B on 512
-# chips, BF16, seq 4096: 65.4% MFU, ~692 tokens/s/device; its recipe (MaxText/configs/v5p/llama2_70b.sh)
-# runs per_device_batch_size=4 (global batch 2048, "4M token global batch size on 1 x v5p-512"), remat
-# save_dot_except_mlpwi, MaxText's default mesh (ici_fsdp_parallelism over the whole slice), flash
-# attention. Step time = 2048 x 4096 tokens / (692 x 512 tokens/s) = 23.68 s.
+# ----- TPU slices: MaxText's Llama-2-70B on v5p and v6e (flash attention, bf16, seq 4096) -------------
+# v5p: MaxText docs, reference/models/tiering.md ("Optimized models tiering", v5p Gold): Llama 2 70B on
+# 512 chips, 65.4% MFU, ~692 tokens/s/device; its recipe (MaxText/configs/v5p/llama2_70b.sh) runs
+# per_device_batch_size=4 (global batch 2048, "4M token global batch size on 1 x v5p-512"), remat
+# save_dot_except_mlpwi, MaxText's default mesh (ici_fsdp_parallelism over the whole slice). Step time
+# = 2048 x 4096 tokens / (692 x 512 tokens/s) = 23.68 s.
+# v6e: the same tiering table (Trillium Gold: 256 chips, 43.8% MFU, ~900 tokens/s/device) and its recipe
+# (AI-Hypercomputer/tpu-recipes, training/trillium/Llama2-70B-MaxText/README.md), whose log line reads
+# "completed step: 17, seconds: 17.373, ... Tokens/s/device: 943.086, total_weights: 4194304": 4,194,304
+# tokens per step = batch 1024 at seq 4096, 17.373 s/step, on a v6e-256 slice (16x16).
 V5P_BATCH, V5P_SEQ, V5P_TOKENS_PER_S_PER_CHIP, V5P_CHIPS = 2048, 4096, 692.0, 512
 V5P_STEP_S = V5P_BATCH * V5P_SEQ / (V5P_TOKENS_PER_S_PER_CHIP * V5P_CHIPS)
+V6E_BATCH, V6E_STEP_S = 1024, 17.373
 V5P_FN = "experiments/models/llama7b_fused.py:make_70b_dpa_step"
+# (cluster, batch, measured s/step or None, what the measured figure is)
+TPU_ROWS = (("v5p:8x8x8", V5P_BATCH, V5P_STEP_S, "MaxText tiering.md, 512 v5p: 65.4% MFU, 692 tok/s/chip"),
+            ("2xv5p:8x8x8", V5P_BATCH, None, "no published run of two slices"),
+            ("v6e:16x16", V6E_BATCH, V6E_STEP_S, "tpu-recipes Trillium Llama2-70B log: 17.373 s, 943 tok/s/chip"))
 
 
 def v5p_row(cluster: str, attention_fn: str = V5P_FN, batch: int = V5P_BATCH, seq: int = V5P_SEQ) -> dict:
@@ -609,8 +619,8 @@ def v5p_row(cluster: str, attention_fn: str = V5P_FN, batch: int = V5P_BATCH, se
         data = json.loads(path.read_text())
     pred = data["predicted"]
     ctx = data.get("context") or {}
-    return {"cluster": cluster, "step_s": pred["step_time_s"], "measured_step_s": V5P_STEP_S,
-            "ratio_to_measured": V5P_STEP_S / pred["step_time_s"], "memory_gb": pred["memory_bytes_per_device"] / 1e9,
+    return {"cluster": cluster, "batch": batch, "step_s": pred["step_time_s"],
+            "memory_gb": pred["memory_bytes_per_device"] / 1e9,
             "mesh": "x".join(map(str, data["mesh"].values())), "stages": max(1, len(data.get("stages") or ())),
             "maxtext": _maxtext_text(data),
             "split": (ctx.get("topology") or {}).get("split"), "levers": data.get("levers"),
@@ -626,32 +636,34 @@ def _maxtext_text(data: dict) -> str | None:
     return maxtext_mesh(PlanView.from_dict(data), topo).split("  (")[0] if topo else None
 
 
-def main_v5p(args) -> list[dict]:
+def main_tpu(args) -> list[dict]:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for cluster in ("v5p:8x8x8", "2xv5p:8x8x8"):
-        print(f"Llama-2-70B (batch {V5P_BATCH}, seq {V5P_SEQ}, flash attention) on {cluster} ...", flush=True)
-        rows.append(v5p_row(cluster))
-        print(f"    {rows[-1]}", flush=True)
-    lines = ["", f"MaxText's Llama-2-70B on 512 v5p chips (batch {V5P_BATCH}, seq {V5P_SEQ}; MaxText docs, "
-             f"reference/models/tiering.md: 65.4% MFU, ~692 tokens/s/chip = {V5P_STEP_S:.2f} s/step), planned by "
-             f"`planner plan --fn {V5P_FN} --cluster C --batch {V5P_BATCH} --seq {V5P_SEQ}` "
-             "(experiments/validate_published.py --generation v5p)", "",
-             "| cluster | mesh | as MaxText sets it | stages | predicted s/step | measured s/step | "
-             "predicted / measured | memory GB | planning s |", "|---|---|---|---|---|---|---|---|---|"]
+    for cluster, batch, measured, source in TPU_ROWS:
+        print(f"Llama-2-70B (batch {batch}, seq {V5P_SEQ}, flash attention) on {cluster} ...", flush=True)
+        r = {**v5p_row(cluster, batch=batch), "measured_step_s": measured, "source": source}
+        if measured is not None and "step_s" in r:
+            r["predicted_over_measured"] = r["step_s"] / measured
+        rows.append(r)
+        print(f"    {r}", flush=True)
+    lines = ["", f"MaxText's Llama-2-70B (seq {V5P_SEQ}, flash attention) on TPU slices, planned by `planner plan --fn "
+             f"{V5P_FN} --cluster C --batch B --seq {V5P_SEQ}` (experiments/validate_published.py --generation tpu)",
+             "", "| cluster | batch | mesh | as MaxText sets it | stages | predicted s/step | measured s/step | "
+             "predicted / measured | memory GB | planning s | measured figure |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['cluster']} | {r['error']} | | | | | | | |")
+            lines.append(f"| {r['cluster']} | | {r['error']} | | | | | | | | |")
             continue
-        measured = f"{V5P_STEP_S:.2f}" if r["cluster"] == "v5p:8x8x8" else "- (512 chips' figure: "\
-            f"{V5P_STEP_S:.2f})"
-        ratio = f"{r['step_s'] / V5P_STEP_S:.3f}" if r["cluster"] == "v5p:8x8x8" else "-"
-        lines.append(f"| {r['cluster']} | {r['mesh']} | {r['maxtext']} | {r['stages']} | {r['step_s']:.2f} | {measured} | "
-                     f"{ratio} | {r['memory_gb']:.1f} | {r['planning_s']} |")
+        measured = "-" if r["measured_step_s"] is None else f"{r['measured_step_s']:.2f}"
+        ratio = f"{r['predicted_over_measured']:.3f}" if "predicted_over_measured" in r else "-"
+        lines.append(f"| {r['cluster']} | {r['batch']} | {r['mesh']} | {r['maxtext']} | {r['stages']} | "
+                     f"{r['step_s']:.2f} | {measured} | {ratio} | {r['memory_gb']:.1f} | {r['planning_s']} | "
+                     f"{r['source']} |")
     text = "\n".join(lines) + "\n"
-    (out / "published_v5p.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
-    (out / "published_v5p.md").write_text(text)
+    (out / "published_tpu.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
+    (out / "published_tpu.md").write_text(text)
     print(text)
     return rows
 
@@ -669,10 +681,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="run the planner's own search only on rows with at most this many GPUs (it plans "
                         "every submesh of the cluster: minutes per row at 64 hosts on 2 cores)")
     p.add_argument("--out", default=str(RESULTS), help="directory for published.{json,md,png}")
-    p.add_argument("--generation", choices=("a100", "h100", "v5p"), default="a100",
+    p.add_argument("--generation", choices=("a100", "h100", "tpu"), default="a100",
                    help="a100: Megatron-LM SC21 Table 1 (published.{json,md,png}); h100: MaxText's Llama2-7B on A3 "
-                        "VMs (published_h100.{json,md}); v5p: MaxText's Llama-2-70B on a v5p 8x8x8 slice and on two "
-                        "(published_v5p.{json,md})")
+                        "VMs (published_h100.{json,md}); tpu: MaxText's Llama-2-70B on a v5p 8x8x8 slice, on two, and on "
+                        "a v6e 16x16 slice (published_tpu.{json,md})")
     p.add_argument("--attention", choices=("dpa", "xla"), default="dpa",
                    help="h100: the zoo Llama's attention (dpa: jax.nn.dot_product_attention, priced as cuDNN's fused "
                         "kernel, as the runs used; xla: the scores materialised)")
@@ -681,8 +693,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(message)s")
     if args.generation == "h100":
         return main_h100(args)
-    if args.generation == "v5p":
-        return main_v5p(args)
+    if args.generation == "tpu":
+        return main_tpu(args)
     wanted = set(args.rows.split(",")) if args.rows else None
     rows = [r for r in ROWS if wanted is None or r.name in wanted]
     if wanted and len(rows) != len(wanted):
