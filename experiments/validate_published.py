@@ -598,7 +598,7 @@ TPU_ROWS = (("v5p:8x8x8", V5P_BATCH, V5P_STEP_S, "MaxText tiering.md, 512 v5p: 6
             ("v6e:16x16", V6E_BATCH, V6E_STEP_S, "tpu-recipes Trillium Llama2-70B log: 17.373 s, 943 tok/s/chip"))
 
 
-def v5p_row(cluster: str, attention_fn: str = V5P_FN, batch: int = V5P_BATCH, seq: int = V5P_SEQ) -> dict:
+def tpu_row(cluster: str, attention_fn: str = V5P_FN, batch: int = V5P_BATCH, seq: int = V5P_SEQ) -> dict:
     """`planner plan --fn ... --cluster CLUSTER --batch 2048 --seq 4096`, as a user runs it, read back
     from its --json file."""
     import contextlib
@@ -642,7 +642,7 @@ def main_tpu(args) -> list[dict]:
     rows = []
     for cluster, batch, measured, source in TPU_ROWS:
         print(f"Llama-2-70B (batch {batch}, seq {V5P_SEQ}, flash attention) on {cluster} ...", flush=True)
-        r = {**v5p_row(cluster, batch=batch), "measured_step_s": measured, "source": source}
+        r = {**tpu_row(cluster, batch=batch), "measured_step_s": measured, "source": source}
         if measured is not None and "step_s" in r:
             r["predicted_over_measured"] = r["step_s"] / measured
         rows.append(r)

@@ -74,9 +74,7 @@ def _levels_file(args, path: str, data: dict) -> Cluster:
     except Exception as e:  # noqa: BLE001 - any malformed level: one line naming the file
         raise CLIError(f"--cluster {path!r}: {first_line(e)}") from None
     topo = Topology(topo.levels, topo.devices_per_host, levels_text(topo, hw))
-    if args.hardware is not None and get_hardware(args.hardware).name != hw.name:
-        raise CLIError(f"--cluster {path!r} is {hw.name} hardware but --hardware is {args.hardware!r}; give it once")
-    args.hardware = hw.name
+    _claim_hardware(args, repr(path), hw.name)
     return Cluster.of_topology(topo, hw)
 
 
@@ -111,11 +109,15 @@ def _topology_target(args, text: str) -> Cluster:
         cluster = Cluster.parse(text)
     except ValueError as e:
         raise CLIError(f"--cluster {text!r}: {e}") from None
-    if args.hardware is not None and get_hardware(args.hardware).name != cluster.hardware.name:
-        raise CLIError(f"--cluster {text} is {cluster.hardware.name} hardware but --hardware is {args.hardware!r}; "
-                       "give it once")
-    args.hardware = cluster.hardware.name
+    _claim_hardware(args, text, cluster.hardware.name)
     return cluster
+
+
+def _claim_hardware(args, cluster: str, name: str) -> None:
+    """The hardware a topology cluster names becomes args.hardware; a different --hardware is refused."""
+    if args.hardware is not None and get_hardware(args.hardware).name != name:
+        raise CLIError(f"--cluster {cluster} is {name} hardware but --hardware is {args.hardware!r}; give it once")
+    args.hardware = name
 
 
 def _cluster_target(args) -> Cluster:

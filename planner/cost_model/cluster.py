@@ -129,8 +129,6 @@ class Cluster:
         """Mesh axes whose device groups span more than one host."""
         if mesh.size != self.num_devices:
             raise ValueError(f"mesh {mesh} has {mesh.size} devices but cluster {self} has {self.num_devices}")
-        if self.topology is not None:
-            return self.topology.crossing_axes(mesh.shape)
         return tuple(a for a in range(mesh.ndim) if spans_hosts(mesh, (a,), self.host_of()))
 
     def group_links(self, mesh: MeshSpec) -> tuple[tuple[tuple[int, ...], AxisLink], ...]:

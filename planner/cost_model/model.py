@@ -166,9 +166,18 @@ class CostModel:
         return cls(mesh, cluster.hardware, cluster.axis_links(mesh), group_links=cluster.group_links(mesh))
 
     @classmethod
-    def for_topology_part(cls, mesh: MeshSpec, cluster: Cluster) -> CostModel:
-        """Analytic model of `mesh` laid out row-major over the first `mesh.size` devices of a
-        topology cluster (a pipeline stage's submesh, a smaller mesh planned for it)."""
+    def on_topology(cls, mesh: MeshSpec, cluster: Cluster) -> CostModel:
+        """Analytic model of `mesh` laid out row-major over a topology cluster's first `mesh.size`
+        devices (all of them, or a pipeline stage's submesh, a smaller mesh planned for it).
+
+        Raises:
+          MeshError: a mesh of more devices than the cluster has.
+        """
+        if mesh.size > cluster.num_devices:
+            raise MeshError(f"cluster {str(cluster)!r} has {cluster.num_devices} devices but the mesh {mesh} has "
+                            f"{mesh.size}; describe the cluster the mesh runs on")
+        if mesh.size == cluster.num_devices:
+            return cls.for_cluster(mesh, cluster)
         links, groups = cluster.topo.mesh_links(mesh.shape)
         return cls(mesh, cluster.hardware, links, group_links=groups)
 
@@ -239,12 +248,7 @@ class CostModel:
                  ", ".join(used))
         linked = dataclasses.replace(cluster, hardware=profiled_hardware(db, cluster.hardware),
                                      topology=dataclasses.replace(cluster.topology, levels=tuple(levels)))
-        if mesh.size == linked.num_devices:
-            return cls.for_cluster(mesh, linked)
-        if mesh.size > linked.num_devices:
-            raise MeshError(f"cluster {topology!r} has {linked.num_devices} devices but the mesh {mesh} has "
-                            f"{mesh.size}")
-        return cls.for_topology_part(mesh, linked)
+        return cls.on_topology(mesh, linked)
 
     @classmethod
     def build(cls, mesh: MeshSpec, hardware: str | Hardware | None = None, inter_host_axes: Sequence[int] = (),
@@ -265,13 +269,7 @@ class CostModel:
         if profile is not None:
             return cls.from_profile(mesh, profile, hardware, tuple(inter_host_axes) or None)
         if is_topology(hardware):
-            cluster = Cluster.parse(hardware)
-            if mesh.size > cluster.num_devices:
-                raise MeshError(f"cluster {hardware!r} has {cluster.num_devices} devices but the mesh {mesh} has "
-                                f"{mesh.size}; describe the cluster the mesh runs on")
-            if mesh.size == cluster.num_devices:
-                return cls.for_cluster(mesh, cluster)
-            return cls.for_topology_part(mesh, cluster)
+            return cls.on_topology(mesh, Cluster.parse(hardware))
         if Cluster.is_cluster(hardware) and not inter_host_axes:
             cluster = Cluster.parse(hardware)
             if cluster.num_devices != mesh.size:

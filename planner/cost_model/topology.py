@@ -178,16 +178,6 @@ class Topology:
                        for axes in itertools.combinations(range(ndim), k))
         return singles, groups
 
-    def crossing_axes(self, shape: Sequence[int]) -> tuple[int, ...]:
-        """Axes of a row-major mesh whose groups span more than one unit of level 0."""
-        grid = np.arange(math.prod(shape)).reshape(tuple(shape))
-        out = []
-        for a in range(len(shape)):
-            index = tuple(slice(None) if b == a else 0 for b in range(len(shape)))
-            if len(np.unique(grid[index].ravel() // self.domain_size)) > 1:
-                out.append(a)
-        return tuple(out)
-
     def split_axes(self, shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
         """Each axis of a row-major mesh as (its size across level-0 units, its size inside one):
         MaxText's dcn_* and ici_* parallelism of that axis."""

@@ -65,9 +65,7 @@ def cost_model_for(mesh: MeshSpec, options: PlanOptions) -> CostModel:
             linked = hardware_with_links(cluster.hardware, options.inter_host, options.intra_host,
                                          cluster.topo.devices_per_host)
             if cluster.topology is not None and options.profile is None and mesh.size <= cluster.num_devices:
-                linked_cluster = cluster.with_links(linked)
-                return (CostModel.for_cluster(mesh, linked_cluster) if mesh.size == cluster.num_devices
-                        else CostModel.for_topology_part(mesh, linked_cluster))
+                return CostModel.on_topology(mesh, cluster.with_links(linked))
             if cluster.num_devices == mesh.size and not options.inter_host_axes and options.profile is None:
                 return CostModel.for_cluster(mesh, dataclasses.replace(cluster, hardware=linked))
             hardware = linked
