@@ -202,3 +202,20 @@ def test_pipeline_search_prices_the_runtimes_per_microbatch_reduction(caplog):
     assert free.step_time_s <= pp.step_time_s * (1 + 1e-12)
     assert free.step_time_s == pytest.approx(pipeline_latency([st.time_s for st in free.stages], free.num_microbatches)
                                              + max(st.grad_sync_s + st.apply_s for st in free.stages), rel=1e-12)
+
+
+def test_counts_of_larger_microbatches_are_skipped_once_one_fits_nothing():
+    """gpt-tiny, batch 16 on 1x4 with a 1.2 MB budget: 4 microbatches of 4 rows fit no pipeline in any
+    layout, so 2 microbatches of 8 rows are not planned, and planned alone they fit nothing either;
+    the search keeps its best count and says how each size was traced."""
+    b = get_model("gpt-tiny", batch=16)
+    args = (b.abstract_state(), b.abstract_batch())
+    cluster = make_cluster(1, 4, "a100")
+    pp = plan_pipeline(b.train_step, args, cluster, PlanOptions(pipeline=True, memory_budget=1.2e6), max_mesh_ndim=1)
+    assert pp.planning.larger_microbatches_skipped == (2,)
+    assert [c for c, t, _ in pp.candidates if not math.isfinite(t)] == [4]
+    assert pp.num_microbatches == 8 and pp.memory_bytes_per_device <= 1.2e6
+    assert pp.planning.shape_family == "traced once"
+    with pytest.raises(InfeasiblePlanError):
+        plan_pipeline(b.train_step, args, cluster, PlanOptions(pipeline=True, num_microbatches=2, memory_budget=1.2e6),
+                      max_mesh_ndim=1)

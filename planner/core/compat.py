@@ -239,3 +239,24 @@ def called_from(eqn: Any, function: str) -> bool:
     traceback = getattr(getattr(eqn, "source_info", None), "traceback", None)
     frames = getattr(traceback, "frames", None) or ()
     return any(getattr(f, "function_name", None) == function for f in frames)
+
+
+# Operators of `jax.export` dimension expressions that are not linear in their symbols (`_DimExpr`'s
+# printed form names them: "floordiv(b, 2)", "mod(b, 4)", "max(b, 1)", "non_negative(b - 1)").
+_NONLINEAR_DIM_OPS = ("floordiv", "mod", "max", "min", "non_negative")
+
+
+def evaluate_dim(dim: Any, sizes: Mapping[str, int]) -> int:
+    """A dimension of a symbolically traced shape (a `jax.export` dimension expression, or an int)
+    at the symbols' `sizes`. Relies on `_DimExpr._evaluate` (jax.export has no public evaluation
+    of a dimension expression)."""
+    if not jax.export.is_symbolic_dim(dim):
+        return int(dim)
+    return int(dim._evaluate(dict(sizes)))
+
+
+def dim_is_linear(dim: Any) -> bool:
+    """Whether a dimension expression is linear in its symbols (no floor division, remainder, max
+    or min): then it has one value per symbol size and no case split on the size. Reads the
+    expression's printed form (`str` of a `_DimExpr`)."""
+    return not (jax.export.is_symbolic_dim(dim) and any(f"{op}(" in str(dim) for op in _NONLINEAR_DIM_OPS))

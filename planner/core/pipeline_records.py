@@ -37,6 +37,10 @@ class PipelinePlanning(JsonRecord):
       grad_sync_per_microbatch, stacked_params, hand_layout_counts, single_stage_mesh_search: the
         stages reducing gradients per microbatch, parameter paths stacked over layers, the hand
         layouts' pricing, and whether the single stage was found by the whole-program mesh search.
+      larger_microbatches_skipped: microbatch counts not planned because a count of smaller
+        microbatches fit no pipeline in any layout (`inter_op.plan_pipeline`).
+      shape_family: "traced once" (every microbatch size of at least 2 rows made from one symbolic
+        trace, `graph.shape_family`), or why each size was traced on its own.
     """
 
     planning_time_s: float | None = None
@@ -56,6 +60,8 @@ class PipelinePlanning(JsonRecord):
     stacked_params: tuple[str, ...] | None = None
     hand_layout_counts: HandLayoutCounts | None = None
     single_stage_mesh_search: bool | None = None
+    larger_microbatches_skipped: tuple[int, ...] | None = None
+    shape_family: str | None = None
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> PipelinePlanning:

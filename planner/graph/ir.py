@@ -244,7 +244,8 @@ def read(env: dict[int, Any], x: int | Literal) -> Any:
 
 
 def tensor_of(aval) -> Tensor:
-    """The `Tensor` of an abstract value (or of an array)."""
+    """The `Tensor` of an abstract value (or of an array). A symbolic dimension (a step traced with
+    `jax.export` shapes, `planner.graph.shape_family`) is kept as it is."""
     shape = getattr(aval, "shape", None)
     dtype = getattr(aval, "dtype", None)
     if shape is None or dtype is None:
@@ -253,7 +254,7 @@ def tensor_of(aval) -> Tensor:
         dtype = np.dtype(dtype)
     except TypeError:  # extended dtypes (PRNG keys) are kept as they are
         pass
-    return Tensor(tuple(int(d) for d in shape), dtype)
+    return Tensor(tuple(d if jax.export.is_symbolic_dim(d) else int(d) for d in shape), dtype)
 
 
 def matmul_flops(graph: Graph) -> dict[str, float]:

@@ -67,6 +67,16 @@ def _check_leaves(args: tuple[Any, ...]) -> tuple[list[str], list[Any]]:
     return paths, leaves
 
 
+def _symbolic_scalar(eqn, operands: Sequence[int | Literal]) -> bool:
+    """Whether `eqn` makes a scalar from a symbolic dimension: `dim_as_value` (a shape's size used
+    as a value, e.g. the count a mean divides by), or a conversion of one. Traced on concrete shapes
+    the same value is a literal; kept as one here, `shape_family` gives it its value per size."""
+    if eqn.primitive.name == "dim_as_value":
+        return True
+    return (eqn.primitive.name == "convert_element_type" and len(operands) == 1
+            and isinstance(operands[0], Literal) and jax.export.is_symbolic_dim(operands[0].value))
+
+
 def _inner_jaxpr(eqn) -> tuple[jcore.Jaxpr, Sequence[Any]] | None:
     for key in _INLINE_PARAMS.get(eqn.primitive.name, ()):
         inner = eqn.params.get(key)
@@ -121,6 +131,10 @@ class _Builder:
 
         for eqn in jaxpr.eqns:
             operands = [read(x) for x in eqn.invars]
+            if _symbolic_scalar(eqn, operands):  # a size of a symbolic shape as a value: a literal
+                env[eqn.outvars[0]] = Literal(eqn.params["dim"] if operands == [] else operands[0].value,
+                                              tensor_of(eqn.outvars[0].aval))
+                continue
             stack = str(eqn.source_info.name_stack)
             full = "/".join(p for p in (prefix, stack) if p)
             if not in_fused_attention(full) and self.in_attention(eqn):

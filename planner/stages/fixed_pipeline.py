@@ -24,8 +24,8 @@ from planner.stages.clustering import Layers, cluster_layers
 from planner.stages.cost_table import LayerCostTable
 from planner.stages.dp import DPResult, StageChoice, pipeline_latency
 from planner.stages.layer_facts import boundary_bytes
-from planner.stages.microbatches import (UntraceableMicrobatches, batch_size, microbatch_args, microbatch_counts,
-                                         none_traces, trace_microbatch, trace_replica)
+from planner.stages.microbatches import (MicrobatchGraphs, UntraceableMicrobatches, batch_size, microbatch_counts,
+                                         none_traces, trace_replica)
 from planner.stages.pipeline_plan import PipelinePlan
 from planner.stages.selection import cheapest_as_run
 from planner.stages.stage_cost import StageTimes, stage_times
@@ -43,6 +43,7 @@ class _EvenPipeline:
       batch: the batch size; counts: the microbatch counts tried.
       budget: the memory budget per device; remats: the recomputation choices tried.
       cache: the layer plans of every count's table; timings: seconds per planning phase, accumulated.
+      graphs: the step's graph per microbatch size (one trace for all sizes where it can).
     """
 
     fn: Callable[..., Any]
@@ -60,10 +61,10 @@ class _EvenPipeline:
     pins: Callable[[Graph, LogicalMesh], Mapping[int, Spec]] | None
     replica_ways: Callable[[Graph, LogicalMesh], int] | None
     num_layers: int | None
-    full_graph: Graph | None
     t_start: float
     cache: dict
     timings: dict[str, float]
+    graphs: MicrobatchGraphs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +167,8 @@ def fixed_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Clust
         batch_argnum=batch_argnum, counts=_even_counts(batch, options, ways, lm),
         budget=options.memory_budget or cluster.hardware.memory_bytes,
         remats=(False, True) if remat is None else (bool(remat),), pins=pins, replica_ways=replica_ways,
-        num_layers=num_layers, full_graph=full_graph, t_start=t_start, cache={},
-        timings={"trace_s": 0.0, "layer_costs_s": 0.0})
+        num_layers=num_layers, t_start=t_start, cache={},
+        timings={"trace_s": 0.0, "layer_costs_s": 0.0}, graphs=MicrobatchGraphs(fn, args, batch_argnum, full_graph))
     priced = _Priced()
     for B in even.counts:
         priced = _with_count(even, priced, B)
@@ -198,8 +199,7 @@ def _traced(even: _EvenPipeline, B: int) -> Graph:
       UntraceableMicrobatches: it does not.
     """
     rows = even.batch // B
-    graph = even.full_graph if B == 1 and even.full_graph is not None else \
-        trace_microbatch(even.fn, microbatch_args(even.args, rows, even.batch_argnum), B, rows)
+    graph = even.graphs.at(B, rows)
     trace_replica(even.fn, even.args, B, rows, even.replica_ways(graph, even.lm) if even.replica_ways else 1,
                   even.batch_argnum)
     return graph

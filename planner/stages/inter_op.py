@@ -49,6 +49,7 @@ class _Found:
       evaluations: t_max bounds the DP tried, over all its runs.
       priced / pruned: microbatch counts whose hand layouts were priced / skipped by the pruning rule.
       single: the single stage of `pipeline="auto"` (None: not tried).
+      skipped: microbatch counts not planned (`_with_count_or_stop`).
     """
 
     candidates: tuple[Candidate, ...] = ()
@@ -58,6 +59,7 @@ class _Found:
     priced: tuple[int, ...] = ()
     pruned: tuple[int, ...] = ()
     single: SingleStage | None = None
+    skipped: tuple[int, ...] = ()
 
 
 def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster,
@@ -101,17 +103,41 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
                          num_layers=num_layers, full_graph=full_graph, pins=pins, devices=devices,
                          layer_variants=layer_variants)
     found = _Found()
-    for B in space.counts:
-        found = _with_count(space, found, B)
+    for i, B in enumerate(space.counts):
+        found, stop = _with_count_or_stop(space, found, B)
+        if stop:
+            found = dataclasses.replace(found, skipped=space.counts[i + 1:])
+            if found.skipped:
+                log.info("B=%s not planned: microbatches of %d rows fit no pipeline in any layout, and larger ones "
+                         "hold more activations", ",".join(map(str, found.skipped)), space.batch // B)
+            break
     if not found.candidates and found.untraceable and space.options.pipeline != "auto":  # "auto": the single stage
         raise none_traces(found.untraceable, space.counts)
     for k in range(len(found.candidates)):
         if not found.candidates[k].table.variants:
             break
-        found = _with_hand_layouts(space, found, k)
+        if found.candidates[k].B not in found.priced + found.pruned:
+            found = _with_hand_layouts(space, found, k)
     if space.options.pipeline == "auto":
         found = _with_single_stage(space, found)
     return _chosen(space, found)
+
+
+def _with_count_or_stop(space: SearchSpace, found: _Found, B: int) -> tuple[_Found, bool]:
+    """`found` with the candidate of `B` microbatches (`_with_count`), and whether `plan_pipeline`
+    stops there: the candidate fits no pipeline in the layers' own plans nor, priced now, in the
+    hand layouts. Then no count of larger microbatches is planned. A rule, not a proof: every layout
+    holds at least as many bytes of activations per microbatch at more rows, and the parameters'
+    and optimizer state's bytes do not depend on them; a larger microbatch only admits batch splits a
+    smaller one could not divide (2 rows over 4 devices), which spread the same activations over
+    more devices. Not applied without a memory budget, when `B` did not trace (its size then says
+    nothing), or when the hand layouts were not priced (the pruning rule of `_with_hand_layouts`)."""
+    found = _with_count(space, found, B)
+    c = found.candidates[-1] if found.candidates else None
+    if c is None or c.B != B or c.dp is not None or not math.isfinite(space.budget) or not c.table.variants:
+        return found, False
+    found = _with_hand_layouts(space, found, len(found.candidates) - 1)
+    return found, B in found.priced and found.candidates[-1].dp is None
 
 
 def _with_count(space: SearchSpace, found: _Found, B: int) -> _Found:
@@ -180,7 +206,7 @@ def _chosen(space: SearchSpace, found: _Found) -> PipelinePlan:
     """
     feasible = [c for c in found.candidates if c.dp is not None and math.isfinite(c.step_s)]
     if not feasible:
-        raise _nothing_fits(space)
+        raise _nothing_fits(space, found.skipped)
     plans, best, per_microbatch = cheapest_as_run(
         space.fn, space.args, feasible, lambda c: (c.step_s, len(c.dp.stages)),
         lambda c: stage_plans(c, space.shapes, space.meshes, space.cluster), space.batch, space.batch_argnum)
@@ -199,15 +225,19 @@ def _planning_facts(space: SearchSpace, found: _Found, per_microbatch: list[str]
             **({"stacked_params": tuple(found.stacked)} if found.stacked else {}),
             **({"hand_layout_counts": HandLayoutCounts(tuple(found.priced), tuple(found.pruned))}
                if space.hand_layouts else {}),
-            **({"single_stage_mesh_search": found.single.mesh_search} if space.options.pipeline == "auto" else {})}
+            **({"single_stage_mesh_search": found.single.mesh_search} if space.options.pipeline == "auto" else {}),
+            **({"larger_microbatches_skipped": found.skipped} if found.skipped else {}),
+            "shape_family": space.graphs.family_note}
 
 
-def _nothing_fits(space: SearchSpace) -> InfeasiblePlanError:
+def _nothing_fits(space: SearchSpace, skipped: tuple[int, ...]) -> InfeasiblePlanError:
     """The error when no candidate fits the memory budget."""
+    tried = [B for B in space.counts if B not in skipped]
+    larger = f" (not planned: {', '.join(map(str, skipped))}, larger microbatches)" if skipped else ""
     hand = f" and in the {', '.join(space.layer_variants)} layouts" if space.hand_layouts else ""
     return InfeasiblePlanError(
         f"no pipeline of {space.cluster} built from the per-layer plans (each layer's fastest plan on each "
         f"mesh{hand}, "
         f"with or without recomputation and sharded state) fits the memory budget of {format_bytes(space.budget)} "
         f"per device for any of "
-        f"{list(space.counts)} microbatches; raise memory_budget, use more devices or more microbatches")
+        f"{tried} microbatches{larger}; raise memory_budget, use more devices or more microbatches")

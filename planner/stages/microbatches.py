@@ -6,6 +6,8 @@ along axis 0. A step that does not trace on some microbatch size drops that coun
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,7 +16,10 @@ import numpy as np
 
 from planner.core.errors import InvalidArgumentError, PlannerError, first_line
 from planner.graph.ir import Graph
+from planner.graph.shape_family import MIN_SIZE, ShapeFamily, trace_family
 from planner.graph.trace import trace
+
+log = logging.getLogger("planner")
 
 
 def batch_argnums(batch_argnum: int | tuple[int, ...]) -> tuple[int, ...]:
@@ -72,6 +77,50 @@ def trace_microbatch(fn: Callable, args: Sequence[Any], count: int, rows: int, r
         share = f" split {replicas} ways ({rows // replicas} per data-parallel replica)" if replicas > 1 else ""
         raise UntraceableMicrobatches(f"the step does not trace on {count} microbatches of {rows} rows{share} "
                                       f"({type(e).__name__}: {first_line(e)})") from None
+
+
+@dataclasses.dataclass
+class MicrobatchGraphs:
+    """The step's graph at each microbatch size, from one trace: the step traced once with a
+    symbolic batch size (`shape_family`) and made concrete per size; traced per size where that
+    cannot be (a size-1 microbatch, a step whose shapes are not linear in the batch, ...: the
+    reason is logged once).
+
+    Attributes:
+      fn, args, batch_argnum: the step, its arguments and where the batch is.
+      full_graph: the step traced on the whole batch, when the caller has it (one microbatch).
+      family: the symbolic trace, or why there is none (made on the first size that needs it).
+    """
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    batch_argnum: int | tuple[int, ...] = -1
+    full_graph: Graph | None = None
+    family: ShapeFamily | str | None = None
+
+    @property
+    def family_note(self) -> str | None:
+        """How the sizes were traced, for the plan's planning facts (None: only traced whole)."""
+        if self.family is None:
+            return None
+        return "traced once" if isinstance(self.family, ShapeFamily) else f"traced per size: {self.family}"
+
+    def at(self, count: int, rows: int) -> Graph:
+        """The step's graph on one of `count` microbatches of `rows` rows.
+
+        Raises:
+          UntraceableMicrobatches: the step does not trace on microbatches of that size.
+        """
+        if count == 1 and self.full_graph is not None:
+            return self.full_graph
+        if rows >= MIN_SIZE:
+            if self.family is None:
+                self.family = trace_family(self.fn, self.args, batch_argnums(self.batch_argnum))
+                if isinstance(self.family, str):
+                    log.info("tracing the step once per microbatch size: %s", self.family)
+            if isinstance(self.family, ShapeFamily):
+                return self.family.at(rows)
+        return trace_microbatch(self.fn, microbatch_args(self.args, rows, self.batch_argnum), count, rows)
 
 
 def trace_replica(fn: Callable, args: tuple[Any, ...], count: int, rows: int, replicas: int,

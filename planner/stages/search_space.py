@@ -23,7 +23,7 @@ from planner.stages.candidate import once_per_step_max
 from planner.stages.clustering import Layers, cluster_layers
 from planner.stages.cost_table import LayerCostTable
 from planner.stages.dp import DPResult, pipeline_dp
-from planner.stages.microbatches import batch_size, microbatch_args, microbatch_counts, trace_microbatch
+from planner.stages.microbatches import MicrobatchGraphs, batch_size, microbatch_counts
 from planner.stages.stage_cost import StageTimes, stage_times
 from planner.stages.submesh import LogicalMesh, logical_meshes, submesh_shapes
 
@@ -40,6 +40,7 @@ class SearchSpace:
       shapes: the submesh shapes, the whole cluster last; sizes: their device counts.
       meshes: every logical mesh of every submesh; per_submesh: each submesh's indices into `meshes`.
       cache: the layer plans of every count's table (shared: identical layers are planned once).
+      graphs: the step's graph per microbatch size (one trace for all sizes where it can).
       timings: seconds spent per planning phase, accumulated.
     """
 
@@ -50,7 +51,6 @@ class SearchSpace:
     batch_argnum: int | tuple[int, ...]
     rel_gap: float
     num_layers: int | None
-    full_graph: Graph | None
     pins: Callable[[Graph, LogicalMesh], Mapping[int, Any]] | None
     devices: Sequence[Any]
     layer_variants: Sequence[str]
@@ -65,6 +65,7 @@ class SearchSpace:
     per_submesh: tuple[tuple[int, ...], ...]
     cache: dict
     timings: dict[str, float]
+    graphs: MicrobatchGraphs
 
     @property
     def hand_layouts(self) -> bool:
@@ -92,11 +93,12 @@ def search_space(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster
         per_submesh.append(tuple(idx))
     return SearchSpace(
         fn=fn, args=args, cluster=cluster, options=options, batch_argnum=batch_argnum, rel_gap=rel_gap,
-        num_layers=num_layers, full_graph=full_graph, pins=pins, devices=devices, layer_variants=layer_variants,
+        num_layers=num_layers, pins=pins, devices=devices, layer_variants=layer_variants,
         t_start=t_start, batch=batch, counts=counts, min_stages=2 if options.pipeline is True else 1,
         budget=options.memory_budget or cluster.hardware.memory_bytes, shapes=shapes,
         sizes=tuple(n * m for n, m in shapes), meshes=tuple(meshes), per_submesh=tuple(per_submesh),
-        cache={}, timings={"trace_s": 0.0, "layer_costs_s": 0.0, "dp_s": 0.0})
+        cache={}, timings={"trace_s": 0.0, "layer_costs_s": 0.0, "dp_s": 0.0},
+        graphs=MicrobatchGraphs(fn, args, batch_argnum, full_graph))
 
 
 def layer_table(space: SearchSpace, B: int) -> tuple[Graph, Layers, LayerCostTable, float]:
@@ -107,11 +109,7 @@ def layer_table(space: SearchSpace, B: int) -> tuple[Graph, Layers, LayerCostTab
       UntraceableMicrobatches: the step does not trace on microbatches of that size.
     """
     t0 = time.perf_counter()
-    if B == 1 and space.full_graph is not None:
-        graph = space.full_graph
-    else:
-        rows = space.batch // B
-        graph = trace_microbatch(space.fn, microbatch_args(space.args, rows, space.batch_argnum), B, rows)
+    graph = space.graphs.at(B, space.batch // B)
     layers = cluster_layers(graph, space.num_layers)
     space.timings["trace_s"] += time.perf_counter() - t0
     t0 = time.perf_counter()
