@@ -5,6 +5,7 @@ import argparse
 
 from planner.core.options import OFFLOAD_MODES
 from planner.core.units import positive_int
+from planner.cli.sweep import sizes
 from planner.cost_model import DEFAULT_HARDWARE, PRESETS
 
 # Printed under `planner --help`.
@@ -89,8 +90,9 @@ def _add_cost_model(opts) -> None:
     opts.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                       help="compute dtype of the model (parameters and optimizer state stay float32); default: "
                            "what the hardware trains in (bfloat16 on A100/H100/TPU, float16 on V100, float32 on CPU)")
-    opts.add_argument("--batch", type=positive_int, help="override the model's batch size")
-    opts.add_argument("--seq", type=positive_int, help="override the model's sequence length")
+    opts.add_argument("--batch", type=sizes, help="override the model's batch size; `plan` takes several, "
+                                                 "e.g. 256,512,1024: one plan per shape, in one run")
+    opts.add_argument("--seq", type=sizes, help="override the model's sequence length (several: as --batch)")
     opts.add_argument("--memory-budget", metavar="SIZE",
                       help="per-device memory budget such as 80GB or 40GiB (default: the hardware's memory; "
                            "'none' for no limit)")

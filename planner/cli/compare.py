@@ -23,6 +23,7 @@ from planner.cli.configured import cli_pins, configured_results
 from planner.cli.errors import CLIError, one_line
 from planner.cli.options import budget, donated_state, plan_options
 from planner.cli.output import check_output_paths, write_outputs
+from planner.cli.sweep import one_shape
 from planner.cli.target import MESH_SHAPE, candidate_specs, pipeline_target, target
 from planner.cli.workloads import load_factory, load_model
 from zoo import model_names
@@ -50,6 +51,7 @@ def cmd_compare(args, out) -> int:
     if args.mesh is None or not MESH_SHAPE.match(args.mesh):
         raise CLIError("compare needs one mesh: --mesh 2x4")
     check_output_paths(args)
+    args = one_shape(args, "compare")
     names = _baseline_names(args)
     where = _compare_target(args)
     staged = any(parse_baseline(n)[1] for n in names)  # a pipeline baseline: every row on the same (unrolled) model

@@ -14,6 +14,7 @@ from planner.emit.pipeline.planned import plan_stages
 from planner.graph.ir import Graph, matmul_flops
 from planner.graph.trace import trace
 from planner.planning.evaluate import pipeline_baseline
+from planner.stages.microbatches import PlanningMemo
 from planner.present.ranking import hardware_record, mesh_ranking, pipeline_ranking, plan_view
 from planner.present.report import format_levers, format_plan
 from planner.planning.composition import compose_on_meshes
@@ -21,6 +22,7 @@ from planner.cli.configured import configured_results
 from planner.cli.errors import CLIError
 from planner.cli.options import budget, donated_state, hand_configured, plan_options, pp_baseline, unlimited
 from planner.cli.output import check_output_paths, load_plan, print_xla_flags, write_outputs
+from planner.cli.sweep import one_shape, plan_sweep, shapes
 from planner.cli.target import candidate_specs, pipeline_target, target
 from planner.cli.workloads import load_factory, load_model
 from zoo import model_names
@@ -63,18 +65,27 @@ def cmd_plan(args, out) -> int:
         return _reprint(args, out)
     if bool(args.model) == bool(args.fn):
         raise CLIError("name what to plan: --model NAME (see --list-models) or --fn MODULE:FACTORY, exactly one")
+    if len(shapes(args)) > 1:
+        return plan_sweep(args, out, _plan_one)
+    _plan_one(one_shape(args, "plan"), out)
+    return 0
+
+
+def _plan_one(args, out, memo: PlanningMemo | None = None):
+    """Plans one shape and prints it; returns its `PlanView`. `memo`: what plans of the same step at
+    other batch sizes found (a sweep's, `cli.sweep`)."""
     where = _plan_target(args)
     traced = _trace_step(args, where)
     options, assumed = donated_state(args, where.options, traced.graph)
     where = dataclasses.replace(where, options=options)
     pp_name, pp_stages = pp_baseline(args)
-    ranked, graph = _rank(args, where, traced, pp_name, pp_stages)
+    ranked, graph = _rank(args, where, traced, pp_name, pp_stages, memo)
     view = plan_view(ranked, graph, traced.label, where.num_devices, where.cluster, where.hardware, where.budget,
                      traced.flops, time.perf_counter() - traced.t0)
     _print_plan(args, view, pp_stages, out)
     if assumed:
         print(assumed, file=out)
-    return 0
+    return view
 
 
 def _reprint(args, out) -> int:
@@ -133,12 +144,12 @@ def _trace_step(args, where: PlanTarget) -> Traced:
     return Traced(label, step, example, graph, matmul_flops(graph), t0)
 
 
-def _rank(args, where: PlanTarget, traced: Traced, pp_name, pp_stages):
+def _rank(args, where: PlanTarget, traced: Traced, pp_name, pp_stages, memo: PlanningMemo | None = None):
     """The ranked plans (`present.ranking`) of the way the flags ask to plan, and the graph planned."""
     if pp_stages:
         return _rank_pipeline_baseline(args, where, traced, pp_name, pp_stages), traced.graph
     if where.pipelined:
-        return _rank_pipeline(args, where, traced), traced.graph
+        return _rank_pipeline(args, where, traced, memo), traced.graph
     if hand_configured(args):
         results = configured_results(args, traced.graph, where.meshes, where.options, where.cluster)
         return mesh_ranking(results, traced.flops, where.hardware), traced.graph
@@ -158,13 +169,13 @@ def _rank_pipeline_baseline(args, where: PlanTarget, traced: Traced, pp_name: st
     return pipeline_ranking(plan, pp, cluster, traced.flops, where.hardware, time.perf_counter() - t1)
 
 
-def _rank_pipeline(args, where: PlanTarget, traced: Traced):
+def _rank_pipeline(args, where: PlanTarget, traced: Traced, memo: PlanningMemo | None = None):
     """--pipeline on / auto: the stages, their submeshes and their plans."""
     cluster = pipeline_target(args, where.cluster, where.num_devices)
     hosts, per_host = cluster.hosts, cluster.devices_per_host
     log.info("planning pipeline stages on %d host(s) x %d device(s) ...", hosts, per_host)
     t1 = time.perf_counter()
-    plan, pp = plan_stages(traced.step, traced.example, traced.graph, cluster, where.options)
+    plan, pp = plan_stages(traced.step, traced.example, traced.graph, cluster, where.options, memo=memo)
     ranked = pipeline_ranking(plan, pp, cluster, traced.flops, where.hardware, time.perf_counter() - t1)
     log.info("pipeline: %d stage(s), %.4g s/step, planned in %.1fs", pp.num_stages,
              plan.prediction.step_time_s, time.perf_counter() - t1)

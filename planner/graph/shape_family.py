@@ -83,6 +83,45 @@ class ShapeFamily:
             regions=regions, source=None)
 
 
+def same_program(a: Graph, b: Graph) -> bool:
+    """Whether two graphs are the same program: the same ops in order on the same tensors, with
+    equal parameters (bodies kept for evaluation aside: their ops are the graph's) and literals.
+    How a family made from one step is checked against another step built for another batch size
+    (a zoo model or factory made per size, which may close over the size)."""
+    if len(a.ops) != len(b.ops) or a.tensors != b.tensors or a.inputs != b.inputs:
+        return False
+    for x, y in zip(a.ops, b.ops):
+        if x.name != y.name or x.outputs != y.outputs or set(x.params) != set(y.params):
+            return False
+        if not all(_same_value(x.params[k], y.params[k]) for k in x.params if k not in _BODIES):
+            return False
+        if not all(_same_operand(p, q) for p, q in zip(x.inputs, y.inputs)):
+            return False
+    return True
+
+
+# Parameters holding jaxprs or their thunks (bodies kept for evaluation, inlined into the graph's ops).
+_BODIES = frozenset({"jaxpr", "call_jaxpr", "fun_jaxpr", "branches", "body_jaxpr", "cond_jaxpr", "fwd_jaxpr_thunk",
+                     "bwd", "jvp_jaxpr_fun", "jvp_jaxpr_thunk"})
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    try:
+        if bool(np.all(a == b)):
+            return True
+    except Exception:  # values without a usable == (objects, ragged tuples): by their printed form
+        pass
+    return repr(a) == repr(b)
+
+
+def _same_operand(a: int | Literal, b: int | Literal) -> bool:
+    if isinstance(a, Literal) != isinstance(b, Literal):
+        return False
+    if not isinstance(a, Literal):
+        return a == b
+    return a.tensor == b.tensor and _same_value(np.asarray(a.value), np.asarray(b.value))
+
+
 def trace_family(fn: Callable[..., Any], args: Sequence[Any], batch_argnums: Sequence[int],
                  user_constraints: str = "pin") -> ShapeFamily | str:
     """`fn` traced once with the leading dimension of every leaf of `args[a]` (for `a` in

@@ -28,7 +28,7 @@ from planner.stages.candidate import Candidate, once_per_step_max, stage_plans, 
 from planner.stages.clustering import stacked_inputs, stacked_note
 from planner.stages.cost_table import LAYER_VARIANTS
 from planner.stages.layer_facts import boundary_bytes
-from planner.stages.microbatches import UntraceableMicrobatches, none_traces
+from planner.stages.microbatches import PlanningMemo, UntraceableMicrobatches, none_traces
 from planner.stages.pipeline_plan import PipelinePlan
 from planner.stages.search_space import SearchSpace, ignoring_memory, layer_table, price, search_space
 from planner.stages.selection import cheapest_as_run
@@ -68,7 +68,8 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
                   microbatch_limit: int | None = None, rel_gap: float = 0.0, num_layers: int | None = None,
                   full_graph: Graph | None = None,
                   pins: Callable[[Graph, LogicalMesh], Mapping[int, Any]] | None = None,
-                  devices: Sequence[Any] = (), layer_variants: Sequence[str] = LAYER_VARIANTS) -> PipelinePlan:
+                  devices: Sequence[Any] = (), layer_variants: Sequence[str] = LAYER_VARIANTS,
+                  memo: PlanningMemo | None = None) -> PipelinePlan:
     """Plans pipeline stages for `fn(*args)` on `cluster`.
 
     Args:
@@ -94,6 +95,8 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
         `planned.plan_stages` can return it as it is when one stage wins.
       layer_variants: the hand layouts each layer is also planned in (`cost_table.LAYER_VARIANTS`;
         none with `pins`, which fix the layout themselves).
+      memo: what plans of this step at other batch sizes found (`PlanningMemo`), used and filled:
+        its symbolic trace, and its layer plans at the microbatch sizes they share.
 
     Raises:
       InfeasiblePlanError: no stage assignment fits the memory budget.
@@ -101,7 +104,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
     space = search_space(fn, args, cluster, options or PlanOptions(pipeline=True), batch_argnum=batch_argnum,
                          max_mesh_ndim=max_mesh_ndim, microbatch_limit=microbatch_limit, rel_gap=rel_gap,
                          num_layers=num_layers, full_graph=full_graph, pins=pins, devices=devices,
-                         layer_variants=layer_variants)
+                         layer_variants=layer_variants, memo=memo)
     found = _Found()
     for i, B in enumerate(space.counts):
         found, stop = _with_count_or_stop(space, found, B)
@@ -120,6 +123,8 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
             found = _with_hand_layouts(space, found, k)
     if space.options.pipeline == "auto":
         found = _with_single_stage(space, found)
+    if memo is not None:
+        memo.family, memo.traced = space.graphs.family, space.graphs.traced
     return _chosen(space, found)
 
 

@@ -90,6 +90,7 @@ class MicrobatchGraphs:
       fn, args, batch_argnum: the step, its arguments and where the batch is.
       full_graph: the step traced on the whole batch, when the caller has it (one microbatch).
       family: the symbolic trace, or why there is none (made on the first size that needs it).
+      traced: the sizes traced on their own (size 1, or all without a family), by rows.
     """
 
     fn: Callable[..., Any]
@@ -97,6 +98,7 @@ class MicrobatchGraphs:
     batch_argnum: int | tuple[int, ...] = -1
     full_graph: Graph | None = None
     family: ShapeFamily | str | None = None
+    traced: dict = dataclasses.field(default_factory=dict)  # rows -> the step traced on them (no family)
 
     @property
     def family_note(self) -> str | None:
@@ -120,7 +122,28 @@ class MicrobatchGraphs:
                     log.info("tracing the step once per microbatch size: %s", self.family)
             if isinstance(self.family, ShapeFamily):
                 return self.family.at(rows)
-        return trace_microbatch(self.fn, microbatch_args(self.args, rows, self.batch_argnum), count, rows)
+        if rows not in self.traced:
+            self.traced[rows] = trace_microbatch(self.fn, microbatch_args(self.args, rows, self.batch_argnum), count,
+                                                 rows)
+        return self.traced[rows]
+
+
+@dataclasses.dataclass
+class PlanningMemo:
+    """What plans of one step at several batch sizes share (`plan_pipeline(memo=...)`): its trace
+    with a symbolic batch size and the per-layer plans (keyed by the layer's ops and shapes, the
+    mesh, its links and pins: a layer at the same microbatch size is the same whatever the batch).
+    For one sequence length: another makes other programs. Filled by each plan that uses it.
+
+    Attributes:
+      family: the step traced with a symbolic batch size, or why it cannot be (None: not yet).
+      layer_plans: the layer cost tables' shared cache (`LayerCostTable.cache`).
+      traced: the microbatch sizes traced on their own (`MicrobatchGraphs.traced`).
+    """
+
+    family: ShapeFamily | str | None = None
+    layer_plans: dict = dataclasses.field(default_factory=dict)
+    traced: dict = dataclasses.field(default_factory=dict)
 
 
 def trace_replica(fn: Callable, args: tuple[Any, ...], count: int, rows: int, replicas: int,

@@ -8,6 +8,7 @@ batch divides into (`microbatches.microbatch_counts`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -19,13 +20,16 @@ from planner.configs.baselines import layer_variant_pins
 from planner.core.options import PlanOptions
 from planner.cost_model import Cluster
 from planner.graph.ir import Graph
+from planner.graph.shape_family import MIN_SIZE, ShapeFamily, same_program
 from planner.stages.candidate import once_per_step_max
 from planner.stages.clustering import Layers, cluster_layers
 from planner.stages.cost_table import LayerCostTable
 from planner.stages.dp import DPResult, pipeline_dp
-from planner.stages.microbatches import MicrobatchGraphs, batch_size, microbatch_counts
+from planner.stages.microbatches import MicrobatchGraphs, PlanningMemo, batch_size, microbatch_counts
 from planner.stages.stage_cost import StageTimes, stage_times
 from planner.stages.submesh import LogicalMesh, logical_meshes, submesh_shapes
+
+log = logging.getLogger("planner")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +81,17 @@ def search_space(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster
                  batch_argnum: int | tuple[int, ...], max_mesh_ndim: int, microbatch_limit: int | None,
                  rel_gap: float, num_layers: int | None, full_graph: Graph | None,
                  pins: Callable[[Graph, LogicalMesh], Mapping[int, Any]] | None, devices: Sequence[Any],
-                 layer_variants: Sequence[str]) -> SearchSpace:
-    """The space `plan_pipeline` searches for these arguments (see its Args)."""
-    t_start = time.perf_counter()
+                 layer_variants: Sequence[str], memo: PlanningMemo | None = None) -> SearchSpace:
+    """The space `plan_pipeline` searches for these arguments (see its Args); with a `memo`, its
+    symbolic trace and layer plans are the memo's."""
+    memo = memo if memo is not None else PlanningMemo()
     batch = batch_size(args, batch_argnum)
+    family, traced = memo.family, memo.traced
+    if isinstance(family, ShapeFamily) and full_graph is not None and batch >= MIN_SIZE \
+            and not same_program(family.at(batch), full_graph):
+        log.info("the step at batch %d is not the one traced for an earlier batch size: traced again", batch)
+        family, traced = None, {}
+    t_start = time.perf_counter()
     counts = microbatch_counts(batch, options.num_microbatches, microbatch_limit)
     shapes = submesh_shapes(cluster.hosts, cluster.devices_per_host)
     meshes: list[LogicalMesh] = []
@@ -97,8 +108,8 @@ def search_space(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster
         t_start=t_start, batch=batch, counts=counts, min_stages=2 if options.pipeline is True else 1,
         budget=options.memory_budget or cluster.hardware.memory_bytes, shapes=shapes,
         sizes=tuple(n * m for n, m in shapes), meshes=tuple(meshes), per_submesh=tuple(per_submesh),
-        cache={}, timings={"trace_s": 0.0, "layer_costs_s": 0.0, "dp_s": 0.0},
-        graphs=MicrobatchGraphs(fn, args, batch_argnum, full_graph))
+        cache=memo.layer_plans, timings={"trace_s": 0.0, "layer_costs_s": 0.0, "dp_s": 0.0},
+        graphs=MicrobatchGraphs(fn, args, batch_argnum, full_graph, family, traced))
 
 
 def layer_table(space: SearchSpace, B: int) -> tuple[Graph, Layers, LayerCostTable, float]:

@@ -1,0 +1,84 @@
+"""Several shapes in one run (`planner plan --batch 16,32`): each shape's plan is the plan made for
+it alone, the shapes share the symbolic trace and the layer plans, and a step rebuilt per batch size
+that computes something else is traced again instead of reusing the family."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+
+from planner import cli
+from planner.core.options import PlanOptions
+from planner.graph.shape_family import ShapeFamily
+from planner.graph.trace import trace
+from planner.stages.inter_op import plan_pipeline
+from planner.stages.microbatches import PlanningMemo
+from planner.stages.submesh import make_cluster
+from zoo import get_model
+
+_WHERE = ("--model", "gpt-tiny", "--cluster", "2x4:a100", "--pipeline", "on", "--quiet")
+
+
+def _step_time(path) -> float:
+    return json.loads(path.read_text())["predicted"]["step_time_s"]
+
+
+def test_sweep_plans_each_shape_as_alone(tmp_path, capsys):
+    code = cli.main(["plan", *_WHERE, "--batch", "16,32", "--json", str(tmp_path / "sweep.json")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "Shapes planned" in out
+    alone = tmp_path / "alone.json"
+    assert cli.main(["plan", *_WHERE, "--batch", "32", "--json", str(alone)]) == 0
+    capsys.readouterr()
+    # The layer plans of batch 32 came from batch 16's where the microbatch sizes coincide; proven
+    # optimal each, so the pipeline is as fast as the one planned alone (ties may pick another layout).
+    assert math.isclose(_step_time(tmp_path / "sweep.b32.json"), _step_time(alone), rel_tol=1e-9)
+    assert (tmp_path / "sweep.b16.json").exists()
+
+
+def test_sweep_bad_sizes_and_commands_that_plan_one_shape(capsys):
+    assert cli.main(["plan", *_WHERE, "--batch", "16,x"]) == 2
+    assert "comma-separated list" in capsys.readouterr().err
+    code = cli.main(["compare", "--model", "gpt-tiny", "--mesh", "2x4", "--batch", "8,16"])
+    err = capsys.readouterr().err
+    assert code == 2 and "plans one shape" in err and len(err.strip().splitlines()) == 1
+
+
+def test_sweep_shape_without_a_plan_is_a_row_and_exit_2(capsys):
+    code = cli.main(["plan", *_WHERE, "--batch", "16,32", "--memory-budget", "1kB"])
+    out = capsys.readouterr().out
+    assert code == 2
+    assert out.count("no plan (") == 2
+
+
+def test_memo_family_is_checked_against_the_step_of_each_size(caplog):
+    """A step whose program depends on the batch size beyond its shapes (a factory that closes over
+    it) is traced again for the second size; the same step reuses the family."""
+    base = get_model("gpt-tiny", batch=8)
+    args8 = (base.abstract_state(), base.abstract_batch())
+    args16 = (base.abstract_state(), get_model("gpt-tiny", batch=16).abstract_batch())
+    cluster, options = make_cluster(1, 2, "a100"), PlanOptions(pipeline=True)
+    memo = PlanningMemo()
+    plan_pipeline(base.train_step, args8, cluster, options, max_mesh_ndim=1, memo=memo,
+                  full_graph=trace(base.train_step, *args8))
+    assert isinstance(memo.family, ShapeFamily) and memo.layer_plans
+    family = memo.family
+
+    def scaled(state, batch, n=16):  # closes over its batch size
+        return jax_tree_scale(base.train_step(state, batch), 1.0 / n)
+
+    with caplog.at_level(logging.INFO, logger="planner"):
+        plan_pipeline(base.train_step, args16, cluster, options, max_mesh_ndim=1, memo=memo,
+                      full_graph=trace(base.train_step, *args16))
+        assert memo.family is family and "traced again" not in caplog.text
+        plan_pipeline(scaled, args16, cluster, options, max_mesh_ndim=1, memo=memo, full_graph=trace(scaled, *args16))
+    assert "traced again" in caplog.text and memo.family is not family
+
+
+def jax_tree_scale(tree, factor):
+    return jax.tree.map(lambda x: x * jnp.asarray(factor, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        tree)
