@@ -7,6 +7,10 @@ Sweeps (defaults; --quick runs the first two points of each):
             devices)
   pipeline: gpt3-39b (Alpa's shape) on an 8x8:v100 cluster and llama-70b (unrolled, batch 1024) on
             128x8:h100, pipeline auto (trace / layer costs / DP)
+  shapes:   gpt3-39b on 8x8:v100, pipeline auto, at batch 1024, 512 and 256 planned one after the other in
+            one process sharing a `PlanningMemo` (as `planner plan --batch 1024,512,256` does), then at
+            sequence lengths 1024 and 2048 (batch 256; another sequence length shares nothing); each
+            row's share of the first row's time (--shapes runs only this sweep)
 
 Writes experiments/results/planning.json, planning.md (the table) and planning.png (time vs layers,
 time vs devices). The wall times are of this machine, whatever else it was running: compare rows of
@@ -27,7 +31,10 @@ import planner
 from planner.core.mesh import MeshSpec
 from planner.core.options import PlanOptions
 from planner.core.pipeline_records import PipelinePlanning
+from planner.cost_model import Cluster
+from planner.emit.pipeline.planned import plan_stages
 from planner.search.mesh_plan import make_plan
+from planner.stages.microbatches import PlanningMemo
 from zoo import get_model
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -68,9 +75,39 @@ def pipeline(model: str, cluster: str, time_limit: float, config: dict | None = 
     }
 
 
+def shape_sweep(time_limit: float) -> list[dict]:
+    """GPT-39B on Alpa's testbed at several batch sizes sharing one memo, then at two sequence lengths."""
+    cluster = Cluster.parse("8x8:v100")
+    rows: list[dict] = []
+    memos: dict[int, PlanningMemo] = {}
+    for label, batch, seq, memo_key in (("batch", 1024, None, 0), ("batch", 512, None, 0), ("batch", 256, None, 0),
+                                        ("seq", 256, 1024, 1), ("seq", 256, 2048, 2)):
+        memo = memos.setdefault(memo_key, PlanningMemo())
+        b = get_model("gpt3-39b", batch=batch, dtype="float16", **({"seq": seq} if seq else {}))
+        print(f"[bench_planning] shapes: batch {batch} seq {b.config.seq} ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        args = (b.abstract_state(), b.abstract_batch())
+        graph = planner.trace(b.train_step, *args)
+        trace_s = time.perf_counter() - t0
+        plan, pp = plan_stages(b.train_step, args, graph, cluster, PlanOptions(pipeline="auto",
+                                                                                solver_time_limit=time_limit), memo=memo)
+        total = time.perf_counter() - t0
+        info = pp.planning
+        rows.append({
+            "sweep": f"shapes:{label}", "model": f"gpt3-39b b{batch} s{b.config.seq}", "layers": b.config.layers,
+            "devices": 64, "mesh": "8x8:v100", "trace_s": round(trace_s + (info.trace_s or 0), 2),
+            "build_s": info.layer_costs_s, "solve_s": None, "stage_dp_s": info.dp_s, "total_s": round(total, 2),
+            "ops": len(graph.ops), "det_units": None, "decisions": info.ilp_solves, "distinct": info.distinct_layers,
+            "status": f"{pp.num_stages} stage(s), {pp.num_microbatches} microbatches",
+            "predicted_step_s": plan.prediction.step_time_s,
+            "of_first": round(total / rows[0]["total_s"], 3) if rows else 1.0})
+        print(f"[bench_planning]   {total:.1f} s, {pp.step_time_s:.4g} s/step", file=sys.stderr, flush=True)
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     cols = ("sweep", "model", "layers", "mesh", "trace_s", "build_s", "solve_s", "det_units", "stage_dp_s", "total_s",
-            "decisions", "distinct", "status")
+            "decisions", "distinct", "status", "of_first")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join("" if r.get(c) is None else str(r[c]) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
@@ -105,7 +142,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two points per sweep, no pipeline row")
     parser.add_argument("--time-limit", type=float, default=60.0, help="CP-SAT limit per plan, seconds")
+    parser.add_argument("--shapes", action="store_true", help="only the batch / sequence-length sweep "
+                                                                "(results/planning_shapes.md)")
     args = parser.parse_args()
+    if args.shapes:
+        rows = shape_sweep(args.time_limit)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "planning_shapes.json").write_text(json.dumps(rows, indent=2) + "\n")
+        (RESULTS / "planning_shapes.md").write_text(
+            "Planning GPT-39B on 8x8 V100 (pipeline auto) at several shapes in one process (seconds, this machine; "
+            f"1-minute load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores). Batch rows "
+            "share one PlanningMemo; of_first: the row's time over the first row's.\n\n" + table(rows) + "\n")
+        print(table(rows))
+        return 0
     depths = (12, 24) if args.quick else (12, 24, 48, 96)
     meshes = ((2, 4), (8, 8)) if args.quick else ((2, 4), (8, 8), (16, 16), (32, 32))
     rows = []
