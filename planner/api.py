@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -12,12 +13,15 @@ from planner.core.options import PlanOptions
 from planner.core.plan import Plan
 from planner.core.static_args import StaticResults, array_function, split
 from planner.emit import offload as offload_emit
-from planner.emit.single import jit_on_mesh, on_mesh
+from planner.emit.single import jit_on_mesh, jit_planned, on_mesh
 from planner.graph.ir import Graph
+from planner.planning.buckets import SHAPE_MODES, bucket_key, reuse_problem
 from planner.planning.step import StepPlanner, check_step
 from planner.search.candidates import candidate_meshes
 
 __all__ = ["PlannedFunction", "candidate_meshes", "plan", "plan_parallel"]
+
+log = logging.getLogger("planner")
 
 
 def _signature(args: tuple[Any, ...], leaves: list[Any] | None = None, tree: Any = None) -> tuple:
@@ -54,9 +58,14 @@ class PlannedFunction:
 
     def __init__(self, fn: Callable[..., Any], mesh: Any = None, devices=None,
                  donate_argnums: int | tuple[int, ...] = (), pins: Mapping[str, Any] | None = None,
-                 unpinned: str = "plan", rules: Any = None, logical: Any = None, **options: Any):
+                 unpinned: str = "plan", rules: Any = None, logical: Any = None, shapes: str = "exact",
+                 **options: Any):
         check_step(fn)
+        if shapes not in SHAPE_MODES:
+            raise InvalidArgumentError(f"shapes={shapes!r}: choose one of {', '.join(SHAPE_MODES)}")
         self.fn = fn
+        self.shapes = shapes
+        self._buckets: dict[tuple, tuple] = {}  # bucket key -> the (graph, plan) planned for it
         self.donate_argnums = donate_argnums
         self._planner = StepPlanner.create(mesh=mesh, devices=devices, donate_argnums=donate_argnums, pins=pins,
                                            unpinned=unpinned, rules=rules, logical=logical, **options)
@@ -100,8 +109,25 @@ class PlannedFunction:
         hit = self._cache.get(key)
         if hit is None:
             fn = self._static[key][0] if key in self._static else self.fn
-            hit = self._cache[key] = self._planner.plan(fn, args)
+            hit = self._cache[key] = self._bucketed(fn, args, key) or self._planner.plan(fn, args)
+            if self.shapes == "bucketed":
+                self._buckets.setdefault(bucket_key(key, args), hit[:2])
         return hit
+
+    def _bucketed(self, fn: Callable[..., Any], args: tuple[Any, ...], key: tuple) -> tuple | None:
+        """With `shapes="bucketed"`: (graph, plan, program) of these arguments from the plan of
+        their bucket (`planning.buckets`), the step traced and compiled at their shapes, not
+        planned; None when there is none or it does not apply (logged)."""
+        if self.shapes != "bucketed" or bucket_key(key, args) not in self._buckets:
+            return None
+        planned, plan = self._buckets[bucket_key(key, args)]
+        graph = self._planner.program(fn, args)
+        why = reuse_problem(plan, planned, graph)
+        if why is not None:
+            log.info("planning this batch size on its own: its bucket's plan does not apply (%s)", why)
+            return None
+        log.info("batch size in a planned bucket: its plan reused, the step recompiled for these shapes")
+        return graph, plan, jit_planned(graph, plan, self.donate_argnums)
 
     def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """Keyword arguments bound to their positions (as `jax.jit` accepts them)."""
@@ -185,7 +211,7 @@ class PlannedFunction:
 
 def plan_parallel(fn: Callable[..., Any] | None = None, *, mesh: Any = None,
                   donate_argnums: int | tuple[int, ...] = (), pins: Mapping[str, Any] | None = None,
-                  rules: Any = None, logical: Any = None, **options: Any):
+                  rules: Any = None, logical: Any = None, shapes: str = "exact", **options: Any):
     """Wraps a train step so that it runs auto-sharded on `mesh`.
 
     Usable directly (`plan_parallel(step, mesh=(2, 4))`) or as a decorator
@@ -213,6 +239,12 @@ def plan_parallel(fn: Callable[..., Any] | None = None, *, mesh: Any = None,
         leaves (explicit `pins` win).
       logical: the arguments' logical PartitionSpecs, shaped like the argument tuple (prefixes and
         None allowed), e.g. `(nn.get_partition_spec(state), None)` or `nnx.get_partition_spec`'s.
+      shapes: "exact" (a plan per argument signature: a new batch size is planned anew) or
+        "bucketed": one plan per bucket of batch sizes (the batch: the last positional argument;
+        buckets: powers of two, 33..64 is one), a new size in a planned bucket traced and
+        compiled with that plan, not planned, where the plan applies to it
+        (`planner.planning.buckets`: same program, every sharding divides the new shapes, no
+        lever that rewrote the program); otherwise planned on its own.
       **options: `PlanOptions` fields (memory_budget, hardware, solver_time_limit, ...);
         `user_constraints="pin"` (default: the step's own `with_sharding_constraint` / `reshard`
         and nested jit in/out shardings fix those values' sharding) or `"hint"` (the planner may
@@ -234,9 +266,9 @@ def plan_parallel(fn: Callable[..., Any] | None = None, *, mesh: Any = None,
     """
     if fn is None:
         return lambda f: PlannedFunction(f, mesh=mesh, donate_argnums=donate_argnums, pins=pins, rules=rules,
-                                         logical=logical, **options)
+                                         logical=logical, shapes=shapes, **options)
     return PlannedFunction(fn, mesh=mesh, donate_argnums=donate_argnums, pins=pins, rules=rules, logical=logical,
-                           **options)
+                           shapes=shapes, **options)
 
 
 def plan(fn: Callable[..., Any], *args: Any, mesh: Any = None, pins: Mapping[str, Any] | None = None,

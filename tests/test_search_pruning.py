@@ -96,6 +96,14 @@ def test_spare_cores_discount_the_callers_own_load(cores, load, spare):
     assert spare_cores(cores, load) == spare
 
 
+@pytest.mark.parametrize("load, own, spare", [
+    (1.9, 1.8, 2),  # the planner's own two solver threads: both cores still its own
+    (3.0, 1.0, 1),  # another job on one core, the planner on the other: one
+    (3.9, 1.9, 1)])
+def test_spare_cores_discount_the_processs_own_threads(load, own, spare):
+    assert spare_cores(2, load, own) == spare
+
+
 def test_budget_under_every_bound_is_answered_without_solving(mlp_graph):
     """Every mesh's memory lower bound is over the budget: no mesh is solved, the minimum-peak
     search runs on the most promising mesh only, the answer is one line."""

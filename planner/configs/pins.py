@@ -190,11 +190,13 @@ def to_spec(pspec: PartitionSpec, shape: Shape, mesh: MeshSpec, path: str, patte
     Raises:
       InvalidArgumentError: one line naming the path, the spec and the shape.
     """
-    who = f"pin {pattern!r} on {display_path(path)}" if pattern is not None else display_path(path)
-    where = f"{who} (shape {tuple(shape)}): spec {_spec_text(pspec)}"
+    def where() -> str:  # named in the error only (every pipeline stage's pins come through here)
+        who = f"pin {pattern!r} on {display_path(path)}" if pattern is not None else display_path(path)
+        return f"{who} (shape {tuple(shape)}): spec {_spec_text(pspec)}"
+
     entries = tuple(pspec)
     if len(entries) > len(shape):
-        raise InvalidArgumentError(f"{where} has {len(entries)} entries but the leaf has rank {len(shape)}")
+        raise InvalidArgumentError(f"{where()} has {len(entries)} entries but the leaf has rank {len(shape)}")
     entries = entries + (None,) * (len(shape) - len(entries))
     out: list[tuple[int, ...]] = []
     seen: set[str] = set()
@@ -203,17 +205,17 @@ def to_spec(pspec: PartitionSpec, shape: Shape, mesh: MeshSpec, path: str, patte
         axes = []
         for n in names:
             if n not in mesh.axis_names:
-                raise InvalidArgumentError(f"{where} names mesh axis {n!r}, but the mesh has axes {mesh.axis_names}")
+                raise InvalidArgumentError(f"{where()} names mesh axis {n!r}, but the mesh has axes {mesh.axis_names}")
             if n in seen:
-                raise InvalidArgumentError(f"{where} uses mesh axis {n!r} twice")
+                raise InvalidArgumentError(f"{where()} uses mesh axis {n!r} twice")
             seen.add(n)
             axes.append(mesh.axis_names.index(n))
         if shape[d] % mesh.axis_size(axes):
-            raise InvalidArgumentError(f"{where} splits dim {d} of size {shape[d]} over {mesh.axis_size(axes)} devices, "
+            raise InvalidArgumentError(f"{where()} splits dim {d} of size {shape[d]} over {mesh.axis_size(axes)} devices, "
                                        f"which does not divide it")
         active = tuple(a for a in axes if mesh.shape[a] > 1)
         if list(active) != sorted(active):
-            raise InvalidArgumentError(f"{where} orders mesh axes on dim {d} against the mesh's order "
+            raise InvalidArgumentError(f"{where()} orders mesh axes on dim {d} against the mesh's order "
                                        f"{mesh.axis_names}; list them major to minor")
         out.append(active)
     return tuple(out)

@@ -164,6 +164,11 @@ class StepPlanner:
         meshes = [only] if only is not None else self._candidate_meshes()
         return search_meshes(g, meshes, options, devices=self.devices, min_peak_search=smallest, beat=beat)
 
+    def program(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Graph:
+        """The graph a one-mesh plan of `fn` on `args` is made on: traced, its pinned intermediates
+        constrained (`plan` before the levers)."""
+        return self._pin_intermediates(self.trace(fn, args))
+
     def trace(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Graph:
         """The step's graph, traced under the user's mesh (its own `reshard`/`shard_map` calls see it)."""
         with self._user_context():
