@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import time
 from typing import Any
 
@@ -14,7 +15,8 @@ from planner.emit.pipeline.planned import plan_stages
 from planner.graph.ir import Graph, matmul_flops
 from planner.graph.trace import trace
 from planner.planning.evaluate import pipeline_baseline
-from planner.stages.microbatches import PlanningMemo
+from planner.graph.shape_family import MIN_SIZE, ShapeFamily
+from planner.stages.microbatches import PlanningMemo, microbatch_args
 from planner.present.ranking import hardware_record, mesh_ranking, pipeline_ranking, plan_view
 from planner.present.report import format_levers, format_plan
 from planner.planning.composition import compose_on_meshes
@@ -75,7 +77,7 @@ def _plan_one(args, out, memo: PlanningMemo | None = None):
     """Plans one shape and prints it; returns its `PlanView`. `memo`: what plans of the same step at
     other batch sizes found (a sweep's, `cli.sweep`)."""
     where = _plan_target(args)
-    traced = _trace_step(args, where)
+    traced = _trace_step(args, where, memo)
     options, assumed = donated_state(args, where.options, traced.graph)
     where = dataclasses.replace(where, options=options)
     pp_name, pp_stages = pp_baseline(args)
@@ -123,12 +125,28 @@ def _plan_target(args) -> PlanTarget:
                       plan_options(args, limit, cluster))
 
 
-def _trace_step(args, where: PlanTarget) -> Traced:
-    """The --model or --fn step, traced; a --fn step that fails to trace is named in one line."""
+def _trace_step(args, where: PlanTarget, memo: PlanningMemo | None = None) -> Traced:
+    """The --model or --fn step, traced; a --fn step that fails to trace is named in one line.
+
+    In a sweep (`cli.sweep`) a zoo model is built once per sequence length (`args.loaded`: its first
+    shape's label, step and example) and given the other batch sizes as arguments, so that its
+    graph at them is made from the pipeline search's symbolic trace (`memo`) instead of traced;
+    what was used is left in `args.loaded`."""
     t0 = time.perf_counter()
-    label, step, example = (load_model(args.model, args.batch, args.seq, args.dtype, where.target_hw.default_dtype,
-                                       pipelined=where.pipelined)
-                            if args.model else load_factory(args.fn, args.batch, args.seq, args.dtype))
+    loaded = getattr(args, "loaded", None) if args.model else None
+    generic = (loaded is not None and memo is not None and memo.step is loaded[1]
+               and isinstance(memo.family, ShapeFamily) and (args.batch or 0) >= MIN_SIZE)
+    if generic:  # the step traced for any batch size: the same step, given this one
+        label, step, example = _resized(loaded, args.batch)
+    else:
+        label, step, example = (load_model(args.model, args.batch, args.seq, args.dtype,
+                                           where.target_hw.default_dtype, pipelined=where.pipelined)
+                                if args.model else load_factory(args.fn, args.batch, args.seq, args.dtype))
+    args.loaded = (label, step, example)
+    if generic:
+        graph = memo.family.at(args.batch)
+        log.info("%s: made from the symbolic trace of its first batch size", label)
+        return Traced(label, step, example, graph, matmul_flops(graph), t0)
     log.info("tracing %s (compute dtype %s) ...", label, args.dtype or
              (where.target_hw.default_dtype if args.model else "the factory's"))
     try:
@@ -142,6 +160,14 @@ def _trace_step(args, where: PlanTarget) -> Traced:
                        f"{first_line(e)}; fix the step") from None
     log.info("traced %d ops, %d inputs in %.1fs", len(graph.ops), len(graph.inputs), time.perf_counter() - t0)
     return Traced(label, step, example, graph, matmul_flops(graph), t0)
+
+
+def _resized(loaded: tuple, batch: int) -> tuple:
+    """A zoo model's (label, step, example) given another batch size: the same step, its batch
+    argument's leaves cut or grown to `batch` rows."""
+    label, step, example = loaded
+    return (re.sub(r"batch=\d+", f"batch={batch}", label) if "batch=" in label else f"{label} batch={batch}",
+            step, microbatch_args(example, batch))
 
 
 def _rank(args, where: PlanTarget, traced: Traced, pp_name, pp_stages, memo: PlanningMemo | None = None):

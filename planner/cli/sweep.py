@@ -57,10 +57,11 @@ def plan_sweep(args, out, plan_one: Callable) -> int:
     files are written per shape, the shape in their names (plan.json -> plan.b512.s2048.json).
     A shape with no plan gets its one-line reason in the table, and the exit status 2."""
     memos: dict[int | None, PlanningMemo] = {}
+    loaded: dict[int | None, tuple] = {}  # a zoo model built once per sequence length (`plan._trace_step`)
     rows = []
     for batch, seq in shapes(args):
         one = argparse.Namespace(**vars(args))
-        one.batch, one.seq = batch, seq
+        one.batch, one.seq, one.loaded = batch, seq, loaded.get(seq)
         for flag in ("json", "html"):
             if getattr(args, flag, None):
                 setattr(one, flag, _shape_path(getattr(args, flag), batch, seq))
@@ -71,6 +72,8 @@ def plan_sweep(args, out, plan_one: Callable) -> int:
         except PlannerError as e:  # this shape has no plan: said in its row, the others still planned
             print(f"no plan: {first_line(e)}", file=out)
             view = first_line(e)
+        if getattr(one, "loaded", None) is not None:
+            loaded.setdefault(seq, one.loaded)
         rows.append((batch, seq, view, time.perf_counter() - t0))
     print("\n" + _table(rows), file=out)
     return 2 if any(isinstance(v, str) for _, _, v, _ in rows) else 0

@@ -76,10 +76,11 @@ class LayerCostTable:
     _inner: dict = dataclasses.field(default_factory=dict)
     _edges: tuple | None = None
     _inputs: dict = dataclasses.field(default_factory=dict)  # layer -> its `external_inputs`
+    ranges: dict = dataclasses.field(default_factory=dict)  # `stage_cost.stage_ranges`'s, shared like `cache`
 
     def __post_init__(self):
         if not self.facts:
-            self.facts = layer_facts(self.graph, self.layers)
+            self.facts = self.graph.cached(("layer_facts", self.layers), lambda: layer_facts(self.graph, self.layers))
 
     def inner(self, mesh_index: int, variant: str = "") -> np.ndarray:
         """`out[k, i]`: seconds per microbatch spent resharding values passed between layers k..i

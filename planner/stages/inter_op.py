@@ -124,7 +124,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
     if space.options.pipeline == "auto":
         found = _with_single_stage(space, found)
     if memo is not None:
-        memo.family, memo.traced = space.graphs.family, space.graphs.traced
+        memo.family, memo.traced, memo.step = space.graphs.family, space.graphs.traced, fn
     return _chosen(space, found)
 
 

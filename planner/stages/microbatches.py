@@ -90,7 +90,8 @@ class MicrobatchGraphs:
       fn, args, batch_argnum: the step, its arguments and where the batch is.
       full_graph: the step traced on the whole batch, when the caller has it (one microbatch).
       family: the symbolic trace, or why there is none (made on the first size that needs it).
-      traced: the sizes traced on their own (size 1, or all without a family), by rows.
+      traced: the graphs made so far, by rows (one object per size: what is computed from a graph
+        once, `Graph.cached`, is computed once per size).
     """
 
     fn: Callable[..., Any]
@@ -98,7 +99,7 @@ class MicrobatchGraphs:
     batch_argnum: int | tuple[int, ...] = -1
     full_graph: Graph | None = None
     family: ShapeFamily | str | None = None
-    traced: dict = dataclasses.field(default_factory=dict)  # rows -> the step traced on them (no family)
+    traced: dict = dataclasses.field(default_factory=dict)  # rows -> the step's graph on them
 
     @property
     def family_note(self) -> str | None:
@@ -121,7 +122,9 @@ class MicrobatchGraphs:
                 if isinstance(self.family, str):
                     log.info("tracing the step once per microbatch size: %s", self.family)
             if isinstance(self.family, ShapeFamily):
-                return self.family.at(rows)
+                if rows not in self.traced:
+                    self.traced[rows] = self.family.at(rows)
+                return self.traced[rows]
         if rows not in self.traced:
             self.traced[rows] = trace_microbatch(self.fn, microbatch_args(self.args, rows, self.batch_argnum), count,
                                                  rows)
@@ -138,12 +141,21 @@ class PlanningMemo:
     Attributes:
       family: the step traced with a symbolic batch size, or why it cannot be (None: not yet).
       layer_plans: the layer cost tables' shared cache (`LayerCostTable.cache`).
-      traced: the microbatch sizes traced on their own (`MicrobatchGraphs.traced`).
+      traced: the graphs by microbatch rows (`MicrobatchGraphs.traced`).
+      step: the step function the family was traced from: the same function at another batch size
+        needs no check against it; pins and stage plans are shared only then.
+      pins: the hand layouts' pins per (layout, microbatch rows, logical mesh) (`search_space`).
+      stage_plans: the stage programs' plans per (microbatch rows, stages) (`planned.plan_stages`).
+      ranges: the layer ranges' times and memory per stage way (`stage_cost.stage_ranges`).
     """
 
     family: ShapeFamily | str | None = None
     layer_plans: dict = dataclasses.field(default_factory=dict)
     traced: dict = dataclasses.field(default_factory=dict)
+    step: Any = None
+    pins: dict = dataclasses.field(default_factory=dict)
+    stage_plans: dict = dataclasses.field(default_factory=dict)
+    ranges: dict = dataclasses.field(default_factory=dict)
 
 
 def trace_replica(fn: Callable, args: tuple[Any, ...], count: int, rows: int, replicas: int,

@@ -45,6 +45,8 @@ class SearchSpace:
       meshes: every logical mesh of every submesh; per_submesh: each submesh's indices into `meshes`.
       cache: the layer plans of every count's table (shared: identical layers are planned once).
       graphs: the step's graph per microbatch size (one trace for all sizes where it can).
+      variant_pins: the hand layouts' pins by (layout, microbatch rows, mesh, host axes) (`PlanningMemo.pins`).
+      ranges: the stage ways' layer-range costs (`PlanningMemo.ranges`, `stage_cost.stage_ranges`).
       timings: seconds spent per planning phase, accumulated.
     """
 
@@ -70,6 +72,8 @@ class SearchSpace:
     cache: dict
     timings: dict[str, float]
     graphs: MicrobatchGraphs
+    variant_pins: dict
+    ranges: dict
 
     @property
     def hand_layouts(self) -> bool:
@@ -87,10 +91,14 @@ def search_space(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster
     memo = memo if memo is not None else PlanningMemo()
     batch = batch_size(args, batch_argnum)
     family, traced = memo.family, memo.traced
-    if isinstance(family, ShapeFamily) and full_graph is not None and batch >= MIN_SIZE \
+    if isinstance(family, ShapeFamily) and memo.step is not fn and full_graph is not None and batch >= MIN_SIZE \
             and not same_program(family.at(batch), full_graph):
         log.info("the step at batch %d is not the one traced for an earlier batch size: traced again", batch)
         family, traced = None, {}
+    if memo.step is not fn:  # pins and stage plans are shared between calls of one step function only
+        memo.pins.clear()
+        memo.stage_plans.clear()
+        memo.ranges.clear()
     t_start = time.perf_counter()
     counts = microbatch_counts(batch, options.num_microbatches, microbatch_limit)
     shapes = submesh_shapes(cluster.hosts, cluster.devices_per_host)
@@ -109,7 +117,8 @@ def search_space(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster
         budget=options.memory_budget or cluster.hardware.memory_bytes, shapes=shapes,
         sizes=tuple(n * m for n, m in shapes), meshes=tuple(meshes), per_submesh=tuple(per_submesh),
         cache=memo.layer_plans, timings={"trace_s": 0.0, "layer_costs_s": 0.0, "dp_s": 0.0},
-        graphs=MicrobatchGraphs(fn, args, batch_argnum, full_graph, family, traced))
+        graphs=MicrobatchGraphs(fn, args, batch_argnum, full_graph, family, traced),
+        variant_pins=memo.pins, ranges=memo.ranges)
 
 
 def layer_table(space: SearchSpace, B: int) -> tuple[Graph, Layers, LayerCostTable, float]:
@@ -121,16 +130,27 @@ def layer_table(space: SearchSpace, B: int) -> tuple[Graph, Layers, LayerCostTab
     """
     t0 = time.perf_counter()
     graph = space.graphs.at(B, space.batch // B)
-    layers = cluster_layers(graph, space.num_layers)
+    layers = graph.cached(("layers", space.num_layers), lambda: cluster_layers(graph, space.num_layers))
     space.timings["trace_s"] += time.perf_counter() - t0
     t0 = time.perf_counter()
     pins = space.pins
     # The hand layouts as per-layer plan variants (`cost_table.LAYER_VARIANTS`), unless pins fix the layout.
     variants = {} if pins is not None else {
-        name: (lambda m, g=graph, f=layer_variant_pins(name): f(g, m)) for name in space.layer_variants}
+        name: (lambda m, g=graph, f=layer_variant_pins(name), n=name, r=space.batch // B:
+               _memo_pins(space.variant_pins, (n, r, m.mesh, m.host_axes), lambda: f(g, m)))
+        for name in space.layer_variants}
     table = LayerCostTable(graph, layers, space.meshes, space.cluster, space.options, space.cache,
-                           pins=None if pins is None else (lambda m, g=graph: pins(g, m)), variants=variants)
+                           pins=None if pins is None else (lambda m, g=graph: pins(g, m)), variants=variants,
+                           ranges=space.ranges)
     return graph, layers, table, t0
+
+
+def _memo_pins(memo: dict, key: tuple, make: Callable[[], Any]) -> Any:
+    """A hand layout's pins on a logical mesh at a microbatch size, made once per planning memo
+    (each table asks on every mesh; 2k parameter leaves take ~0.05 s each time)."""
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
 
 
 def price(space: SearchSpace, B: int, table: LayerCostTable, boundary: np.ndarray, variants: Sequence[str]

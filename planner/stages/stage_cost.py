@@ -135,8 +135,18 @@ def stage_ranges(table: LayerCostTable, option: StageOption, devices: int,
     The latency includes sending the stage's output activations forward and its input gradients
     backward (`alpha + bytes * beta / devices` each, over the cluster's boundary link), and the
     resharding of values passed between the range's layers (`LayerCostTable.inner`; once more in
-    the recomputed forward under remat).
+    the recomputed forward under remat). Kept in `table.ranges` (shared by the tables of one step
+    at every batch size: the same layers at the same microbatch size give the same ranges); read-only.
     """
+    key = (table.layers.keys, option, devices, boundary.tobytes(), link)
+    hit = table.ranges.get(key)
+    if hit is None:
+        hit = table.ranges[key] = _stage_ranges(table, option, devices, boundary, link)
+    return hit
+
+
+def _stage_ranges(table: LayerCostTable, option: StageOption, devices: int,
+                  boundary: np.ndarray, link) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     col = _columns(table, option)
     t = _range_seconds(table, col, "time", option, boundary, link, devices)
     state, act, work = _range_sums(col["state"]), _range_sums(col["act"]), _range_max(col["work"])

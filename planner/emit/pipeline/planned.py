@@ -37,7 +37,7 @@ from planner.core.sharding import replicated
 from planner.stages.derived import DerivedStep
 from planner.stages.fixed_pipeline import fixed_pipeline
 from planner.stages.inter_op import plan_pipeline
-from planner.stages.microbatches import UntraceableMicrobatches
+from planner.stages.microbatches import UntraceableMicrobatches, batch_size
 from planner.stages.pipeline_plan import PipelinePlan
 from planner.stages.single_stage import input_pins
 from planner.emit.pipeline.runtime import PipelinedStep, StageLowered
@@ -320,7 +320,8 @@ def plan_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, clu
     """
     pp = plan_pipeline(fn, args, cluster, options, full_graph=graph, devices=devices, **kwargs)
     if pp.num_stages > 1:
-        return to_plan(pp, graph, cluster, options, *stage_plans_for(fn, args, graph, pp, cluster, options)), pp
+        return to_plan(pp, graph, cluster, options, *_stage_plans(fn, args, graph, pp, cluster, options,
+                                                                  kwargs.get("memo"), kwargs.get("batch_argnum", -1))), pp
     st = pp.stages[0]
     plan, host_axes = pp.single_stage_plan or (None, None)
     # The search's own single-stage plan when it is the one this stage needs (same logical mesh and
@@ -332,6 +333,25 @@ def plan_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, clu
         plan = make_plan(graph, st.mesh, dataclasses.replace(options, inter_host_axes=st.host_axes,
                                                              hardware=planning_hardware(cluster)), jax_mesh, pins=pinned)
     return dataclasses.replace(plan, pipeline=pp.facts()), pp
+
+
+def _stage_plans(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, pp: PipelinePlan, cluster: Cluster,
+                 options: PlanOptions, memo: Any, batch_argnum: int | tuple[int, ...]) -> tuple:
+    """`stage_plans_for`, or what it gave for the same stages at the same microbatch size of the same
+    step at another batch size (`PlanningMemo.stage_plans`: a stage program depends on its
+    microbatch's rows, not on how many there are)."""
+    if memo is None or memo.step is not fn:
+        return stage_plans_for(fn, args, graph, pp, cluster, options)
+    rows = batch_size(args, batch_argnum) // pp.num_microbatches
+    key = (rows, options, tuple((st.layer_range, st.submesh, st.mesh, st.host_axes, st.devices, st.state_layout,
+                                 st.remat, st.layer_plans, tuple(sorted(st.specs.items()))) for st in pp.stages))
+    try:
+        hash(key)
+    except TypeError:  # options holding an unhashable value: nothing to look up by
+        return stage_plans_for(fn, args, graph, pp, cluster, options)
+    if key not in memo.stage_plans:
+        memo.stage_plans[key] = stage_plans_for(fn, args, graph, pp, cluster, options)
+    return memo.stage_plans[key]
 
 
 def plan_with_stages(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, mesh: MeshSpec | None,
