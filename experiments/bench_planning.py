@@ -26,6 +26,7 @@ import os
 import pathlib
 import sys
 import time
+from typing import Any
 
 import planner
 from planner.core.mesh import MeshSpec
@@ -34,7 +35,8 @@ from planner.core.pipeline_records import PipelinePlanning
 from planner.cost_model import Cluster
 from planner.emit.pipeline.planned import plan_stages
 from planner.search.mesh_plan import make_plan
-from planner.stages.microbatches import PlanningMemo
+from planner.graph.shape_family import ShapeFamily
+from planner.stages.microbatches import PlanningMemo, microbatch_args
 from zoo import get_model
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -80,14 +82,17 @@ def shape_sweep(time_limit: float) -> list[dict]:
     cluster = Cluster.parse("8x8:v100")
     rows: list[dict] = []
     memos: dict[int, PlanningMemo] = {}
+    models: dict[int, Any] = {}  # one model per memo, given each batch size (as `planner plan --batch A,B` does)
     for label, batch, seq, memo_key in (("batch", 1024, None, 0), ("batch", 512, None, 0), ("batch", 256, None, 0),
                                         ("seq", 256, 1024, 1), ("seq", 256, 2048, 2)):
         memo = memos.setdefault(memo_key, PlanningMemo())
-        b = get_model("gpt3-39b", batch=batch, dtype="float16", **({"seq": seq} if seq else {}))
-        print(f"[bench_planning] shapes: batch {batch} seq {b.config.seq} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        args = (b.abstract_state(), b.abstract_batch())
-        graph = planner.trace(b.train_step, *args)
+        b = models.setdefault(memo_key, get_model("gpt3-39b", batch=batch, dtype="float16",
+                                                  **({"seq": seq} if seq else {})))
+        print(f"[bench_planning] shapes: batch {batch} seq {b.config.seq} ...", file=sys.stderr, flush=True)
+        args = (b.abstract_state(), microbatch_args((b.abstract_state(), b.abstract_batch()), batch)[1])
+        generic = memo.step is b.train_step and isinstance(memo.family, ShapeFamily)
+        graph = memo.family.at(batch) if generic else planner.trace(b.train_step, *args)
         trace_s = time.perf_counter() - t0
         plan, pp = plan_stages(b.train_step, args, graph, cluster, PlanOptions(pipeline="auto",
                                                                                 solver_time_limit=time_limit), memo=memo)
