@@ -35,7 +35,6 @@ from planner.core.pipeline_records import PipelinePlanning
 from planner.cost_model import Cluster
 from planner.emit.pipeline.planned import plan_stages
 from planner.search.mesh_plan import make_plan
-from planner.graph.shape_family import ShapeFamily
 from planner.stages.microbatches import PlanningMemo, microbatch_args
 from zoo import get_model
 
@@ -91,8 +90,7 @@ def shape_sweep(time_limit: float) -> list[dict]:
                                                   **({"seq": seq} if seq else {})))
         print(f"[bench_planning] shapes: batch {batch} seq {b.config.seq} ...", file=sys.stderr, flush=True)
         args = (b.abstract_state(), microbatch_args((b.abstract_state(), b.abstract_batch()), batch)[1])
-        generic = memo.step is b.train_step and isinstance(memo.family, ShapeFamily)
-        graph = memo.family.at(batch) if generic else planner.trace(b.train_step, *args)
+        graph = memo.graph_at(b.train_step, batch) or planner.trace(b.train_step, *args)
         trace_s = time.perf_counter() - t0
         plan, pp = plan_stages(b.train_step, args, graph, cluster, PlanOptions(pipeline="auto",
                                                                                 solver_time_limit=time_limit), memo=memo)

@@ -109,18 +109,19 @@ class PlannedFunction:
         hit = self._cache.get(key)
         if hit is None:
             fn = self._static[key][0] if key in self._static else self.fn
-            hit = self._cache[key] = self._bucketed(fn, args, key) or self._planner.plan(fn, args)
-            if self.shapes == "bucketed":
-                self._buckets.setdefault(bucket_key(key, args), hit[:2])
+            bucket = bucket_key(key, args) if self.shapes == "bucketed" else None
+            hit = self._cache[key] = self._bucketed(fn, args, bucket) or self._planner.plan(fn, args)
+            if bucket is not None:
+                self._buckets.setdefault(bucket, hit[:2])
         return hit
 
-    def _bucketed(self, fn: Callable[..., Any], args: tuple[Any, ...], key: tuple) -> tuple | None:
-        """With `shapes="bucketed"`: (graph, plan, program) of these arguments from the plan of
-        their bucket (`planning.buckets`), the step traced and compiled at their shapes, not
-        planned; None when there is none or it does not apply (logged)."""
-        if self.shapes != "bucketed" or bucket_key(key, args) not in self._buckets:
+    def _bucketed(self, fn: Callable[..., Any], args: tuple[Any, ...], bucket: tuple | None) -> tuple | None:
+        """With `shapes="bucketed"` (`bucket`: these arguments' bucket key): (graph, plan, program) of
+        these arguments from the plan of their bucket (`planning.buckets`), the step traced and
+        compiled at their shapes, not planned; None when there is none or it does not apply (logged)."""
+        if bucket not in self._buckets:
             return None
-        planned, plan = self._buckets[bucket_key(key, args)]
+        planned, plan = self._buckets[bucket]
         graph = self._planner.program(fn, args)
         why = reuse_problem(plan, planned, graph)
         if why is not None:

@@ -15,7 +15,6 @@ from planner.emit.pipeline.planned import plan_stages
 from planner.graph.ir import Graph, matmul_flops
 from planner.graph.trace import trace
 from planner.planning.evaluate import pipeline_baseline
-from planner.graph.shape_family import MIN_SIZE, ShapeFamily
 from planner.stages.microbatches import PlanningMemo, microbatch_args
 from planner.present.ranking import hardware_record, mesh_ranking, pipeline_ranking, plan_view
 from planner.present.report import format_levers, format_plan
@@ -134,17 +133,15 @@ def _trace_step(args, where: PlanTarget, memo: PlanningMemo | None = None) -> Tr
     what was used is left in `args.loaded`."""
     t0 = time.perf_counter()
     loaded = getattr(args, "loaded", None) if args.model else None
-    generic = (loaded is not None and memo is not None and memo.step is loaded[1]
-               and isinstance(memo.family, ShapeFamily) and (args.batch or 0) >= MIN_SIZE)
-    if generic:  # the step traced for any batch size: the same step, given this one
+    graph = None if loaded is None or memo is None else memo.graph_at(loaded[1], args.batch)
+    if graph is not None:  # the step traced for any batch size: the same step, given this one
         label, step, example = _resized(loaded, args.batch)
     else:
         label, step, example = (load_model(args.model, args.batch, args.seq, args.dtype,
                                            where.target_hw.default_dtype, pipelined=where.pipelined)
                                 if args.model else load_factory(args.fn, args.batch, args.seq, args.dtype))
     args.loaded = (label, step, example)
-    if generic:
-        graph = memo.family.at(args.batch)
+    if graph is not None:
         log.info("%s: made from the symbolic trace of its first batch size", label)
         return Traced(label, step, example, graph, matmul_flops(graph), t0)
     log.info("tracing %s (compute dtype %s) ...", label, args.dtype or

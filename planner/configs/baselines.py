@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec
 
 from planner.core.errors import InvalidArgumentError
 from planner.core.mesh import MeshSpec
-from planner.configs.pins import exact_pattern, leaf_names, path_tokens, resolve, to_spec
+from planner.configs.pins import exact_pattern, glob_escape, leaf_names, path_tokens, resolve, to_spec
 
 Shape = tuple[int, ...]
 
@@ -263,7 +263,7 @@ def _stage_pins(name: str, graph: Any, lm: Any, param_split: bool) -> dict[int, 
         return {}
     names = [(leaf_names(p) or (p,))[0] for p in paths]
     if _suffix_free(names):  # each leaf's first matching pattern is its own exact one: no matching needed
-        return {t: to_spec(spec, shape, lm.mesh, path, re.sub(r"([*?\[])", r"[\1]", name))
+        return {t: to_spec(spec, shape, lm.mesh, path, glob_escape(name))
                 for t, path, name, shape, spec in zip(graph.inputs, paths, names, shapes, specs)}
     resolved = resolve({exact_pattern(p): s for p, s in zip(paths, specs)}, paths, shapes, lm.mesh, complete=True)
     return {graph.inputs[i]: spec for i, spec in resolved.items()}

@@ -112,7 +112,12 @@ def _first_match(globs: Sequence[tuple[int, str]], literal: Mapping[str, int], n
 
 def exact_pattern(path: str) -> str:
     """A pattern matching exactly this leaf (its indexed name, glob characters escaped)."""
-    return re.sub(r"([*?\[])", r"[\1]", leaf_names(path)[0])
+    return glob_escape(leaf_names(path)[0])
+
+
+def glob_escape(text: str) -> str:
+    """`text` as a glob pattern matching only itself (`*`, `?` and `[` escaped as `[*]` ...)."""
+    return re.sub(r"([*?\[])", r"[\1]", text)
 
 
 def parse_spec_text(text: str) -> PartitionSpec:

@@ -116,18 +116,14 @@ class MicrobatchGraphs:
         """
         if count == 1 and self.full_graph is not None:
             return self.full_graph
-        if rows >= MIN_SIZE:
-            if self.family is None:
+        if rows not in self.traced:
+            if rows >= MIN_SIZE and self.family is None:
                 self.family = trace_family(self.fn, self.args, batch_argnums(self.batch_argnum))
                 if isinstance(self.family, str):
                     log.info("tracing the step once per microbatch size: %s", self.family)
-            if isinstance(self.family, ShapeFamily):
-                if rows not in self.traced:
-                    self.traced[rows] = self.family.at(rows)
-                return self.traced[rows]
-        if rows not in self.traced:
-            self.traced[rows] = trace_microbatch(self.fn, microbatch_args(self.args, rows, self.batch_argnum), count,
-                                                 rows)
+            self.traced[rows] = (self.family.at(rows) if rows >= MIN_SIZE and isinstance(self.family, ShapeFamily)
+                                 else trace_microbatch(self.fn, microbatch_args(self.args, rows, self.batch_argnum),
+                                                       count, rows))
         return self.traced[rows]
 
 
@@ -156,6 +152,13 @@ class PlanningMemo:
     pins: dict = dataclasses.field(default_factory=dict)
     stage_plans: dict = dataclasses.field(default_factory=dict)
     ranges: dict = dataclasses.field(default_factory=dict)
+
+    def graph_at(self, step: Callable[..., Any], batch: int | None) -> Graph | None:
+        """`step`'s graph at batch size `batch` made from the family, when the family was traced from
+        this very step function (no trace and no check needed); None otherwise."""
+        if self.step is step and isinstance(self.family, ShapeFamily) and (batch or 0) >= MIN_SIZE:
+            return self.family.at(batch)
+        return None
 
 
 def trace_replica(fn: Callable, args: tuple[Any, ...], count: int, rows: int, replicas: int,

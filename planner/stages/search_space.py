@@ -91,12 +91,15 @@ def search_space(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster
     memo = memo if memo is not None else PlanningMemo()
     batch = batch_size(args, batch_argnum)
     family, traced = memo.family, memo.traced
-    if isinstance(family, ShapeFamily) and memo.step is not fn and full_graph is not None and batch >= MIN_SIZE \
-            and not same_program(family.at(batch), full_graph):
-        log.info("the step at batch %d is not the one traced for an earlier batch size: traced again", batch)
-        family, traced = None, {}
-    if memo.step is not fn:  # pins and stage plans are shared between calls of one step function only
-        memo.pins.clear()
+    if memo.step is not fn:  # a memo filled for another step function (a factory's step per batch size)
+        if isinstance(family, ShapeFamily) and full_graph is not None and batch >= MIN_SIZE \
+                and same_program(family.at(batch), full_graph):
+            traced = {rows: g for rows, g in traced.items() if rows >= MIN_SIZE}  # the family's; not size 1's
+        else:
+            if isinstance(family, ShapeFamily):
+                log.info("the step at batch %d is not the one traced for an earlier batch size: traced again", batch)
+            family, traced = None, {}
+        memo.pins.clear()  # pins, stage plans and range costs: shared between calls of one step function only
         memo.stage_plans.clear()
         memo.ranges.clear()
     t_start = time.perf_counter()

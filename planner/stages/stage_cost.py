@@ -138,7 +138,7 @@ def stage_ranges(table: LayerCostTable, option: StageOption, devices: int,
     the recomputed forward under remat). Kept in `table.ranges` (shared by the tables of one step
     at every batch size: the same layers at the same microbatch size give the same ranges); read-only.
     """
-    key = (table.layers.keys, option, devices, boundary.tobytes(), link)
+    key = (table.layers.keys, table.meshes[option.mesh_index], option, devices, boundary.tobytes(), link)
     hit = table.ranges.get(key)
     if hit is None:
         hit = table.ranges[key] = _stage_ranges(table, option, devices, boundary, link)

@@ -339,8 +339,9 @@ def _stage_plans(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, pp
                  options: PlanOptions, memo: Any, batch_argnum: int | tuple[int, ...]) -> tuple:
     """`stage_plans_for`, or what it gave for the same stages at the same microbatch size of the same
     step at another batch size (`PlanningMemo.stage_plans`: a stage program depends on its
-    microbatch's rows, not on how many there are)."""
-    if memo is None or memo.step is not fn:
+    microbatch's rows, not on how many there are; `plan_pipeline` keeps the memo's shared entries to
+    one step function)."""
+    if memo is None:
         return stage_plans_for(fn, args, graph, pp, cluster, options)
     rows = batch_size(args, batch_argnum) // pp.num_microbatches
     key = (rows, options, tuple((st.layer_range, st.submesh, st.mesh, st.host_axes, st.devices, st.state_layout,
