@@ -132,6 +132,10 @@ def _add_search(opts) -> None:
     opts.add_argument("--prefetch", action="store_true",
                       help="price parameter all-gathers (ZeRO-3/FSDP) as issued ahead of their use, hidden behind "
                            "earlier compute (a harder ILP: slower planning)")
+    opts.add_argument("--comm-precision", choices=("exact", "bf16", "int8"), default=None,
+                      help="wire formats of collectives: exact (default: split contractions' partial sums reduced "
+                           "in float32, as they accumulate unsharded), bf16 (in their results' dtype: half the "
+                           "bytes) or int8 (as bf16, and weights gathered as int8 with block scales where faster)")
     opts.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                       help="ILP solver time limit per mesh shape (default: the planner's)")
     opts.add_argument("--top", type=positive_int, default=10, metavar="K", help="rows of the ranked mesh table (default 10)")

@@ -33,7 +33,7 @@ def hand_configured(args) -> bool:
 
 
 def _levers(args) -> dict:
-    """The PlanOptions of --accumulate, --prefetch, --offload, --donate and --remat."""
+    """The PlanOptions of --accumulate, --prefetch, --comm-precision, --offload, --donate and --remat."""
     base = {}
     if getattr(args, "accumulate", None) is not None:
         if hand_configured(args):
@@ -44,6 +44,8 @@ def _levers(args) -> dict:
         base["solver_time_limit"] = args.time_limit
     if getattr(args, "prefetch", False):
         base["prefetch"] = True
+    if getattr(args, "comm_precision", None) is not None:
+        base["comm_precision"] = args.comm_precision
     if getattr(args, "offload", None) is not None:
         base["offload"] = args.offload
     if getattr(args, "donate", None) is not None:

@@ -13,6 +13,7 @@ from planner.core.units import parse_bytes, parse_link
 
 REMAT = ("off", "full", "dots", "dots_no_batch", "auto")  # recomputation choices (`planner.levers.remat`)
 OFFLOAD_MODES = ("off", "auto", "opt-state", "opt-state+params")  # host offload choices (`planner.ilp.offload`)
+COMM_PRECISIONS = ("exact", "bf16", "int8")  # wire formats allowed (`planner.ilp.wire`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -86,6 +87,13 @@ class PlanOptions:
         3-D factorisations (e.g. data x fsdp x tensor) that refine the mesh of the fastest 2-D plan,
         each searched near that plan: its shardings and those with one mesh axis moved
         (`search.meshes.search_meshes`, `search.refinement.neighbourhood`). A 3-D mesh given explicitly is searched whole.
+      comm_precision: the wire formats collectives may use (`planner.ilp.wire`): "exact" (the
+        default: the partial sums of a split contraction whose result is narrower than float32 are
+        reduced in float32, as the unsharded contraction accumulates, and rounded once after;
+        everything else in its own dtype), "bf16" (those partial sums in the result's dtype, bf16 or
+        fp16: half the bytes, each device's share rounded before the sum) or "int8" (as "bf16",
+        and weights gathered for a contraction as int8 with a scale per block, where that is
+        faster on the mesh: about half the bytes of bf16).
     """
 
     memory_budget: float | None = None
@@ -111,8 +119,12 @@ class PlanOptions:
     donate_argnums: tuple[int, ...] = ()
     mesh_ndim: int | None = None
     unshard: bool = True
+    comm_precision: str = "exact"
 
     def __post_init__(self):
+        if self.comm_precision not in COMM_PRECISIONS:
+            raise InvalidArgumentError(f"comm_precision={self.comm_precision!r} must be one of "
+                                       f"{', '.join(map(repr, COMM_PRECISIONS))}")
         if not isinstance(self.unshard, bool):
             raise InvalidArgumentError(f"unshard={self.unshard!r} must be True or False")
         if self.mesh_ndim not in (None, 1, 2, 3) or isinstance(self.mesh_ndim, bool):

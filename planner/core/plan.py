@@ -98,6 +98,22 @@ def _decision_from_json(x: dict) -> Decision:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class WireFormat:
+    """One collective the plan runs in another dtype than its value's (`planner.ilp.wire`).
+
+    kind "partial-sum": op `op`'s result `pos`, a split contraction's partial sums, reduced in
+    `dtype` (float32) and rounded to the result's dtype after. kind "gather": op `op`'s operand
+    `pos`, a weight, gathered as `dtype` (int8) with one bf16 scale per `block` elements of its
+    last dimension."""
+
+    kind: str
+    op: int
+    pos: int
+    dtype: str
+    block: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
     """How to run one program on one mesh.
 
@@ -113,6 +129,8 @@ class Plan:
       fallback_primitives: primitives planned replicated for lack of a rule.
       kernels: how the plan priced the program's fused kernels, one line each (which attention
         implementation it assumed for the target, which kernels run on shards).
+      wire: the collectives it runs in another dtype than their values' (`WireFormat`): float32
+        partial sums under comm_precision "exact", int8 weight gathers under "int8".
       operand_specs: (op index, operand position, spec) where an op reads an operand in another
         layout than its producer left it: the planned resharding, pinned so XLA reshards there
         instead of picking another decomposition of the op.
@@ -154,6 +172,7 @@ class Plan:
     user_constraints: tuple[UserConstraint, ...] = ()
     levers: Levers = dataclasses.field(default_factory=Levers)
     kernels: tuple[str, ...] = ()
+    wire: tuple[WireFormat, ...] = ()
 
     def with_levers(self, **records: Any) -> Plan:
         """This plan with the lever records given (`Levers` fields: accumulation=, remat=, offload=)."""
@@ -290,6 +309,7 @@ class Plan:
             "user_constraints": [c.to_json() for c in self.user_constraints],
             "levers": self.levers.to_json(),
             "kernels": list(self.kernels),
+            "wire": [dataclasses.asdict(w) for w in self.wire],
         }
 
     @classmethod
@@ -329,6 +349,7 @@ class Plan:
                 options=PlanOptions.from_json(d["options"]),
                 fallback_primitives=tuple(d.get("fallback_primitives", ())),
                 kernels=tuple(d.get("kernels", ())),
+                wire=tuple(WireFormat(**w) for w in d.get("wire", ())),
                 scatter_specs=tuple((int(i), int(k), spec_from_json(s)) for i, k, s in d.get("scatter_specs", ())),
                 operand_specs=tuple((int(i), int(k), spec_from_json(s)) for i, k, s in d.get("operand_specs", ())),
                 stages=tuple(PipelineStage.from_json(st, cls.from_dict) for st in d.get("stages", ())

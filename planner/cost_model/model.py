@@ -135,6 +135,7 @@ class CostModel:
       group_links: ((axes, link), ...) for groups of several axes the topology prices otherwise
         than by their slowest axis (a torus: a group over several dimensions uses all their ports);
         other groups run at their slowest axis's link (`collectives.group_link`).
+      comm_precision: the wire formats collectives may use (`planner.ilp.wire`).
     """
 
     mesh: MeshSpec
@@ -142,6 +143,7 @@ class CostModel:
     links: tuple[AxisLink, ...]
     measured: MeasuredCollectives | None = None
     group_links: tuple[tuple[tuple[int, ...], AxisLink], ...] = ()
+    comm_precision: str = "exact"  # the wire formats collectives may use (`PlanOptions.comm_precision`)
 
     def __post_init__(self):
         if len(self.links) != self.mesh.ndim:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from planner.core.sharding import named_sharding
-from planner.emit.kernels import kernel_hook
+from planner.emit.wire import op_hooks
 from planner.emit.single import constraint_hooks
 from planner.graph.ir import Literal
 from planner.levers.accumulate import Accumulated, grad_specs
@@ -21,7 +21,7 @@ def accumulated_function(acc: Accumulated) -> Callable[..., Any]:
     graph, parts, plan, k = acc.graph, acc.parts, acc.plan, acc.k
     mesh = plan._mesh()
     before_op, after_op = constraint_hooks(plan, mesh, graph)
-    on_shards = kernel_hook(plan, mesh, graph)
+    before_op, on_shards = op_hooks(plan, mesh, graph, before_op)
     upd = set(parts.update)
     record = plan.levers.accumulation
     hoisted = (record.unsharded if record is not None else None) or ()

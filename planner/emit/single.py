@@ -8,7 +8,7 @@ from typing import Any
 import jax
 
 from planner.emit import offload
-from planner.emit.kernels import kernel_hook
+from planner.emit.wire import op_hooks
 from planner.core.compat import USER_CONSTRAINTS
 from planner.core.errors import InvalidArgumentError
 from planner.graph.ir import Graph, Op
@@ -35,7 +35,7 @@ def constrained_function(graph: Graph, plan: Plan) -> Callable[..., Any]:
         raise InvalidArgumentError("this plan streams the optimizer update: emit it on the graph it was made for, "
                                    "planner.ilp.offload.graph_for(trace(fn, *args), plan)")
     before_op, after_op = constraint_hooks(plan, plan._mesh(), graph)
-    on_shards = kernel_hook(plan, plan._mesh(), graph)
+    before_op, on_shards = op_hooks(plan, plan._mesh(), graph, before_op)
 
     def fn(*args):
         # host-offloaded state (`planner.ilp.offload`): hooks made per trace (they hold its values)

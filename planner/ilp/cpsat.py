@@ -107,7 +107,7 @@ class _Model:
         merged: dict[tuple, int] = defaultdict(int)
         arguments = frozenset(problem.graph.inputs)
         for e in problem.edges:
-            t = problem.graph.tensors[e.tensor]
+            t = problem.priced(e.tensor, e.op)
             key = (problem.rep[e.src], problem.rep[e.dst], t, e.src_specs, e.dst_specs)
             if problem.overlap and problem.prefetch and prefetched(problem, e, arguments):
                 self.prefetch_of[e.dst].append(key)

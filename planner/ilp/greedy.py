@@ -55,7 +55,7 @@ def greedy(problem: Problem) -> tuple[int, ...]:
             c = node.costs[i]
             for e in incoming[node.index]:
                 if e.src in done:
-                    c += problem.edge_time(e.tensor, e.src_specs[choice[e.src]], e.dst_specs[i])
+                    c += problem.edge_time(e.tensor, e.src_specs[choice[e.src]], e.dst_specs[i], e.op)
             if best_cost is None or c < best_cost:
                 best, best_cost = i, c
         return best

@@ -7,6 +7,7 @@ import math
 
 from planner.graph.ir import Graph, Literal, Op
 from planner.ilp.opsig import OpSig, dim_labels
+from planner.ilp.wire import accumulates
 
 
 def dynamic_update_slice_rule(op: Op, graph: Graph) -> OpSig:
@@ -135,7 +136,8 @@ def conv_rule(op: Op, graph: Graph) -> OpSig:
         sums.add("c")
     window = math.prod(rhs.shape[d] for d in dn.rhs_spec[2:])
     flops = 2.0 * out.size * window * rhs.shape[dn.rhs_spec[1]]
-    return OpSig((tuple(l_lab), tuple(r_lab)), (tuple(o_lab),), sizes, sum_labels=frozenset(sums), flops=flops)
+    return OpSig((tuple(l_lab), tuple(r_lab)), (tuple(o_lab),), sizes, sum_labels=frozenset(sums), flops=flops,
+                 accumulates=accumulates(graph.tensors[op.outputs[0]].dtype))
 
 
 def pool_keep(op: Op, d: int, size: int) -> bool:

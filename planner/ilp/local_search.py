@@ -48,7 +48,7 @@ class _Local:
         """The own costs of `decisions`' nodes plus the resharding of `edges`, as `current` lays them out."""
         problem = self.problem
         return sum(problem.nodes[m].costs[current[m]] for r in decisions for m in self.members[r]) + sum(
-            problem.edge_time(e.tensor, e.src_specs[current[e.src]], e.dst_specs[current[e.dst]]) for e in edges)
+            problem.edge_time(e.tensor, e.src_specs[current[e.src]], e.dst_specs[current[e.dst]], e.op) for e in edges)
 
     def take(self, current: list[int], r: int, i: int) -> None:
         for m in self.members[r]:

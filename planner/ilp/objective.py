@@ -122,7 +122,7 @@ def prefetch_hidden(problem: Problem, choice: Sequence[int]) -> float:
     args = frozenset(problem.graph.inputs) if edges else frozenset()
     for e in edges:
         if prefetched(problem, e, args):
-            s = problem.edge_time(e.tensor, e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]])
+            s = problem.edge_time(e.tensor, e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]], e.op)
             if s:
                 amounts[e.dst] = amounts.get(e.dst, 0.0) + s
     if not amounts:
@@ -214,7 +214,7 @@ def step_time(problem: Problem, choice: Sequence[int]) -> StepTime:
     latency = sum(problem.cost.collective_latency(kind, axes) for kind, axes in combined_groups(problem, choice))
     reshard = 0.0
     for e in problem.edges:
-        reshard += problem.edge_time(e.tensor, e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]])
+        reshard += problem.edge_time(e.tensor, e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]], e.op)
     return StepTime(compute, collectives, latency, reshard, hidden_time(problem, choice),
                     sum(offload_transfer(problem, choice)))
 
@@ -251,7 +251,7 @@ def step_parts(problem: Problem, choice: Sequence[int]) -> StepTimeParts:
         rec[2] += node.costs[i] - node.comm_s[i]
         rec[3] += node.comm_s[i]
     for e in problem.edges:
-        seconds = problem.edge_time(e.tensor, e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]])
+        seconds = problem.edge_time(e.tensor, e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]], e.op)
         if seconds:
             src = problem.nodes[e.src]
             item(src if not src.ops else problem.nodes[e.dst])[4] += seconds

@@ -31,6 +31,9 @@ class OpSig:
         read them from the operands (`strategies.rate_dtypes`).
       fallback: with `known` False, why the op is planned replicated and what the user can do, in
         a few words (a kernel the planner could not see into); "" for a primitive with no rule.
+      accumulates: the dtype a contraction accumulates its result in where that is wider than the
+        result ("float32" for a bf16 dot, `planner.ilp.wire.accumulates`): split over a mesh axis,
+        its partial sums are exact only in it. "" otherwise.
     """
 
     inputs: tuple[Labels | None, ...]
@@ -43,6 +46,7 @@ class OpSig:
     where: str = ""
     rate_dtypes: tuple[str, ...] = ()
     fallback: str = ""
+    accumulates: str = ""
 
     def shardable(self) -> tuple[str, ...]:
         """Labels a mesh axis may be assigned to, in a fixed order."""

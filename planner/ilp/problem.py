@@ -23,7 +23,8 @@ from planner.ilp.layer_sharing import layer_representatives, structural_represen
 from planner.ilp.live_ranges import fused_away, live_ranges
 from planner.ilp.nodes import Edge, Node
 from planner.ilp.rules import RULES, signature
-from planner.ilp.strategies import edge_time, enumerate_strategies, shard_bytes
+from planner.ilp.strategies import Quantized, edge_time, enumerate_strategies, int8_reads, shard_bytes
+from planner.ilp.wire import wire_tensor
 
 log = logging.getLogger("planner")
 
@@ -70,6 +71,8 @@ class Problem:
     # Donated arguments (`PlanOptions.donate_argnums`): (argument, the new value that reuses its
     # buffer) tensor pairs; `live` ends such an argument at its last use (`live_ranges`).
     donated: tuple[tuple[int, int], ...] = ()
+    # (weight, reading op) pairs gathered as int8 with block scales (`planner.ilp.wire`, comm_precision="int8")
+    quantized: frozenset[tuple[int, int]] = frozenset()
     # (tensor type, producer's spec, consumer's spec) -> `strategies.edge_time`; repeated layers ask alike
     _edge_times: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
     # (tensor id, producer's spec, consumer's spec) -> the same seconds: a lookup that hashes no
@@ -86,17 +89,25 @@ class Problem:
         """The XLA backend whose memory the plan lives in: the devices', or the preset's without devices."""
         return self.device_platform or self.cost.hardware.platform
 
-    def edge_time(self, tensor: int, src: Spec, dst: Spec) -> float:
-        """`strategies.edge_time` of tensor id `tensor` from `src` to `dst`, computed once per distinct question."""
-        found = self._edge_times_by_id.get((tensor, src, dst))
+    def priced(self, tensor: int, op: int = -1) -> Tensor | Quantized:
+        """What op `op`'s read of tensor `tensor` carries when resharded: the tensor's type, or its
+        int8 payload where the plan gathers that weight quantised (`quantized`)."""
+        t = self.graph.tensors[tensor]
+        return Quantized(t, wire_tensor(t, self.cost.mesh.size)) if (tensor, op) in self.quantized else t
+
+    def edge_time(self, tensor: int, src: Spec, dst: Spec, op: int = -1) -> float:
+        """`strategies.edge_time` of tensor id `tensor` read by op `op` from `src` to `dst`, computed
+        once per distinct question."""
+        q = (tensor, op) in self.quantized
+        found = self._edge_times_by_id.get((tensor, src, dst, q))
         if found is not None:
             return found
-        t = self.graph.tensors[tensor]
+        t = self.priced(tensor, op)
         key = (t, src, dst)
         found = self._edge_times.get(key)
         if found is None:
             found = self._edge_times[key] = edge_time(t, src, dst, self.cost)
-        self._edge_times_by_id[(tensor, src, dst)] = found
+        self._edge_times_by_id[(tensor, src, dst, q)] = found
         return found
 
     def spec(self, tensor: int, choice: Sequence[int]) -> Spec | None:
@@ -208,7 +219,7 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     return Problem(graph, cost, tuple(nodes), tuple(edges), owner, tuple(ties), live,
                    tuple(sorted({name for name, _ in built.fallback})), frozenset(built.free), rep, frozenset(inputs.combinable),
                    pinned_outputs=pinned_outputs, donated=tuple(donated), unwritten=unwritten,
-                   recomputed=again, device_platform=device_platform)
+                   recomputed=again, device_platform=device_platform, quantized=int8_reads(graph, cost))
 
 
 def _input_nodes(built: _Decisions, graph: Graph, cost: CostModel, pins: Mapping[int, Spec],

@@ -29,6 +29,7 @@ from planner.ilp.index_rules import (
 )
 from planner.ilp.kernel_rules import KERNEL_RULES
 from planner.ilp.opsig import Labels, OpSig, Rule, dim_labels, tensor_of
+from planner.ilp.wire import accumulates
 
 __all__ = ["ELEMENTWISE", "RULES", "Labels", "OpSig", "Rule", "replicated_rule", "signature"]
 
@@ -82,7 +83,8 @@ def dot_general_rule(op: Op, graph: Graph) -> OpSig:
             out.append(f"n{d}")
     flops = 2.0 * math.prod(sizes.values())
     return OpSig((tuple(l_lab), tuple(r_lab)), (tuple(out),), sizes,
-                 sum_labels=frozenset(f"k{i}" for i in range(len(lc))), flops=flops)
+                 sum_labels=frozenset(f"k{i}" for i in range(len(lc))), flops=flops,
+                 accumulates=accumulates(graph.tensors[op.outputs[0]].dtype))
 
 
 def _reduce_rule(summable: bool) -> Rule:

@@ -10,8 +10,9 @@ import numpy as np
 
 from planner.cost_model import CostModel
 from planner.core.errors import MeshError
-from planner.graph.ir import Tensor
+from planner.graph.ir import Graph, Tensor
 from planner.ilp.rules import OpSig
+from planner.ilp.wire import MIN_BLOCK, block_for, partial_sum_itemsize, weight_reads, wire_tensor
 from planner.core.mesh import MeshSpec
 from planner.core.sharding import Spec, active_axes, axis_dim, num_shards
 
@@ -57,6 +58,25 @@ class Strategy:
 
 def shard_bytes(t: Tensor, spec: Spec, mesh: MeshSpec) -> int:
     return t.nbytes // num_shards(spec, mesh)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Quantized:
+    """A weight gathered as int8 with block scales (`planner.ilp.wire`): `native` is its type, `wire`
+    the int8 payload its gathers carry (`wire.wire_tensor`). Permutes and all-to-alls move it as it
+    is; each gather adds the quantisation's memory traffic (`quantize_time`)."""
+
+    native: Tensor
+    wire: Tensor
+
+
+def quantize_time(t: Quantized, src: Spec, dst: Spec, cost: CostModel) -> float:
+    """Quantising the source shard (read it, write int8) and dequantising what the gather brought
+    (read int8, write the weight's dtype): memory-bound elementwise work on one device."""
+    mesh = cost.mesh
+    moved = (shard_bytes(t.native, src, mesh) + shard_bytes(t.wire, src, mesh)
+             + shard_bytes(t.wire, dst, mesh) + shard_bytes(t.native, dst, mesh))
+    return cost.compute_time(0.0, moved)
 
 
 def _spec_of(labels: Sequence[str | None], axes_of: dict[str, tuple[int, ...]]) -> Spec:
@@ -134,7 +154,11 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
     if not partial:
         return [Strategy(assignment, in_specs, base_out, (), compute, 0.0)]
     result = []
-    ar = tuple(("all-reduce", partial, shard_bytes(t, s, mesh)) for t, s in zip(outs, base_out))
+    # the partial sums' bytes on the wire: float32 where the contraction accumulates in it and the
+    # plan keeps it exact (`planner.ilp.wire`), else the result's own dtype
+    wide = [shard_bytes(t, s, mesh) * partial_sum_itemsize(sig.accumulates, t, cost.comm_precision)
+            // t.dtype.itemsize for t, s in zip(outs, base_out)]
+    ar = tuple(("all-reduce", partial, b) for b in wide)
     result.append(Strategy(assignment, in_specs, base_out, ar, compute,
                            sum(cost.collective_time(k, b, a, combined) for k, a, b in ar)))
     if len(outs) == 1:
@@ -144,7 +168,7 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
             have = mesh.axis_size(s[d])
             if (t.shape[d] // have) % n == 0:
                 new = tuple(tuple(sorted(ax + partial)) if i == d else ax for i, ax in enumerate(s))
-                rs = (("reduce-scatter", partial, shard_bytes(t, s, mesh)),)
+                rs = (("reduce-scatter", partial, wide[0]),)
                 result.append(Strategy(assignment, in_specs, (new,), rs, compute,
                                        cost.collective_time("reduce-scatter", rs[0][2], partial, combined)))
     return result
@@ -257,7 +281,7 @@ def _gather_order(src: Spec, axes: Sequence[int]) -> list[int]:
     return sorted(axes, key=key)
 
 
-def _transitions(t: Tensor, src: Spec, dst: Spec, cost: CostModel) -> tuple[tuple[Comm, ...], float]:
+def _transitions(t: Tensor | Quantized, src: Spec, dst: Spec, cost: CostModel) -> tuple[tuple[Comm, ...], float]:
     """The collectives that take `src` to `dst`, and their time:
 
     - a collective-permute per dim whose kept axes are not a prefix of its source axes (a major
@@ -271,6 +295,9 @@ def _transitions(t: Tensor, src: Spec, dst: Spec, cost: CostModel) -> tuple[tupl
       previous groups left. Their ring bytes sum to (g - 1) / g of the gathered size.
     """
     mesh = cost.mesh
+    wire = t.wire if isinstance(t, Quantized) else t
+    if isinstance(t, Quantized):
+        t = t.native
     nbytes = shard_bytes(t, src, mesh)
     comms: list[Comm] = []
     total = 0.0
@@ -290,7 +317,7 @@ def _transitions(t: Tensor, src: Spec, dst: Spec, cost: CostModel) -> tuple[tupl
         else:
             comms.append(("all-to-all", (a,), nbytes))
             total += cost.collective_time("all-to-all", nbytes, (a,))
-    size = nbytes
+    size = shard_bytes(wire, src, mesh)
     groups: list[tuple[int | None, list[int], int]] = []  # (dim, axes, gathered bytes)
     for a in _gather_order(src, leaving):
         size *= mesh.shape[a]
@@ -303,16 +330,18 @@ def _transitions(t: Tensor, src: Spec, dst: Spec, cost: CostModel) -> tuple[tupl
         group = tuple(a for a in src[d] if a in axes)
         comms.append(("all-gather", group, gathered))
         total += cost.collective_time("all-gather", gathered, group)
+    if groups and wire is not t:
+        total += quantize_time(Quantized(t, wire), src, dst, cost)
     return tuple(comms), total
 
 
-def _gather_time(t: Tensor, src: Spec, axes: Sequence[int], cost: CostModel) -> float:
+def _gather_time(t: Tensor | Quantized, src: Spec, axes: Sequence[int], cost: CostModel) -> float:
     """Time to take exactly `axes` out of `src` (all-gathers, and the permute a kept minor axis needs)."""
     dst = tuple(tuple(a for a in dim if a not in axes) for dim in src)
     return _transitions(t, src, dst, cost)[1]
 
 
-def reshard_axis_cost(t: Tensor, src: Spec, axis: int, to_dim: int | None, cost: CostModel) -> tuple[Comm | None, float]:
+def reshard_axis_cost(t: Tensor | Quantized, src: Spec, axis: int, to_dim: int | None, cost: CostModel) -> tuple[Comm | None, float]:
     """Cost of changing what mesh `axis` splits, from its dim in `src` to `to_dim` (None = no dim),
     the other axes staying where they are.
 
@@ -323,9 +352,12 @@ def reshard_axis_cost(t: Tensor, src: Spec, axis: int, to_dim: int | None, cost:
     frm = axis_dim(src, axis)
     if frm is None or frm == to_dim:
         return None, 0.0
-    nbytes = shard_bytes(t, src, mesh)
     if to_dim is None:
-        return ("all-gather", (axis,), nbytes * mesh.shape[axis]), _gather_time(t, src, (axis,), cost)
+        gathered = shard_bytes(t.wire if isinstance(t, Quantized) else t, src, mesh) * mesh.shape[axis]
+        return ("all-gather", (axis,), gathered), _gather_time(t, src, (axis,), cost)
+    if isinstance(t, Quantized):
+        t = t.native
+    nbytes = shard_bytes(t, src, mesh)
     # Taking a major axis out of a dim split by several leaves the minor axes' blocks out of order:
     # XLA first permutes the shards (collective-permute), then exchanges. Assumes the minor axes stay.
     reorder = cost.collective_time("collective-permute", nbytes, (axis,)) if src[frm][-1] != axis else 0.0
@@ -347,7 +379,7 @@ def part_key(part: tuple[int, ...], dst: Spec) -> int | bool | None:
     return all(axis_dim(dst, a) is None for a in part)
 
 
-def part_time(t: Tensor, src: Spec, part: tuple[int, ...], key: int | bool | None, cost: CostModel) -> float:
+def part_time(t: Tensor | Quantized, src: Spec, part: tuple[int, ...], key: int | bool | None, cost: CostModel) -> float:
     """The cost of one part of `edge_parts` given its `part_key`.
 
     A single axis costs `reshard_axis_cost`. A group leaving together costs the Moebius term
@@ -365,7 +397,7 @@ def part_time(t: Tensor, src: Spec, part: tuple[int, ...], key: int | bool | Non
                for k in range(1, len(part) + 1) for sub in itertools.combinations(part, k))
 
 
-def edge_time(t: Tensor, src: Spec, dst: Spec, cost: CostModel) -> float:
+def edge_time(t: Tensor | Quantized, src: Spec, dst: Spec, cost: CostModel) -> float:
     """Resharding time from `src` to `dst`: the sum of `part_time` over `edge_parts`, the number the
     ILP's objective holds for the edge and the plan's prediction reports.
 
@@ -375,8 +407,35 @@ def edge_time(t: Tensor, src: Spec, dst: Spec, cost: CostModel) -> float:
     return sum(part_time(t, src, p, part_key(p, dst), cost) for p in edge_parts(cost.mesh))
 
 
-def reshard_cost(t: Tensor, src: Spec, dst: Spec, cost: CostModel) -> tuple[tuple[Comm, ...], float]:
+def reshard_cost(t: Tensor | Quantized, src: Spec, dst: Spec, cost: CostModel) -> tuple[tuple[Comm, ...], float]:
     """Resharding collectives (as XLA emits them, see `_transitions`) and time (`edge_time`, as the
     ILP prices the edge) from `src` to `dst`."""
     comms, _ = _transitions(t, src, dst, cost)
     return comms, edge_time(t, src, dst, cost)
+
+
+def int8_reads(graph: Graph, cost: CostModel) -> frozenset[tuple[int, int]]:
+    """The weight reads (`wire.weight_reads`) gathered as int8 under comm_precision="int8": those of
+    weights whose gather over every active mesh axis (from the layout splitting their largest
+    dimension that all of them divide) is faster as int8, quantisation included, and whose blocks
+    hold at least `wire.MIN_BLOCK` elements."""
+    if cost.comm_precision != "int8":
+        return frozenset()
+    reads = weight_reads(graph)
+    pays: dict[int, bool] = {}
+    for tensor, _ in reads:
+        if tensor not in pays:
+            pays[tensor] = _int8_pays(graph.tensors[tensor], cost)
+    return frozenset(r for r in reads if pays[r[0]])
+
+
+def _int8_pays(t: Tensor, cost: CostModel) -> bool:
+    mesh = cost.mesh
+    axes = tuple(active_axes(mesh))
+    n = mesh.axis_size(axes)
+    dims = [d for d in sorted(range(len(t.shape)), key=lambda d: -t.shape[d]) if t.shape[d] % n == 0]
+    if not axes or not dims or block_for(t, mesh.size) < MIN_BLOCK:
+        return False
+    src = tuple(axes if d == dims[0] else () for d in range(len(t.shape)))
+    dst: Spec = tuple(() for _ in t.shape)
+    return edge_time(Quantized(t, wire_tensor(t, mesh.size)), src, dst, cost) < edge_time(t, src, dst, cost)

@@ -22,6 +22,7 @@ from planner.core.plan_records import solver_quality as _solver_quality
 from planner.core.units import format_bytes
 from planner.cost_model import peak_flops
 from planner.ilp.levers import LEVERS
+from planner.present.wire_text import wire_line
 from planner.present.logical_axes import Axes, AxisRules, Leaf, classify, infer_rules
 from planner.present.topology_view import maxtext_mesh, topology_line
 from planner.stages.clustering import stacked_note
@@ -462,6 +463,8 @@ def format_header(view: PlanView) -> str:
     if view.plan.fallback_primitives:
         lines.append(f"  replicated (no rule)  {', '.join(view.plan.fallback_primitives)}")
     lines += [f"  kernels               {k}" for k in view.plan.kernels]
+    if (wire := wire_line(view.plan)) is not None:
+        lines.append(f"  on the wire           {wire}")
     topo = ctx.get("topology")
     if topo and not (view.plan.pipeline and len(view.plan.stages) > 1):
         lines += [f"  on the topology       {topology_line(view, topo)}",

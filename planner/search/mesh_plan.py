@@ -17,10 +17,11 @@ from planner.ilp.objective import step_parts, step_time
 from planner.ilp.problem import Problem, build_problem
 from planner.ilp.solver import Solution, solve
 from planner.ilp.strategies import reshard_cost
+from planner.ilp.wire import CONTRACTIONS, accumulates, block_for
 from planner.core.mesh import MeshSpec
 from planner.ilp.offload import plan_offload, record as offload_record
 from planner.core.options import PlanOptions
-from planner.core.plan import Decision, Plan, PredictedCollective, Prediction
+from planner.core.plan import Decision, Plan, PredictedCollective, Prediction, WireFormat
 from planner.core.plan_records import ArgumentReshard, Levers, SolverStats, Unbudgeted
 from planner.core.sharding import Spec, active_axes, replicated
 from planner.core.units import format_bytes
@@ -56,7 +57,15 @@ def check_options(options: PlanOptions) -> PlanOptions:
 
 def cost_model_for(mesh: MeshSpec, options: PlanOptions) -> CostModel:
     """Analytic model from `options.hardware` / `inter_host_axes` and the link speeds
-    `inter_host` / `intra_host`, or measured from `options.profile`."""
+    `inter_host` / `intra_host`, or measured from `options.profile`, pricing collectives in the
+    wire formats `options.comm_precision` allows."""
+    model = _cost_model(mesh, options)
+    if model.comm_precision != options.comm_precision:
+        model = dataclasses.replace(model, comm_precision=options.comm_precision)
+    return model
+
+
+def _cost_model(mesh: MeshSpec, options: PlanOptions) -> CostModel:
     check_options(options)
     hardware = options.hardware
     if options.inter_host is not None or options.intra_host is not None:
@@ -101,7 +110,7 @@ def _edge_comms(problem: Problem, choice: Sequence[int]):
         src, dst = e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]]
         if src == dst:
             continue
-        comms, seconds = reshard_cost(problem.graph.tensors[e.tensor], src, dst, problem.cost)
+        comms, seconds = reshard_cost(problem.priced(e.tensor, e.op), src, dst, problem.cost)
         if comms:
             yield e, comms, seconds
 
@@ -161,7 +170,7 @@ def _decisions(problem: Problem, choice: Sequence[int], limit: int = 400) -> tup
             comm += node.comm_s[option]
             compute += node.costs[option] - node.comm_s[option]
             for e in incident[n]:
-                reshard += problem.edge_time(e.tensor, e.src_specs[trial[e.src]], e.dst_specs[trial[e.dst]])
+                reshard += problem.edge_time(e.tensor, e.src_specs[trial[e.src]], e.dst_specs[trial[e.dst]], e.op)
         return compute, comm, reshard
 
     def local(rep: int, option: int) -> float:
@@ -286,6 +295,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
         jax_mesh=jax_mesh,
         assumed_xla_flags=_xla_flags(problem, sol.choice),
         levers=levers,
+        wire=_wire_formats(graph, problem, sol.choice),
         kernels=graph.cached(("kernel_notes", problem.cost.hardware.platform),
                              lambda: kernel_notes(graph, problem.cost.hardware.platform)),
     )
@@ -334,6 +344,29 @@ def _operand_specs(problem: Problem, choice: Sequence[int]) -> tuple:
         if src != dst and e.op >= 0:
             operand_specs.append((e.op, e.pos, dst))
     return tuple(sorted(set(operand_specs)))
+
+
+def _wire_formats(graph: Graph, problem: Problem, choice: Sequence[int]) -> tuple[WireFormat, ...]:
+    """The collectives the plan runs in another dtype than their values' (`planner.ilp.wire`): the
+    partial sums of each split contraction that accumulates wider than its result, under
+    comm_precision "exact"; each quantised weight read that gathers."""
+    found: set[WireFormat] = set()
+    if problem.cost.comm_precision == "exact":
+        for node in problem.nodes:
+            i = choice[node.index]
+            for (kind, _, _), at in zip(node.comms[i], node.comm_ops[i]):
+                op = graph.ops[at] if at >= 0 else None
+                if (kind in ("all-reduce", "reduce-scatter") and op is not None and op.name in CONTRACTIONS
+                        and accumulates(graph.tensors[op.outputs[0]].dtype)):
+                    found.add(WireFormat("partial-sum", at, 0, accumulates(graph.tensors[op.outputs[0]].dtype)))
+    for e in problem.edges:
+        if (e.tensor, e.op) not in problem.quantized:
+            continue
+        src, dst = e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]]
+        if src != dst and any(kind == "all-gather" for kind, _, _ in reshard_cost(
+                problem.priced(e.tensor, e.op), src, dst, problem.cost)[0]):
+            found.add(WireFormat("gather", e.op, e.pos, "int8", block_for(graph.tensors[e.tensor], problem.cost.mesh.size)))
+    return tuple(sorted(found, key=lambda w: (w.op, w.kind, w.pos)))
 
 
 def _scatter_specs(graph: Graph, problem: Problem, choice: Sequence[int]) -> tuple:

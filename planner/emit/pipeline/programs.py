@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from planner.emit.kernels import kernel_hook
+from planner.emit.wire import op_hooks
 from planner.emit.single import constraint_hooks
 from planner.core.errors import InvalidArgumentError
 from planner.graph.ir import Graph, Literal
@@ -224,7 +224,7 @@ def _halves(sg: StageGraph, plan: Any, jmesh, remat: bool):
     g = sg.graph
     consts = dict(g.consts)
     before_op, after_op = constraint_hooks(plan, jmesh)
-    on_shards = kernel_hook(plan, jmesh, g)
+    before_op, on_shards = op_hooks(plan, jmesh, g, before_op)
     n = len(g.ops)
 
     def read(env, x):

@@ -1,0 +1,172 @@
+"""Communication precision (`--comm-precision`, `planner.ilp.wire`): what each wire format buys on a
+bandwidth-bound cluster, and what it costs in numerics.
+
+    .venv/bin/python experiments/bench_comm_precision.py [--parts predict,train] [--steps 50]
+
+- predict: `planner plan` as a user runs it, one whole process per precision (exact, bf16, int8), on
+  Alpa's testbed (GPT-39B, 8x8 V100 at 25 Gbit/s between hosts), single-stage (`--pipeline off`,
+  the zoo batch of 64 the comparison suite uses on 8x8) and the default pipeline search
+  (`--pipeline auto`, batch 1024): predicted step time, exposed communication, bytes moved per
+  device, and the wire records (float32 partial sums, int8 weight gathers) of the plan.
+- train: gpt-tiny in bf16 (float32 master weights, AdamW) on 8 CPU devices, FSDP-pinned (so weights
+  are gathered), trained `--steps` steps from the same initial state on the same batches under each
+  precision; the final loss of each against "exact" (goal: int8 within 1%), and after the first
+  step the largest parameter difference per leaf group against the exact program.
+
+Results: experiments/results/comm_precision.json and .md (overwritten; the date is in them).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PLANNER = str(pathlib.Path(sys.executable).with_name("planner"))
+PRECISIONS = ("exact", "bf16", "int8")
+JOBS = {
+    "gpt3-39b 8x8 V100, 1 stage, b64": ["--model", "gpt3-39b", "--cluster", "8x8:v100", "--inter-host", "25Gbit",
+                                         "--batch", "64", "--pipeline", "off"],
+    "gpt3-39b 8x8 V100, pipeline auto, b1024": ["--model", "gpt3-39b", "--cluster", "8x8:v100", "--inter-host",
+                                                 "25Gbit", "--batch", "1024", "--pipeline", "auto"],
+}
+
+
+def _wire(plan: dict) -> dict:
+    records = list(plan.get("wire", ()))
+    for st in plan.get("stages", ()):
+        records += list((st.get("plan") or {}).get("wire", ()))
+    return {"partial_sums_f32": sum(w["kind"] == "partial-sum" for w in records),
+            "int8_gathers": sum(w["kind"] == "gather" for w in records)}
+
+
+def predict(jobs: list[str]) -> list[dict]:
+    rows = []
+    for job in jobs:
+        for precision in PRECISIONS:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "plan.json")
+                t0 = time.perf_counter()
+                p = subprocess.run([PLANNER, "plan", *JOBS[job], "--comm-precision", precision, "--json", out,
+                                    "--quiet"], cwd=ROOT, capture_output=True, text=True)
+                wall = time.perf_counter() - t0
+                if p.returncode != 0:
+                    rows.append({"job": job, "precision": precision, "error": (p.stderr or p.stdout).strip()[-300:]})
+                    continue
+                plan = json.loads(pathlib.Path(out).read_text())
+            pr = plan["predicted"]
+            rows.append({"job": job, "precision": precision, "step_time_s": pr["step_time_s"],
+                         "exposed_comm_s": pr["communication_time_s"], "bytes_moved": pr["bytes_moved_per_device"],
+                         "stages": max(1, len(plan.get("stages", ()))), "plan_s": round(wall, 1), **_wire(plan)})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def train(steps: int) -> dict:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    import jax
+    import numpy as np
+
+    import planner
+    from planner.configs.baselines import baseline_pins
+    from planner.core.mesh import MeshSpec
+    from planner.graph.trace import trace
+    from zoo import get_model
+
+    b = get_model("gpt-tiny", dtype="bfloat16")
+    state = b.init_state(jax.random.key(0))
+    batches = [b.make_batch(jax.random.key(100 + i)) for i in range(steps)]
+    graph = trace(b.train_step, state, batches[0])
+    mesh = MeshSpec((8,), ("x",))
+    shapes = [graph.tensors[t].shape for t in graph.inputs]
+    pins = baseline_pins("fsdp")(graph.input_paths, shapes, mesh)
+    losses: dict[str, list[float]] = {}
+    first: dict[str, object] = {}
+    wire: dict[str, dict] = {}
+    for precision in PRECISIONS:
+        f = planner.plan_parallel(b.train_step, mesh="8", pins=pins, comm_precision=precision, hardware="v100")
+        s = state
+        losses[precision] = []
+        for i, batch in enumerate(batches):
+            s, metrics = f(s, batch)
+            losses[precision].append(float(metrics["loss"] if isinstance(metrics, dict) else metrics))
+            if i == 0:
+                first[precision] = jax.tree.map(np.asarray, s)
+        plan = f.plan(state, batches[0])
+        wire[precision] = {"partial_sums_f32": sum(w.kind == "partial-sum" for w in plan.wire),
+                           "int8_gathers": sum(w.kind == "gather" for w in plan.wire)}
+        print(precision, "final loss", losses[precision][-1], wire[precision], flush=True)
+    groups = {}
+    for precision in ("bf16", "int8"):
+        diffs = jax.tree_util.tree_map_with_path(
+            lambda path, a, e: (jax.tree_util.keystr(path), float(np.max(np.abs(a.astype(np.float64) - e)))
+                                if a.size else 0.0), first[precision], first["exact"])
+        worst: dict[str, float] = {}
+        for path, d in jax.tree.leaves(diffs, is_leaf=lambda x: isinstance(x, tuple)):
+            if "params" in path:
+                key = path.split("]")[-2].strip("['") if "]" in path else path
+                worst[key] = max(worst.get(key, 0.0), d)
+        groups[precision] = worst
+    final = {p: losses[p][-1] for p in PRECISIONS}
+    return {"steps": steps, "final_loss": final,
+            "relative_to_exact": {p: abs(final[p] - final["exact"]) / abs(final["exact"]) for p in PRECISIONS},
+            "losses": losses, "wire": wire, "first_step_param_diff_vs_exact": groups}
+
+
+def write(result: dict) -> None:
+    out = ROOT / "experiments" / "results"
+    (out / "comm_precision.json").write_text(json.dumps(result, indent=1))
+    lines = [f"# Communication precision ({result['date']})", "",
+             "`.venv/bin/python experiments/bench_comm_precision.py` on this 2-core CPU machine "
+             "(abstract planning; the training part on 8 simulated CPU devices).", ""]
+    if result.get("predict"):
+        lines += ["## Predicted step time per wire format (whole `planner plan` processes)", "",
+                  "| job | precision | step s | vs exact | exposed comm s | bytes moved / device | stages | "
+                  "f32 partial sums | int8 gathers | planning s |", "|---|---|---|---|---|---|---|---|---|---|"]
+        exact = {r["job"]: r.get("step_time_s") for r in result["predict"] if r["precision"] == "exact"}
+        for r in result["predict"]:
+            if "error" in r:
+                lines.append(f"| {r['job']} | {r['precision']} | error: {r['error']} | | | | | | | |")
+                continue
+            ratio = exact[r["job"]] / r["step_time_s"] if exact.get(r["job"]) else float("nan")
+            lines.append(f"| {r['job']} | {r['precision']} | {r['step_time_s']:.4g} | {ratio:.3f}x | "
+                         f"{r['exposed_comm_s']:.4g} | {r['bytes_moved'] / 1e9:.2f} GB | {r['stages']} | "
+                         f"{r['partial_sums_f32']} | {r['int8_gathers']} | {r['plan_s']} |")
+        lines.append("")
+    if result.get("train"):
+        t = result["train"]
+        lines += [f"## Training gpt-tiny (bf16, FSDP pins, 8 CPU devices) for {t['steps']} steps", "",
+                  "| precision | final loss | vs exact | f32 partial sums | int8 gathers |", "|---|---|---|---|---|"]
+        for p in PRECISIONS:
+            lines.append(f"| {p} | {t['final_loss'][p]:.5f} | {100 * t['relative_to_exact'][p]:.3f}% | "
+                         f"{t['wire'][p]['partial_sums_f32']} | {t['wire'][p]['int8_gathers']} |")
+        lines += ["", "Largest parameter difference after the first step, against the exact program:", ""]
+        for p, worst in t["first_step_param_diff_vs_exact"].items():
+            lines.append(f"- {p}: " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(worst.items())))
+        lines.append("")
+    (out / "comm_precision.md").write_text("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="predict,train")
+    ap.add_argument("--jobs", default=",".join(JOBS))
+    ap.add_argument("--steps", type=int, default=50)
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    result = {"date": datetime.date.today().isoformat()}
+    if "train" in parts:
+        result["train"] = train(args.steps)
+    if "predict" in parts:
+        result["predict"] = predict(args.jobs.split(","))
+    write(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Emitting the plan's wire formats (`Plan.wire`, chosen and priced in `planner.ilp.wire`).
+
+- A split contraction whose partial sums the plan reduces in float32 runs with
+  `preferred_element_type=float32`; its float32 result is pinned to the planned (reduced) layout, so
+  XLA reduces the float32 partial sums, and only then is it rounded to the result's dtype: the
+  unsharded contraction's single rounding.
+- A weight the plan gathers as int8 is quantised where it lies (one bf16 scale per block of its last
+  dimension, packed beside the block's int8 values: one buffer, one collective), the packed buffer
+  is pinned first to the source layout and then to the layout the op reads (XLA gathers the int8
+  buffer), and dequantised there. The compiled program's all-gathers carry s8.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from planner.core.compat import bind
+from planner.core.plan import Plan
+from planner.core.sharding import Spec, named_sharding
+from planner.emit.kernels import kernel_hook
+from planner.graph.ir import Graph, Op
+
+Hook = Callable[[Op, list[Any]], Any]
+
+
+def op_hooks(plan: Plan, mesh: jax.sharding.Mesh, graph: Graph, before_op: Hook) -> tuple[Hook, Hook | None]:
+    """(before_op, apply_op) hooks of `Graph.evaluate` / `Graph.run_range` for `plan` on `mesh`:
+    `before_op` (`emit.single.constraint_hooks`'s) with the int8 weight gathers in place of those
+    reads' constraints; `apply_op` running float32 partial sums and split Pallas kernels
+    (`emit.kernels.kernel_hook`) on their shards; None where there is nothing to apply."""
+    on_shards = kernel_hook(plan, mesh, graph)
+    partial = {w.op: np.dtype(w.dtype) for w in plan.wire if w.kind == "partial-sum" and w.op < len(graph.ops)}
+    gathers = {(w.op, w.pos): w.block for w in plan.wire if w.kind == "gather" and w.op < len(graph.ops)}
+    if not partial and not gathers:
+        return before_op, on_shards
+    shardings = {(i, k): named_sharding(s, plan.mesh, mesh) for i, k, s in plan.op_specs}
+    scattered = {(i, k): named_sharding(s, plan.mesh, mesh) for i, k, s in plan.scatter_specs}
+
+    def apply(op: Op, operands: list[Any]) -> list[Any] | None:
+        if op.index in partial:
+            wide = bind(op.primitive, dict(op.params, preferred_element_type=partial[op.index]), operands)
+            for pins in (scattered, shardings):  # reduced (then scattered) in float32, as planned
+                if (op.index, 0) in pins:
+                    wide = jax.lax.with_sharding_constraint(wide, pins[(op.index, 0)])
+            return [wide.astype(graph.tensors[op.outputs[0]].dtype)]
+        return on_shards(op, operands) if on_shards is not None else None
+
+    if not gathers:
+        return before_op, apply
+    sources = _source_specs(plan, graph)
+    reads = {(i, k): s for i, k, s in plan.operand_specs}
+
+    def before(op: Op, operands: list[Any]) -> list[Any]:
+        quantized = {k: v for k, v in enumerate(operands)
+                     if (op.index, k) in gathers and (op.index, k) in reads and op.inputs[k] in sources}
+        operands = before_op(op, [v for v in operands])
+        for k, v in quantized.items():
+            operands[k] = gather_int8(v, sources[op.inputs[k]], reads[(op.index, k)], gathers[(op.index, k)],
+                                      plan, mesh)
+        return operands
+
+    return before, apply
+
+
+def _source_specs(plan: Plan, graph: Graph) -> dict[int, Spec]:
+    """Tensor id -> the layout the plan gives it where it is made (arguments, op results)."""
+    out = {t: s for t, s in zip(graph.inputs, plan.input_specs)}
+    for i, k, s in plan.op_specs:
+        if i < len(graph.ops) and k < len(graph.ops[i].outputs):
+            out[graph.ops[i].outputs[k]] = s
+    return out
+
+
+def _packed(spec: Spec) -> Spec:
+    """The layout of the packed [..., blocks, block + 2] buffer of a tensor laid out as `spec`."""
+    return tuple(spec) + ((),)
+
+
+def quantize(x: jax.Array, block: int) -> jax.Array:
+    """x as int8 blocks of `block` elements of its last dimension, each with its bf16 absmax / 127
+    scale packed after it (two bytes): shape x.shape[:-1] + (n / block, block + 2), int8."""
+    blocks = x.astype(jnp.float32).reshape(x.shape[:-1] + (x.shape[-1] // block, block))
+    scale = (jnp.max(jnp.abs(blocks), axis=-1) / 127.0).astype(jnp.bfloat16)
+    safe = jnp.where(scale > 0, scale, jnp.ones_like(scale)).astype(jnp.float32)
+    q = jnp.clip(jnp.round(blocks / safe[..., None]), -127, 127).astype(jnp.int8)
+    return jnp.concatenate([q, jax.lax.bitcast_convert_type(scale, jnp.int8)], axis=-1)
+
+
+def dequantize(packed: jax.Array, block: int, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """The inverse of `quantize` (to its rounding): the tensor of `shape` in `dtype`."""
+    scale = jax.lax.bitcast_convert_type(packed[..., block:], jnp.bfloat16).astype(jnp.float32)
+    values = packed[..., :block].astype(jnp.float32) * scale[..., None]
+    return values.reshape(shape).astype(dtype)
+
+
+def gather_int8(x: jax.Array, src: Spec, dst: Spec, block: int, plan: Plan, mesh: jax.sharding.Mesh) -> jax.Array:
+    """`x`, laid out as `src`, resharded to `dst` through its int8 packing (module docstring)."""
+    packed = jax.lax.with_sharding_constraint(quantize(x, block), named_sharding(_packed(src), plan.mesh, mesh))
+    packed = jax.lax.with_sharding_constraint(packed, named_sharding(_packed(dst), plan.mesh, mesh))
+    return jax.lax.with_sharding_constraint(dequantize(packed, block, x.shape, x.dtype),
+                                            named_sharding(dst, plan.mesh, mesh))

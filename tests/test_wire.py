@@ -1,0 +1,178 @@
+"""Wire formats (`PlanOptions.comm_precision`, `planner.ilp.wire`, `planner.emit.wire`): split
+contractions' partial sums reduced in float32 by default and rounded once, as the unsharded
+contraction rounds; weights gathered as int8 with block scales under "int8", the compiled program's
+all-gathers carrying s8; both priced by the cost model."""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import planner
+from planner import cli
+from planner.core.errors import InvalidArgumentError
+from planner.core.mesh import MeshSpec
+from planner.core.options import PlanOptions
+from planner.emit.wire import dequantize, quantize
+from planner.graph.trace import trace
+from planner.ilp.strategies import Quantized, edge_time
+from planner.ilp.wire import block_for, wire_tensor
+from planner.search.mesh_plan import plan_problem
+from tests.helpers import longest_reduction, per_example_abs_grad, unit_roundoff
+
+# a newcomer's step: odd vocabulary, int token and label inputs, a bool mask, bf16 compute over
+# float32 master weights
+V, D, H, B, S = 37, 64, 256, 8, 12
+
+
+def _params(key=0):
+    k = jax.random.split(jax.random.key(key), 4)
+    return {"emb": jax.random.normal(k[0], (V, D)) * 0.1, "w1": jax.random.normal(k[1], (D, H)) * D ** -0.5,
+            "w2": jax.random.normal(k[2], (H, D)) * H ** -0.5, "out": jax.random.normal(k[3], (D, V)) * D ** -0.5}
+
+
+def _batch():
+    r = np.random.default_rng(0)
+    return (jnp.asarray(r.integers(0, V, (B, S)), jnp.int32), jnp.asarray(r.integers(0, V, (B, S)), jnp.int32),
+            jnp.asarray(r.random((B, S)) > 0.2))
+
+
+def _loss(dtype):
+    def loss(p, batch):
+        tokens, labels, mask = batch
+        c = jax.tree.map(lambda x: x.astype(dtype), p)
+        x = c["emb"][tokens]
+        x = x + jax.nn.gelu(x @ c["w1"]) @ c["w2"]
+        logp = jax.nn.log_softmax((x @ c["out"]).astype(jnp.float32))
+        nll = -jnp.take_along_axis(logp, labels[..., None], -1)[..., 0]
+        return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.maximum(mask.sum(), 1)
+    return loss
+
+
+def _sgd(loss):
+    def step(p, batch):
+        value, g = jax.value_and_grad(loss)(p, batch)
+        return jax.tree.map(lambda a, b: a - b, p, g), value
+    return step
+
+
+@pytest.mark.parametrize("mesh,pins", [("2x4", None), ("8", {"*": P()})], ids=["2x4", "data-parallel"])
+def test_exact_partial_sums_round_once(devices8, mesh, pins):
+    """Under "exact" (the default) a split contraction's float32 partial sums are reduced, then
+    rounded to bf16 once: its gradient equals the unsharded one except where the two float32 sums
+    of the same terms in another order straddle a bf16 rounding boundary, and there by one bf16
+    spacing. The chance of a straddle is about the float32 error over the bf16 spacing,
+    n u32 / u_bf16 = 96 * 2^-24 / 2^-9 < 0.3% per element for the longest sum here (n = B*S, the
+    weight gradients'), so at most 1% of the elements may differ. Under "bf16" every device
+    rounds its share first, and most elements differ."""
+    p, batch = _params(), _batch()
+    step = _sgd(_loss(jnp.bfloat16))
+    want, _ = jax.jit(step)(p, batch)
+    differing = {}
+    for precision in ("exact", "bf16"):
+        f = planner.plan_parallel(step, mesh=mesh, pins=pins, comm_precision=precision)
+        got, _ = f(p, batch)
+        plan = f.plan(p, batch)
+        if precision == "exact":
+            assert {w.kind for w in plan.wire} == {"partial-sum"} and all(w.dtype == "float32" for w in plan.wire)
+        else:
+            assert plan.wire == ()
+        count = 0
+        for name in ("w1", "w2", "out"):  # gradients made by contractions (emb's: a scatter-add, bf16 either way)
+            g_got = np.asarray(p[name] - got[name], np.float64)
+            g_want = np.asarray(p[name] - want[name], np.float64)
+            diff = np.abs(g_got - g_want)
+            spacing = 2 * unit_roundoff(jnp.bfloat16) * np.maximum(np.abs(g_want), np.abs(g_got))
+            if precision == "exact":
+                assert np.all(diff <= spacing * (1 + 1e-6)), (name, float(np.max(diff / np.maximum(spacing, 1e-30))))
+            count += int(np.count_nonzero(diff))
+        differing[precision] = count
+    total = sum(p[n].size for n in ("w1", "w2", "out"))
+    assert differing["exact"] <= 0.01 * total, differing
+    assert differing["bf16"] >= 0.1 * total, differing  # the rounding the default avoids is there
+
+
+def test_quantize_round_trip_error():
+    """int8 blocks with a bf16 scale s = bf16(absmax / 127): each element is off by at most s / 2
+    from the rounding, plus the scale's own rounding (relative u_bf16) times 127 s."""
+    x = jax.random.normal(jax.random.key(1), (6, 96)) * jnp.linspace(0.01, 3.0, 96)
+    block = 32
+    back = dequantize(quantize(x, block), block, x.shape, x.dtype)
+    blocks = np.asarray(x).reshape(6, 3, block)
+    absmax = np.max(np.abs(blocks), axis=-1, keepdims=True)
+    bound = absmax / 127 / 2 * (1 + 2 * unit_roundoff(jnp.bfloat16)) + absmax * unit_roundoff(jnp.bfloat16)
+    err = np.abs(np.asarray(back).reshape(6, 3, block) - blocks)
+    assert np.all(err <= bound * (1 + 1e-6))
+    assert quantize(x, block).dtype == jnp.int8 and quantize(x, block).shape == (6, 3, block + 2)
+
+
+def test_int8_weight_gathers_compile_to_s8(devices8):
+    """Weights pinned fully sharded (FSDP) and the batch split: under "int8" the weights are gathered
+    as int8 with block scales; the compiled program's all-gathers carry s8; the step equals the
+    unsharded program with the same reads quantised (float32 compute: within the summation bound)."""
+    p, batch = _params(), _batch()
+    loss = _loss(jnp.float32)
+    step = _sgd(loss)
+    pins = {"1/0": P("x"), "1/1": P("x"), "1/2": P("x"), "emb": P(None, "x"), "w1": P(None, "x"),
+            "w2": P("x", None), "out": P("x", None)}
+    f = planner.plan_parallel(step, mesh="8", pins=pins, comm_precision="int8")
+    got, _ = f(p, batch)
+    plan = f.plan(p, batch)
+    gathers = {(w.op, w.pos): w.block for w in plan.wire if w.kind == "gather"}
+    assert gathers and all(w.dtype == "int8" for w in plan.wire if w.kind == "gather")
+    hlo = f.lower(p, batch).compile().as_text()
+    assert re.search(r"= s8\[[^\]]*\][^ ]* all-gather\(", hlo), "no s8 all-gather in the compiled program"
+    exact = planner.plan_parallel(step, mesh="8", pins=pins).plan(p, batch)
+    assert plan.prediction.bytes_moved_per_device < exact.prediction.bytes_moved_per_device
+
+    graph = trace(step, p, batch)
+
+    def quantized_reads(op, operands):
+        return [dequantize(quantize(v, gathers[(op.index, k)]), gathers[(op.index, k)], v.shape, v.dtype)
+                if (op.index, k) in gathers else v for k, v in enumerate(operands)]
+
+    flat = jax.tree_util.tree_leaves((p, batch))
+    want, _ = jax.tree_util.tree_unflatten(graph.out_tree, jax.jit(
+        lambda *xs: graph.evaluate(list(xs), before_op=quantized_reads))(*flat))
+    n = longest_reduction(jax.grad(loss), p, batch)
+    scale = max(float(np.max(a)) for a in jax.tree.leaves(per_example_abs_grad(loss, p, batch)))
+    # the quantised weights move the per-example gradients by at most one int8 step of 127
+    # plus the subtraction p - g, rounded once in each program
+    u = unit_roundoff(np.float32)
+    for name in p:
+        tol = 2 * n * u * scale * (1 + 2 / 127) + 2 * u * float(np.max(np.abs(np.asarray(p[name]))))
+        assert float(np.max(np.abs(np.asarray(got[name]) - np.asarray(want[name])))) <= tol, name
+
+
+def test_wire_pricing():
+    """On the cost model: a bf16 contraction's partial sums cost float32 bytes under "exact" and
+    bf16 bytes under "bf16"; an int8 gather of a weight moves about half its bf16 bytes."""
+    x = jnp.zeros((64, 512), jnp.bfloat16)
+    w = jnp.zeros((512, 256), jnp.bfloat16)
+    graph = trace(lambda a, b: a @ b, x, w)
+    mesh = MeshSpec((8,), ("x",))
+    nbytes = {}
+    for precision in ("exact", "bf16"):
+        problem = plan_problem(graph, mesh, PlanOptions(comm_precision=precision, hardware="a100-80gb"))
+        dot = next(n for n in problem.nodes if n.label.startswith("dot_general"))
+        nbytes[precision] = {b for comms in dot.comms for kind, _, b in comms if kind == "all-reduce"}
+    assert nbytes["exact"] == {2 * b for b in nbytes["bf16"]} and nbytes["bf16"]
+    cost = plan_problem(graph, mesh, PlanOptions(hardware="a100-80gb")).cost
+    t = graph.tensors[graph.inputs[1]]
+    q = Quantized(t, wire_tensor(t, 8))
+    assert wire_tensor(t, 8).nbytes == 512 * (256 + 2 * 256 // block_for(t, 8))
+    src, dst = ((0,), ()), ((), ())
+    assert edge_time(q, src, dst, cost) < edge_time(t, src, dst, cost)
+
+
+def test_comm_precision_errors_and_cli(capsys):
+    with pytest.raises(InvalidArgumentError, match="comm_precision='fp8' must be one of"):
+        PlanOptions(comm_precision="fp8")
+    code = cli.main(["plan", "--model", "mlp-tiny", "--mesh", "8", "--quiet", "--time-limit", "5",
+                     "--dtype", "bfloat16", "--comm-precision", "bf16"])
+    out = capsys.readouterr().out
+    assert code == 0 and "on the wire           bf16" in out, out
