@@ -135,7 +135,8 @@ def _add_search(opts) -> None:
     opts.add_argument("--comm-precision", choices=("exact", "bf16", "int8"), default=None,
                       help="wire formats of collectives: exact (default: split contractions' partial sums reduced "
                            "in float32, as they accumulate unsharded), bf16 (in their results' dtype: half the "
-                           "bytes) or int8 (as bf16, and weights gathered as int8 with block scales where faster)")
+                           "bytes) or int8 (as bf16, weights gathered and gradients reduced as int8 with block "
+                           "scales)")
     opts.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                       help="ILP solver time limit per mesh shape (default: the planner's)")
     opts.add_argument("--top", type=positive_int, default=10, metavar="K", help="rows of the ranked mesh table (default 10)")

@@ -92,8 +92,9 @@ class PlanOptions:
         reduced in float32, as the unsharded contraction accumulates, and rounded once after;
         everything else in its own dtype), "bf16" (those partial sums in the result's dtype, bf16 or
         fp16: half the bytes, each device's share rounded before the sum) or "int8" (as "bf16",
-        and weights gathered for a contraction as int8 with a scale per block, where that is
-        faster on the mesh: about half the bytes of bf16).
+        and weights gathered for a contraction as int8 with a scale per block where that is faster
+        on the mesh, and gradients, the partial sums of contractions that feed no matmul, exchanged
+        as int8 chunks and summed in float32, as DeepSpeed ZeRO++'s qwZ and qgZ do).
     """
 
     memory_budget: float | None = None

@@ -104,13 +104,16 @@ class WireFormat:
     kind "partial-sum": op `op`'s result `pos`, a split contraction's partial sums, reduced in
     `dtype` (float32) and rounded to the result's dtype after. kind "gather": op `op`'s operand
     `pos`, a weight, gathered as `dtype` (int8) with one bf16 scale per `block` elements of its
-    last dimension."""
+    last dimension. kind "reduce": op `op`'s result, a gradient's partial sums over mesh axes
+    `axes`, cut along its dimension `pos` into one chunk per device and exchanged as `dtype` (int8).
+    """
 
     kind: str
     op: int
     pos: int
     dtype: str
     block: int = 0
+    axes: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -349,7 +352,7 @@ class Plan:
                 options=PlanOptions.from_json(d["options"]),
                 fallback_primitives=tuple(d.get("fallback_primitives", ())),
                 kernels=tuple(d.get("kernels", ())),
-                wire=tuple(WireFormat(**w) for w in d.get("wire", ())),
+                wire=tuple(WireFormat(**{**w, "axes": tuple(w.get("axes", ()))}) for w in d.get("wire", ())),
                 scatter_specs=tuple((int(i), int(k), spec_from_json(s)) for i, k, s in d.get("scatter_specs", ())),
                 operand_specs=tuple((int(i), int(k), spec_from_json(s)) for i, k, s in d.get("operand_specs", ())),
                 stages=tuple(PipelineStage.from_json(st, cls.from_dict) for st in d.get("stages", ())

@@ -4,6 +4,9 @@
   `preferred_element_type=float32`; its float32 result is pinned to the planned (reduced) layout, so
   XLA reduces the float32 partial sums, and only then is it rounded to the result's dtype: the
   unsharded contraction's single rounding.
+- A gradient the plan reduces as int8 (ZeRO++'s qgZ) runs in `jax.shard_map`: each device's float32
+  partial sums cut into one chunk per device, quantised, exchanged by one all-to-all, dequantised and
+  summed in float32 (`reduce_int8`); the compiled program's all-to-alls carry s8.
 - A weight the plan gathers as int8 is quantised where it lies (one bf16 scale per block of its last
   dimension, packed beside the block's int8 values: one buffer, one collective), the packed buffer
   is pinned first to the source layout and then to the layout the op reads (XLA gathers the int8
@@ -20,9 +23,10 @@ import numpy as np
 
 from planner.core.compat import bind
 from planner.core.plan import Plan
-from planner.core.sharding import Spec, named_sharding
+from planner.core.sharding import Spec, named_sharding, to_partition_spec
 from planner.emit.kernels import kernel_hook
 from planner.graph.ir import Graph, Op
+from planner.ilp.wire import BLOCK
 
 Hook = Callable[[Op, list[Any]], Any]
 
@@ -35,12 +39,20 @@ def op_hooks(plan: Plan, mesh: jax.sharding.Mesh, graph: Graph, before_op: Hook)
     on_shards = kernel_hook(plan, mesh, graph)
     partial = {w.op: np.dtype(w.dtype) for w in plan.wire if w.kind == "partial-sum" and w.op < len(graph.ops)}
     gathers = {(w.op, w.pos): w.block for w in plan.wire if w.kind == "gather" and w.op < len(graph.ops)}
-    if not partial and not gathers:
+    reduces = {w.op: w for w in plan.wire if w.kind == "reduce" and w.op < len(graph.ops)}
+    if not partial and not gathers and not reduces:
         return before_op, on_shards
     shardings = {(i, k): named_sharding(s, plan.mesh, mesh) for i, k, s in plan.op_specs}
     scattered = {(i, k): named_sharding(s, plan.mesh, mesh) for i, k, s in plan.scatter_specs}
+    sources = _source_specs(plan, graph)
+    reads = {(i, k): s for i, k, s in plan.operand_specs}
+    results = {(i, k): s for i, k, s in plan.op_specs}
 
     def apply(op: Op, operands: list[Any]) -> list[Any] | None:
+        if op.index in reduces and (op.index, 0) in results:
+            w = reduces[op.index]
+            in_specs = [reads.get((op.index, k), sources.get(x)) for k, x in enumerate(op.inputs)]
+            return [reduce_int8(op, graph, operands, in_specs, results[(op.index, 0)], w.axes, w.pos, plan, mesh)]
         if op.index in partial:
             wide = bind(op.primitive, dict(op.params, preferred_element_type=partial[op.index]), operands)
             for pins in (scattered, shardings):  # reduced (then scattered) in float32, as planned
@@ -51,8 +63,6 @@ def op_hooks(plan: Plan, mesh: jax.sharding.Mesh, graph: Graph, before_op: Hook)
 
     if not gathers:
         return before_op, apply
-    sources = _source_specs(plan, graph)
-    reads = {(i, k): s for i, k, s in plan.operand_specs}
 
     def before(op: Op, operands: list[Any]) -> list[Any]:
         quantized = {k: v for k, v in enumerate(operands)
@@ -103,3 +113,53 @@ def gather_int8(x: jax.Array, src: Spec, dst: Spec, block: int, plan: Plan, mesh
     packed = jax.lax.with_sharding_constraint(packed, named_sharding(_packed(dst), plan.mesh, mesh))
     return jax.lax.with_sharding_constraint(dequantize(packed, block, x.shape, x.dtype),
                                             named_sharding(dst, plan.mesh, mesh))
+
+
+def _moved_chunks(x: jax.Array, d: int, n: int) -> jax.Array:
+    """x with dimension d cut into n chunks, the chunk index first: [n, x.shape[d] / n, other dims]."""
+    x = jnp.moveaxis(x, d, 0)
+    return x.reshape((n, x.shape[0] // n) + x.shape[1:])
+
+
+def _unmoved(chunks: jax.Array, d: int) -> jax.Array:
+    """The inverse of `_moved_chunks`."""
+    x = chunks.reshape((chunks.shape[0] * chunks.shape[1],) + chunks.shape[2:])
+    return jnp.moveaxis(x, 0, d)
+
+
+def _row_block(n: int) -> int:
+    return max(b for b in range(1, min(BLOCK, n) + 1) if n % b == 0)
+
+
+def reduce_int8(op: Op, graph: Graph, operands: list[Any], in_specs: list[Spec], out: Spec,
+                axes: tuple[int, ...], dim: int, plan: Plan, mesh: jax.sharding.Mesh) -> jax.Array:
+    """Contraction `op`'s partial sums over mesh `axes` reduced as ZeRO++'s qgZ does
+    (arXiv:2306.10209, 4.2): each device's float32 partial sum cut into one chunk per device along
+    `dim`, quantised to int8 blocks, exchanged by one all-to-all, dequantised and summed in float32;
+    where the plan keeps the result whole over `axes` (`out` has them nowhere), the reduced chunks
+    quantised again and all-gathered as int8. Runs in `jax.shard_map` on the operands' layouts."""
+    names = tuple(plan.mesh.axis_names[a] for a in axes)
+    n = plan.mesh.axis_size(axes)
+    dtype = graph.tensors[op.outputs[0]].dtype
+    scatter = any(a in out[dim] for a in axes)
+
+    cpu = mesh.devices.flat[0].platform == "cpu"
+
+    def local(*xs):
+        if cpu:  # XLA:CPU runs no bf16 x bf16 -> f32 dot inside shard_map; f32 operands give the same
+            xs = [x.astype(jnp.float32) for x in xs]  # products (exact in float32) and float32 sums
+        part = bind(op.primitive, dict(op.params, preferred_element_type=np.dtype(np.float32)), xs)
+        chunks = _moved_chunks(part, dim, n)
+        block = _row_block(chunks.shape[-1])
+        got = jax.lax.all_to_all(quantize(chunks, block), names, 0, 0, tiled=False)
+        mine = jnp.sum(dequantize(got, block, chunks.shape, jnp.float32), axis=0)  # [chunk, other dims]
+        if scatter:
+            return jnp.moveaxis(mine, 0, dim).astype(dtype)
+        every = jax.lax.all_gather(quantize(mine, _row_block(mine.shape[-1])), names, axis=0, tiled=False)
+        whole = dequantize(every, _row_block(mine.shape[-1]), (n,) + mine.shape, jnp.float32)
+        return _unmoved(whole, dim).astype(dtype)
+
+    pspec = lambda s: to_partition_spec(s, plan.mesh)  # noqa: E731
+    fn = jax.shard_map(local, mesh=mesh, in_specs=tuple(pspec(s) for s in in_specs), out_specs=pspec(out),
+                       check_vma=False)
+    return fn(*operands)

@@ -12,7 +12,8 @@ from planner.cost_model import CostModel
 from planner.core.errors import MeshError
 from planner.graph.ir import Graph, Tensor
 from planner.ilp.rules import OpSig
-from planner.ilp.wire import MIN_BLOCK, block_for, partial_sum_itemsize, weight_reads, wire_tensor
+from planner.ilp.wire import (BLOCK, MIN_BLOCK, SCALE_BYTES, block_for, gradient_chunks, partial_sum_itemsize,
+                               weight_reads, wire_tensor)
 from planner.core.mesh import MeshSpec
 from planner.core.sharding import Spec, active_axes, axis_dim, num_shards
 
@@ -158,20 +159,45 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
     # plan keeps it exact (`planner.ilp.wire`), else the result's own dtype
     wide = [shard_bytes(t, s, mesh) * partial_sum_itemsize(sig.accumulates, t, cost.comm_precision)
             // t.dtype.itemsize for t, s in zip(outs, base_out)]
+    n = mesh.axis_size(partial)
+    # gradients exchanged as int8 (ZeRO++'s qgZ, `planner.ilp.wire`): a contraction's partial sums
+    # that feed no matmul, under comm_precision "int8"
+    qgz = cost.comm_precision == "int8" and combined and bool(sig.accumulates) and len(outs) == 1
     ar = tuple(("all-reduce", partial, b) for b in wide)
-    result.append(Strategy(assignment, in_specs, base_out, ar, compute,
+    extra = 0.0
+    if qgz and gradient_chunks(outs[0].shape, base_out[0], n) is not None:
+        ar, extra = _int8_reduction("all-reduce", outs[0], base_out[0], partial, cost)
+    result.append(Strategy(assignment, in_specs, base_out, ar, compute + extra,
                            sum(cost.collective_time(k, b, a, combined) for k, a, b in ar)))
     if len(outs) == 1:
         t, s = outs[0], base_out[0]
-        n = mesh.axis_size(partial)
         for d in range(len(t.shape)):
             have = mesh.axis_size(s[d])
             if (t.shape[d] // have) % n == 0:
                 new = tuple(tuple(sorted(ax + partial)) if i == d else ax for i, ax in enumerate(s))
-                rs = (("reduce-scatter", partial, wide[0]),)
-                result.append(Strategy(assignment, in_specs, (new,), rs, compute,
+                rs, extra = (("reduce-scatter", partial, wide[0]),), 0.0
+                if qgz and gradient_chunks(t.shape, s, n, d) == d:
+                    rs, extra = _int8_reduction("reduce-scatter", t, s, partial, cost)
+                result.append(Strategy(assignment, in_specs, (new,), rs, compute + extra,
                                        cost.collective_time("reduce-scatter", rs[0][2], partial, combined)))
     return result
+
+
+def _int8_reduction(kind: str, t: Tensor, spec: Spec, partial: tuple[int, ...], cost: CostModel) -> tuple[tuple[Comm, ...], float]:
+    """A gradient's partial sums reduced as int8 chunks (`planner.emit.wire.reduce_int8`): priced as
+    the ring collective `kind` of the int8 payload (the all-to-all of qgZ moves the (n - 1) / n of
+    it a ring reduce-scatter moves; an all-reduce adds the int8 all-gather), and the quantisation's
+    memory traffic on the device: the float32 partial sums read and quantised, the n chunks received
+    dequantised and summed, for an all-reduce the reduced chunk quantised again and the gathered
+    chunks dequantised into the result."""
+    mesh = cost.mesh
+    elems = t.size // num_shards(spec, mesh)
+    n = mesh.axis_size(partial)
+    payload = elems + SCALE_BYTES * elems // BLOCK
+    traffic = elems * (4 + 1) + payload + elems // n * 4
+    if kind == "all-reduce":
+        traffic += elems // n * (4 + 1) + payload + elems * t.dtype.itemsize
+    return ((kind, partial, payload),), cost.compute_time(0.0, traffic)
 
 
 def enumerate_strategies(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], cost: CostModel,

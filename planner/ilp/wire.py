@@ -18,6 +18,13 @@ Two choices are made here, both priced by the cost model and emitted by `planner
   quantisation's memory traffic (`quantize_time`). Only weights: state arguments (an input whose
   new value the step returns under the same path) and their casts, read by a contraction. The
   optimizer's reads of the same leaves are never quantised.
+- **Gradients** (the partial sums of a contraction that feeds no matmul, `ilp.problem.combinable_ops`):
+  under "int8", cut into one chunk per device of the reduction (`gradient_chunks`), each chunk
+  quantised to int8 blocks, exchanged by one all-to-all, dequantised and summed in float32, the
+  reduced chunk gathered again as int8 where the plan keeps the gradient whole (ZeRO++'s qgZ,
+  arXiv:2306.10209 section 4.2, which reduces in higher precision after the exchange), priced as
+  the ring collective of the int8 payload plus the quantisation's memory traffic
+  (`ilp.strategies._int8_reduction`).
 """
 from __future__ import annotations
 
@@ -36,12 +43,30 @@ SCALE_BYTES = 2  # one bf16 scale per block, packed beside its block (`planner.e
 
 
 def accumulates(result_dtype) -> str:
-    """The dtype a contraction with results of `result_dtype` accumulates in when it is wider than
-    the result ("float32" for bf16 / fp16 results), else "": where partial sums are exact only in it."""
+    """The dtype a contraction with results of `result_dtype` accumulates in: "float32" for float
+    results of at most 4 bytes (bf16 and fp16 results are rounded from it once), else "" (its own)."""
     dt = np.dtype(result_dtype) if isinstance(result_dtype, (np.dtype, type, str)) else None
-    if dt is not None and jnp.issubdtype(dt, jnp.floating) and dt.itemsize < 4:
+    if dt is not None and jnp.issubdtype(dt, jnp.floating) and dt.itemsize <= 4:
         return "float32"
     return ""
+
+
+def rounds_once(result_dtype) -> bool:
+    """Whether a contraction's partial sums are narrower than what it accumulates in (bf16, fp16)."""
+    acc = accumulates(result_dtype)
+    return bool(acc) and np.dtype(acc).itemsize > np.dtype(result_dtype).itemsize
+
+
+def gradient_chunks(shape: tuple[int, ...], spec, devices: int, scatter_dim: int | None = None) -> int | None:
+    """The dimension a gradient's partial sums are cut along into one chunk per device of the
+    reduction (`devices` of them) for the int8 exchange (ZeRO++'s qgZ, `planner.emit.wire`): the
+    reduce-scatter's own dimension (`scatter_dim`), or for an all-reduce the largest dimension
+    no mesh axis splits that `devices` divides; None where there is none (reduced as it is).
+    A dimension already split by other axes is not cut (their order in the result would differ)."""
+    if scatter_dim is not None:
+        return scatter_dim if not spec[scatter_dim] else None
+    free = [d for d in range(len(shape)) if not spec[d] and shape[d] % devices == 0]
+    return max(free, key=lambda d: (shape[d], -d)) if free else None
 
 
 def partial_sum_itemsize(sig_accumulates: str, result: Tensor, precision: str) -> int:

@@ -20,6 +20,9 @@ def wire_line(plan: Plan) -> str | None:
     elif precision != "exact":
         parts.append("partial sums of split contractions in their results' dtype (each device's share rounded "
                      "before the sum)")
+    reduces = sum(w.kind == "reduce" for w in records)
+    if reduces:
+        parts.append(f"{reduces} gradient reduction(s) exchanged as int8 chunks and summed in float32")
     if gathers:
         blocks = sorted({w.block for w in gathers})
         parts.append(f"{len(gathers)} weight read(s) gathered as int8 with a bf16 scale per "

@@ -17,7 +17,7 @@ from planner.ilp.objective import step_parts, step_time
 from planner.ilp.problem import Problem, build_problem
 from planner.ilp.solver import Solution, solve
 from planner.ilp.strategies import reshard_cost
-from planner.ilp.wire import CONTRACTIONS, accumulates, block_for
+from planner.ilp.wire import CONTRACTIONS, accumulates, block_for, gradient_chunks, rounds_once
 from planner.core.mesh import MeshSpec
 from planner.ilp.offload import plan_offload, record as offload_record
 from planner.core.options import PlanOptions
@@ -350,14 +350,14 @@ def _wire_formats(graph: Graph, problem: Problem, choice: Sequence[int]) -> tupl
     """The collectives the plan runs in another dtype than their values' (`planner.ilp.wire`): the
     partial sums of each split contraction that accumulates wider than its result, under
     comm_precision "exact"; each quantised weight read that gathers."""
-    found: set[WireFormat] = set()
+    found: set[WireFormat] = set(_int8_reductions(graph, problem, choice))
     if problem.cost.comm_precision == "exact":
         for node in problem.nodes:
             i = choice[node.index]
             for (kind, _, _), at in zip(node.comms[i], node.comm_ops[i]):
                 op = graph.ops[at] if at >= 0 else None
                 if (kind in ("all-reduce", "reduce-scatter") and op is not None and op.name in CONTRACTIONS
-                        and accumulates(graph.tensors[op.outputs[0]].dtype)):
+                        and rounds_once(graph.tensors[op.outputs[0]].dtype)):
                     found.add(WireFormat("partial-sum", at, 0, accumulates(graph.tensors[op.outputs[0]].dtype)))
     for e in problem.edges:
         if (e.tensor, e.op) not in problem.quantized:
@@ -367,6 +367,31 @@ def _wire_formats(graph: Graph, problem: Problem, choice: Sequence[int]) -> tupl
                 problem.priced(e.tensor, e.op), src, dst, problem.cost)[0]):
             found.add(WireFormat("gather", e.op, e.pos, "int8", block_for(graph.tensors[e.tensor], problem.cost.mesh.size)))
     return tuple(sorted(found, key=lambda w: (w.op, w.kind, w.pos)))
+
+
+def _int8_reductions(graph: Graph, problem: Problem, choice: Sequence[int]) -> list[WireFormat]:
+    """The gradient reductions the plan exchanges as int8 chunks under comm_precision "int8" (the
+    strategies `ilp.strategies._int8_reduction` priced): (op, the dimension cut, the axes)."""
+    if problem.cost.comm_precision != "int8":
+        return []
+    found = []
+    mesh = problem.cost.mesh
+    for node in problem.nodes:
+        i = choice[node.index]
+        root = graph.ops[node.ops[0]] if node.ops else None
+        if root is None or root.name not in CONTRACTIONS or root.index not in problem.combinable:
+            continue
+        for (kind, axes, _), at in zip(node.comms[i], node.comm_ops[i]):
+            if at != root.index or kind not in ("all-reduce", "reduce-scatter"):
+                continue
+            t = graph.tensors[root.outputs[0]]
+            out = node.owned[root.outputs[0]][i]
+            pre = tuple(tuple(a for a in dim if a not in axes) for dim in out)
+            scatter = next((d for d, dim in enumerate(out) if set(dim) & set(axes)), None)
+            d = gradient_chunks(t.shape, pre, mesh.axis_size(axes), scatter)
+            if accumulates(t.dtype) and d is not None:
+                found.append(WireFormat("reduce", root.index, d, "int8", 0, tuple(axes)))
+    return found
 
 
 def _scatter_specs(graph: Graph, problem: Problem, choice: Sequence[int]) -> tuple:
