@@ -164,23 +164,32 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
     # that feed no matmul, under comm_precision "int8"
     qgz = cost.comm_precision == "int8" and combined and bool(sig.accumulates) and len(outs) == 1
     ar = tuple(("all-reduce", partial, b) for b in wide)
-    extra = 0.0
-    if qgz and gradient_chunks(outs[0].shape, base_out[0], n) is not None:
-        ar, extra = _int8_reduction("all-reduce", outs[0], base_out[0], partial, cost)
-    result.append(Strategy(assignment, in_specs, base_out, ar, compute + extra,
+    result.append(Strategy(assignment, in_specs, base_out, ar, compute,
                            sum(cost.collective_time(k, b, a, combined) for k, a, b in ar)))
+    if qgz and gradient_chunks(outs[0].shape, base_out[0], n) is not None:  # beside it: the cheaper is kept
+        ar8, extra = _int8_reduction("all-reduce", outs[0], base_out[0], partial, cost)
+        result.append(Strategy(assignment, in_specs, base_out, ar8, compute + extra,
+                               sum(cost.collective_time(k, b, a, combined) for k, a, b in ar8)))
     if len(outs) == 1:
         t, s = outs[0], base_out[0]
         for d in range(len(t.shape)):
             have = mesh.axis_size(s[d])
             if (t.shape[d] // have) % n == 0:
                 new = tuple(tuple(sorted(ax + partial)) if i == d else ax for i, ax in enumerate(s))
-                rs, extra = (("reduce-scatter", partial, wide[0]),), 0.0
+                variants = [((("reduce-scatter", partial, wide[0]),), 0.0)]
                 if qgz and gradient_chunks(t.shape, s, n, d) == d:
-                    rs, extra = _int8_reduction("reduce-scatter", t, s, partial, cost)
-                result.append(Strategy(assignment, in_specs, (new,), rs, compute + extra,
-                                       cost.collective_time("reduce-scatter", rs[0][2], partial, combined)))
+                    variants.append(_int8_reduction("reduce-scatter", t, s, partial, cost))
+                for rs, extra in variants:
+                    result.append(Strategy(assignment, in_specs, (new,), rs, compute + extra,
+                                           cost.collective_time("reduce-scatter", rs[0][2], partial, combined)))
     return result
+
+
+def int8_payload(t: Tensor, spec: Spec, mesh: MeshSpec) -> int:
+    """Bytes of one device's partial sums of `t` (laid out as `spec` before the reduction) as int8
+    with a bf16 scale per `wire.BLOCK` elements: what its int8 exchange carries."""
+    elems = t.size // num_shards(spec, mesh)
+    return elems + SCALE_BYTES * elems // BLOCK
 
 
 def _int8_reduction(kind: str, t: Tensor, spec: Spec, partial: tuple[int, ...], cost: CostModel) -> tuple[tuple[Comm, ...], float]:
@@ -193,7 +202,7 @@ def _int8_reduction(kind: str, t: Tensor, spec: Spec, partial: tuple[int, ...], 
     mesh = cost.mesh
     elems = t.size // num_shards(spec, mesh)
     n = mesh.axis_size(partial)
-    payload = elems + SCALE_BYTES * elems // BLOCK
+    payload = int8_payload(t, spec, mesh)
     traffic = elems * (4 + 1) + payload + elems // n * 4
     if kind == "all-reduce":
         traffic += elems // n * (4 + 1) + payload + elems * t.dtype.itemsize
@@ -442,9 +451,10 @@ def reshard_cost(t: Tensor | Quantized, src: Spec, dst: Spec, cost: CostModel) -
 
 def int8_reads(graph: Graph, cost: CostModel) -> frozenset[tuple[int, int]]:
     """The weight reads (`wire.weight_reads`) gathered as int8 under comm_precision="int8": those of
-    weights whose gather over every active mesh axis (from the layout splitting their largest
-    dimension that all of them divide) is faster as int8, quantisation included, and whose blocks
-    hold at least `wire.MIN_BLOCK` elements."""
+    weights whose gather over each active mesh axis and over all of them (from the layout splitting
+    their largest dimension that all of them divide) is faster as int8, quantisation included, and
+    whose blocks hold at least `wire.MIN_BLOCK` elements (the format is the tensor's: every layout
+    the ILP weighs is priced with it, so it must not make any of its gathers dearer)."""
     if cost.comm_precision != "int8":
         return frozenset()
     reads = weight_reads(graph)
@@ -462,6 +472,11 @@ def _int8_pays(t: Tensor, cost: CostModel) -> bool:
     dims = [d for d in sorted(range(len(t.shape)), key=lambda d: -t.shape[d]) if t.shape[d] % n == 0]
     if not axes or not dims or block_for(t, mesh.size) < MIN_BLOCK:
         return False
-    src = tuple(axes if d == dims[0] else () for d in range(len(t.shape)))
+    q = Quantized(t, wire_tensor(t, mesh.size))
     dst: Spec = tuple(() for _ in t.shape)
-    return edge_time(Quantized(t, wire_tensor(t, mesh.size)), src, dst, cost) < edge_time(t, src, dst, cost)
+    # every axis alone and all of them together: no gather the ILP may pick is dearer as int8
+    for group in [(a,) for a in axes if t.shape[dims[0]] % mesh.shape[a] == 0] + [axes]:
+        src = tuple(group if d == dims[0] else () for d in range(len(t.shape)))
+        if edge_time(q, src, dst, cost) >= edge_time(t, src, dst, cost):
+            return False
+    return True

@@ -16,7 +16,7 @@ from planner.ilp.kernel_rules import kernel_notes
 from planner.ilp.objective import step_parts, step_time
 from planner.ilp.problem import Problem, build_problem
 from planner.ilp.solver import Solution, solve
-from planner.ilp.strategies import reshard_cost
+from planner.ilp.strategies import int8_payload, reshard_cost
 from planner.ilp.wire import CONTRACTIONS, accumulates, block_for, gradient_chunks, rounds_once
 from planner.core.mesh import MeshSpec
 from planner.ilp.offload import plan_offload, record as offload_record
@@ -370,8 +370,9 @@ def _wire_formats(graph: Graph, problem: Problem, choice: Sequence[int]) -> tupl
 
 
 def _int8_reductions(graph: Graph, problem: Problem, choice: Sequence[int]) -> list[WireFormat]:
-    """The gradient reductions the plan exchanges as int8 chunks under comm_precision "int8" (the
-    strategies `ilp.strategies._int8_reduction` priced): (op, the dimension cut, the axes)."""
+    """The gradient reductions the plan exchanges as int8 chunks under comm_precision "int8": those
+    whose chosen strategy is the int8 variant (`ilp.strategies._int8_reduction`: its collective
+    carries the int8 payload): (op, the dimension cut, the axes)."""
     if problem.cost.comm_precision != "int8":
         return []
     found = []
@@ -381,7 +382,7 @@ def _int8_reductions(graph: Graph, problem: Problem, choice: Sequence[int]) -> l
         root = graph.ops[node.ops[0]] if node.ops else None
         if root is None or root.name not in CONTRACTIONS or root.index not in problem.combinable:
             continue
-        for (kind, axes, _), at in zip(node.comms[i], node.comm_ops[i]):
+        for (kind, axes, nbytes), at in zip(node.comms[i], node.comm_ops[i]):
             if at != root.index or kind not in ("all-reduce", "reduce-scatter"):
                 continue
             t = graph.tensors[root.outputs[0]]
@@ -389,7 +390,7 @@ def _int8_reductions(graph: Graph, problem: Problem, choice: Sequence[int]) -> l
             pre = tuple(tuple(a for a in dim if a not in axes) for dim in out)
             scatter = next((d for d, dim in enumerate(out) if set(dim) & set(axes)), None)
             d = gradient_chunks(t.shape, pre, mesh.axis_size(axes), scatter)
-            if accumulates(t.dtype) and d is not None:
+            if accumulates(t.dtype) and d is not None and nbytes == int8_payload(t, pre, mesh):
                 found.append(WireFormat("reduce", root.index, d, "int8", 0, tuple(axes)))
     return found
 

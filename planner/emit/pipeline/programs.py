@@ -97,7 +97,9 @@ def strip_axes(plan: Any, axes: tuple[int, ...]) -> Any:
     return dataclasses.replace(
         plan, op_specs=tuple((i, k, strip(sp)) for i, k, sp in plan.op_specs),
         scatter_specs=tuple((i, k, strip(sp)) for i, k, sp in plan.scatter_specs),
-        operand_specs=tuple((i, k, strip(sp)) for i, k, sp in plan.operand_specs))
+        operand_specs=tuple((i, k, strip(sp)) for i, k, sp in plan.operand_specs),
+        # an int8 gradient exchange over a replica axis is the runtime's once-per-step sum instead
+        wire=tuple(w for w in plan.wire if not (w.kind == "reduce" and drop & set(w.axes))))
 
 
 @dataclasses.dataclass(frozen=True)
