@@ -166,7 +166,7 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
     ar = tuple(("all-reduce", partial, b) for b in wide)
     result.append(Strategy(assignment, in_specs, base_out, ar, compute,
                            sum(cost.collective_time(k, b, a, combined) for k, a, b in ar)))
-    if qgz and gradient_chunks(outs[0].shape, base_out[0], n) is not None:  # beside it: the cheaper is kept
+    if qgz and gradient_chunks(outs[0].shape, base_out[0], n) is not None:  # beside it (`enumerate_strategies`)
         ar8, extra = _int8_reduction("all-reduce", outs[0], base_out[0], partial, cost)
         result.append(Strategy(assignment, in_specs, base_out, ar8, compute + extra,
                                sum(cost.collective_time(k, b, a, combined) for k, a, b in ar8)))
@@ -176,7 +176,7 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
             have = mesh.axis_size(s[d])
             if (t.shape[d] // have) % n == 0:
                 new = tuple(tuple(sorted(ax + partial)) if i == d else ax for i, ax in enumerate(s))
-                variants = [((("reduce-scatter", partial, wide[0]),), 0.0)]
+                variants = [((("reduce-scatter", partial, wide[0]),), 0.0)]  # both kept (`enumerate_strategies`)
                 if qgz and gradient_chunks(t.shape, s, n, d) == d:
                     variants.append(_int8_reduction("reduce-scatter", t, s, partial, cost))
                 for rs, extra in variants:
@@ -231,6 +231,7 @@ def enumerate_strategies(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequenc
     labels = sig.shardable()
     axes = active_axes(mesh)
     found: dict[tuple, Strategy] = {}
+    int8 = cost.comm_precision == "int8" and combined
     for choice in itertools.product(range(-1, len(labels)), repeat=len(axes)):
         axes_of: dict[str, tuple[int, ...]] = {}
         for a, c in zip(axes, choice):
@@ -241,7 +242,9 @@ def enumerate_strategies(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequenc
         if sig.pinned is not None and any(axes_of.get(l, ()) != v for l, v in fixed.items()):
             continue
         for s in _build(sig, ins, outs, axes_of, cost, combined, traffic):
-            key = (s.in_specs, s.out_specs)
+            # an int8 gradient exchange stays beside the native one: it trades compute for
+            # communication, which the objective may hide behind compute (`ilp.objective`)
+            key = (s.in_specs, s.out_specs) + ((s.comms,) if int8 else ())
             if key not in found or s.cost < found[key].cost:
                 found[key] = s
     strategies = list(found.values())
