@@ -182,8 +182,9 @@ def main() -> None:
     result["date"] = datetime.date.today().isoformat()
     if "train" in parts:
         result["train"] = train(args.steps)
-    if "predict" in parts:
-        result["predict"] = predict(args.jobs.split(","))
+    if "predict" in parts:  # rows of other jobs kept; this run's jobs replaced
+        jobs = args.jobs.split(",")
+        result["predict"] = [r for r in result.get("predict", []) if r["job"] not in jobs] + predict(jobs)
     write(result)
 
 
