@@ -192,7 +192,7 @@ def test_int8_gradient_reductions(devices8):
                               inter_host_axes=(0,), inter_host="1Gbit")
     got, _ = f(p, batch)
     plan = f.plan(p, batch)
-    reduced = {graph_op for graph_op in (w.op for w in plan.wire if w.kind == "reduce")}
+    reduced = {w.op for w in plan.wire if w.kind == "reduce"}
     assert reduced and all(w.dtype == "int8" for w in plan.wire if w.kind == "reduce")
     hlo = f.lower(p, batch).compile().as_text()
     assert re.search(r"s8\[[^\]]*\][^=]*all-to-all\(", hlo), "no s8 all-to-all in the compiled program"

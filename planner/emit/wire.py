@@ -26,7 +26,7 @@ from planner.core.plan import Plan
 from planner.core.sharding import Spec, named_sharding, to_partition_spec
 from planner.emit.kernels import kernel_hook
 from planner.graph.ir import Graph, Op
-from planner.ilp.wire import BLOCK
+from planner.ilp.wire import largest_block
 
 Hook = Callable[[Op, list[Any]], Any]
 
@@ -67,7 +67,7 @@ def op_hooks(plan: Plan, mesh: jax.sharding.Mesh, graph: Graph, before_op: Hook)
     def before(op: Op, operands: list[Any]) -> list[Any]:
         quantized = {k: v for k, v in enumerate(operands)
                      if (op.index, k) in gathers and (op.index, k) in reads and op.inputs[k] in sources}
-        operands = before_op(op, [v for v in operands])
+        operands = before_op(op, operands)
         for k, v in quantized.items():
             operands[k] = gather_int8(v, sources[op.inputs[k]], reads[(op.index, k)], gathers[(op.index, k)],
                                       plan, mesh)
@@ -127,10 +127,6 @@ def _unmoved(chunks: jax.Array, d: int) -> jax.Array:
     return jnp.moveaxis(x, 0, d)
 
 
-def _row_block(n: int) -> int:
-    return max(b for b in range(1, min(BLOCK, n) + 1) if n % b == 0)
-
-
 def reduce_int8(op: Op, graph: Graph, operands: list[Any], in_specs: list[Spec], out: Spec,
                 axes: tuple[int, ...], dim: int, plan: Plan, mesh: jax.sharding.Mesh) -> jax.Array:
     """Contraction `op`'s partial sums over mesh `axes` reduced as ZeRO++'s qgZ does
@@ -142,7 +138,6 @@ def reduce_int8(op: Op, graph: Graph, operands: list[Any], in_specs: list[Spec],
     n = plan.mesh.axis_size(axes)
     dtype = graph.tensors[op.outputs[0]].dtype
     scatter = any(a in out[dim] for a in axes)
-
     cpu = mesh.devices.flat[0].platform == "cpu"
 
     def local(*xs):
@@ -150,13 +145,13 @@ def reduce_int8(op: Op, graph: Graph, operands: list[Any], in_specs: list[Spec],
             xs = [x.astype(jnp.float32) for x in xs]  # products (exact in float32) and float32 sums
         part = bind(op.primitive, dict(op.params, preferred_element_type=np.dtype(np.float32)), xs)
         chunks = _moved_chunks(part, dim, n)
-        block = _row_block(chunks.shape[-1])
+        block = largest_block(chunks.shape[-1])
         got = jax.lax.all_to_all(quantize(chunks, block), names, 0, 0, tiled=False)
         mine = jnp.sum(dequantize(got, block, chunks.shape, jnp.float32), axis=0)  # [chunk, other dims]
         if scatter:
             return jnp.moveaxis(mine, 0, dim).astype(dtype)
-        every = jax.lax.all_gather(quantize(mine, _row_block(mine.shape[-1])), names, axis=0, tiled=False)
-        whole = dequantize(every, _row_block(mine.shape[-1]), (n,) + mine.shape, jnp.float32)
+        every = jax.lax.all_gather(quantize(mine, block), names, axis=0, tiled=False)  # mine: chunks' last dim
+        whole = dequantize(every, block, (n,) + mine.shape, jnp.float32)
         return _unmoved(whole, dim).astype(dtype)
 
     pspec = lambda s: to_partition_spec(s, plan.mesh)  # noqa: E731

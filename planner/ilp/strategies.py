@@ -333,9 +333,9 @@ def _transitions(t: Tensor | Quantized, src: Spec, dst: Spec, cost: CostModel) -
       previous groups left. Their ring bytes sum to (g - 1) / g of the gathered size.
     """
     mesh = cost.mesh
-    wire = t.wire if isinstance(t, Quantized) else t
-    if isinstance(t, Quantized):
-        t = t.native
+    quantized = t if isinstance(t, Quantized) else None
+    if quantized is not None:
+        t = quantized.native
     nbytes = shard_bytes(t, src, mesh)
     comms: list[Comm] = []
     total = 0.0
@@ -355,7 +355,7 @@ def _transitions(t: Tensor | Quantized, src: Spec, dst: Spec, cost: CostModel) -
         else:
             comms.append(("all-to-all", (a,), nbytes))
             total += cost.collective_time("all-to-all", nbytes, (a,))
-    size = shard_bytes(wire, src, mesh)
+    size = shard_bytes(quantized.wire if quantized else t, src, mesh)
     groups: list[tuple[int | None, list[int], int]] = []  # (dim, axes, gathered bytes)
     for a in _gather_order(src, leaving):
         size *= mesh.shape[a]
@@ -368,8 +368,8 @@ def _transitions(t: Tensor | Quantized, src: Spec, dst: Spec, cost: CostModel) -
         group = tuple(a for a in src[d] if a in axes)
         comms.append(("all-gather", group, gathered))
         total += cost.collective_time("all-gather", gathered, group)
-    if groups and wire is not t:
-        total += quantize_time(Quantized(t, wire), src, dst, cost)
+    if groups and quantized is not None:
+        total += quantize_time(quantized, src, dst, cost)
     return tuple(comms), total
 
 

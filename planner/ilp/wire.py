@@ -120,8 +120,12 @@ def block_for(t: Tensor, devices: int) -> int:
     the mesh splits the last dimension by a divisor of that gcd (and the source and destination
     layouts' splits by their lcm, which divides it too), so every shard holds whole blocks."""
     n = t.shape[-1]
-    local = n // math.gcd(n, devices)
-    return max(d for d in range(1, min(BLOCK, local) + 1) if local % d == 0)
+    return largest_block(n // math.gcd(n, devices))
+
+
+def largest_block(n: int) -> int:
+    """The largest divisor of `n` that is at most `BLOCK`: the elements per scale of a row of `n`."""
+    return max(d for d in range(1, min(BLOCK, n) + 1) if n % d == 0)
 
 
 def wire_tensor(t: Tensor, devices: int) -> Tensor:

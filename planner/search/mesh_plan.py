@@ -359,12 +359,8 @@ def _wire_formats(graph: Graph, problem: Problem, choice: Sequence[int]) -> tupl
                 if (kind in ("all-reduce", "reduce-scatter") and op is not None and op.name in CONTRACTIONS
                         and rounds_once(graph.tensors[op.outputs[0]].dtype)):
                     found.add(WireFormat("partial-sum", at, 0, accumulates(graph.tensors[op.outputs[0]].dtype)))
-    for e in problem.edges:
-        if (e.tensor, e.op) not in problem.quantized:
-            continue
-        src, dst = e.src_specs[choice[e.src]], e.dst_specs[choice[e.dst]]
-        if src != dst and any(kind == "all-gather" for kind, _, _ in reshard_cost(
-                problem.priced(e.tensor, e.op), src, dst, problem.cost)[0]):
+    for e, comms, _ in _edge_comms(problem, choice) if problem.quantized else ():
+        if (e.tensor, e.op) in problem.quantized and any(kind == "all-gather" for kind, _, _ in comms):
             found.add(WireFormat("gather", e.op, e.pos, "int8", block_for(graph.tensors[e.tensor], problem.cost.mesh.size)))
     return tuple(sorted(found, key=lambda w: (w.op, w.kind, w.pos)))
 
