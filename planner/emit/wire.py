@@ -127,6 +127,20 @@ def _unmoved(chunks: jax.Array, d: int) -> jax.Array:
     return jnp.moveaxis(x, 0, d)
 
 
+def _exchange(part: jax.Array, dim: int, n: int, names: tuple[str, ...], scatter: bool) -> jax.Array:
+    """Inside `jax.shard_map`: this device's float32 partial sums `part` over mesh axes `names`
+    (`n` devices) reduced as qgZ does (`reduce_int8`): the reduced chunk along `dim` (`scatter`),
+    else the whole reduced value, float32."""
+    chunks = _moved_chunks(part, dim, n)
+    block = largest_block(chunks.shape[-1])
+    got = jax.lax.all_to_all(quantize(chunks, block), names, 0, 0, tiled=False)
+    mine = jnp.sum(dequantize(got, block, chunks.shape, jnp.float32), axis=0)  # [chunk, other dims]
+    if scatter:
+        return jnp.moveaxis(mine, 0, dim)
+    every = jax.lax.all_gather(quantize(mine, block), names, axis=0, tiled=False)  # mine: chunks' last dim
+    return _unmoved(dequantize(every, block, (n,) + mine.shape, jnp.float32), dim)
+
+
 def reduce_int8(op: Op, graph: Graph, operands: list[Any], in_specs: list[Spec], out: Spec,
                 axes: tuple[int, ...], dim: int, plan: Plan, mesh: jax.sharding.Mesh) -> jax.Array:
     """Contraction `op`'s partial sums over mesh `axes` reduced as ZeRO++'s qgZ does
@@ -144,17 +158,70 @@ def reduce_int8(op: Op, graph: Graph, operands: list[Any], in_specs: list[Spec],
         if cpu:  # XLA:CPU runs no bf16 x bf16 -> f32 dot inside shard_map; f32 operands give the same
             xs = [x.astype(jnp.float32) for x in xs]  # products (exact in float32) and float32 sums
         part = bind(op.primitive, dict(op.params, preferred_element_type=np.dtype(np.float32)), xs)
-        chunks = _moved_chunks(part, dim, n)
-        block = largest_block(chunks.shape[-1])
-        got = jax.lax.all_to_all(quantize(chunks, block), names, 0, 0, tiled=False)
-        mine = jnp.sum(dequantize(got, block, chunks.shape, jnp.float32), axis=0)  # [chunk, other dims]
-        if scatter:
-            return jnp.moveaxis(mine, 0, dim).astype(dtype)
-        every = jax.lax.all_gather(quantize(mine, block), names, axis=0, tiled=False)  # mine: chunks' last dim
-        whole = dequantize(every, block, (n,) + mine.shape, jnp.float32)
-        return _unmoved(whole, dim).astype(dtype)
+        return _exchange(part, dim, n, names, scatter).astype(dtype)
 
     pspec = lambda s: to_partition_spec(s, plan.mesh)  # noqa: E731
     fn = jax.shard_map(local, mesh=mesh, in_specs=tuple(pspec(s) for s in in_specs), out_specs=pspec(out),
                        check_vma=False)
     return fn(*operands)
+
+
+# ops a parameter's gradient passes through from the contractions that make it (the cast back to the
+# master weights' dtype, the sum over the parameter's uses, layout changes)
+_GRADIENT_PATH = frozenset({"convert_element_type", "add", "add_any", "reshape", "transpose", "copy", "squeeze"})
+
+
+def replica_wire(plan: Plan, graph: Graph, grads: tuple[Any, ...], axes: tuple[str, ...]) -> tuple[str, ...]:
+    """Per parameter gradient `grads` (tensor ids of `graph`, the stage program `plan` is made
+    for): the format of its once-per-step reduction over the data-parallel replica `axes` (names)
+    in the pipeline runtime, as the plan priced it: "int8" where the plan exchanges a contraction
+    making it as int8 chunks over one of `axes` (a "reduce" record), else the dtype of that
+    contraction's partial sums under comm_precision "bf16" / "int8" (reduced in the results'
+    dtype), else "float32" (the gradient accumulator's own, as "exact" prices it)."""
+    names = set(axes)
+    int8_ops = {w.op for w in plan.wire if w.kind == "reduce" and names & {plan.mesh.axis_names[a] for a in w.axes}}
+    narrow = plan.options.comm_precision != "exact"
+    producer = {t: op for op in graph.ops for t in op.outputs}
+
+    def fmt(g: Any) -> str:
+        found, stack, seen = "float32", [g] if isinstance(g, int) else [], set()
+        while stack:
+            op = producer.get(stack.pop())
+            if op is None or op.index in seen:
+                continue
+            seen.add(op.index)
+            if op.index in int8_ops:
+                return "int8"
+            if op.name in ("dot_general", "conv_general_dilated"):
+                dt = graph.tensors[op.outputs[0]].dtype
+                if narrow and jnp.issubdtype(dt, jnp.floating) and dt.itemsize < 4:
+                    found = str(dt)
+            elif op.name in _GRADIENT_PATH:
+                stack.extend(op.tensor_inputs)
+        return found
+
+    return tuple(fmt(g) for g in grads)
+
+
+def reduce_replicas(acc: jax.Array, fmt: str, sharding: jax.sharding.NamedSharding,
+                    axes: tuple[str, ...]) -> jax.Array:
+    """A gradient accumulated per data-parallel replica (`acc`: [replicas, *parameter shape], the
+    replica dimension split over mesh `axes`, the rest laid out as `sharding`) summed over the
+    replicas in `fmt` (`replica_wire`): float32, the narrower dtype named, or "int8" as qgZ
+    exchanges it (`_exchange`, in `jax.shard_map`; reduced in float32 where no dimension of the
+    parameter's shard divides into one chunk per replica). Returns float32."""
+    if fmt != "int8":
+        return jnp.sum(acc.astype(fmt), axis=0).astype(jnp.float32)
+    n = acc.shape[0]
+    spec = tuple(sharding.spec) + (None,) * (acc.ndim - 1 - len(sharding.spec))
+
+    def local(x):
+        part = x[0].astype(jnp.float32)
+        dims = [d for d in range(part.ndim) if part.shape[d] % n == 0]
+        if not dims:
+            return jax.lax.psum(part, axes)
+        return _exchange(part, max(dims, key=lambda d: (part.shape[d], -d)), n, axes, False)
+
+    fn = jax.shard_map(local, mesh=sharding.mesh, in_specs=jax.sharding.PartitionSpec(axes, *spec),
+                       out_specs=jax.sharding.PartitionSpec(*spec), check_vma=False)
+    return fn(acc)

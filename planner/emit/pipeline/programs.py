@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from planner.emit.wire import op_hooks
+from planner.emit.wire import op_hooks, reduce_replicas, replica_wire
 from planner.emit.single import constraint_hooks
 from planner.core.errors import InvalidArgumentError
 from planner.graph.ir import Graph, Literal
@@ -351,9 +351,17 @@ def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: Stage
     def zeros():
         return [jnp.zeros(shape, dtype) for shape, dtype in acc_shapes]
 
+    if replica is not None:  # each gradient's once-per-step reduction in the format the plan priced,
+        formats = replica_wire(plan, sg.graph, tuple(sg.outputs["p"]), replica.axes)
+        by_leaf = sorted(range(len(own)), key=lambda j: own[j])  # in the order of the update's leaves
+        reductions = [(formats[j], p_shard[j]) for j in by_leaf]
+
     def apply(p, o, gr):
         if replica is not None:  # the data-parallel gradient reduction, once per step
-            gr = jax.tree.map(lambda x, q: jnp.sum(x, axis=0).astype(q.dtype), gr, p)
+            leaves, tree = jax.tree_util.tree_flatten(gr)
+            gr = jax.tree_util.tree_unflatten(tree, [
+                reduce_replicas(x, f, sh, replica.axes).astype(q.dtype)
+                for x, (f, sh), q in zip(leaves, reductions, jax.tree_util.tree_leaves(p), strict=True)])
         if hasattr(optimizer, "apply"):  # a step's own update ops (planner.stages.derived.GraphUpdate)
             return optimizer.apply(p, o, gr)
         updates, o2 = optimizer.update(gr, o, p)
