@@ -126,3 +126,30 @@ def test_gradient_accumulation_says_when_the_step_mixes_examples(caplog, devices
             planner.plan(make(normalise), state, X, mesh="1x8", accumulate=2)
         said = [r.getMessage() for r in caplog.records if "microbatch-invariant" in r.getMessage()]
         assert (len(said) == 1 and "reduces over the batch dimension" in said[0]) if normalise else not said, said
+
+
+def test_one_example_microbatches_are_read_at_two(caplog):
+    """A pipeline of one-example microbatches: its trace's batch dimension has size 1, which
+    `take_along_axis` reshapes away (gpt-tiny's loss picks each token's label), so the analysis reads
+    the loss traced at two examples instead: no warning for gpt-tiny, still one for a batch
+    statistic."""
+    import logging
+
+    import optax
+
+    from planner.emit.pipeline.runtime import PipelinedStep, even_layouts, layer_names
+
+    b = get_model("gpt-tiny", layers=2, batch=4, seq=8, d_model=32, vocab=64)
+    params, batch = b.abstract_state()["params"], b.abstract_batch()
+
+    def normalised(p, bt):  # scaled by a statistic of the whole batch's tokens
+        return b.loss_fn(p, bt) / (1.0 + jnp.mean(bt["inputs"].astype(jnp.float32)))
+
+    for loss, mixes in ((b.loss_fn, False), (normalised, True)):
+        names = layer_names(loss, params, batch)
+        step = PipelinedStep(loss, optax.sgd(0.1), even_layouts(names, jax.devices()[:2], 2), 4, "1f1b")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="planner"):
+            step.stage_plan_records(params, batch)
+        said = [r.getMessage() for r in caplog.records if "microbatch-invariant" in r.getMessage()]
+        assert (len(said) == 1 and "of 1 examples" in said[0]) if mixes else not said, said

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from planner.graph.batch_mixing import mixing_ops, summary
+from planner.graph.trace import trace
 from planner.core.errors import InvalidArgumentError
 from planner.ilp.strategies import shard_bytes
 from planner.core.mesh import MeshSpec
@@ -177,12 +178,19 @@ class PipelinedStep:
         """What each stage runs, devices aside (`stage_records.stage_records`)."""
         return stage_records(self.loss_fn, self.layouts, self.num_microbatches, self.replica_grads, params, batch)
 
-    def _say_if_mixing(self, graph, n_params: int, mb: int) -> None:
+    def _say_if_mixing(self, graph, params: Any, batch: Any, mb: int) -> None:
         """Logs once, when the stages are planned, that the loss mixes the examples of its batch
-        (`batch_mixing`): the pipelined step then legitimately differs from the plain one."""
+        (`batch_mixing`): the pipelined step then legitimately differs from the plain one. Read from
+        the microbatch's trace (`graph`), or where that holds one example (a batch dimension of size
+        1, which reshapes may drop or move: nothing to follow) from the loss traced at two."""
         if self.num_microbatches < 2 or self._mixing_said:
             return
         self._mixing_said = True
+        n_params = len(jax.tree_util.tree_leaves(params))
+        if mb == 1:
+            two = jax.tree.map(lambda x: jax.ShapeDtypeStruct((2,) + tuple(np.shape(x)[1:]), x.dtype), batch)
+            graph = trace(self.loss_fn, jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params),
+                          two)
         found = mixing_ops(graph, graph.inputs[n_params:], graph.outputs[0])
         if found:
             log.warning("loss_fn is not microbatch-invariant: %s; the pipeline computes it on each of %d "
@@ -206,7 +214,7 @@ class PipelinedStep:
           data-parallel replicas, `stage_records.set_replicas`; empty where it reduces them per microbatch).
         """
         graph, stages, needed_by, _, mb = self._layout(params, batch)
-        self._say_if_mixing(graph, len(jax.tree_util.tree_leaves(params)), mb)
+        self._say_if_mixing(graph, params, batch, mb)
         once = tuple(tuple(st.layout.mesh.axis_names[a] for a in st.axes if st.layout.mesh.shape[a] > 1)
                      if st.replica is not None else () for st in stages)
         plans = tuple(self._stage_plan(st, options) for st in stages)
