@@ -167,7 +167,7 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
     result.append(Strategy(assignment, in_specs, base_out, ar, compute,
                            sum(cost.collective_time(k, b, a, combined) for k, a, b in ar)))
     if qgz and gradient_chunks(outs[0].shape, base_out[0], n) is not None:  # beside it (`enumerate_strategies`)
-        ar8, extra = _int8_reduction("all-reduce", outs[0], base_out[0], partial, cost)
+        ar8, extra = int8_reduction("all-reduce", outs[0], base_out[0], partial, cost)
         result.append(Strategy(assignment, in_specs, base_out, ar8, compute + extra,
                                sum(cost.collective_time(k, b, a, combined) for k, a, b in ar8)))
     if len(outs) == 1:
@@ -178,7 +178,7 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
                 new = tuple(tuple(sorted(ax + partial)) if i == d else ax for i, ax in enumerate(s))
                 variants = [((("reduce-scatter", partial, wide[0]),), 0.0)]  # both kept (`enumerate_strategies`)
                 if qgz and gradient_chunks(t.shape, s, n, d) == d:
-                    variants.append(_int8_reduction("reduce-scatter", t, s, partial, cost))
+                    variants.append(int8_reduction("reduce-scatter", t, s, partial, cost))
                 for rs, extra in variants:
                     result.append(Strategy(assignment, in_specs, (new,), rs, compute + extra,
                                            cost.collective_time("reduce-scatter", rs[0][2], partial, combined)))
@@ -192,7 +192,7 @@ def int8_payload(t: Tensor, spec: Spec, mesh: MeshSpec) -> int:
     return elems + SCALE_BYTES * elems // BLOCK
 
 
-def _int8_reduction(kind: str, t: Tensor, spec: Spec, partial: tuple[int, ...], cost: CostModel) -> tuple[tuple[Comm, ...], float]:
+def int8_reduction(kind: str, t: Tensor, spec: Spec, partial: tuple[int, ...], cost: CostModel) -> tuple[tuple[Comm, ...], float]:
     """A gradient's partial sums reduced as int8 chunks (`planner.emit.wire.reduce_int8`): priced as
     the ring collective `kind` of the int8 payload (the all-to-all of qgZ moves the (n - 1) / n of
     it a ring reduce-scatter moves; an all-reduce adds the int8 all-gather), and the quantisation's

@@ -24,7 +24,7 @@ Two choices are made here, both priced by the cost model and emitted by `planner
   reduced chunk gathered again as int8 where the plan keeps the gradient whole (ZeRO++'s qgZ,
   arXiv:2306.10209 section 4.2, which reduces in higher precision after the exchange), priced as
   the ring collective of the int8 payload plus the quantisation's memory traffic
-  (`ilp.strategies._int8_reduction`).
+  (`ilp.strategies.int8_reduction`).
 """
 from __future__ import annotations
 

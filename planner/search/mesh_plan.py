@@ -367,7 +367,7 @@ def _wire_formats(graph: Graph, problem: Problem, choice: Sequence[int]) -> tupl
 
 def _int8_reductions(graph: Graph, problem: Problem, choice: Sequence[int]) -> list[WireFormat]:
     """The gradient reductions the plan exchanges as int8 chunks under comm_precision "int8": those
-    whose chosen strategy is the int8 variant (`ilp.strategies._int8_reduction`: its collective
+    whose chosen strategy is the int8 variant (`ilp.strategies.int8_reduction`: its collective
     carries the int8 payload): (op, the dimension cut, the axes)."""
     if problem.cost.comm_precision != "int8":
         return []

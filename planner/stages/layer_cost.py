@@ -27,7 +27,10 @@ priced as the ILP priced them (combined: bandwidth per collective, one latency p
 group); the per-microbatch time drops by their exposed part (their time beyond the communication
 the plan hides behind compute, which they are first to use), and `sync_s` keeps all of it, exposed:
 the stage pays it once after its last backward (`candidate.once_per_step_max`), not overlapped
-with other stages' remaining backwards (a simplification, stated).
+with other stages' remaining backwards (a simplification, stated). Gradients the plan exchanges as
+int8 over data axes (comm_precision "int8") move their quantisation with them: the ILP charges it
+per microbatch, the runtime quantises each replica's accumulated gradient once per step
+(`replica_quantisation`, `planner.emit.wire.reduce_replicas`).
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ from planner.core.options import PlanOptions
 from planner.core.plan import PredictedCollective
 from planner.core.sharding import Spec, active_axes, replicated, spec_axes
 from planner.graph.ir import Graph
-from planner.ilp.strategies import shard_bytes
+from planner.ilp.strategies import int8_reduction, shard_bytes
 from planner.search.mesh_plan import make_plan
 from planner.stages.clustering import Layers
 from planner.stages.layer_facts import LayerFacts, subgraph
@@ -179,16 +182,18 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
     zero_state = 2 * zero_param + (facts.state_bytes_total - facts.param_bytes_total) * zratio
     data = batch_axes([spec_of_input.get(t) for t in ext if t not in param_set], mesh)
     sync, exposed = grad_sync(plan.prediction, data, cost)
+    quantise = replica_quantisation(sub, plan, data, cost)  # int8 exchanges: quantised once per step too
     data_index = {mesh.axis_names.index(a) for a in data}
     if any(data_index & spec_axes(spec_of_input.get(t) or ()) for t in ext if t in param_set):
         # a parameter split over a data axis: the pipeline runtime reduces every microbatch
         # (`stage_records.set_replicas`), as the layer's plan prices it; nothing once per step
-        sync, exposed = 0.0, 0.0
+        sync, exposed, quantise = 0.0, 0.0, 0.0
+    sync += quantise
     exported = set(sub.outputs)
     produced = {(op_index, k): spec for op_index, k, spec in plan.op_specs
                 if sub.ops[op_index].outputs[k] in exported}
     pred = plan.prediction
-    return LayerCost(pred.step_time_s - exposed, apply_s, state, act, work, facts.fwd_fraction,
+    return LayerCost(pred.step_time_s - exposed - quantise, apply_s, state, act, work, facts.fwd_fraction,
                      tuple(spec_of_input.get(t) for t in ext), zero_extra, zero_state, work + param_shard,
                      tuple(zero_specs), sync, produced, max(0.0, pred.communication_time_s - exposed),
                      pred.hidden_communication_time_s, data, tuple(pred.collectives), tuple(zero_gathers))
@@ -198,6 +203,23 @@ def batch_axes(specs: Sequence[Spec | None], mesh) -> frozenset[str]:
     """Names of the mesh axes splitting dim 0 (the batch) of any of `specs` (the layer's inputs
     other than parameters: activations and batch leaves)."""
     return frozenset(mesh.axis_names[a] for spec in specs if spec for a in spec[0] if mesh.shape[a] > 1)
+
+
+def replica_quantisation(sub: Graph, plan, data_axes: frozenset[str], cost) -> float:
+    """The quantisation time (`ilp.strategies.int8_reduction`) of the plan's int8 gradient
+    exchanges over data axes only, which the ILP charges per microbatch: the pipeline runtime
+    quantises each replica's accumulated gradient once per step (`emit.wire.reduce_replicas`)."""
+    names = cost.mesh.axis_names
+    specs = {(i, k): spec for i, k, spec in plan.op_specs}
+    total = 0.0
+    for w in plan.wire:
+        out = specs.get((w.op, 0))
+        if w.kind != "reduce" or out is None or not {names[a] for a in w.axes} <= data_axes:
+            continue
+        pre = tuple(tuple(a for a in dim if a not in w.axes) for dim in out)
+        kind = "reduce-scatter" if any(set(dim) & set(w.axes) for dim in out) else "all-reduce"
+        total += int8_reduction(kind, sub.tensors[sub.ops[w.op].outputs[0]], pre, w.axes, cost)[1]
+    return total
 
 
 def grad_sync(prediction, data_axes: frozenset[str], cost) -> tuple[float, float]:
