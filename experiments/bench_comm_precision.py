@@ -4,10 +4,11 @@ bandwidth-bound cluster, and what it costs in numerics.
     .venv/bin/python experiments/bench_comm_precision.py [--parts predict,train] [--steps 50]
 
 - predict: `planner plan` as a user runs it, one whole process per precision (exact, bf16, int8), on
-  Alpa's testbed (GPT-39B, 8x8 V100 at 25 Gbit/s between hosts, batch 1024, the pipeline search)
-  and the comparison suite's GPT-39B row (8x8 A100, batch 64, one stage): predicted step time,
-  exposed communication, bytes moved per device, and the wire records (float32 partial sums, int8
-  weight gathers, int8 gradient reductions) of the plan.
+  Alpa's testbed (GPT-39B, 8x8 V100 at 25 Gbit/s between hosts, the pipeline search; batch 1024 and
+  the zoo's 8), the comparison suite's GPT-39B row (8x8 A100, batch 64, one stage) and Llama-2-70B
+  over two TPU v5p slices (batch 8 and 256): predicted step time, exposed communication, compute,
+  bytes moved per device, and the wire records (float32 partial sums, int8 weight gathers, int8
+  gradient reductions) of the plan.
 - train: gpt-tiny in bf16 (float32 master weights, AdamW) on 8 CPU devices, FSDP-pinned (so weights
   are gathered), planned with the mesh axis priced as a 1 Gbit/s network (where int8 pays at
   gpt-tiny's sizes), trained `--steps` steps from the same initial state on the same batches under each
@@ -37,9 +38,16 @@ JOBS = {
     # planner's default search over pipelines
     "gpt3-39b 8x8 V100 25Gbit pipeline-auto b1024": ["--model", "gpt3-39b", "--cluster", "8x8:v100", "--inter-host",
                                                         "25Gbit", "--batch", "1024", "--pipeline", "auto"],
+    # the same testbed at the zoo's batch (8), as `planner plan` runs it without a batch flag
+    "gpt3-39b 8x8 V100 25Gbit pipeline-auto b8": ["--model", "gpt3-39b", "--cluster", "8x8:v100", "--inter-host",
+                                                     "25Gbit", "--pipeline", "auto"],
     # the comparison suite's row (experiments/results/suite.md: 8x8 A100 80 GB, batch 64, one stage)
     "gpt3-39b 8x8 A100 1-stage b64": ["--model", "gpt3-39b", "--cluster", "8x8:a100-80gb", "--batch", "64",
                                         "--pipeline", "off"],
+    # Llama-2-70B over two TPU v5p slices of 128 chips (4x4x8 tori, the data-center network between them),
+    # at the zoo's batch (8 sequences of 4096; batch 256, one sequence per chip, plans for over 10 minutes per
+    # precision on the 2-core machine, memory-bound: not run)
+    "llama-70b 2xv5p:4x4x8 b8": ["--model", "llama-70b", "--cluster", "2xv5p:4x4x8", "--pipeline", "off"],
 }
 
 
@@ -68,7 +76,8 @@ def predict(jobs: list[str]) -> list[dict]:
                 plan = json.loads(pathlib.Path(out).read_text())
             pr = plan["predicted"]
             rows.append({"job": job, "precision": precision, "step_time_s": pr["step_time_s"],
-                         "exposed_comm_s": pr["communication_time_s"], "bytes_moved": pr["bytes_moved_per_device"],
+                         "exposed_comm_s": pr["communication_time_s"], "compute_s": pr["compute_time_s"],
+                         "bytes_moved": pr["bytes_moved_per_device"],
                          "stages": max(1, len(plan.get("stages", ()))), "plan_s": round(wall, 1), **_wire(plan)})
             print(rows[-1], flush=True)
     return rows
@@ -130,6 +139,10 @@ def train(steps: int) -> dict:
             "losses": losses, "wire": wire, "first_step_param_diff_vs_exact": groups}
 
 
+def _g(x) -> str:
+    return "" if x is None else f"{x:.4g}"
+
+
 def write(result: dict) -> None:
     out = ROOT / "experiments" / "results"
     (out / "comm_precision.json").write_text(json.dumps(result, indent=1))
@@ -138,17 +151,23 @@ def write(result: dict) -> None:
              "(abstract planning; the training part on 8 simulated CPU devices).", ""]
     if result.get("predict"):
         lines += ["## Predicted step time per wire format (whole `planner plan` processes)", "",
-                  "| job | precision | step s | vs exact | exposed comm s | bytes moved / device | stages | "
-                  "f32 partial sums | int8 gathers | int8 reductions | planning s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "`step / compute`: the step time over its compute time (critical path, pipeline bubbles "
+                  "included): the most that removing every exposed collective of that plan could buy; a wire "
+                  "format changes only the bytes on the wire (and adds quantisation), so against the exact "
+                  "plan it bounds what any format can buy with that plan's structure.", "",
+                  "| job | precision | step s | vs exact | exposed comm s | compute s | step / compute | "
+                  "bytes moved / device | stages | f32 partial sums | int8 gathers | int8 reductions | planning s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         exact = {r["job"]: r.get("step_time_s") for r in result["predict"] if r["precision"] == "exact"}
         for r in result["predict"]:
             if "error" in r:
-                lines.append(f"| {r['job']} | {r['precision']} | error: {r['error']} | | | | | | | | |")
+                lines.append(f"| {r['job']} | {r['precision']} | error: {r['error']} | | | | | | | | | | |")
                 continue
             ratio = exact[r["job"]] / r["step_time_s"] if exact.get(r["job"]) else float("nan")
             lines.append(f"| {r['job']} | {r['precision']} | {r['step_time_s']:.4g} | {ratio:.3f}x | "
-                         f"{r['exposed_comm_s']:.4g} | {r['bytes_moved'] / 1e9:.2f} GB | {r['stages']} | "
+                         f"{r['exposed_comm_s']:.4g} | {_g(r.get('compute_s'))} | "
+                         f"{_g(r['step_time_s'] / r['compute_s'] if r.get('compute_s') else None)} | "
+                         f"{r['bytes_moved'] / 1e9:.2f} GB | {r['stages']} | "
                          f"{r['partial_sums_f32']} | {r['int8_gathers']} | {r['int8_reductions']} | {r['plan_s']} |")
         lines.append("")
     if result.get("train"):

@@ -49,6 +49,22 @@ def test_ilp_matches_brute_force(shape, lp_level):
     assert sol.objective_s == pytest.approx(_brute_force(problem), rel=1e-6, abs=1e-12)
 
 
+@pytest.mark.parametrize("gap", [0.01, 0.5])  # 0.01: the stage tables' per-layer ILPs (`LAYER_GAP`)
+def test_ilp_with_a_gap_is_within_it_of_the_optimum(gap):
+    """A relative gap stops the search once the plan is provably within it of the optimum: CP-SAT's
+    gap is (objective - bound) / objective, so the plan costs at most optimum / (1 - gap); the
+    solution reports the gap it stopped at, and calls itself proven only at 0."""
+    def loss(w1, w2, x):
+        return (jnp.tanh(x @ w1) @ w2).sum()
+
+    args = (jnp.ones((64, 128)), jnp.ones((128, 64)), jnp.ones((16, 64)))
+    problem = _problem(jax.grad(loss, argnums=(0, 1)), args, MeshSpec((4,), ("x",)))
+    best = _brute_force(problem)
+    sol = solve(problem, lp_level=2, gap=gap)
+    assert best <= sol.objective_s * (1 + 1e-9) and sol.objective_s * (1 - gap) <= best * (1 + 1e-9)
+    assert sol.gap is not None and sol.gap <= gap and sol.optimal == (sol.gap == 0)
+
+
 def test_memory_budget_constraint_is_respected():
     def loss(w, x):
         return jnp.tanh(x @ w).sum()

@@ -258,12 +258,12 @@ class _Model:
         return memory_expr(self, point, choice)
 
     def solve(self, det_limit: float, wall_limit: float, workers: int, hint: Sequence[int] | None,
-              lp_level: int = 1, cutoff: Callable[[], float] | None = None):
+              lp_level: int = 1, cutoff: Callable[[], float] | None = None, gap: float = 0.0):
         """One CP-SAT run limited to `det_limit` deterministic units (and `wall_limit` seconds);
         returns (choice or None, status) and leaves the run's figures in `self.last`. `lp_level`:
         CP-SAT's `linearization_level` (see `solve`). `cutoff`: objective units, read whenever the
         solver's bound improves; once the bound exceeds it the run stops and `self.cut` holds
-        (bound, cutoff)."""
+        (bound, cutoff). `gap`: the relative gap at which the run stops as if proven optimal."""
         solver = cp_model.CpSolver()
         self.cut = None
         if cutoff is not None:
@@ -279,6 +279,7 @@ class _Model:
         solver.parameters.num_workers = workers
         solver.parameters.random_seed = 0
         solver.parameters.linearization_level = lp_level
+        solver.parameters.relative_gap_limit = gap
         # Presolve costs more than it saves on these models: they are already compact.
         solver.parameters.cp_model_presolve = False
         # Less probing: the probing at the start of the search (level 2) adds many binary clauses
@@ -321,11 +322,11 @@ class _Run:
     wall_s: float
 
     def gap(self) -> float | None:
-        if self.optimal:
-            return 0.0
-        if self.objective is None or not np.isfinite(self.bound):
-            return None
-        return max(0.0, (self.objective - self.bound) / max(abs(self.objective), 1.0))
+        """(objective - bound) / objective: 0 when proven optimal; up to the run's `gap` when it
+        stopped there (CP-SAT then reports it optimal)."""
+        if self.objective is not None and np.isfinite(self.bound):
+            return max(0.0, (self.objective - self.bound) / max(abs(self.objective), 1.0))
+        return 0.0 if self.optimal else None
 
 
 def _status_words(status) -> str:

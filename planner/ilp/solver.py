@@ -112,7 +112,7 @@ def probe_bound(problem: Problem, memory_budget: float, units: float = PROBE_UNI
 def solve(problem: Problem, memory_budget: float | None = None, time_limit: float = 30.0,
           workers: int = 1, max_rounds: int = 30, min_peak_search: bool = True,
           begin: Sequence[int] | None = None, lp_level: int = 1,
-          beat: Callable[[], float] | None = None) -> Solution:
+          beat: Callable[[], float] | None = None, gap: float = 0.0) -> Solution:
     """Solves the ILP; with a budget, adds memory constraints until the plan's peak fits.
 
     `time_limit` is in CP-SAT deterministic units for all rounds together (about one second of one
@@ -133,12 +133,17 @@ def solve(problem: Problem, memory_budget: float | None = None, time_limit: floa
     ILPs of the pipeline stage tables (`stages.stage_cost`). It does not pay on whole-model ILPs,
     which keep 1. WORKSPACE.md, Measured.
 
+    `gap`: a relative gap at which each CP-SAT run stops as if proven optimal (its plan is within
+    `gap` of the best possible; 0: proven). The per-layer ILPs of the stage tables use
+    `stages.layer_cost.LAYER_GAP`: CP-SAT finds their optimum fast and may spend tens of seconds
+    proving it.
+
     Raises:
       InfeasiblePlanError: when no plan fits `memory_budget`; the message, `min_memory_bytes` and
         `lower_bound_bytes` give the smallest per-device peak found and a proven lower bound
         (`min_peak_search=False`: found without the CP-SAT minimum-peak search, `_infeasible`).
     """
-    setup = _setup(problem, memory_budget, time_limit, workers, lp_level, beat, min_peak_search)
+    setup = _setup(problem, memory_budget, time_limit, workers, lp_level, beat, min_peak_search, gap)
     state = _start(problem, memory_budget, begin)
     for rounds in range(1, max_rounds + 1):
         state = _round(setup, dataclasses.replace(state, rounds=rounds))
@@ -159,6 +164,7 @@ class _Setup:
     lp_level: int
     beat: Callable[[], float] | None
     min_peak_search: bool
+    gap: float
     start: float  # `time.perf_counter()` when `solve` began
     wall_cap: float
     model: _Model
@@ -196,7 +202,7 @@ class _State:
 
 
 def _setup(problem: Problem, budget: float | None, time_limit: float, workers: int, lp_level: int,
-           beat: Callable[[], float] | None, min_peak_search: bool) -> _Setup:
+           beat: Callable[[], float] | None, min_peak_search: bool, gap: float = 0.0) -> _Setup:
     """The model to minimise, without the strategies the memory lower bound rules out; raises when
     that bound alone exceeds the budget (no CP-SAT search for a plan)."""
     start = time.perf_counter()
@@ -215,7 +221,7 @@ def _setup(problem: Problem, budget: float | None, time_limit: float, workers: i
         if excluded:
             log.info("memory budget: %d of %d strategies ruled out by the lower bound", len(excluded),
                      sum(len(v) for r, v in enumerate(model.x) if problem.rep[r] == r))
-    return _Setup(problem, budget, time_limit, workers, lp_level, beat, min_peak_search, start, wall_cap, model,
+    return _Setup(problem, budget, time_limit, workers, lp_level, beat, min_peak_search, gap, start, wall_cap, model,
                   excluded)
 
 
@@ -257,7 +263,7 @@ def _run(setup: _Setup, state: _State) -> tuple[_State, tuple[int, ...] | None, 
     det_left = setup.time_limit - state.det_used
     wall_left = setup.wall_cap - (time.perf_counter() - setup.start)
     choice, status = model.solve(det_left, wall_left, setup.workers, state.hint, setup.lp_level,
-                                 None if beat is None else lambda: beat() * _NS * (1 + _BEAT_MARGIN))
+                                 None if beat is None else lambda: beat() * _NS * (1 + _BEAT_MARGIN), setup.gap)
     run = model.last
     det_used = state.det_used + run.deterministic_time
     if model.cut is not None:
@@ -357,5 +363,6 @@ def _solution(setup: _Setup, state: _State) -> Solution:
     elif limit is not None:
         log.warning("solver %s limit reached: returning the best plan found, not proven optimal (gap %s to the "
                     "best bound)", limit, "unknown" if gap is None else f"{gap:.2%}")
+    proven = status_name == "optimal" and not gap  # a run stopped at `solve`'s gap is optimal within it only
     return Solution(tuple(choice), plan_cost(problem, choice), status_name, elapsed, int(state.profile.max()),
-                    state.rounds, status_name == "optimal", gap, state.det_used, limit, state.unbudgeted)
+                    state.rounds, proven, gap, state.det_used, limit, state.unbudgeted)

@@ -249,13 +249,14 @@ def plan_problem(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: j
 def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None = None,
               pins: Mapping[int, Spec] | None = None, problem: Problem | None = None,
               min_peak_search: bool = True, start: Sequence[int] | None = None, lp_level: int = 1,
-              beat: Callable[[], float] | None = None) -> Plan:
+              beat: Callable[[], float] | None = None, gap: float = 0.0) -> Plan:
     """Plans `graph` on `mesh`; `pins` (input position -> spec, `planner.configs.pins.resolve`) fix those
     inputs' shardings and the ILP plans the rest. `problem`: `plan_problem`'s answer for the same
     arguments, when the caller built it already. `min_peak_search=False`: an infeasible budget is
     reported without searching for the smallest peak (the mesh search runs that search once, on
     its most promising mesh). `start`: a choice for `problem` to start the solver from
-    (`ilp.solver.solve`). `lp_level`: the solver's LP relaxation level (`ilp.solver.solve`).
+    (`ilp.solver.solve`). `lp_level`, `gap`: the solver's LP relaxation level and the relative gap
+    it stops at (`ilp.solver.solve`).
     `beat`: a step time found elsewhere, read as the solver goes (`ilp.solver.solve`); the solve
     stops with `OutboundError` once it proves no plan beats it. Without host offload only (with it,
     the offload variants tried may differ in time either way).
@@ -267,7 +268,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     t0 = time.perf_counter()
     if problem is None:
         problem = plan_problem(graph, mesh, options, jax_mesh, pins)
-    problem, sol = _solve(problem, options, jax_mesh, min_peak_search, start, lp_level, beat)
+    problem, sol = _solve(problem, options, jax_mesh, min_peak_search, start, lp_level, beat, gap)
     op_specs = _op_specs(graph, problem, sol.choice)
     operand_specs = _operand_specs(problem, sol.choice)
     scatter_specs = _scatter_specs(graph, problem, sol.choice)
@@ -302,7 +303,8 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
 
 
 def _solve(problem: Problem, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None, min_peak_search: bool,
-           start: Sequence[int] | None, lp_level: int, beat: Callable[[], float] | None) -> tuple[Problem, Solution]:
+           start: Sequence[int] | None, lp_level: int, beat: Callable[[], float] | None,
+           gap: float = 0.0) -> tuple[Problem, Solution]:
     """`make_plan`'s solve, with host offload of optimizer state (`planner.ilp.offload`; "off": a
     plain solve): the problem solved (with its offload choice) and its solution."""
     problem, sol = plan_offload(
@@ -310,7 +312,7 @@ def _solve(problem: Problem, options: PlanOptions, jax_mesh: jax.sharding.Mesh |
         list(jax_mesh.devices.flat) if isinstance(jax_mesh, jax.sharding.Mesh) else [],
         lambda p, search: solve(p, options.memory_budget, options.solver_time_limit, options.solver_workers,
                                 min_peak_search=min_peak_search and search, begin=start if p is problem else None,
-                                lp_level=lp_level, beat=beat if options.planned_offload == "off" else None))
+                                lp_level=lp_level, beat=beat if options.planned_offload == "off" else None, gap=gap))
     log.info("solved: %s in %.2fs, predicted %.4g s/step, peak %s/device", sol.status, sol.solve_time_s,
              sol.objective_s, format_bytes(sol.peak_memory_bytes))
     return problem, sol

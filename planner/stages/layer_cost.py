@@ -53,6 +53,12 @@ from planner.stages.submesh import LogicalMesh
 
 log = logging.getLogger("planner")
 
+# The relative gap at which a layer's ILP stops ((plan - bound) / plan, CP-SAT's measure): its plan
+# at most about 1% over the layer's optimum (a stage's time is a sum of its layers', so it too). CP-SAT finds these optima in well under a second
+# and then may spend tens of seconds proving them (GPT-39B's block layer on some meshes: 38 s of one
+# 99 s plan, WORKSPACE.md, Measured).
+LAYER_GAP = 0.01
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LayerCost:
@@ -135,7 +141,7 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
         log.info("layer %s on %s: %s", layers.names[layer], lmesh.mesh, refused[0])
         return INFEASIBLE
     try:
-        plan = make_plan(sub, lmesh.mesh, opts, pins=pins, lp_level=2)  # small ILPs: see `ilp.solver.solve`
+        plan = make_plan(sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP)  # small ILPs: `ilp.solver.solve`
     except (MeshError, PlannerError) as e:
         log.info("layer %s on %s: %s", layers.names[layer], lmesh.mesh, e)
         return INFEASIBLE
