@@ -196,7 +196,7 @@ def test_limit_never_returns_a_plan_slower_than_a_fitting_start(monkeypatch):
     assert plan_cost(problem, slower) > plan_cost(problem, start)
     script = [free.choice, slower]
 
-    def scripted(self, det_limit, wall_limit, workers, hint, lp_level=1, cutoff=None):
+    def scripted(self, det_limit, wall_limit, workers, hint, lp_level=1, cutoff=None, gap=0.0):
         choice = script.pop(0)
         self.cut = None
         self.last = solver_module._Run(False, plan_cost(problem, choice) * solver_module._NS, 0.0, 0.1, 0.0)
