@@ -424,3 +424,47 @@ def test_custom_partitioning_rules_as_users_state_them():
     graph = planner.trace(placeholder, x, x)
     sig = signature(graph.ops[0], graph)
     assert not sig.known and "one factor per dimension" in sig.fallback
+
+
+def test_causal_attention_split_along_its_sequences_prices_the_busiest_device():
+    """A fused causal attention skips the key blocks above the diagonal, so split along its query
+    (or key) sequence the device with the last queries does the most: (2n - 1) / n of an equal
+    share for n contiguous blocks of one sequence, 2 for 2 x 2 blocks (the full block below the
+    diagonal), 1 unsplit. `jax.nn.dot_product_attention`'s matmuls (Llama-2-7B's attention shape)
+    carry their scores' lengths; a strategy splitting the queries of the forward score matmul 8
+    ways is priced 15/8 of the equal share, one splitting heads or batch is not."""
+    from planner.cost_model.hardware import get_hardware
+    from planner.cost_model.model import CostModel
+    from planner.core.mesh import MeshSpec
+    from planner.graph.fusion import attention_calls, fusions
+    from planner.ilp.strategies import causal_block_share, enumerate_strategies
+
+    assert [causal_block_share(*n) for n in ((1, 1), (2, 1), (1, 8), (8, 1), (2, 2))] == \
+        pytest.approx([1.0, 1.5, 15 / 8, 15 / 8, 2.0], rel=1e-12)
+    seq = 4096
+    qkv = jax.ShapeDtypeStruct((16, seq, 32, 128), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32).sum()
+
+    graph = planner.trace(jax.grad(loss, argnums=(0, 1, 2)), qkv, qkv, qkv)
+    gpu = fusions(graph, "gpu")
+    dots = [i for i in attention_calls(graph) if graph.ops[i].name == "dot_general"]
+    assert dots and all(gpu[i].causal == (seq, seq) for i in dots)
+    op = graph.ops[min(dots)]  # the forward scores: queries x keys
+    sig = signature(op, graph)
+    cost = CostModel.default(MeshSpec((8,), ("x",)), get_hardware("h100-sxm"))
+    ins, outs = [graph.tensors[x] for x in op.inputs], [graph.tensors[t] for t in op.outputs]
+
+    def by_split(traffic):
+        return {s.in_specs: s.compute_time for s in enumerate_strategies(sig, ins, outs, cost, traffic=traffic)}
+
+    causal, balanced = by_split(gpu[op.index].charged), by_split(gpu[op.index].charged[:4] + ((),))
+    seq_dims = [[d for d, n in enumerate(t.shape) if n == seq] for t in ins]
+    q_split = [s for s in causal if any(s[0][d] for d in seq_dims[0])]
+    unsplit = [s for s in causal if not any(s[k][d] for k in range(2) for d in seq_dims[k])]
+    assert q_split and unsplit
+    for s in q_split:
+        assert causal[s] > balanced[s]
+    for s in unsplit:
+        assert causal[s] == balanced[s]

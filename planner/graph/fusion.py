@@ -130,14 +130,17 @@ class Traffic:
     reads: tuple[float, ...]
     writes: tuple[bool, ...]
     flop_scale: float = 1.0  # the share of its FLOPs the op runs (a fused causal attention's matmuls)
+    causal: tuple[int, ...] = ()  # a fused causal attention's matmul: its scores' (queries, keys) lengths
     in_place: bool = False  # its result is written by its producers (`in_place_stacks`): it moves no bytes itself
     rate_dtype: str | None = None  # the dtype its FLOPs run at inside a fused kernel (`_kernel_dtypes`)
 
     @property
     def charged(self) -> tuple:
         """The traffic as the strategies price it (`ilp.strategies._build`): (reads, writes charged
-        (an in-place result's are its producers'), FLOP share, the dtype its FLOPs run at)."""
-        return self.reads, tuple(w and not self.in_place for w in self.writes), self.flop_scale, self.rate_dtype
+        (an in-place result's are its producers'), FLOP share, the dtype its FLOPs run at, the
+        causal scores' lengths)."""
+        return (self.reads, tuple(w and not self.in_place for w in self.writes), self.flop_scale, self.rate_dtype,
+                self.causal)
 
     @property
     def fusion(self) -> int:
@@ -237,14 +240,20 @@ def attention_groups(graph: Graph) -> dict[int, int]:
     return {i: first[(c, is_backward(graph.ops[i].name_stack))] for i, c in calls.items()}
 
 
-def _causal_calls(graph: Graph, calls: dict[int, int]) -> set[int]:
-    """The attention calls that mask causally: they read a mask made by jax.nn's `jnp.tril` (a
-    named call among `_mask_ops`)."""
+def _causal_calls(graph: Graph, calls: dict[int, int]) -> dict[int, tuple[int, int]]:
+    """The attention calls that mask causally (they read a mask made by jax.nn's `jnp.tril`, a
+    named call among `_mask_ops`), each with its scores' (queries, keys) lengths: the mask's last
+    two dimensions."""
     mask = _mask_ops(graph)
     if not any("/tril" in graph.ops[i].name_stack for i in mask):
-        return set()
+        return {}
     made = {t for i in mask for t in graph.ops[i].outputs}
-    return {c for i, c in calls.items() if any(isinstance(x, int) and x in made for x in graph.ops[i].inputs)}
+    out: dict[int, tuple[int, int]] = {}
+    for i, c in calls.items():
+        for x in graph.ops[i].inputs:
+            if isinstance(x, int) and x in made and len(graph.tensors[x].shape) >= 2:
+                out.setdefault(c, tuple(graph.tensors[x].shape[-2:]))
+    return out
 
 
 def _kernel_dtypes(graph: Graph, calls: dict[int, int]) -> dict[int, str]:
@@ -337,14 +346,15 @@ def _fusions(graph: Graph, platform: str) -> dict[int, Traffic]:
             reads.append(count)
         writes = tuple(t in program_outputs or any(not runs_in[c] <= mine for c, _ in consumers.get(t, ()))
                        for t in op.outputs)
-        scale = 1.0
+        scale, lengths = 1.0, ()
         if op.index in attention and op.name == "dot_general":
             scale = (CAUSAL_FRACTION if calls[op.index] in causal else 1.0) * (
                 FLASH_BACKWARD if is_backward(op.name_stack) else 1.0)
+            lengths = causal.get(calls[op.index], ())
         if op.index in in_place:
             reads = [0] * len(reads)
         rate = kernel_dtype.get(calls[op.index]) if op.index in attention and op.name == "dot_general" else None
-        out[op.index] = Traffic(tuple(sorted(mine)), tuple(reads), writes, scale, op.index in in_place, rate)
+        out[op.index] = Traffic(tuple(sorted(mine)), tuple(reads), writes, scale, lengths, op.index in in_place, rate)
     return out
 
 

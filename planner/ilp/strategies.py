@@ -129,6 +129,45 @@ def gemm_narrow_dim(sig: OpSig, axes_of: dict[str, tuple[int, ...]], mesh: MeshS
     return min(extent(lhs & rhs & sig.sum_labels), extent((lhs - rhs) & out), extent((rhs - lhs) & out))
 
 
+def causal_imbalance(sig: OpSig, axes_of: dict[str, tuple[int, ...]], mesh: MeshSpec,
+                     lengths: tuple[int, ...]) -> float:
+    """How much more than an equal share of a fused causal attention matmul's work the busiest
+    device does when the plan splits the scores' query and key sequences into n_q x n_k contiguous
+    blocks: the kernel skips the key blocks above the diagonal, so the device holding the last
+    queries (or the first keys) has the most to do. The largest block's area under the diagonal over
+    an equal share of the triangle (`causal_block_share`): (2n - 1) / n for one sequence split n
+    ways, 2 for both split in two. The two sequence labels are the matmul's non-batch labels of the
+    scores' lengths (queries and keys of equal length; 1 where they cannot be told from the head
+    dimension, which then has the same length, or the lengths differ)."""
+    if len(lengths) != 2 or lengths[0] != lengths[1] or len(sig.inputs) != 2 or any(l is None for l in sig.inputs):
+        return 1.0
+    lhs, rhs = set(sig.inputs[0]), set(sig.inputs[1])
+    out = {l for labels in sig.outputs for l in labels}
+    seq = [l for l in sorted((lhs | rhs) - (lhs & rhs & out)) if sig.sizes[l] == lengths[0]]
+    if len(seq) != 2:
+        return 1.0
+    return causal_block_share(*(mesh.axis_size(axes_of.get(l, ())) for l in seq))
+
+
+def causal_block_share(n_rows: int, n_cols: int) -> float:
+    """The largest of n_rows x n_cols equal blocks of the unit square's lower triangle {col <= row}
+    (area 1/2), over an equal share of it: 1 / (2 n_rows n_cols)."""
+    def area(r0: float, r1: float, c0: float, c1: float) -> float:
+        # integral over rows r in [r0, r1] of |[c0, c1] & [0, r]| = clamp(r - c0, 0, c1 - c0)
+        def f(r: float) -> float:  # antiderivative of clamp(r - c0, 0, w), w = c1 - c0
+            w = c1 - c0
+            if r <= c0:
+                return 0.0
+            if r <= c1:
+                return (r - c0) ** 2 / 2
+            return w * w / 2 + w * (r - c1)
+        return f(r1) - f(r0)
+
+    largest = max(area(i / n_rows, (i + 1) / n_rows, j / n_cols, (j + 1) / n_cols)
+                  for i in range(n_rows) for j in range(n_cols))
+    return largest * 2 * n_rows * n_cols
+
+
 def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axes_of: dict[str, tuple[int, ...]],
            cost: CostModel, combined: bool = False, traffic: Traffic | None = None) -> list[Strategy]:
     """Strategies for one label->axes assignment: all-reduce, or reduce-scatter onto a result dim.
@@ -142,8 +181,10 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
     base_out = tuple(_spec_of(l, axes_of) for l in sig.outputs)
     partial = tuple(sorted(a for l in sig.sum_labels for a in axes_of.get(l, ())))
     split = math.prod(mesh.axis_size(v) for v in axes_of.values())
-    reads, writes, share, kernel_dtype = traffic if traffic is not None else (
-        (1,) * len(ins), (True,) * len(outs), 1.0, None)
+    reads, writes, share, kernel_dtype, causal = traffic if traffic is not None else (
+        (1,) * len(ins), (True,) * len(outs), 1.0, None, ())
+    if causal:  # a fused causal attention's matmul split along its sequences: the busiest device's share
+        share *= causal_imbalance(sig, axes_of, mesh, causal)
     moved = sum(shard_bytes(t, s, mesh) * r for t, s, r in zip(ins, in_specs, reads)
                 if r and t is not None and s is not None)
     moved += sum(shard_bytes(t, s, mesh) for t, s, w in zip(outs, base_out, writes) if w)
