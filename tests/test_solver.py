@@ -49,7 +49,7 @@ def test_ilp_matches_brute_force(shape, lp_level):
     assert sol.objective_s == pytest.approx(_brute_force(problem), rel=1e-6, abs=1e-12)
 
 
-@pytest.mark.parametrize("gap", [0.01, 0.5])  # 0.01: the stage tables' per-layer ILPs (`LAYER_GAP`)
+@pytest.mark.parametrize("gap", [0.02, 0.5])  # 0.02: the stage tables' per-layer ILPs (`LAYER_GAP`)
 def test_ilp_with_a_gap_is_within_it_of_the_optimum(gap):
     """A relative gap stops the search once the plan is provably within it of the optimum: CP-SAT's
     gap is (objective - bound) / objective, so the plan costs at most optimum / (1 - gap); the
