@@ -26,7 +26,7 @@ from planner.core.plan import Plan
 from planner.core.sharding import Spec, named_sharding, to_partition_spec
 from planner.emit.kernels import kernel_hook
 from planner.graph.ir import Graph, Op
-from planner.ilp.wire import largest_block
+from planner.ilp.wire import gradient_chunks, largest_block
 
 Hook = Callable[[Op, list[Any]], Any]
 
@@ -217,10 +217,8 @@ def reduce_replicas(acc: jax.Array, fmt: str, sharding: jax.sharding.NamedShardi
 
     def local(x):
         part = x[0].astype(jnp.float32)
-        dims = [d for d in range(part.ndim) if part.shape[d] % n == 0]
-        if not dims:
-            return jax.lax.psum(part, axes)
-        return _exchange(part, max(dims, key=lambda d: (part.shape[d], -d)), n, axes, False)
+        dim = gradient_chunks(part.shape, ((),) * part.ndim, n)  # the shard's own dims: none split further
+        return jax.lax.psum(part, axes) if dim is None else _exchange(part, dim, n, axes, False)
 
     fn = jax.shard_map(local, mesh=sharding.mesh, in_specs=jax.sharding.PartitionSpec(axes, *spec),
                        out_specs=jax.sharding.PartitionSpec(*spec), check_vma=False)

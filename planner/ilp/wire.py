@@ -69,6 +69,13 @@ def gradient_chunks(shape: tuple[int, ...], spec, devices: int, scatter_dim: int
     return max(free, key=lambda d: (shape[d], -d)) if free else None
 
 
+def before_reduction(out, axes) -> tuple[tuple[tuple[int, ...], ...], int | None]:
+    """A contraction's partial sums reduced over mesh `axes` into layout `out`: their layout before
+    the reduction and the dimension the reduction scatters them along (None: an all-reduce)."""
+    pre = tuple(tuple(a for a in dim if a not in axes) for dim in out)
+    return pre, next((d for d, dim in enumerate(out) if set(dim) & set(axes)), None)
+
+
 def partial_sum_itemsize(sig_accumulates: str, result: Tensor, precision: str) -> int:
     """Bytes per element of a split contraction's partial sums on the wire under `precision`."""
     if precision == "exact" and sig_accumulates:

@@ -17,7 +17,7 @@ from planner.ilp.objective import step_parts, step_time
 from planner.ilp.problem import Problem, build_problem
 from planner.ilp.solver import Solution, solve
 from planner.ilp.strategies import int8_payload, reshard_cost
-from planner.ilp.wire import CONTRACTIONS, accumulates, block_for, gradient_chunks, rounds_once
+from planner.ilp.wire import CONTRACTIONS, accumulates, before_reduction, block_for, gradient_chunks, rounds_once
 from planner.core.mesh import MeshSpec
 from planner.ilp.offload import plan_offload, record as offload_record
 from planner.core.options import PlanOptions
@@ -385,8 +385,7 @@ def _int8_reductions(graph: Graph, problem: Problem, choice: Sequence[int]) -> l
                 continue
             t = graph.tensors[root.outputs[0]]
             out = node.owned[root.outputs[0]][i]
-            pre = tuple(tuple(a for a in dim if a not in axes) for dim in out)
-            scatter = next((d for d, dim in enumerate(out) if set(dim) & set(axes)), None)
+            pre, scatter = before_reduction(out, axes)
             d = gradient_chunks(t.shape, pre, mesh.axis_size(axes), scatter)
             if accumulates(t.dtype) and d is not None and nbytes == int8_payload(t, pre, mesh):
                 found.append(WireFormat("reduce", root.index, d, "int8", 0, tuple(axes)))

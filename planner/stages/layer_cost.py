@@ -46,6 +46,7 @@ from planner.core.plan import PredictedCollective
 from planner.core.sharding import Spec, active_axes, replicated, spec_axes
 from planner.graph.ir import Graph
 from planner.ilp.strategies import int8_reduction, shard_bytes
+from planner.ilp.wire import before_reduction
 from planner.search.mesh_plan import make_plan
 from planner.stages.clustering import Layers
 from planner.stages.layer_facts import LayerFacts, subgraph
@@ -224,8 +225,8 @@ def replica_quantisation(sub: Graph, plan, data_axes: frozenset[str], cost) -> f
         out = specs.get((w.op, 0))
         if w.kind != "reduce" or out is None or not {names[a] for a in w.axes} <= data_axes:
             continue
-        pre = tuple(tuple(a for a in dim if a not in w.axes) for dim in out)
-        kind = "reduce-scatter" if any(set(dim) & set(w.axes) for dim in out) else "all-reduce"
+        pre, scatter = before_reduction(out, w.axes)
+        kind = "all-reduce" if scatter is None else "reduce-scatter"
         total += int8_reduction(kind, sub.tensors[sub.ops[w.op].outputs[0]], pre, w.axes, cost)[1]
     return total
 
