@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from planner import cli
 from planner.core.options import PlanOptions
-from planner.graph.shape_family import ShapeFamily
+from planner.graph.shape_family import ShapeFamily, same_program
 from planner.graph.trace import trace
 from planner.stages.inter_op import plan_pipeline
 from planner.stages.microbatches import PlanningMemo
@@ -82,3 +82,39 @@ def test_memo_family_is_checked_against_the_step_of_each_size(caplog):
 def jax_tree_scale(tree, factor):
     return jax.tree.map(lambda x: x * jnp.asarray(factor, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
                         tree)
+
+
+def test_pipelined_plan_traces_the_step_once(monkeypatch, tmp_path, capsys):
+    """`planner plan --pipeline` makes the whole batch's graph from the symbolic trace the pipeline
+    search needs anyway: the step is traced once (symbolically), and the plan is the one planned
+    from a concrete trace of the whole batch."""
+    import planner.cli.plan as cli_plan
+    calls = []
+    real = cli_plan.trace
+    monkeypatch.setattr(cli_plan, "trace", lambda *a, **k: calls.append(1) or real(*a, **k))
+    once = tmp_path / "once.json"
+    assert cli.main(["plan", *_WHERE, "--batch", "8", "--json", str(once)]) == 0
+    assert calls == []
+    memo = PlanningMemo()
+    bundle = get_model("gpt-tiny", batch=8)
+    args = (bundle.abstract_state(), bundle.abstract_batch())
+    graph = cli_plan._from_family(bundle.train_step, args, memo)
+    assert isinstance(memo.family, ShapeFamily) and memo.step is bundle.train_step
+    assert same_program(graph, trace(bundle.train_step, *args))
+    # Without the family (a step with scans keeps its traced jaxpr) the CLI traces the whole batch.
+    monkeypatch.setattr(cli_plan, "_from_family", lambda *a: None)
+    traced = tmp_path / "traced.json"
+    assert cli.main(["plan", *_WHERE, "--batch", "8", "--json", str(traced)]) == 0
+    capsys.readouterr()
+    assert calls == [1]
+    assert math.isclose(_step_time(once), _step_time(traced), rel_tol=1e-9)
+
+
+def test_scanned_step_keeps_its_traced_graph():
+    """A step with scans is traced whole (recomputing a scan rewrites its traced jaxpr, which a
+    graph made from the family does not keep); the family is still left for the search."""
+    import planner.cli.plan as cli_plan
+    bundle = get_model("llama-tiny", batch=8)
+    memo = PlanningMemo()
+    assert cli_plan._from_family(bundle.train_step, (bundle.abstract_state(), bundle.abstract_batch()), memo) is None
+    assert isinstance(memo.family, ShapeFamily)

@@ -13,9 +13,11 @@ from planner.core.options import PlanOptions
 from planner.cost_model import Cluster, get_hardware, profiled_hardware
 from planner.emit.pipeline.planned import plan_stages
 from planner.graph.ir import Graph, matmul_flops
+from planner.graph.scan_remat import recomputable_scans
+from planner.graph.shape_family import ShapeFamily, trace_family
 from planner.graph.trace import trace
 from planner.planning.evaluate import pipeline_baseline
-from planner.stages.microbatches import PlanningMemo, microbatch_args
+from planner.stages.microbatches import PlanningMemo, batch_size, microbatch_args
 from planner.present.ranking import hardware_record, mesh_ranking, pipeline_ranking, plan_view
 from planner.present.report import format_levers, format_plan
 from planner.planning.composition import compose_on_meshes
@@ -76,6 +78,8 @@ def _plan_one(args, out, memo: PlanningMemo | None = None):
     """Plans one shape and prints it; returns its `PlanView`. `memo`: what plans of the same step at
     other batch sizes found (a sweep's, `cli.sweep`)."""
     where = _plan_target(args)
+    if where.pipelined and memo is None:  # the search's symbolic trace also gives the whole batch's graph
+        memo = PlanningMemo()
     traced = _trace_step(args, where, memo)
     options, assumed = donated_state(args, where.options, traced.graph)
     where = dataclasses.replace(where, options=options)
@@ -147,7 +151,8 @@ def _trace_step(args, where: PlanTarget, memo: PlanningMemo | None = None) -> Tr
     log.info("tracing %s (compute dtype %s) ...", label, args.dtype or
              (where.target_hw.default_dtype if args.model else "the factory's"))
     try:
-        graph = trace(step, *example)
+        graph = _from_family(step, example, memo) if where.pipelined else None
+        graph = graph if graph is not None else trace(step, *example)
     except PlannerError:
         raise
     except Exception as e:  # the user's step failed to trace: one line naming it, no traceback
@@ -157,6 +162,21 @@ def _trace_step(args, where: PlanTarget, memo: PlanningMemo | None = None) -> Tr
                        f"{first_line(e)}; fix the step") from None
     log.info("traced %d ops, %d inputs in %.1fs", len(graph.ops), len(graph.inputs), time.perf_counter() - t0)
     return Traced(label, step, example, graph, matmul_flops(graph), t0)
+
+
+def _from_family(step, example, memo: PlanningMemo | None) -> Graph | None:
+    """A pipelined plan's whole-batch graph made from the step traced with a symbolic batch size,
+    which the pipeline search needs anyway (`memo.family`, left there for it): one trace instead of
+    two. None (trace it) when the step cannot be traced so (the search then traces per size and says
+    why), or when it has scans: recomputing a scan rewrites the traced jaxpr (`Graph.source`), which
+    a graph made from the family does not keep."""
+    if memo is None or memo.family is not None:
+        return None
+    family = trace_family(step, example, (len(example) - 1,))
+    memo.family, memo.step = family, step
+    if not isinstance(family, ShapeFamily) or recomputable_scans(family.graph):
+        return None
+    return memo.graph_at(step, batch_size(example))
 
 
 def _resized(loaded: tuple, batch: int) -> tuple:

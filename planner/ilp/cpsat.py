@@ -288,6 +288,12 @@ class _Model:
         # zoo models).
         solver.parameters.cp_model_probing_level = 1
         solver.parameters.inprocessing_probing_dtime = 0.1
+        if gap > 0:
+            # A run that may stop at a gap needs a good plan more than a tight bound: without the
+            # Gomory, MIR, zero-half and clique cuts its LP rounds are cheaper and it reaches the
+            # gap sooner (WORKSPACE.md, "Figures behind the code").
+            for cuts in ("add_cg_cuts", "add_mir_cuts", "add_zero_half_cuts", "add_clique_cuts"):
+                setattr(solver.parameters, cuts, False)
         if hint is not None:
             self.m.ClearHints()
             for node, i in enumerate(hint):
