@@ -192,12 +192,14 @@ def check_name(name: str) -> None:
 
 
 def baseline_specs(name: str, paths: Sequence[str], shapes: Sequence[Shape], mesh: MeshSpec,
-                   host_axes: Sequence[int] = ()) -> list[PartitionSpec]:
+                   host_axes: Sequence[int] = (), roles: Sequence[tuple[str, str]] | None = None) -> list[PartitionSpec]:
     """The baseline's PartitionSpec of every argument leaf (see the module docstring).
 
     `host_axes` (mesh axis indices crossing hosts) matter to megatron-tp(-sp) only: given, and with
     axes inside a host left, tensor parallelism takes the axes inside a host and the batch is split
     over the host axes, as Megatron-LM lays out TP x DP (a pipeline stage over several hosts).
+
+    `roles`: `_roles(paths, shapes)` when the caller has it.
 
     Raises:
       InvalidArgumentError: an unknown baseline name.
@@ -207,7 +209,7 @@ def baseline_specs(name: str, paths: Sequence[str], shapes: Sequence[Shape], mes
     data, model = _roles_axes(name, mesh, host_axes)
     megatron_dp = name in ("megatron-tp", "megatron-tp-sp") and data != every
     out = []
-    for (role, key), shape in zip(_roles(paths, shapes), shapes):
+    for (role, key), shape in zip(_roles(paths, shapes) if roles is None else roles, shapes):
         shape = tuple(shape)
         if role == "batch":
             if megatron_dp:
@@ -255,18 +257,27 @@ def baseline_pins(name: str, host_axes: Sequence[int] = ()) -> Callable[[Sequenc
 def _stage_pins(name: str, graph: Any, lm: Any, param_split: bool) -> dict[int, Any]:
     """{program input tensor id: Spec} of the baseline on a stage's logical mesh, every argument leaf
     pinned; {} when `param_split` and the baseline splits no parameter there."""
-    paths = graph.input_paths
-    shapes = [tuple(graph.tensors[t].shape) for t in graph.inputs]
-    specs = baseline_specs(name, paths, shapes, lm.mesh, lm.host_axes)
-    roles = _roles(paths, shapes) if param_split else ()
+    paths, shapes, roles, names, suffix_free, patterns = _leaves(graph)
+    specs = baseline_specs(name, paths, shapes, lm.mesh, lm.host_axes, roles)
     if param_split and not any(role == "param" and tuple(spec) for (role, _), spec in zip(roles, specs)):
         return {}
-    names = [(leaf_names(p) or (p,))[0] for p in paths]
-    if _suffix_free(names):  # each leaf's first matching pattern is its own exact one: no matching needed
-        return {t: to_spec(spec, shape, lm.mesh, path, glob_escape(name))
-                for t, path, name, shape, spec in zip(graph.inputs, paths, names, shapes, specs)}
+    if suffix_free:  # each leaf's first matching pattern is its own exact one: no matching needed
+        return {t: to_spec(spec, shape, lm.mesh, path, pattern)
+                for t, path, pattern, shape, spec in zip(graph.inputs, paths, patterns, shapes, specs)}
     resolved = resolve({exact_pattern(p): s for p, s in zip(paths, specs)}, paths, shapes, lm.mesh, complete=True)
     return {graph.inputs[i]: spec for i, spec in resolved.items()}
+
+
+def _leaves(graph: Any) -> tuple:
+    """What the baselines read of `graph`'s argument leaves whatever the mesh, once per graph (the
+    pipeline search pins every layout on every logical mesh): paths, shapes, roles (`_roles`),
+    indexed names, whether those are suffix-free (`_suffix_free`) and their exact patterns."""
+    def make() -> tuple:
+        paths = graph.input_paths
+        shapes = [tuple(graph.tensors[t].shape) for t in graph.inputs]
+        names = [(leaf_names(p) or (p,))[0] for p in paths]
+        return paths, shapes, _roles(paths, shapes), names, _suffix_free(names), [glob_escape(n) for n in names]
+    return graph.cached(("baseline_leaves",), make)
 
 
 def _suffix_free(names: Sequence[str]) -> bool:
@@ -303,7 +314,7 @@ def replica_ways(name: str, graph: Any, lm: Any) -> int:
         return ways
     data = {lm.mesh.axis_names.index(a) for a in _roles_axes(name, lm.mesh, lm.host_axes)[0]}
     pins = _stage_pins(name, graph, lm, False)
-    roles = _roles(graph.input_paths, [tuple(graph.tensors[t].shape) for t in graph.inputs])
+    roles = _leaves(graph)[2]
     if any(role == "param" and any(data & set(dims) for dims in pins.get(t, ()))
            for (role, _), t in zip(roles, graph.inputs)):
         return 1

@@ -59,7 +59,7 @@ from planner.core.sharding import named_sharding
 from planner.emit.pipeline.layout import StageLayout, even_layouts, layer_names
 from planner.emit.pipeline.opt_state import opt_layouts, opt_shardings
 from planner.emit.pipeline.programs import build_programs, replica_sharding
-from planner.emit.pipeline.stage_records import StageWork, stage_plan, stage_records
+from planner.emit.pipeline.stage_records import StageWork, stage_plans, stage_records
 from planner.stages.derived import is_float
 from planner.stages.schedule import dispatch_order, stage_tasks
 
@@ -197,14 +197,14 @@ class PipelinedStep:
                         "microbatches of %d examples and averages, so its loss and gradients differ from the "
                         "unpipelined step's", summary(found), self.num_microbatches, mb)
 
-    def _stage_plan(self, st: StageWork, options: Any = None):
-        """The stage's intra-op `Plan` (`stage_records.stage_plan`): the one given in `stage_plans`
-        when it was made for this program, else planned now."""
-        return stage_plan(st, self.stage_plans, options)
+    def _stage_plans(self, stages: Sequence[StageWork], options: Any = None) -> tuple[Plan, ...]:
+        """Every stage's intra-op `Plan` (`stage_records.stage_plans`): the one given in
+        `stage_plans` when it was made for this program, else planned now (once per distinct stage)."""
+        return stage_plans(stages, self.stage_plans, options)
 
     def stage_plan_records(self, params: Any, batch: Any,
                            options: Any = None) -> tuple[tuple[Plan, ...], tuple, tuple[tuple[str, ...], ...]]:
-        """Every stage's intra-op plan (`_stage_plan`; `options` one `PlanOptions` or one per stage)
+        """Every stage's intra-op plan (`_stage_plans`; `options` one `PlanOptions` or one per stage)
         and the values crossing stages, without devices (layout devices may be placeholders).
 
         Returns:
@@ -217,7 +217,7 @@ class PipelinedStep:
         self._say_if_mixing(graph, params, batch, mb)
         once = tuple(tuple(st.layout.mesh.axis_names[a] for a in st.axes if st.layout.mesh.shape[a] > 1)
                      if st.replica is not None else () for st in stages)
-        plans = tuple(self._stage_plan(st, options) for st in stages)
+        plans = self._stage_plans(stages, options)
         transfers = []
         for st in stages:
             for t in st.outs + st.aux_out:
@@ -231,14 +231,14 @@ class PipelinedStep:
     def _build(self, params: Any, batch: Any):
         graph, layout, needed_by, param_owner, mb = self._layout(params, batch)
         stages = []
-        for st in layout:
+        for st, plan in zip(layout, self._stage_plans(layout)):
             lay = st.layout
             jmesh = lay.mesh.to_jax_mesh(list(lay.devices))
             shard = lambda spec: named_sharding(spec, lay.mesh, jmesh)  # noqa: E731
             zero_shapes = [(graph.tensors[graph.inputs[k]].shape, graph.tensors[graph.inputs[k]].dtype)
                            for k in st.own]
             stages.append(build_programs(
-                self.optimizer, st.sg, self._stage_plan(st), st.index, lay, jmesh, st.ops, st.own,
+                self.optimizer, st.sg, plan, st.index, lay, jmesh, st.ops, st.own,
                 st.bl, st.acts_in, st.aux_in, st.outs, st.aux_out,
                 tuple(shard(x) for x in st.p_spec), tuple(shard(x) for x in st.b_spec), zero_shapes,
                 st.replica))

@@ -23,6 +23,7 @@ from planner.core.sharding import replicated, spec_axes
 from planner.emit.pipeline.layout import StageLayout, data_axes, data_spec, find_spec
 from planner.emit.pipeline.partition import partition
 from planner.emit.pipeline.programs import Replica, stage_graph
+from planner.emit.pipeline.same_stages import relabelled, reuse_key
 from planner.graph.trace import trace
 from planner.search.mesh_plan import make_plan
 from planner.stages.derived import is_float
@@ -211,16 +212,7 @@ def stage_plan(st: StageWork, stage_plans: Sequence[Any], options: Any = None):
                 f"stage {s}'s saved intra-op plan is for a program of {given.solver.ops} ops on "
                 f"{given.mesh}, this step's stage has {len(sg.graph.ops)} ops on {lay.mesh}; re-plan")
         return given
-    pins = {}
-    for group, specs in (("p", st.p_spec), ("b", st.b_spec),
-                         ("a", [st.act[t] for t in st.acts_in]),
-                         ("aux", [st.act[t] for t in st.aux_in]),
-                         ("ct", [st.act[t] for t in st.outs])):
-        pins.update(zip(sg.input_positions(group), specs))
-    if isinstance(options, Sequence):
-        options = options[s]
-    opts = dataclasses.replace(options or PlanOptions(), memory_budget=None, pipeline=False, tie_outputs=True,
-                               donate_argnums=())  # a stage program's own inputs, not the step's arguments
+    pins, opts = _problem(st, options)
     try:
         return make_plan(sg.graph, lay.mesh, opts, pins=pins)
     except MeshError:
@@ -233,3 +225,39 @@ def stage_plan(st: StageWork, stage_plans: Sequence[Any], options: Any = None):
                     prediction=Prediction(0.0, 0.0, 0.0, 0, 0.0, ()), decisions=(),
                     solver=SolverStats(status="replicated", ops=len(g.ops)), options=opts.recorded(),
                     in_tree=g.in_tree, out_tree=g.out_tree)
+
+
+def _problem(st: StageWork, options: Any) -> tuple[dict, PlanOptions]:
+    """The stage's pinned inputs (parameters, batch leaves, boundary tensors) and its plan's options."""
+    sg = st.sg
+    pins = {}
+    for group, specs in (("p", st.p_spec), ("b", st.b_spec),
+                         ("a", [st.act[t] for t in st.acts_in]),
+                         ("aux", [st.act[t] for t in st.aux_in]),
+                         ("ct", [st.act[t] for t in st.outs])):
+        pins.update(zip(sg.input_positions(group), specs))
+    if isinstance(options, Sequence):
+        options = options[st.index]
+    opts = dataclasses.replace(options or PlanOptions(), memory_budget=None, pipeline=False, tie_outputs=True,
+                               donate_argnums=())  # a stage program's own inputs, not the step's arguments
+    return pins, opts
+
+
+def stage_plans(stages: Sequence[StageWork], given: Sequence[Any], options: Any = None) -> tuple:
+    """Every stage's plan (`stage_plan`); a stage that runs the same program as an earlier one, on
+    the same mesh with the same pins and options, takes that stage's plan renamed
+    (`same_stages.relabelled`) instead of solving it again."""
+    made: dict = {}
+    plans = []
+    for st in stages:
+        key = None
+        if not (st.index < len(given) and given[st.index] is not None):
+            key = reuse_key(st.sg.graph, st.layout.mesh, *_problem(st, options))
+        earlier = made.get(key) if key is not None else None
+        plan = relabelled(earlier[0], earlier[1], st.sg.graph) if earlier is not None else None
+        if plan is None:
+            plan = stage_plan(st, given, options)
+            if key is not None and key not in made:
+                made[key] = (plan, st.sg.graph)
+        plans.append(plan)
+    return tuple(plans)
