@@ -7,6 +7,7 @@ programs from these records.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -25,6 +26,7 @@ from planner.emit.pipeline.partition import partition
 from planner.emit.pipeline.programs import Replica, stage_graph
 from planner.emit.pipeline.same_stages import relabelled, reuse_key
 from planner.graph.trace import trace
+from planner.search.cores import idle_cores
 from planner.search.mesh_plan import make_plan
 from planner.stages.derived import is_float
 
@@ -246,18 +248,24 @@ def _problem(st: StageWork, options: Any) -> tuple[dict, PlanOptions]:
 def stage_plans(stages: Sequence[StageWork], given: Sequence[Any], options: Any = None) -> tuple:
     """Every stage's plan (`stage_plan`); a stage that runs the same program as an earlier one, on
     the same mesh with the same pins and options, takes that stage's plan renamed
-    (`same_stages.relabelled`) instead of solving it again."""
-    made: dict = {}
+    (`same_stages.relabelled`) instead of solving it again. The distinct stages are solved side by
+    side on the idle cores (CP-SAT releases the GIL; each plan is made alone, as in
+    `LayerCostTable.fill`)."""
+    keys = [None if st.index < len(given) and given[st.index] is not None
+            else reuse_key(st.sg.graph, st.layout.mesh, *_problem(st, options)) for st in stages]
+    first: dict = {}
+    for i, key in enumerate(keys):
+        if key is not None:
+            first.setdefault(key, i)
+    solve = [i for i, key in enumerate(keys) if key is None or first[key] == i]
+    opts = options[0] if isinstance(options, Sequence) and options else options
+    threads = max(1, min(len(solve), idle_cores() // max(1, getattr(opts, "solver_workers", 1) or 1)))
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        made = dict(zip(solve, pool.map(lambda i: stage_plan(stages[i], given, options), solve)))
     plans = []
-    for st in stages:
-        key = None
-        if not (st.index < len(given) and given[st.index] is not None):
-            key = reuse_key(st.sg.graph, st.layout.mesh, *_problem(st, options))
-        earlier = made.get(key) if key is not None else None
-        plan = relabelled(earlier[0], earlier[1], st.sg.graph) if earlier is not None else None
-        if plan is None:
-            plan = stage_plan(st, given, options)
-            if key is not None and key not in made:
-                made[key] = (plan, st.sg.graph)
-        plans.append(plan)
+    for i, (st, key) in enumerate(zip(stages, keys)):
+        if i not in made:
+            j = first[key]
+            made[i] = relabelled(made[j], stages[j].sg.graph, st.sg.graph) or stage_plan(st, given, options)
+        plans.append(made[i])
     return tuple(plans)
