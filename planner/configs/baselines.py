@@ -257,7 +257,7 @@ def baseline_pins(name: str, host_axes: Sequence[int] = ()) -> Callable[[Sequenc
 def _stage_pins(name: str, graph: Any, lm: Any, param_split: bool) -> dict[int, Any]:
     """{program input tensor id: Spec} of the baseline on a stage's logical mesh, every argument leaf
     pinned; {} when `param_split` and the baseline splits no parameter there."""
-    paths, shapes, roles, names, suffix_free, patterns = _leaves(graph)
+    paths, shapes, roles, suffix_free, patterns = _leaves(graph)
     specs = baseline_specs(name, paths, shapes, lm.mesh, lm.host_axes, roles)
     if param_split and not any(role == "param" and tuple(spec) for (role, _), spec in zip(roles, specs)):
         return {}
@@ -271,12 +271,12 @@ def _stage_pins(name: str, graph: Any, lm: Any, param_split: bool) -> dict[int, 
 def _leaves(graph: Any) -> tuple:
     """What the baselines read of `graph`'s argument leaves whatever the mesh, once per graph (the
     pipeline search pins every layout on every logical mesh): paths, shapes, roles (`_roles`),
-    indexed names, whether those are suffix-free (`_suffix_free`) and their exact patterns."""
+    whether the leaves' indexed names are suffix-free (`_suffix_free`) and their exact patterns."""
     def make() -> tuple:
         paths = graph.input_paths
         shapes = [tuple(graph.tensors[t].shape) for t in graph.inputs]
         names = [(leaf_names(p) or (p,))[0] for p in paths]
-        return paths, shapes, _roles(paths, shapes), names, _suffix_free(names), [glob_escape(n) for n in names]
+        return paths, shapes, _roles(paths, shapes), _suffix_free(names), [glob_escape(n) for n in names]
     return graph.cached(("baseline_leaves",), make)
 
 

@@ -56,10 +56,9 @@ log = logging.getLogger("planner")
 
 # The relative gap at which a layer's ILP stops ((plan - bound) / plan, CP-SAT's measure): its plan
 # at most about 2% over the layer's optimum (a stage's time is a sum of its layers', so it too).
-# CP-SAT finds these optima in well under a second and then may spend tens of seconds proving them:
-# GPT-39B's block layer at 4 rows on 2x4 (Alpa's testbed, batch 1024) 18.8 s at 1%, 4.7 s at 2%
-# (+0.3%), 1.5 s at 5% (+1.7%); the whole plan 91.5 s / 71.6 s / 55.1 s, 86.55 / 86.81 / 94.82
-# s/step (5% moves layer plans enough to change the microbatch count; WORKSPACE.md, Measured).
+# CP-SAT finds these optima in well under a second and then may spend tens of seconds proving them;
+# wider gaps move layer plans enough to change which microbatch counts fit (WORKSPACE.md, Design
+# decisions, the solver's parameters).
 LAYER_GAP = 0.02
 
 

@@ -89,20 +89,16 @@ def relabelled(plan: Plan, planned: Graph, graph: Graph) -> Plan | None:
         new = label(d.label)
         if new is None or not (free_text(d.chosen) and free_text(d.runner_up)):
             return None
-        decisions.append(_replace(d, label=new))
+        decisions.append(dataclasses.replace(d, label=new))
     collectives = []
     for c in plan.prediction.collectives:
         new = label(c.where)
         if new is None:
             return None
-        collectives.append(_replace(c, where=new))
-    prediction = _replace(plan.prediction, collectives=tuple(collectives))
-    return _replace(plan, input_paths=graph.input_paths, output_paths=graph.output_paths, in_tree=graph.in_tree,
+        collectives.append(dataclasses.replace(c, where=new))
+    prediction = dataclasses.replace(plan.prediction, collectives=tuple(collectives))
+    return dataclasses.replace(plan, input_paths=graph.input_paths, output_paths=graph.output_paths, in_tree=graph.in_tree,
                     out_tree=graph.out_tree, decisions=tuple(decisions), prediction=prediction)
-
-
-def _replace(record: Any, **changes: Any) -> Any:
-    return dataclasses.replace(record, **changes)
 
 
 def reuse_key(graph: Graph, mesh: Any, pins: Mapping[int, Any], options: Any) -> tuple | None:

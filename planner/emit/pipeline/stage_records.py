@@ -251,15 +251,16 @@ def stage_plans(stages: Sequence[StageWork], given: Sequence[Any], options: Any 
     (`same_stages.relabelled`) instead of solving it again. The distinct stages are solved side by
     side on the idle cores (CP-SAT releases the GIL; each plan is made alone, as in
     `LayerCostTable.fill`)."""
+    problems = [_problem(st, options) for st in stages]
     keys = [None if st.index < len(given) and given[st.index] is not None
-            else reuse_key(st.sg.graph, st.layout.mesh, *_problem(st, options)) for st in stages]
+            else reuse_key(st.sg.graph, st.layout.mesh, *problem) for st, problem in zip(stages, problems)]
     first: dict = {}
     for i, key in enumerate(keys):
         if key is not None:
             first.setdefault(key, i)
     solve = [i for i, key in enumerate(keys) if key is None or first[key] == i]
-    opts = options[0] if isinstance(options, Sequence) and options else options
-    threads = max(1, min(len(solve), idle_cores() // max(1, getattr(opts, "solver_workers", 1) or 1)))
+    workers = problems[0][1].solver_workers if problems else 1
+    threads = max(1, min(len(solve), idle_cores() // workers))
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         made = dict(zip(solve, pool.map(lambda i: stage_plan(stages[i], given, options), solve)))
     plans = []
