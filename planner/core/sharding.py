@@ -6,7 +6,6 @@ that dimension. `((0,), (), (1,))` is `PartitionSpec('x', None, 'y')` on a mesh 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -38,7 +37,11 @@ def spec_axes(spec: Spec) -> frozenset[int]:
 
 
 def num_shards(spec: Spec, mesh: MeshSpec) -> int:
-    return math.prod(mesh.axis_size(axes) for axes in spec)
+    n, shape = 1, mesh.shape
+    for axes in spec:
+        for a in axes:
+            n *= shape[a]
+    return n
 
 
 def axis_dim(spec: Spec, axis: int) -> int | None:

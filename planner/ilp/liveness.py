@@ -43,7 +43,8 @@ def _liveness_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
     n = len(problem.graph.ops)
     delta = np.zeros(n + 3, dtype=np.int64)
     mesh = problem.cost.mesh
-    for tid, (first, last) in enumerate(problem.live):
+    decided = problem.decided_live()
+    for tid, (first, last) in decided:
         if not _materialised(problem, tid, first):
             continue
         b = shard_bytes(problem.graph.tensors[tid], problem.spec(tid, choice), mesh)
@@ -64,7 +65,7 @@ def _liveness_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
         b = shard_bytes(problem.graph.tensors[e.tensor], e.dst_specs[choice[e.dst]], mesh)
         profile[at] += b
     reserved = sum(shard_bytes(problem.graph.tensors[tid], problem.spec(tid, choice), mesh)
-                   for tid, (first, last) in enumerate(problem.live) if last == n and _materialised(problem, tid, first))
+                   for tid, (first, last) in decided if last == n and _materialised(problem, tid, first))
     reserved += sum(_unfit_buffers(problem, node, choice[node.index]) for node in problem.nodes)
     return np.append(profile, reserved if _xla_cpu(problem) else 0)
 
@@ -150,7 +151,7 @@ def _output_slots(problem: Problem, choice: Sequence[int]) -> tuple[list[tuple[i
     outputs = {x for x in problem.graph.outputs if isinstance(x, int)}
     temps: list[tuple[int, int, int, tuple]] = []
     slots: list[tuple[int, int]] = []
-    for tid, (first, last) in enumerate(problem.live):
+    for tid, (first, last) in problem.decided_live():
         if first < 0 or not _materialised(problem, tid, first):
             continue
         b = shard_bytes(problem.graph.tensors[tid], problem.spec(tid, choice), mesh)

@@ -52,7 +52,7 @@ def liveness_floor(problem: Problem) -> int:
     n = len(problem.graph.ops)
     devices = problem.cost.mesh.size
     delta = np.zeros(n + 3, dtype=np.int64)
-    for tid, (first, last) in enumerate(problem.live):
+    for tid, (first, last) in problem.decided_live():
         if _materialised(problem, tid, first):
             b = problem.graph.tensors[tid].nbytes // devices
             delta[first + 1] += b
@@ -117,7 +117,7 @@ def _compute_bound_parts(problem: Problem) -> tuple[dict, np.ndarray, int]:
     def owned(tid: int) -> np.ndarray:  # the tensor's bytes under each strategy of its decision
         return np.array([nbytes(tid, spec) for spec in problem.nodes[problem.owner[tid]].owned[tid]], dtype=np.int64)
 
-    for tid, (first, last) in enumerate(problem.live):
+    for tid, (first, last) in problem.decided_live():
         if not _materialised(problem, tid, first):
             continue
         r = rep[problem.owner[tid]]

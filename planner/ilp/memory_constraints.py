@@ -42,7 +42,7 @@ def memory_expr(model, point: int, choice: Sequence[int] | None = None):
         _borrowed_terms(model, point, choice, coef, copies)
     if point == _reserved_point(p):
         return _reserved_expr(model) if _xla_cpu(p) else 0
-    for tid, (first, last) in enumerate(p.live):
+    for tid, (first, last) in p.decided_live():
         if not (first < point <= last + 1) or not _materialised(p, tid, first):
             continue
         node = p.nodes[p.owner[tid]]
@@ -77,7 +77,7 @@ def _reserved_expr(model):
     p = model.problem
     coef: dict[tuple[int, int], int] = defaultdict(int)
     n = len(p.graph.ops)
-    for tid, (first, last) in enumerate(p.live):
+    for tid, (first, last) in p.decided_live():
         if last == n and _materialised(p, tid, first):
             node = p.nodes[p.owner[tid]]
             for i, b in enumerate(_sizes(model, tid, tid, node.owned[tid])):

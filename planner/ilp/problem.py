@@ -83,6 +83,8 @@ class Problem:
     # `liveness._borrowed` of the last plan asked (memory_profile, the memory rounds' cuts and the ILP
     # terms ask for the same plan in turn)
     _borrowed: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    # `decided_live` once computed
+    _decided: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def memory_platform(self) -> str:
@@ -109,6 +111,14 @@ class Problem:
             found = self._edge_times[key] = edge_time(t, src, dst, self.cost)
         self._edge_times_by_id[(tensor, src, dst, q)] = found
         return found
+
+    def decided_live(self) -> tuple[tuple[int, tuple[int, int]], ...]:
+        """(tensor id, live range) of each tensor a node decides, in tensor order: the ones the memory
+        model can count (`liveness._materialised` needs a decision), without a pass over every tensor
+        of the graph (a layer's subgraph keeps the whole step's tensor ids, most of them not its own)."""
+        if not self._decided:
+            self._decided["all"] = tuple((t, self.live[t]) for t in sorted(self.owner))
+        return self._decided["all"]
 
     def spec(self, tensor: int, choice: Sequence[int]) -> Spec | None:
         """The tensor's sharding under `choice` (None for free tensors, which are left to XLA)."""
@@ -199,7 +209,8 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     pins = pins or {}
     built = _Decisions([], {}, set(graph.consts))
     _input_nodes(built, graph, cost, pins, allowed)
-    inputs = _Inputs(graph, cost, rules, allowed, combinable_ops(graph), fusions(graph, cost.hardware.platform))
+    inputs = _Inputs(graph, cost, rules, allowed, graph.cached(("combinable",), lambda: combinable_ops(graph)),
+                     fusions(graph, cost.hardware.platform))
     for op in graph.ops:
         _add_op(inputs, built, op)
     nodes, owner = built.nodes, built.owner
@@ -399,10 +410,20 @@ def _memory_and_sharing(inputs: _Inputs, nodes: list[Node], edges: list[Edge], d
         rep = layer_representatives(nodes, graph)
         if len(set(rep)) == len(rep):  # no repeated layers by name: find them by structure
             rep = structural_representatives(nodes, graph, edges)
+    unwritten, again, live = graph.cached(("memory_facts", memory_platform, cost.hardware.platform, tuple(donated)),
+                                          lambda: _memory_facts(graph, unwritten_by, inputs.combinable, memory_platform,
+                                                                donated))
+    return unwritten, again, live, rep
+
+
+def _memory_facts(graph: Graph, unwritten_by, combinable: set[int], memory_platform: str,
+                  donated: list[tuple[int, int]]) -> tuple:
+    """(unwritten values, recomputed values, live ranges): the graph's alone, given the platforms and
+    the donation pairs (every mesh's problem of one graph asks again)."""
     unwritten = frozenset(t for op in graph.ops for t, w in zip(op.outputs, unwritten_by[op.index].writes) if not w)
     again = recomputed(graph, memory_platform) | attention_internal(graph, memory_platform)
-    live = live_ranges(graph, donated, fused_away(graph, unwritten, inputs.combinable, memory_platform, again))
-    return unwritten, again, live, rep
+    live = live_ranges(graph, donated, fused_away(graph, unwritten, combinable, memory_platform, again))
+    return unwritten, again, live
 
 
 def combinable_ops(graph: Graph) -> set[int]:

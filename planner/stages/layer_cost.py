@@ -130,7 +130,9 @@ def zero_spec(shape: tuple[int, ...], spec: Spec, mesh) -> Spec:
 def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmesh: LogicalMesh,
                hardware: str | Hardware, options: PlanOptions, pinned: Mapping[int, Spec] | None = None) -> LayerCost:
     """The layer planned alone on `lmesh` with the inputs `pinned` fixes (see the module docstring)."""
-    sub, ext = subgraph(graph, facts.ops, f"{layers.names[layer]}/", facts.param_grads, facts.exported)
+    # once per layer: every mesh's ILP of it then shares the subgraph's memos (fusions, signatures, live ranges)
+    sub, ext = graph.cached(("layer_subgraph", layers, layer), lambda: subgraph(
+        graph, facts.ops, f"{layers.names[layer]}/", facts.param_grads, facts.exported))
     if not sub.ops:
         return LayerCost(0.0, 0.0, 0.0, 0.0, 0.0)
     cost = lmesh.cost_model(get_hardware(hardware))
