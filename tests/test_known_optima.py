@@ -59,12 +59,19 @@ def test_hidden_much_larger_than_batch_is_megatron(devices8):
 
 
 def test_large_experts_many_tokens_give_expert_parallelism(devices8):
-    """Experts hold >90% of the weights and 4096 tokens flow per step: the planner splits the
-    expert dim of every expert weight over the mesh and moves tokens with all-to-all."""
+    """Experts hold >90% of the weights and 4096 tokens flow per step: with every collective on the
+    critical path, the planner splits the expert dim of every expert weight over the mesh and moves
+    tokens with all-to-all (GShard's layout). Weighing prefetch (the default) may instead gather the
+    sharded experts ahead of their use, hidden behind earlier compute; that plan must then be
+    predicted faster than the expert-parallel one."""
     b = get_model("moe-large-experts")
     state, batch = b.abstract_state(), b.abstract_batch()
-    step = planner.plan_parallel(b.train_step, mesh="1x8")
+    step = planner.plan_parallel(b.train_step, mesh="1x8", prefetch=False)
     plan = step.plan(state, batch)
+    weighed = planner.plan_parallel(b.train_step, mesh="1x8").plan(state, batch)
+    assert weighed.prediction.step_time_s <= plan.prediction.step_time_s * (1 + 1e-9)
+    if weighed.levers.prefetch is not None:
+        assert weighed.levers.prefetch.without_step_time_s == pytest.approx(plan.prediction.step_time_s, rel=1e-9)
     experts = [(p, s) for p, s in zip(plan.input_paths, plan.input_specs)
                if p.startswith("[0]['params']") and ("['wi']" in p or "['wo']" in p)]
     assert experts

@@ -129,9 +129,11 @@ def _add_levers(opts) -> None:
 
 def _add_search(opts) -> None:
     """How the planner searches, and how much of it is printed."""
-    opts.add_argument("--prefetch", action="store_true",
-                      help="price parameter all-gathers (ZeRO-3/FSDP) as issued ahead of their use, hidden behind "
-                           "earlier compute (a harder ILP: slower planning)")
+    opts.add_argument("--prefetch", nargs="?", const="on", choices=("auto", "on", "off"), default=None,
+                      help="parameter all-gathers (ZeRO-3/FSDP) priced as issued ahead of their use, hidden behind "
+                           "earlier compute: auto (default) weighs it on the chosen mesh of a single-stage plan and "
+                           "keeps the faster plan; on (or --prefetch alone) on every mesh (a harder ILP: slower "
+                           "planning); off never")
     opts.add_argument("--comm-precision", choices=("exact", "bf16", "int8"), default=None,
                       help="wire formats of collectives: exact (default: split contractions' partial sums reduced "
                            "in float32, as they accumulate unsharded), bf16 (in their results' dtype: half the "

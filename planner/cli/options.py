@@ -42,8 +42,8 @@ def _levers(args) -> dict:
         base["unshard"] = getattr(args, "unshard", True)
     if args.time_limit is not None:
         base["solver_time_limit"] = args.time_limit
-    if getattr(args, "prefetch", False):
-        base["prefetch"] = True
+    if getattr(args, "prefetch", None) in ("on", "off"):
+        base["prefetch"] = args.prefetch == "on"
     if getattr(args, "comm_precision", None) is not None:
         base["comm_precision"] = args.comm_precision
     if getattr(args, "offload", None) is not None:

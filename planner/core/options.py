@@ -49,9 +49,11 @@ class PlanOptions:
         on the critical path. Never assumed on XLA:CPU, whose collectives are synchronous.
       prefetch: with overlap, resharding of program arguments (ZeRO-3 / FSDP parameter
         all-gathers) is issued ahead of its consumers and hides behind earlier compute
-        (`planner.ilp.objective.prefetch_hidden`). Off by default: it makes the ILP markedly harder
-        (moe-tiny on 2x4: 5.8 -> 19 CP-SAT deterministic units, same optimum), so plans that rely
-        on it (sharded parameters) ask for it.
+        (`planner.ilp.objective.prefetch_hidden`). True or False; None (the default): the
+        composition of the levers (`planner.planning.composition`) weighs it on the chosen mesh of
+        a single-step plan and keeps the faster plan; a single `make_plan` plans without it
+        (`planned_prefetch`). Not searched on every mesh: it makes some ILPs markedly harder
+        (moe-tiny on 2x4: 5.8 -> 19 CP-SAT deterministic units, same optimum).
       user_constraints: "pin": the step's own `with_sharding_constraint` / `jax.sharding.reshard`
         fix their results' sharding; "hint": the planner may choose another.
       accumulate: gradient accumulation in a single-stage plan (`planner.levers.accumulate`): 1 (off),
@@ -112,7 +114,7 @@ class PlanOptions:
     inter_host: Any = None
     intra_host: Any = None
     overlap: bool = True
-    prefetch: bool = False
+    prefetch: bool | None = None
     user_constraints: str = "pin"
     accumulate: int | str | None = None
     offload: str | None = None
@@ -135,8 +137,8 @@ class PlanOptions:
             raise InvalidArgumentError(f"donate_argnums={self.donate_argnums!r} must be argument positions (ints >= 0)")
         if not isinstance(self.overlap, bool):
             raise InvalidArgumentError(f"overlap={self.overlap!r} must be True or False")
-        if not isinstance(self.prefetch, bool):
-            raise InvalidArgumentError(f"prefetch={self.prefetch!r} must be True or False")
+        if self.prefetch is not None and not isinstance(self.prefetch, bool):
+            raise InvalidArgumentError(f"prefetch={self.prefetch!r} must be True, False or None (weighed by the planner)")
         for name in ("inter_host", "intra_host"):
             if getattr(self, name) is not None:
                 parse_link(getattr(self, name), name)
@@ -168,6 +170,12 @@ class PlanOptions:
             raise InvalidArgumentError(f"solver_time_limit={self.solver_time_limit!r} must be a positive number of seconds")
         if not (isinstance(self.solver_workers, int) and self.solver_workers >= 1):
             raise InvalidArgumentError(f"solver_workers={self.solver_workers!r} must be an int >= 1")
+
+    @property
+    def planned_prefetch(self) -> bool:
+        """Whether one mesh's problem prices prefetched argument reshardings: the option, False for
+        None (the composition of the levers weighs it itself)."""
+        return bool(self.prefetch)
 
     @property
     def planned_offload(self) -> str:

@@ -241,8 +241,20 @@ class OffloadRecord(JsonRecord):
     without_memory_bytes: int | None = None  # its peak, or the smallest peak found when it does not fit
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefetchRecord(JsonRecord):
+    """Prefetched argument reshardings (`PlanOptions.prefetch` None, weighed by
+    `planner.planning.composition`): the plan prices each parameter all-gather as issued ahead of
+    its use, behind earlier compute, and was faster so than the plan without it on the same mesh
+    (its step time and peak; `without_fits` as in the other records: that plan fits the budget)."""
+
+    without_fits: bool | None = None
+    without_step_time_s: float | None = None
+    without_memory_bytes: int | None = None
+
+
 # `Plan.levers` keys (plans saved before the field kept these records in "solver").
-LEVER_NAMES = ("accumulation", "remat", "offload")
+LEVER_NAMES = ("accumulation", "remat", "offload", "prefetch")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -253,6 +265,7 @@ class Levers(JsonRecord):
     accumulation: AccumulationRecord | None = None
     remat: RematRecord | None = None
     offload: OffloadRecord | None = None
+    prefetch: PrefetchRecord | None = None
 
     def names(self) -> frozenset[str]:
         """The levers with a record."""
@@ -261,7 +274,7 @@ class Levers(JsonRecord):
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Levers:
         return from_fields(cls, d, accumulation=AccumulationRecord.from_json, remat=RematRecord.from_json,
-                           offload=OffloadRecord.from_json)
+                           offload=OffloadRecord.from_json, prefetch=PrefetchRecord.from_json)
 
 
 # ----- the step's own constraints ----------------------------------------------------------------

@@ -221,7 +221,11 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     if tie_outputs:
         ties, donated, pinned_outputs = _output_ties(graph, built, pins, donated_inputs, edges)
     ties.extend((a, b) for a, b in graph.loop_ties if a in owner and b in owner)
+    warned = graph.cached(("fallbacks_warned",), set)  # once per graph, not once per mesh or lever solve
     for (name, why), n in sorted(built.fallback.items()):
+        if (name, why) in warned:
+            continue
+        warned.add((name, why))
         if why:
             log.warning("%s (%d ops): planned replicated: %s", name, n, why)
         else:

@@ -393,8 +393,8 @@ def _without(record) -> str:
 
 
 def format_levers(plan) -> str:
-    """The memory levers the plan uses (gradient accumulation and selective unsharding,
-    recomputation, host offload), a paragraph each, after what the budget cost when it bound
+    """The levers the plan uses (gradient accumulation and selective unsharding, recomputation,
+    host offload, prefetch), a paragraph each, after what the budget cost when it bound
     (`format_budget_cost`); empty when neither applies."""
     paras = [cost] if (cost := format_budget_cost(plan)) else []
     record = plan.levers.accumulation
@@ -429,6 +429,10 @@ def format_levers(plan) -> str:
                      + f", {fmt_bytes(offload.host_bytes_per_device)}/device; "
                      f"copies in {offload.copy_in_s:.3g} s ({offload.hidden_s:.3g} s hidden), back "
                      f"{offload.copy_back_s:.3g} s" + _without(offload))
+    prefetch = plan.levers.prefetch
+    if prefetch is not None:
+        paras.append("Prefetch: parameter all-gathers (argument reshardings) issued ahead of their use, behind "
+                     "earlier compute (XLA's latency-hiding scheduler, `Plan.xla_flags()`)" + _without(prefetch))
     return "\n\n".join(paras)
 
 

@@ -223,6 +223,12 @@ def donated_inputs(graph: Graph, argnums: Sequence[int]) -> frozenset[int]:
     return frozenset(t for t, path in zip(graph.inputs, graph.input_paths) if path.startswith(heads))
 
 
+def overlaps(mesh: MeshSpec, options: PlanOptions, cost: CostModel | None = None) -> bool:
+    """Whether plans on `mesh` price collectives as overlapping compute: `options.overlap`, and never
+    on XLA:CPU, whose collectives are synchronous (`cost`: `cost_model_for(mesh, options)`, when made)."""
+    return options.overlap and (cost or cost_model_for(mesh, options)).hardware.platform != "cpu"
+
+
 def plan_problem(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None = None,
                  pins: Mapping[int, Spec] | None = None,
                  allowed: Mapping[int, frozenset[Spec]] | None = None) -> Problem:
@@ -239,8 +245,8 @@ def plan_problem(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: j
     problem = build_problem(graph, cost, tie_outputs=options.tie_outputs, share_layers=options.share_layers,
                             pins=pinned, donated_inputs=donated_inputs(graph, options.donate_argnums),
                             device_platform=_device_platform(jax_mesh), allowed=allowed)
-    overlap = options.overlap and cost.hardware.platform != "cpu"
-    problem = dataclasses.replace(problem, overlap=overlap, prefetch=overlap and options.prefetch)
+    overlap = overlaps(mesh, options, cost)
+    problem = dataclasses.replace(problem, overlap=overlap, prefetch=overlap and options.planned_prefetch)
     log.info("built ILP: %d ops -> %d decisions (%d after layer sharing), %d edges in %.2fs", len(graph.ops),
              len(problem.nodes), len(set(problem.rep)), len(problem.edges), time.perf_counter() - t0)
     return problem
