@@ -13,8 +13,8 @@ A lever is only tried where the memory bound says it can matter, cheapest first:
    inside the microbatch; no offload, which accumulation's emission does not stream): when asked
    for (`accumulate=k` or "auto"), or by default (`accumulate=None`) when the step is
    microbatch-invariant (`graph.batch_mixing`) and 1-2 needed a lever: the faster plan wins;
-4. prefetch (`prefetch=None`, the default): where collectives overlap compute (not XLA:CPU), the
-   single-step plan's mesh is planned again with argument reshardings (parameter all-gathers)
+4. prefetch (`prefetch=None`, the default): where collectives overlap compute (not XLA:CPU) and
+   the memory budget did not bind, the single-step plan's mesh is planned again with argument reshardings (parameter all-gathers)
    issued ahead of their use (`PlanOptions.prefetch`), and the faster plan kept. Always weighed,
    not only where the plan without it reshards arguments: with gathers that can hide, a sharded
    layout whose gradients are reduce-scattered can beat a replicated one that reshards nothing
@@ -149,11 +149,15 @@ def _with_prefetch(composed: Composed, options: PlanOptions, search: Search) -> 
     """`composed` or, where prefetch is weighed (module docstring, 4) and makes a faster plan on the
     same mesh, that plan with the recomputation record of the plan it replaces and a
     `PrefetchRecord` of it. Not for accumulated or host-offloaded plans (their searches plan other
-    graphs and options), nor where collectives never overlap (XLA:CPU's are synchronous)."""
+    graphs and options), nor where collectives never overlap (XLA:CPU's are synchronous), nor where
+    the memory budget bound the plan (`SolverStats.unbudgeted`): a prefetched gather holds its
+    parameter from its issue on, which the memory model does not count (Known gaps), so a plan at
+    the budget is where its prediction is least to be trusted; and there each solve runs memory
+    rounds (Llama-2-70B b128 on 8x8 H100: ~35 s more for the same plan)."""
     plan = composed.plan
     offload = plan.levers.offload
     if options.prefetch is not None or composed.accumulated is not None or (offload is not None and offload.inputs) \
-            or not overlaps(plan.mesh, options):
+            or plan.solver.unbudgeted is not None or not overlaps(plan.mesh, options):
         return composed
     log.info("weighing prefetched parameter gathers on mesh %s", plan.mesh)
     beat = plan.prediction.step_time_s * (1 - PREFETCH_GAIN)
