@@ -37,10 +37,9 @@ def spec_axes(spec: Spec) -> frozenset[int]:
 
 
 def num_shards(spec: Spec, mesh: MeshSpec) -> int:
-    n, shape = 1, mesh.shape
+    n = 1  # a loop, as `MeshSpec.axis_size`: the ILPs' builders ask ~10^5 times per plan
     for axes in spec:
-        for a in axes:
-            n *= shape[a]
+        n *= mesh.axis_size(axes)
     return n
 
 

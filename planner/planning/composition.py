@@ -14,8 +14,9 @@ A lever is only tried where the memory bound says it can matter, cheapest first:
    for (`accumulate=k` or "auto"), or by default (`accumulate=None`) when the step is
    microbatch-invariant (`graph.batch_mixing`) and 1-2 needed a lever: the faster plan wins;
 4. prefetch (`prefetch=None`, the default): where collectives overlap compute (not XLA:CPU) and
-   the memory budget did not bind, the single-step plan's mesh is planned again with argument reshardings (parameter all-gathers)
-   issued ahead of their use (`PlanOptions.prefetch`), and the faster plan kept. Always weighed,
+   the memory budget did not bind, the single-step plan's mesh is planned again with argument
+   reshardings (parameter all-gathers) issued ahead of their use (`PlanOptions.prefetch`), and the
+   faster plan kept (`_with_prefetch`). Always weighed,
    not only where the plan without it reshards arguments: with gathers that can hide, a sharded
    layout whose gradients are reduce-scattered can beat a replicated one that reshards nothing
    (gpt2-small on 1x8 H100: 0.02260 -> 0.02102 s/step). On the chosen mesh only: one more solve,
