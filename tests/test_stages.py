@@ -185,6 +185,32 @@ def test_dp_matches_brute_force():
     assert checked > 50
 
 
+def test_dp_with_a_memo_answers_every_microbatch_count_as_alone(monkeypatch):
+    """The memo keeps each table's evaluated bounds and read-back pipelines (they do not depend on the
+    microbatch count): the same table at another count gives exactly the DP without it, and at a
+    count already asked solves nothing; another table shares nothing."""
+    import planner.stages.dp as dp
+
+    solves = []
+    real = dp._solve
+    monkeypatch.setattr(dp, "_solve", lambda *a, **k: solves.append(1) or real(*a, **k))
+    rng = np.random.default_rng(3)
+    memo: dict = {}
+    for _ in range(20):
+        sizes, D = [1, 2, 4], int(rng.choice([4, 6, 8]))
+        t = _random_table(rng, int(rng.integers(2, 7)), sizes, 2)
+        for B in (64, 8, 2):
+            got, alone = pipeline_dp(t, sizes, D, B, memo=memo), pipeline_dp(t, sizes, D, B)
+            assert (got is None) == (alone is None)
+            if alone is not None:
+                assert (got.stages, got.objective_s, got.evaluations) == (alone.stages, alone.objective_s,
+                                                                          alone.evaluations)
+        solves.clear()
+        again = pipeline_dp(t, sizes, D, 8, memo=memo)
+        assert not solves and (again is None) == (alone is None)
+    assert len(memo) == 20
+
+
 def test_dp_gap_bound_and_pruning():
     rng = np.random.default_rng(2)
     for _ in range(30):

@@ -25,6 +25,7 @@ bounding the loss at `rel_gap * T`; `rel_gap = 0` is exact. Ties go to the small
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 
@@ -71,71 +72,86 @@ def bubble_fraction(times: Sequence[float], num_microbatches: int) -> float:
     return float(max(0.0, 1.0 - num_microbatches * sum(times) / (len(times) * total)))
 
 
-def _solve(times: np.ndarray, sizes: Sequence[int], num_devices: int, t_max: float, max_stages: int,
+@dataclasses.dataclass(frozen=True)
+class _Diagonals:
+    """`times` laid out by stage length, made once per DP: `by_len[q, m, k, j]` is the latency of
+    layers k..k+j on submesh m holding q + 1 microbatches (infinity past the last layer), and
+    `shortest[q, m, j]` its least over k, so that the longest stage under a bound is read without
+    scanning the table (`_widths`)."""
+
+    by_len: np.ndarray
+    shortest: np.ndarray
+
+    @staticmethod
+    def of(times: np.ndarray) -> "_Diagonals":
+        Q, L, _, M = times.shape
+        k = np.arange(L)[:, None]
+        last = k + np.arange(L)[None, :]
+        by_len = np.where((last < L)[None, :, :, None], times[:, k, np.minimum(last, L - 1), :], np.inf)  # [Q, k, j, M]
+        by_len = np.ascontiguousarray(by_len.transpose(0, 3, 1, 2))  # [Q, M, k, j]
+        return _Diagonals(by_len, by_len.min(axis=2))
+
+    def widths(self, t_max: float) -> np.ndarray:
+        """[Q, M]: one more than the longest stage (in layers, less one) that fits under t_max on
+        each submesh at each in-flight count; 0 where none does."""
+        fits = self.shortest <= t_max
+        L = fits.shape[-1]
+        return np.where(fits.any(axis=-1), L - np.argmax(fits[..., ::-1], axis=-1), 0)
+
+
+def _solve(diagonals: _Diagonals, sizes: Sequence[int], num_devices: int, t_max: float, max_stages: int,
            min_stages: int, keep: bool):
-    """min_s F(s, 0, D) for stages bounded by t_max; optionally the back-pointers to rebuild it."""
-    Q, L = times.shape[0], times.shape[1]
+    """min_s F(s, 0, D) for stages bounded by t_max; optionally the back-pointers to rebuild it.
+
+    Each stage count's min-plus step runs per submesh m over the stages that fit under t_max: those
+    starting at layer k end at k + j for j < w (the band width on m, `_Diagonals.widths`; most
+    lengths are over a tight bound), read as a sliding window over the table of the stages after."""
+    Q, M, L, _ = diagonals.by_len.shape
     D = num_devices
     inf = math.inf
-    prev = np.full((L + 1, D + 1), inf)
+    widths = diagonals.widths(t_max)
+    W = int(widths.max())
+    prev = np.full((L + W, D + 1), inf)  # rows past L: no layers left to start a stage at
     prev[L, 0] = 0.0
     best, best_s = inf, 0
     pointers = []
-    masked = np.where(times <= t_max, times, inf)
-    rows = np.arange(L)[:, None]
-    bands: dict[tuple[int, int], tuple[np.ndarray, np.ndarray] | None] = {}
-
-    def band(q: int, m: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """The stages starting at each layer k that fit under t_max end at i < k + w: their latencies
-        `a[k, j]` (of layers k..k+j) and last layers `last[k, j]`, so each stage count's min-plus step
-        is over w candidates per layer instead of L (most are infinite under a tight bound)."""
-        if (q, m) not in bands:
-            fin = np.isfinite(masked[q, :, :, m])
-            if not fin.any():
-                bands[q, m] = None
-            else:
-                k, i = np.nonzero(fin)
-                w = int((i - k).max()) + 1
-                last = rows + np.arange(w)[None, :]
-                a = np.where(last < L, masked[q, rows, np.minimum(last, L - 1), m], inf)
-                bands[q, m] = (a, np.minimum(last, L - 1))
-        return bands[q, m]
-
     for s in range(1, max_stages + 1):
         q = min(s, Q) - 1
-        cur = np.full((L + 1, D + 1), inf)
-        arg_i = np.zeros((L, D + 1), dtype=np.int32)
-        arg_m = np.full((L, D + 1), -1, dtype=np.int32)
-        for m in range(len(sizes)):
-            z = sizes[m]
-            b = band(q, m) if z <= D else None
-            if b is None:
+        cur = np.full((L + W, D + 1), inf)
+        if keep:
+            arg_i = np.zeros((L, D + 1), dtype=np.int32)
+            arg_m = np.full((L, D + 1), -1, dtype=np.int32)
+        # after[k, d, j]: the best of the stages after one ending at layer k + j, with d devices left
+        after = np.lib.stride_tricks.sliding_window_view(prev[1:], W, axis=0)
+        for m in range(M):
+            z, w = sizes[m], int(widths[q, m])
+            if w == 0 or z > D:
                 continue
-            a, last = b
-            shifted = np.full((L, D + 1), inf)
-            shifted[:, z:] = prev[1:, : D + 1 - z]
-            cand = a[:, :, None] + shifted[last]  # [k, j, d]: layers k..last[k, j] on m, then the rest
+            a = diagonals.by_len[q, m, :, :w]
+            a = np.where(a <= t_max, a, inf)
+            cand = a[:, None, :] + after[:L, : D + 1 - z, :w]  # [k, d - z, j]
             if not keep:  # the value only: no arg-min to carry
-                np.minimum(cur[:L], cand.min(axis=1), out=cur[:L])
+                np.minimum(cur[:L, z:], cand.min(axis=2), out=cur[:L, z:])
                 continue
-            j = cand.argmin(axis=1)
-            val = np.take_along_axis(cand, j[:, None, :], axis=1)[:, 0, :]
-            better = val < cur[:L]
-            cur[:L] = np.where(better, val, cur[:L])
-            arg_i = np.where(better, np.take_along_axis(last, j, axis=1), arg_i)
-            arg_m = np.where(better, m, arg_m)
+            j = cand.argmin(axis=2)
+            val = np.take_along_axis(cand, j[:, :, None], axis=2)[:, :, 0]
+            better = val < cur[:L, z:]
+            cur[:L, z:] = np.where(better, val, cur[:L, z:])
+            arg_i[:, z:] = np.where(better, np.arange(L)[:, None] + j, arg_i[:, z:])
+            arg_m[:, z:] = np.where(better, m, arg_m[:, z:])
         if keep:
             pointers.append((arg_i, arg_m))
         if s >= min_stages and cur[0, D] < best:
             best, best_s = float(cur[0, D]), s
-        if not np.isfinite(cur).any():
+        if not np.isfinite(cur[:L]).any():
             break
         prev = cur
     return best, best_s, pointers
 
 
 def pipeline_dp(times: np.ndarray, sizes: Sequence[int], num_devices: int, num_microbatches: int,
-                max_stages: int | None = None, min_stages: int = 1, rel_gap: float = 0.0) -> DPResult | None:
+                max_stages: int | None = None, min_stages: int = 1, rel_gap: float = 0.0,
+                memo: dict | None = None) -> DPResult | None:
     """Best stage boundaries and submeshes.
 
     Args:
@@ -149,6 +165,10 @@ def pipeline_dp(times: np.ndarray, sizes: Sequence[int], num_devices: int, num_m
       max_stages / min_stages: bounds on the number of stages.
       rel_gap: intervals of t_max candidates whose bound is within this relative distance of the
         best objective found are not searched (loss at most `rel_gap` times the optimum).
+      memo: kept between calls (`PlanningMemo.dp`): per table (by content) and device count, the
+        least `sum(t_i)` under each bound evaluated and the pipelines read back, which do not depend
+        on `num_microbatches` (only how they combine into the objective does): the same table at
+        another microbatch count costs one pass over the bounds already known.
 
     Returns:
       The best pipeline, or None when no assignment covers all layers and devices.
@@ -161,7 +181,7 @@ def pipeline_dp(times: np.ndarray, sizes: Sequence[int], num_devices: int, num_m
     unit = math.gcd(num_devices, *sizes)
     if unit > 1:
         return pipeline_dp(times, [z // unit for z in sizes], num_devices // unit, num_microbatches,
-                           max_stages=max_stages, min_stages=min_stages, rel_gap=rel_gap)
+                           max_stages=max_stages, min_stages=min_stages, rel_gap=rel_gap, memo=memo)
     max_stages = min(max_stages or L, L, num_devices)
     if min_stages > max_stages:
         return None
@@ -171,13 +191,23 @@ def pipeline_dp(times: np.ndarray, sizes: Sequence[int], num_devices: int, num_m
     B = num_microbatches
     evaluations = 0
 
-    found: dict[int, float] = {}  # index into `values` -> F(that bound)
+    known = _known(memo, times, sizes, num_devices, max_stages, min_stages)
+    found: dict[int, float] = known["F"]  # index into `values` -> F(that bound)
+    tried: set[int] = set()
+    diagonals: list[_Diagonals] = []  # made on the first bound not known
+
+    def solve(t_max: float, keep: bool):
+        if not diagonals:
+            diagonals.append(_Diagonals.of(times))
+        return _solve(diagonals[0], sizes, num_devices, t_max, max_stages, min_stages, keep)
 
     def F(j: int) -> float:
         nonlocal evaluations
-        if j not in found:
+        if j not in tried:
+            tried.add(j)
             evaluations += 1
-            found[j] = _solve(times, sizes, num_devices, values[j], max_stages, min_stages, keep=False)[0]
+        if j not in found:
+            found[j] = solve(values[j], False)[0]
         return found[j]
 
     # Smallest feasible bound (feasibility is monotone in t_max).
@@ -195,13 +225,25 @@ def pipeline_dp(times: np.ndarray, sizes: Sequence[int], num_devices: int, num_m
         lo = values.size - 1
 
     best_t = _best_bound(F, values, lo, B, rel_gap)
-    total, s, pointers = _solve(times, sizes, num_devices, best_t, max_stages, min_stages, keep=True)
+    if best_t not in known["kept"]:
+        known["kept"][best_t] = solve(best_t, True)
+    total, s, pointers = known["kept"][best_t]
     evaluations += 1
     if not math.isfinite(total):
         return None
     stages = _read_back(times, sizes, num_devices, best_t, s, pointers)
     ts = [st.time_s for st in stages]
     return DPResult(stages, pipeline_latency(ts, B), max(ts), evaluations)
+
+
+def _known(memo: dict | None, times: np.ndarray, sizes: Sequence[int], num_devices: int, max_stages: int,
+           min_stages: int) -> dict:
+    """`memo`'s entry for this table and device count (a fresh one without a memo)."""
+    if memo is None:
+        return {"F": {}, "kept": {}}
+    key = (hashlib.blake2b(np.ascontiguousarray(times).tobytes(), digest_size=16).hexdigest(), times.shape,
+           tuple(sizes), num_devices, max_stages, min_stages)
+    return memo.setdefault(key, {"F": {}, "kept": {}})
 
 
 def _best_bound(F: Callable[[int], float], values: np.ndarray, lo: int, B: int, rel_gap: float) -> float:

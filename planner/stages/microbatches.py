@@ -143,6 +143,8 @@ class PlanningMemo:
       pins: the hand layouts' pins per (layout, microbatch rows, logical mesh) (`search_space`).
       stage_plans: the stage programs' plans per (microbatch rows, stages) (`planned.plan_stages`).
       ranges: the layer ranges' times and memory per stage way (`stage_cost.stage_ranges`).
+      dp: the pipeline DP's evaluations per stage latency table (`dp.pipeline_dp(memo=...)`): a
+        microbatch size's tables are the same at every batch size that has it, only the count differs.
     """
 
     family: ShapeFamily | str | None = None
@@ -152,6 +154,7 @@ class PlanningMemo:
     pins: dict = dataclasses.field(default_factory=dict)
     stage_plans: dict = dataclasses.field(default_factory=dict)
     ranges: dict = dataclasses.field(default_factory=dict)
+    dp: dict = dataclasses.field(default_factory=dict)
 
     def graph_at(self, step: Callable[..., Any], batch: int | None) -> Graph | None:
         """`step`'s graph at batch size `batch` made from the family, when the family was traced from

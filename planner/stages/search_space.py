@@ -47,6 +47,7 @@ class SearchSpace:
       graphs: the step's graph per microbatch size (one trace for all sizes where it can).
       variant_pins: the hand layouts' pins by (layout, microbatch rows, mesh, host axes) (`PlanningMemo.pins`).
       ranges: the stage ways' layer-range costs (`PlanningMemo.ranges`, `stage_cost.stage_ranges`).
+      dp_memo: the pipeline DP's evaluations per stage latency table (`PlanningMemo.dp`).
       timings: seconds spent per planning phase, accumulated.
     """
 
@@ -74,6 +75,7 @@ class SearchSpace:
     graphs: MicrobatchGraphs
     variant_pins: dict
     ranges: dict
+    dp_memo: dict
 
     @property
     def hand_layouts(self) -> bool:
@@ -102,6 +104,7 @@ def search_space(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster
         memo.pins.clear()  # pins, stage plans and range costs: shared between calls of one step function only
         memo.stage_plans.clear()
         memo.ranges.clear()
+        memo.dp.clear()
     t_start = time.perf_counter()
     counts = microbatch_counts(batch, options.num_microbatches, microbatch_limit)
     shapes = submesh_shapes(cluster.hosts, cluster.devices_per_host)
@@ -121,7 +124,7 @@ def search_space(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster
         sizes=tuple(n * m for n, m in shapes), meshes=tuple(meshes), per_submesh=tuple(per_submesh),
         cache=memo.layer_plans, timings={"trace_s": 0.0, "layer_costs_s": 0.0, "dp_s": 0.0},
         graphs=MicrobatchGraphs(fn, args, batch_argnum, full_graph, family, traced),
-        variant_pins=memo.pins, ranges=memo.ranges)
+        variant_pins=memo.pins, ranges=memo.ranges, dp_memo=memo.dp)
 
 
 def layer_table(space: SearchSpace, B: int) -> tuple[Graph, Layers, LayerCostTable, float]:
@@ -167,7 +170,7 @@ def price(space: SearchSpace, B: int, table: LayerCostTable, boundary: np.ndarra
     space.timings["layer_costs_s"] += time.perf_counter() - t0
     t0 = time.perf_counter()
     dp = pipeline_dp(st.times, space.sizes, space.cluster.num_devices, B, min_stages=space.min_stages,
-                     rel_gap=space.rel_gap)
+                     rel_gap=space.rel_gap, memo=space.dp_memo)
     space.timings["dp_s"] += time.perf_counter() - t0
     step = math.inf if dp is None else dp.objective_s + once_per_step_max(table, st, dp.stages)
     return st, dp, step
@@ -181,6 +184,6 @@ def ignoring_memory(space: SearchSpace, B: int, table: LayerCostTable, boundary:
     free = stage_times(table, space.shapes, space.per_submesh, B, space.options.schedule, math.inf, boundary,
                        variants=("",))
     bound = pipeline_dp(free.times, space.sizes, space.cluster.num_devices, B, min_stages=space.min_stages,
-                        rel_gap=space.rel_gap)
+                        rel_gap=space.rel_gap, memo=space.dp_memo)
     space.timings["dp_s"] += time.perf_counter() - t0
     return free, bound
