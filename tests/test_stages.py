@@ -189,7 +189,7 @@ def test_dp_with_a_memo_answers_every_microbatch_count_as_alone(monkeypatch):
     """The memo keeps each table's evaluated bounds and read-back pipelines (they do not depend on the
     microbatch count): the same table at another count gives exactly the DP without it, and at a
     count already asked solves nothing; another table shares nothing."""
-    import planner.stages.dp as dp
+    from planner.stages import dp
 
     solves = []
     real = dp._solve

@@ -83,8 +83,8 @@ class _Diagonals:
     shortest: np.ndarray
 
     @staticmethod
-    def of(times: np.ndarray) -> "_Diagonals":
-        Q, L, _, M = times.shape
+    def of(times: np.ndarray) -> _Diagonals:
+        L = times.shape[1]
         k = np.arange(L)[:, None]
         last = k + np.arange(L)[None, :]
         by_len = np.where((last < L)[None, :, :, None], times[:, k, np.minimum(last, L - 1), :], np.inf)  # [Q, k, j, M]
