@@ -209,8 +209,9 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
     table.fill(sorted({mi for idx in mesh_indices for mi in idx}), variants=variants)
     inflight = tuple(range(1, min(B, L) + 1)) if schedule == "1f1b" else (B,)
     Q, S = len(inflight), len(submeshes)
-    times = np.full((Q, L, L, S), np.inf)
-    option = np.full((Q, L, L, S), -1, dtype=np.int32)
+    times = np.full((S, Q, L, L), np.inf)  # by submesh while filled: each submesh's block contiguous
+    option = np.full((S, Q, L, L), -1, dtype=np.int32)
+    counts = np.asarray(inflight, dtype=float)[:, None, None]
     link = boundary_link(table.cluster)
     options: list[tuple[StageOption, ...]] = []
     for m, (n, k) in enumerate(submeshes):
@@ -219,13 +220,13 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
         options.append(opts)
         for j, opt in enumerate(opts):
             t, fixed, per_mb = stage_ranges(table, opt, n * k, boundary, link)
-            for q, f in enumerate(inflight):
-                ok = np.isfinite(t) & (fixed + f * per_mb <= memory_budget)
-                cand = np.where(ok, t, np.inf)
-                better = cand < times[q, :, :, m]
-                times[q, :, :, m] = np.where(better, cand, times[q, :, :, m])
-                option[q, :, :, m] = np.where(better, j, option[q, :, :, m])
-    return StageTimes(times, option, tuple(options), inflight, boundary)
+            ok = np.isfinite(t) & (fixed + counts * per_mb <= memory_budget)  # [in-flight count, first, last]
+            cand = np.where(ok, t, np.inf)
+            better = cand < times[m]
+            times[m] = np.where(better, cand, times[m])
+            option[m] = np.where(better, j, option[m])
+    return StageTimes(np.ascontiguousarray(times.transpose(1, 2, 3, 0)),
+                      np.ascontiguousarray(option.transpose(1, 2, 3, 0)), tuple(options), inflight, boundary)
 
 
 def stage_memory(table: LayerCostTable, first: int, last: int, opt: StageOption, devices: int,
