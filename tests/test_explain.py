@@ -36,6 +36,13 @@ def views(tmp_path_factory):
     return a, b, g
 
 
+def test_a_view_made_in_memory_holds_the_plan_its_file_holds(views):
+    """`plan_view` makes its view from the plan's JSON form in memory (no text round trip): the plan
+    it holds is the one read back from the saved file."""
+    for v in views:
+        assert PlanView.from_dict(v.plan.to_dict()).plan == v.plan
+
+
 # ----- logical axes ---------------------------------------------------------------------------
 GPT_LEAVES = [
     ("[0]['params']['wte']['embedding']", (512, 64), "float32"),

@@ -115,7 +115,7 @@ class PlanView:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PlanView:
-        plan = Plan.from_json(json.dumps(data))
+        plan = Plan.from_dict(data)  # the JSON form itself: `load` reads it from a file, `plan_view` makes it
         names = plan.mesh.axis_names
         specs = tuple(tuple(tuple(names[a] for a in axes) for axes in spec) for spec in plan.input_specs)
         ctx = data.get("context") or {}
