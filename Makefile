@@ -28,7 +28,7 @@ browser:
 	    else echo "chromium is not installed and apt-get needs root; the HTML rendering test will skip"; fi; }
 
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q -n 2 --durations=25 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25 tests
 
 fuzz: $(STAMP)
 	FUZZ_EXAMPLES=1000 ZOO_MESHES=2x4,1x8 $(BIN)/python -m pytest -q -n 2 tests/test_fuzz.py tests/test_zoo_numerics.py

@@ -10,6 +10,9 @@ import planner
 from zoo import get_model
 from tests.helpers import assert_bundle_step_close, concrete
 
+# One worker runs the whole module, so its module-scoped fixtures are made once (`make test`: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_api")
+
 
 @pytest.fixture(scope="module")
 def mlp():

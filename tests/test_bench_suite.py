@@ -7,6 +7,9 @@ import pathlib
 
 import pytest
 
+# One worker runs the whole module, so its module-scoped fixtures are made once (`make test`: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_bench_suite")
+
 
 @pytest.fixture(scope="module")
 def suite():

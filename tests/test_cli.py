@@ -18,6 +18,9 @@ import planner
 from planner import Plan, cli
 from tests.helpers import USER_STEP
 
+# One worker runs the whole module, so its module-scoped fixtures are made once (`make test`: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_cli")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -19,6 +19,9 @@ from planner.present.compare import differences, format_comparison
 from planner.present.logical_axes import read_rules
 from zoo import get_model
 
+# One worker runs the whole module, so its module-scoped fixtures are made once (`make test`: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_compare")
+
 
 @pytest.fixture(scope="module")
 def mlp_comparison():

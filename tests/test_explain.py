@@ -19,6 +19,9 @@ from planner.present.logical_axes import apply_rules, classify, infer_rules, pat
 from planner.present.report import PlanView, collapse_layers, fmt_bytes, fmt_time, format_layer_table, memory_breakdown
 from tests.helpers import USER_STEP
 
+# One worker runs the whole module, so its module-scoped fixtures are made once (`make test`: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_explain")
+
 
 def _plan(tmp, *argv) -> PlanView:
     path = tmp / "plan.json"

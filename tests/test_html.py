@@ -24,6 +24,9 @@ from planner.present.html_report import (
 )
 from planner.present.report import PlanView
 
+# One worker runs the whole module, so its module-scoped fixtures are made once (`make test`: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_html")
+
 _BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
 

@@ -14,6 +14,9 @@ from planner.core.errors import InfeasiblePlanError
 from planner.present.report import format_levers
 from tests.helpers import assert_bundle_step_close, concrete
 
+# One worker runs the whole module, so its module-scoped fixtures are made once (`make test`: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_levers_default")
+
 # One lever alone (the others off), as a user who knows one flag would plan.
 ALONE = {
     "recomputation": dict(remat="auto", offload="off", accumulate=1),

@@ -11,6 +11,9 @@ import pytest
 
 from zoo import GPTConfig, ModelBundle, get_model, model_names
 
+# One worker runs the whole module, so its module-scoped fixtures are made once (`make test`: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_models")
+
 TINY = (
     "mlp-tiny",
     "mlp-wide",

@@ -13,6 +13,9 @@ from tests.helpers import assert_first_step_close
 from xla_hooks.inspect import collectives
 from zoo import get_model, make_optimizer
 
+# One worker runs the whole module, so its module-scoped fixtures are made once (`make test`: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_pipeline_grad_sync")
+
 
 def _stages(plan) -> list:
     return list(plan.stages)

@@ -20,6 +20,9 @@ from planner.emit.pipeline.runtime import PipelinedStep, StageLayout, even_layou
 from tests.conftest import skip_if_fewer_devices
 from tests.helpers import assert_first_step_close, assert_loss_close, assert_sgd_step_close, longest_reduction
 
+# One worker runs the whole module, so its module-scoped fixtures are made once (`make test`: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_pipeline_runtime")
+
 
 @pytest.fixture(scope="module")
 def gpt_layers(gpt_tiny):

@@ -24,6 +24,9 @@ from tests.helpers import (assert_gradients_close, assert_loss_close, assert_sgd
                            longest_reduction, max_abs_diff)
 from xla_hooks.inspect import memory_stats
 
+# One worker runs the whole module, so its module-scoped fixtures are made once (`make test`: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_remat")
+
 # gpt-tiny with activations large enough that they, not the optimizer update, set the peak.
 SHAPE = dict(layers=2, batch=16, seq=64)
 # LLVM's optimisation level only: buffer assignment and the HLO passes are the same (so is the compiled

@@ -22,6 +22,9 @@ from tests.helpers import (assert_bundle_step_close, assert_gradients_close, ass
                            longest_reduction, max_abs_diff)
 from xla_hooks.inspect import memory_stats
 
+# One worker runs the whole module, so its module-scoped fixtures are made once (`make test`: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_scan_remat")
+
 FAST = {"xla_backend_optimization_level": 0}  # as tests/test_remat.py: the same buffers, faster to compile
 
 

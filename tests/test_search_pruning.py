@@ -28,6 +28,9 @@ from planner.search.results import best_plan
 from tests.helpers import zoo_graph
 from zoo import get_model
 
+# One worker runs the whole module, so its module-scoped fixtures are made once (`make test`: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_search_pruning")
+
 
 @pytest.fixture(scope="module")
 def mlp_graph():

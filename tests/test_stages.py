@@ -25,6 +25,9 @@ from planner.stages.schedule import dispatch_order, peak_inflight, simulate, sta
 from planner.stages.layer_facts import boundary_bytes, layer_facts, subgraph
 from planner.stages.submesh import boundary_link, logical_meshes, make_cluster, place_submeshes, submesh_shapes
 
+# One worker runs the whole module, so its module-scoped fixtures are made once (`make test`: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_stages")
+
 
 @pytest.fixture(scope="module")
 def tiny_graphs():
