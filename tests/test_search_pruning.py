@@ -335,7 +335,8 @@ def test_probe_bound_under_a_binding_budget_is_sound_and_orders_the_search():
         assert over_budget_strategies(problem, budget)  # the budget binds
         probes[mesh] = probe_bound(problem, budget)
         assert probes[mesh] > step_time_lower_bound(problem) * 1.1
-    # a plan under the budget, as the solver finds one given time (10 units; the budget three quarters of the way up to the least peak, so that it binds and a plan under it is found soon)
+    # a plan under the budget, as the solver finds one given time (10 units: the budget, three
+    # quarters of the way up to the least peak, binds and still admits plans the solver finds soon)
     plan = make_plan(graph, MeshSpec((4, 4), ("x", "y")), dataclasses.replace(options, solver_time_limit=10.0))
     assert plan.prediction.step_time_s >= probes[MeshSpec((4, 4), ("x", "y"))] * (1 - 1e-9)
     results = search_meshes(graph, meshes, dataclasses.replace(options, solver_time_limit=1.0), threads=1)
