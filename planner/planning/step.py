@@ -141,8 +141,10 @@ class StepPlanner:
         if self.options.donate_argnums or not returns_its_argument(graph):
             return e
         donated = dataclasses.replace(self.options, donate_argnums=(0,))
-        try:
-            plan = compose(fn, graph, donated, self._searcher(args), bounds).plan
+        search = self._searcher(args)
+        try:  # whether a plan fits, not the smallest peak of none fitting: no min-peak search
+            plan = compose(fn, graph, donated, lambda g, o, smallest, only=None, beat=math.inf:
+                           search(g, o, False, only, beat), bounds).plan
         except InfeasiblePlanError:
             return e
         peak = format_bytes(plan.prediction.memory_bytes_per_device)
