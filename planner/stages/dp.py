@@ -77,7 +77,7 @@ class _Diagonals:
     """`times` laid out by stage length, made once per DP: `by_len[q, m, k, j]` is the latency of
     layers k..k+j on submesh m holding q + 1 microbatches (infinity past the last layer), and
     `shortest[q, m, j]` its least over k, so that the longest stage under a bound is read without
-    scanning the table (`_widths`)."""
+    scanning the table (`widths`)."""
 
     by_len: np.ndarray
     shortest: np.ndarray
