@@ -58,9 +58,10 @@ def emission_hooks(graph: Graph, plan, before_op, after_op):
     ins, outs = positions(plan)
     if not ins:
         return before_op, after_op, lambda values: values
-    early = frozenset(plan.levers.offload.host_reads)  # casts of master parameters
+    early = frozenset(plan.levers.offload.host_reads)  # casts of master parameters (or of one layer's slice)
     shardings = _leaves(plan.in_shardings)
     device = {graph.inputs[i]: shardings[i].with_memory_kind(DEVICE) for i in ins}
+    device.update(_layer_slices(graph, early, device))
     host = {i: s.with_memory_kind(HOST) for i, s in enumerate(_leaves(plan.out_shardings)) if i in outs}
     group_of = {i: g for g, (a, b) in enumerate(graph.update_groups) for i in range(a, b)}
     results = {t for t in graph.outputs if isinstance(t, int)}
@@ -101,6 +102,28 @@ def emission_hooks(graph: Graph, plan, before_op, after_op):
         return [jax.device_put(v, host[i]) if i in host else v for i, v in enumerate(values)]
 
     return before, after, finish
+
+
+def _layer_slices(graph: Graph, early: frozenset[int], device: dict[int, Any]) -> dict[int, Any]:
+    """Device shardings of the layer slices of offloaded stacked parameters that early ops cast
+    (`planner.ilp.offload._slice_reads`: a slice of the leading axis, squeezed): the tensor the
+    cast reads (in a scan's body, the iteration's input, which `lax.scan` slices from the host
+    array) -> the parameter's sharding without its leading axis, in device memory."""
+    producers = graph.producers()
+    out = {}
+    for o in early:
+        for x in graph.ops[o].tensor_inputs:
+            if x in device or x not in producers:
+                continue
+            squeeze = graph.ops[producers[x][0]]
+            part = squeeze.tensor_inputs[0] if squeeze.name == "squeeze" and squeeze.tensor_inputs else None
+            cut = graph.ops[producers[part][0]] if part in producers else None
+            whole = cut.tensor_inputs[0] if cut is not None and cut.name == "slice" else None
+            s = device.get(whole)
+            if isinstance(s, jax.sharding.NamedSharding):
+                out[x] = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*tuple(s.spec)[1:]),
+                                                    memory_kind=DEVICE)
+    return out
 
 
 def abstract_args(plan, args):

@@ -56,8 +56,8 @@ def _liveness_profile(problem: Problem, choice: Sequence[int]) -> np.ndarray:
             delta[first] += b
             delta[last + 1] -= b
     profile = np.cumsum(delta)[: n + 2]
-    for tid, op in problem.host_reads:  # a host-kept argument copied in for one op (`Problem.host_reads`)
-        profile[op + 1] += shard_bytes(problem.graph.tensors[tid], problem.spec(tid, choice), mesh)
+    for tid, op, share in problem.host_reads:  # a host-kept argument (or a slice) copied in for one op
+        profile[op + 1] += int(shard_bytes(problem.graph.tensors[tid], problem.spec(tid, choice), mesh) * share)
     for e in problem.edges:
         at = _transient_point(problem, e)
         if _copied_only_if_resharded(problem, e) and e.src_specs[choice[e.src]] == e.dst_specs[choice[e.dst]]:

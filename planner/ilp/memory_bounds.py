@@ -125,8 +125,8 @@ def _compute_bound_parts(problem: Problem) -> tuple[dict, np.ndarray, int]:
         spans[r].append((b, first + 1, last + 2))
         if cpu and last == n:
             reserved_of[r] = reserved_of.get(r, 0) + b
-    for tid, op in problem.host_reads:  # a host-kept argument copied in for one op (`Problem.host_reads`)
-        spans[rep[problem.owner[tid]]].append((owned(tid), op + 1, op + 2))
+    for tid, op, share in problem.host_reads:  # a host-kept argument (or a slice) copied in for one op
+        spans[rep[problem.owner[tid]]].append(((owned(tid) * share).astype(np.int64), op + 1, op + 2))
     combined_at = _combined_point(problem)
     for node in problem.nodes:
         if not node.size:

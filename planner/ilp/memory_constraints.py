@@ -48,11 +48,11 @@ def memory_expr(model, point: int, choice: Sequence[int] | None = None):
         node = p.nodes[p.owner[tid]]
         for i, b in enumerate(_sizes(model, tid, tid, node.owned[tid])):
             coef[(p.rep[node.index], i)] += b
-    for tid, op in p.host_reads:  # a host-kept argument copied in for one op
+    for tid, op, share in p.host_reads:  # a host-kept argument (or its share: one slice) copied in for one op
         if op + 1 == point:
             node = p.nodes[p.owner[tid]]
             for i, b in enumerate(_sizes(model, tid, tid, node.owned[tid])):
-                coef[(p.rep[node.index], i)] += b
+                coef[(p.rep[node.index], i)] += int(b * share)
     for k, e in enumerate(p.edges):  # operands as the op reads them (a resharded copy is a transient buffer)
         if _transient_point(p, e) == point:
             for j, b in enumerate(_sizes(model, -1 - k, e.tensor, e.dst_specs)):

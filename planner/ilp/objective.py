@@ -159,8 +159,9 @@ def offload_transfer(problem: Problem, choice: Sequence[int]) -> tuple[float, fl
     if not problem.offloaded:
         return 0.0, 0.0
     bandwidth = problem.cost.hardware.host_bandwidth
-    reads = [t for t, _ in problem.offloaded] + [t for t, _ in problem.host_reads]
-    tin = sum(shard_bytes(problem.graph.tensors[t], problem.spec(t, choice), problem.cost.mesh) for t in reads)
+    reads = [(t, 1.0) for t, _ in problem.offloaded] + [(t, share) for t, _, share in problem.host_reads]
+    tin = sum(shard_bytes(problem.graph.tensors[t], problem.spec(t, choice), problem.cost.mesh) * share
+              for t, share in reads)
     tout = sum(shard_bytes(problem.graph.tensors[t], problem.spec(t, choice), problem.cost.mesh)
                for t, o in problem.offloaded if o >= 0)
     return tin / bandwidth, tout / bandwidth

@@ -28,7 +28,11 @@ Master parameters ("opt-state+params", and "auto" after every moment): a float32
 step reads before the update only to cast it to the compute dtype (`param_pairs`) can live on the
 host too. Each cast copies it to the device for itself (`Problem.host_reads`: its bytes at that
 op, one more copy in at the host link), the update copies it in again (its device range starts
-at its first read in the update), and its new value goes back. The update's copy is tied to the
+at its first read in the update), and its new value goes back. A scanned stack's stacked
+parameter counts too when each iteration casts its own layer's slice (`_slice_reads`: the scan's
+indexing, a size-one slice of the leading axis and the squeeze of it, then the cast): each cast
+then copies only that slice in (its share of the parameter's bytes), so a whole scan copies the
+stack in once, a layer at a time, and no more than one layer's slice is on the device for it. The update's copy is tied to the
 op before it (`jax.lax.optimization_barrier`), so that XLA does not merge it with the cast's copy
 and keep one copy on the device from the forward to the update.
 
@@ -82,12 +86,53 @@ def param_pairs(problem: Problem) -> tuple[tuple[int, int], ...]:
                  if (tin, tout) in ties or tout in problem.pinned_outputs)
 
 
-def host_reads(graph: Graph, combinable: Set[int], pairs: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """(argument, op) for each read of an offloaded argument before the update: each copies the
-    argument to the device for itself (`Problem.host_reads`)."""
+def host_reads(graph: Graph, combinable: Set[int],
+               pairs: Sequence[tuple[int, int]]) -> tuple[tuple[int, int, float], ...]:
+    """(argument, op, share) for each read of an offloaded argument before the update: each copies
+    the argument, or for a cast of one slice of it (`_slice_reads`) that slice, `share` of its
+    bytes, to the device for itself (`Problem.host_reads`)."""
     wanted = {tin for tin, _ in pairs}
-    return tuple((x, op.index) for op in graph.ops if op.index not in combinable
-                 for x in dict.fromkeys(op.tensor_inputs) if x in wanted)
+    out = []
+    readers = _readers(graph)
+    for tin in sorted(wanted):
+        for o in dict.fromkeys(readers.get(tin, ())):
+            if o in combinable:
+                continue
+            if graph.ops[o].name == "convert_element_type":
+                out.append((tin, o, 1.0))
+                continue
+            reads = _slice_reads(graph, tin, o, readers)
+            share = graph.tensors[graph.ops[o].outputs[0]].size / graph.tensors[tin].size
+            out += [(tin, cast, share) for cast in reads or ()]
+    return tuple(sorted(out, key=lambda r: (r[1], r[0])))
+
+
+def _is_float_cast(graph: Graph, op_index: int, source_dtype) -> bool:
+    op = graph.ops[op_index]
+    dtype = graph.tensors[op.outputs[0]].dtype
+    return op.name == "convert_element_type" and jnp.issubdtype(dtype, jnp.floating) and dtype != source_dtype
+
+
+def _slice_reads(graph: Graph, tin: int, op_index: int, readers: dict[int, list[int]]) -> tuple[int, ...] | None:
+    """The casts that read one layer of stacked parameter `tin` through op `op_index`, or None when
+    that op is not such a read: a `slice` of size one on the leading axis and whole on the others
+    (a scan's indexing of its stacked input), whose result is read only by one `squeeze` of that
+    axis, whose result is read only by casts to another floating dtype. Emission copies the
+    squeezed slice in at each cast (`planner.emit.offload`)."""
+    op, t = graph.ops[op_index], graph.tensors[tin]
+    if op.name != "slice" or len(op.outputs) != 1 or not t.shape:
+        return None
+    part = graph.tensors[op.outputs[0]]
+    if part.shape != (1, *t.shape[1:]) or tuple(op.params.get("strides") or (1,) * len(t.shape)) != (1,) * len(t.shape):
+        return None
+    squeezes = readers.get(op.outputs[0], ())
+    if len(squeezes) != 1 or graph.ops[squeezes[0]].name != "squeeze" \
+            or tuple(graph.ops[squeezes[0]].params["dimensions"]) != (0,):
+        return None
+    casts = tuple(dict.fromkeys(readers.get(graph.ops[squeezes[0]].outputs[0], ())))
+    if not casts or not all(_is_float_cast(graph, c, t.dtype) for c in casts):
+        return None
+    return casts
 
 
 def _readers(graph: Graph) -> dict[int, list[int]]:
@@ -113,16 +158,16 @@ def _candidates(graph: Graph) -> list[tuple[int, int]]:
 
 def _param_inputs(graph: Graph, combinable: Set[int]) -> list[tuple[int, int]]:
     """(argument, new value) pairs of `_candidates` read by the update and, before it, only by
-    `convert_element_type` to another floating dtype."""
+    `convert_element_type` to another floating dtype (bf16 too), of the whole argument or of one
+    layer's slice of it (`_slice_reads`)."""
     readers = _readers(graph)
     out = []
     for tin, tout in _candidates(graph):
         before = tuple(o for o in readers.get(tin, ()) if o not in combinable)
         if not before or len(before) == len(readers[tin]):
             continue
-        if all(graph.ops[o].name == "convert_element_type"
-               and jnp.issubdtype(graph.tensors[graph.ops[o].outputs[0]].dtype, jnp.floating)  # bf16 too
-               and graph.tensors[graph.ops[o].outputs[0]].dtype != graph.tensors[tin].dtype for o in before):
+        dtype = graph.tensors[tin].dtype
+        if all(_is_float_cast(graph, o, dtype) or _slice_reads(graph, tin, o, readers) for o in before):
             out.append((tin, tout))
     return out
 
@@ -327,7 +372,7 @@ def record(problem: Problem, choice: Sequence[int], mode: str) -> OffloadRecord:
         outputs=tuple(sorted(out_pos[o] for _, o in problem.offloaded if o in out_pos)),
         paths=tuple(graph.input_paths[in_pos[t]] for t, _ in problem.offloaded),
         params=len({t for t, _ in problem.offloaded} & {t for t, _ in param_pairs(problem)}),
-        host_reads=tuple(sorted({op for _, op in host_reads(graph, problem.combinable, problem.offloaded)})),
+        host_reads=tuple(sorted({op for _, op, _ in host_reads(graph, problem.combinable, problem.offloaded)})),
         candidates=len(state_pairs(problem)) + (len(param_pairs(problem)) if mode != "opt-state" else 0),
         host_bytes_per_device=int(host),
         copy_in_s=copy_in,

@@ -3,7 +3,7 @@ the arguments' prefetch and the host-offload copies, each the backlog of a first
 in max-plus form. Each `add_*` adds its term to a `cpsat._Model` as it is built."""
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 from planner.ilp.layer_sharing import tandem_runs
 from planner.ilp.objective import offload_start, overlap_order
@@ -99,12 +99,14 @@ def add_offload(model) -> None:
         return
     bandwidth = p.cost.hardware.host_bandwidth
     copy_in: dict[tuple[int, int], int] = defaultdict(int)
-    reads = Counter(t for t, _ in p.host_reads)  # copies in before the update (`Problem.host_reads`)
+    reads: dict[int, float] = defaultdict(float)  # copies in before the update (`Problem.host_reads`)
+    for t, _, share in p.host_reads:
+        reads[t] += share
     for tin, tout in p.offloaded:
         node = p.nodes[p.owner[tin]]
         for i, spec in enumerate(node.owned[tin]):
             ticks = int(round(shard_bytes(p.graph.tensors[tin], spec, p.cost.mesh) / bandwidth * _NS))
-            copy_in[(node.index, i)] += ticks * (1 + reads[tin])
+            copy_in[(node.index, i)] += int(round(ticks * (1 + reads[tin])))
             if tout >= 0:
                 model.add_ticks((model.x[node.index][i],), ticks)
     if not p.overlap or p.graph.update_groups or p.host_reads:  # exposed (`objective.offload_hidden`)

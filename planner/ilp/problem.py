@@ -65,9 +65,11 @@ class Problem:
     # and `ilp.objective` charges their transfers.
     offloaded: tuple[tuple[int, int], ...] = ()
     # Host-offloaded arguments read before the update (master parameters, by their casts to the
-    # compute dtype): (argument, reading op) pairs; each read copies the argument to the device for
-    # that op alone (`ilp.liveness.memory_profile` counts it there, `ilp.objective` charges the copy).
-    host_reads: tuple[tuple[int, int], ...] = ()
+    # compute dtype, or a scanned stack's by each layer's cast of its slice): (argument, reading op,
+    # share of the argument's bytes copied: 1, or one slice's) triples; each read copies that to the
+    # device for that op alone (`ilp.liveness.memory_profile` counts it there, `ilp.objective`
+    # charges the copy).
+    host_reads: tuple[tuple[int, int, float], ...] = ()
     # Donated arguments (`PlanOptions.donate_argnums`): (argument, the new value that reuses its
     # buffer) tensor pairs; `live` ends such an argument at its last use (`live_ranges`).
     donated: tuple[tuple[int, int], ...] = ()

@@ -127,7 +127,8 @@ def _compose(step: Callable[..., Any], graph: Graph, options: PlanOptions, searc
         except InfeasiblePlanError as acc:
             raise _closest(_told(e, tried + ("gradient accumulation",)), acc) from None
         return _weighed(found, False, None, e.min_memory_bytes)
-    if _needed_lever(single.plan) and _may_accumulate(options, graph):
+    if _needed_lever(single.plan) and _may_accumulate(options, graph) \
+            and _accumulation_may_fit(graph, options, bounds):  # microbatches take no offload
         # weighed on the fastest mesh of at most two axes the single step planned (each microbatch
         # count is another recomputation search; on every mesh that took Llama-70B on 8x8 past
         # 280 s; a 3-D mesh is only searched near a plan of fewer axes, `search.meshes`)
