@@ -169,3 +169,30 @@ def test_cli_accumulate_flag(capsys, tmp_path):
     assert "Memory levers:\nGradient accumulation: 2 microbatches" in capsys.readouterr().out
     code = cli.main(["plan", "--model", "mlp-tiny", "--mesh", "1x8", "--accumulate", "0"])
     assert code == 2 and "'0' is not 'auto' or a positive number of microbatches" in capsys.readouterr().err
+
+
+def test_a_count_no_faster_than_the_ceiling_ends_the_weighing():
+    """`plan_accumulation(ceiling=)`: weighed against a plan found without accumulation, the first
+    microbatch count that fits but is no faster than it ends the search (the composition weighs
+    accumulation so); without a ceiling the next count is planned too."""
+    from planner.core.mesh import MeshSpec
+    from planner.core.options import PlanOptions
+    from planner.graph.trace import trace
+    from planner.levers.accumulate import plan_accumulation
+    from planner.search.mesh_plan import make_plan
+
+    b, state, batch = concrete("mlp-tall")
+    mesh = MeshSpec((1,), ("x",))
+    planned = []  # one microbatch step per count weighed
+
+    def plan_micro(g, budget):
+        planned.append(g)
+        return g, make_plan(g, mesh, PlanOptions(hardware="cpu", memory_budget=budget))
+
+    graph = trace(b.train_step, state, batch)
+    free = plan_accumulation(b.train_step, graph, "auto", None, plan_micro, mesh, smallest=2)
+    weighed = len(planned)
+    planned.clear()
+    capped = plan_accumulation(b.train_step, graph, "auto", None, plan_micro, mesh, smallest=2, ceiling=0.0)
+    assert weighed >= 2 and len(planned) == 1
+    assert capped.k == 2 and free.k >= 2

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -354,7 +355,7 @@ def _min_shard(t: Tensor, mesh: MeshSpec) -> int:
 
 def plan_accumulation(fn: Callable[..., Any], graph: Graph, accumulate: int | str, budget: float | None,
                       plan_micro: Callable[[Graph, float | None], tuple[Graph, Plan]], mesh: MeshSpec,
-                      unsharding: bool = True, smallest: int = 1) -> Accumulated:
+                      unsharding: bool = True, smallest: int = 1, ceiling: float = math.inf) -> Accumulated:
     """Plans `fn` (traced as `graph` at the full batch) with `accumulate` microbatches per step
     (an int k, or "auto": the fastest k that fits `budget`).
 
@@ -366,6 +367,13 @@ def plan_accumulation(fn: Callable[..., Any], graph: Graph, accumulate: int | st
         buffers' smallest layouts are counted in an infeasible answer's minimum.
       unsharding: selective unsharding of loop-invariant reshardings (`unshard`).
       smallest: under "auto", the fewest microbatches tried (2: the caller planned the step itself).
+      ceiling: under "auto", the step time of a plan found without accumulation (the caller's, which
+        weighs accumulation against it): the first count that fits but is no faster ends the
+        search. A rule, not a proof: each further count repeats the per-microbatch work (parameter
+        gathers, launches, collectives' latency) more often and only gains memory, which the
+        count that fit no longer needed; it halves what weighing accumulation costs where it
+        loses (Llama-2-70B b128 on 8x8 H100: 2 then 4 microbatches, each a recomputation search,
+        both slower than the single step).
 
     Raises:
       InvalidArgumentError: a step that cannot be split (one line saying why), or k not dividing
@@ -399,6 +407,11 @@ def plan_accumulation(fn: Callable[..., Any], graph: Graph, accumulate: int | st
             continue
         if found and done.plan.prediction.step_time_s >= found[-1].plan.prediction.step_time_s:
             found.append(done)
+            break
+        if done.plan.prediction.step_time_s >= ceiling:
+            found.append(done)
+            log.info("gradient accumulation: %d microbatches fit at %.4g s/step, no faster than %.4g s/step "
+                     "without: no more counts weighed", k, done.plan.prediction.step_time_s, ceiling)
             break
         found.append(done)
         if len(found) >= 2:

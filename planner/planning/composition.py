@@ -138,7 +138,7 @@ def _compose(step: Callable[..., Any], graph: Graph, options: PlanOptions, searc
         try:
             found = _accumulated(step, graph, options,
                                  lambda g, o, smallest, only=None, beat=math.inf: search(g, o, smallest, mesh, **_beat(beat)),
-                                 bounds, "auto", smallest=2)
+                                 bounds, "auto", smallest=2, ceiling=single.plan.prediction.step_time_s)
         except PlannerError:
             return single
         if found.accumulated is not None and found.plan.prediction.step_time_s < single.plan.prediction.step_time_s:
@@ -338,10 +338,10 @@ def _invariant(graph: Graph) -> bool:
 
 
 def _accumulated(step: Callable[..., Any], graph: Graph, options: PlanOptions, search: Search, bounds: MeshSpec,
-                 accumulate: int | str, smallest: int = 1) -> Composed:
+                 accumulate: int | str, smallest: int = 1, ceiling: float = math.inf) -> Composed:
     """Gradient accumulation (`levers.accumulate.plan_accumulation`, from `smallest` microbatches
-    under "auto"), each microbatch step planned with recomputation (`_single`, without offload);
-    the best plan as the one result."""
+    under "auto", `ceiling` the single step's time it is weighed against), each microbatch step
+    planned with recomputation (`_single`, without offload); the best plan as the one result."""
     seen: list[Sequence[MeshResult]] = []
 
     def plan_micro(g: Graph, inner: float | None) -> tuple[Graph, Plan]:
@@ -360,7 +360,7 @@ def _accumulated(step: Callable[..., Any], graph: Graph, options: PlanOptions, s
         return micro.graph, micro.plan
 
     acc = plan_accumulation(step, graph, accumulate, options.memory_budget, plan_micro, bounds, options.unshard,
-                            smallest=smallest)
+                            smallest=smallest, ceiling=ceiling)
     plan = acc.plan
     record = plan.levers.accumulation
     log.info("gradient accumulation: %d microbatch(es) of %d rows", record.microbatches, record.microbatch_rows)
