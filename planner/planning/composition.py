@@ -363,7 +363,8 @@ def _accumulated(step: Callable[..., Any], graph: Graph, options: PlanOptions, s
                             smallest=smallest, ceiling=ceiling)
     plan = acc.plan
     record = plan.levers.accumulation
-    log.info("gradient accumulation: %d microbatch(es) of %d rows", record.microbatches, record.microbatch_rows)
+    log.info("gradient accumulation: at best %d microbatch(es) of %d rows, %.4g s/step", record.microbatches,
+             record.microbatch_rows, plan.prediction.step_time_s)
     inter = next((r.inter_host_axes for rs in seen for r in rs if r.plan is not None and r.mesh == plan.mesh), ())
     return Composed(acc.graph, (MeshResult(plan.mesh, plan, None, inter, 0.0),), acc if acc.k > 1 else None)
 
