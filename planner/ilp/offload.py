@@ -32,9 +32,9 @@ at its first read in the update), and its new value goes back. A scanned stack's
 parameter counts too when each iteration casts its own layer's slice (`_slice_reads`: the scan's
 indexing, a size-one slice of the leading axis and the squeeze of it, then the cast): each cast
 then copies only that slice in (its share of the parameter's bytes), so a whole scan copies the
-stack in once, a layer at a time, and no more than one layer's slice is on the device for it. The update's copy is tied to the
-op before it (`jax.lax.optimization_barrier`), so that XLA does not merge it with the cast's copy
-and keep one copy on the device from the forward to the update.
+stack in once, a layer at a time, and no more than one layer's slice is on the device for it.
+The update's copy is tied to the op before it (`jax.lax.optimization_barrier`), so that XLA does
+not merge it with the cast's copy and keep one copy on the device from the forward to the update.
 
 Where the devices have no host memory space, or the hardware no host link figure, the option is a
 one-line error, never silently dropped. Not offloaded: saved activations, and parameters the step
