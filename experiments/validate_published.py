@@ -99,7 +99,7 @@ def _tflops(row: Row, step_s: float | None) -> float | None:
     return row.flops() / step_s / row.gpus / 1e12
 
 
-def published(row: Row, bundle, microbatch_size: int) -> dict:
+def published(row: Row, bundle, microbatch_size: int, comm_precision: str = "exact") -> dict:
     """The published configuration, costed by the planner's pipeline path: Megatron-style tensor
     parallelism `row.tp` ways inside a host, `row.pp` even stages across hosts, data parallelism on
     the rest, recomputation on, microbatches of `microbatch_size` sequences per data-parallel rank
@@ -110,7 +110,8 @@ def published(row: Row, bundle, microbatch_size: int) -> dict:
                                 baseline=f"{'megatron-tp' if row.tp > 1 else 'dp'}+pp{row.pp}",
                                 tensor_parallel=row.tp if row.tp > 1 else None,
                                 cluster=f"{row.gpus // 8}x8:{HARDWARE}", remat=True,
-                                num_microbatches=row.batch // (row.dp * microbatch_size))
+                                num_microbatches=row.batch // (row.dp * microbatch_size),
+                                comm_precision=comm_precision)
     except (PlannerError, TypeError) as e:
         return {"error": str(e).splitlines()[0], "planning_s": round(time.perf_counter() - t0, 1)}
     pred = plan.prediction
@@ -121,14 +122,16 @@ def published(row: Row, bundle, microbatch_size: int) -> dict:
             "exposed_comm_s": pred.communication_time_s, "hidden_comm_s": pred.hidden_communication_time_s}
 
 
-def planners_own(row: Row, bundle, microbatch_limit: int, num_microbatches: int | None = None) -> dict:
+def planners_own(row: Row, bundle, microbatch_limit: int, num_microbatches: int | None = None,
+                 comm_precision: str = "exact") -> dict:
     """The planner's own best plan: stages, meshes, microbatches and remat chosen (`num_microbatches`:
     the count fixed, the rest chosen)."""
     cluster = make_cluster(row.gpus // 8, 8, HARDWARE)
     t0 = time.perf_counter()
     try:
         pp = plan_pipeline(bundle.train_step, (bundle.abstract_state(), bundle.abstract_batch()), cluster,
-                           PlanOptions(pipeline="auto", num_microbatches=num_microbatches),
+                           PlanOptions(pipeline="auto", num_microbatches=num_microbatches,
+                                       comm_precision=comm_precision),
                            microbatch_limit=microbatch_limit)
     except PlannerError as e:
         return {"error": str(e).splitlines()[0], "planning_s": round(time.perf_counter() - t0, 1)}
@@ -204,18 +207,20 @@ def split_of(make, layers_total: int, hardware: str, seq: int) -> dict:
 def run_row(row: Row, args) -> dict:
     bundle = _bundle(row, args.dtype)
     out = {"row": row.name, "tp": row.tp, "pp": row.pp, "dp": row.dp, "gpus": row.gpus, "batch": row.batch,
-           "measured_tflops": row.measured_tflops, "flops_per_iteration": row.flops()}
-    out["published"] = published(row, bundle, args.microbatch_size)
+           "measured_tflops": row.measured_tflops, "flops_per_iteration": row.flops(),
+           "comm_precision": args.comm_precision}
+    out["published"] = published(row, bundle, args.microbatch_size, args.comm_precision)
     out["time_split"] = time_split(row, args.dtype)
     if row.gpus <= args.planner_max_gpus:
-        out["planner"] = planners_own(row, bundle, args.microbatch_limit)
+        out["planner"] = planners_own(row, bundle, args.microbatch_limit, comm_precision=args.comm_precision)
     else:
         out["planner"] = {"error": f"not run (--planner-max-gpus {args.planner_max_gpus})"}
     slower = out["planner"].get("step_s", 0.0) > out["published"].get("step_s", math.inf)
     count = out["published"].get("microbatches")
     if slower and count and count not in out["planner"].get("counts_tried", ()):
         # the planner's search did not try the published microbatch count: its search at that count
-        out["planner_at_published_count"] = planners_own(row, bundle, args.microbatch_limit, count)
+        out["planner_at_published_count"] = planners_own(row, bundle, args.microbatch_limit, count,
+                                                         args.comm_precision)
     for key in ("published", "planner", "planner_at_published_count"):
         if key not in out:
             continue
@@ -278,8 +283,9 @@ def _worst_text(results: list[dict]) -> str:
 
 
 def write_table(results: list[dict]) -> str:
+    wire = "/".join(sorted({r.get("comm_precision") or "exact" for r in results}))
     lines = ["Megatron-LM SC21 Table 1 (A100 80 GB, seq 2048): measured vs predicted TFLOP/s per GPU "
-             "(experiments/validate_published.py)", "",
+             f"(experiments/validate_published.py; comm precision {wire})", "",
              "| row | TP | PP | DP | GPUs | batch | measured | published config predicted | ratio | planner's plan "
              "predicted | ratio | planning s (published / planner) | matmul / attention scores / other share "
              "| implied non-matmul factor | note |",
@@ -688,6 +694,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--attention", choices=("dpa", "xla"), default="dpa",
                    help="h100: the zoo Llama's attention (dpa: jax.nn.dot_product_attention, priced as cuDNN's fused "
                         "kernel, as the runs used; xla: the scores materialised)")
+    p.add_argument("--comm-precision", choices=("exact", "bf16"), default="exact",
+                   help="a100: the wire format of both rows (exact, the planner's default: split contractions' partial "
+                        "sums in float32; bf16: in the step's dtype, as Megatron-LM reduces tensor-parallel "
+                        "activations; it reduces gradients in float32, which neither format prices alone)")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(message)s")
