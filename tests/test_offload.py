@@ -231,6 +231,16 @@ def test_streamed_update_groups_each_parameters_state():
         jit_planned(graph, plan)
 
 
+def _adamw_step(loss):
+    """The train step of `loss(params, batch)` with `_OPT`: (state, batch) -> (new state, loss)."""
+    def step(state, batch):
+        value, grads = jax.value_and_grad(loss)(state["params"], batch)
+        updates, opt_state = _OPT.update(grads, state["opt_state"], state["params"])
+        return {"params": jax.tree.map(jnp.add, state["params"], updates), "opt_state": opt_state}, value
+
+    return step
+
+
 def _state_heavy_step(dtype):
     """(step, state, batch) of a 4-layer tanh MLP whose memory is its state: widths no axis of 8
     divides, batch 8, float32 parameters and AdamW moments; its layers compute in `dtype` (a cast
@@ -245,11 +255,7 @@ def _state_heavy_step(dtype):
             x = jnp.tanh(x @ params[f"w{i}"].astype(dtype))
         return jnp.mean((x.astype(jnp.float32) - batch["y"]) ** 2)
 
-    def step(state, batch):
-        value, grads = jax.value_and_grad(loss)(state["params"], batch)
-        updates, opt_state = _OPT.update(grads, state["opt_state"], state["params"])
-        return {"params": jax.tree.map(jnp.add, state["params"], updates), "opt_state": opt_state}, value
-
+    step = _adamw_step(loss)
     state = {"params": params, "opt_state": _OPT.init(params)}
     return step, state, {"x": jnp.ones((8, dims[0])), "y": jnp.zeros((8, dims[-1]))}
 
@@ -401,11 +407,7 @@ def _scanned_state_heavy_step():
         x, _ = jax.lax.scan(layer, batch["x"].astype(jnp.bfloat16), params)
         return jnp.mean((x.astype(jnp.float32) - batch["y"]) ** 2)
 
-    def step(state, batch):
-        value, grads = jax.value_and_grad(loss)(state["params"], batch)
-        updates, opt_state = _OPT.update(grads, state["opt_state"], state["params"])
-        return {"params": jax.tree.map(jnp.add, state["params"], updates), "opt_state": opt_state}, value
-
+    step = _adamw_step(loss)
     state = {"params": params, "opt_state": _OPT.init(params)}
     return step, state, {"x": jnp.ones((8, 180)), "y": jnp.zeros((8, 180))}
 
