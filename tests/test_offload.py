@@ -476,3 +476,28 @@ def test_a_scanned_stacks_master_parameters_offloaded_run_equal(devices8):
     assert sum(kind == "pinned_host" for kind in kinds.values()) == len(stacked)
     host_args, _, host_outs, _ = entry_bytes(both.lower(state, batch).compile())
     assert host_args == host_outs == record.host_bytes_per_device
+
+
+def test_a_stacked_parameter_the_step_slices_itself_stays_on_the_device():
+    """The same stacked weights indexed by a Python loop (`w[i]`: the same slice, squeeze and cast
+    as a scan's indexing, but run by the step on the argument itself, where the emitted program
+    would copy the whole stack in) are not master parameters that can live on the host."""
+    from planner.cost_model import CostModel
+    from planner.core.mesh import MeshSpec
+    from planner.graph.trace import trace
+    from planner.ilp.offload import param_pairs
+    from planner.ilp.problem import build_problem
+
+    _, state, batch = _scanned_state_heavy_step()
+
+    def loss(params, batch):
+        x = batch["x"].astype(jnp.bfloat16)
+        for layer in range(3):
+            for i in range(4):
+                x = jnp.tanh(x @ params[f"w{i}"][layer].astype(jnp.bfloat16))
+        return jnp.mean((x.astype(jnp.float32) - batch["y"]) ** 2)
+
+    graph = trace(_adamw_step(loss), state, batch)
+    assert any(op.name == "slice" for op in graph.ops)  # the reads are the scan's kind of slice
+    problem = build_problem(graph, CostModel.build(MeshSpec((1, 8), ("x", "y")), "h100"))
+    assert param_pairs(problem) == ()

@@ -117,10 +117,12 @@ def _slice_reads(graph: Graph, tin: int, op_index: int, readers: dict[int, list[
     """The casts that read one layer of stacked parameter `tin` through op `op_index`, or None when
     that op is not such a read: a `slice` of size one on the leading axis and whole on the others
     (a scan's indexing of its stacked input), whose result is read only by one `squeeze` of that
-    axis, whose result is read only by casts to another floating dtype. Emission copies the
-    squeezed slice in at each cast (`planner.emit.offload`)."""
+    axis, whose result is read only by casts to another floating dtype. Only a scan's own indexing
+    (`_scan_indexing`): emission runs `lax.scan`, which cuts the slice from the host array, and
+    copies the squeezed slice in at each cast (`planner.emit.offload`); a slice the step itself
+    takes would run on the host array and is not such a read."""
     op, t = graph.ops[op_index], graph.tensors[tin]
-    if op.name != "slice" or len(op.outputs) != 1 or not t.shape:
+    if op.name != "slice" or len(op.outputs) != 1 or not t.shape or not _scan_indexing(graph, op_index):
         return None
     part = graph.tensors[op.outputs[0]]
     if part.shape != (1, *t.shape[1:]) or tuple(op.params.get("strides") or (1,) * len(t.shape)) != (1,) * len(t.shape):
@@ -133,6 +135,14 @@ def _slice_reads(graph: Graph, tin: int, op_index: int, readers: dict[int, list[
     if not casts or not all(_is_float_cast(graph, c, t.dtype) for c in casts):
         return None
     return casts
+
+
+def _scan_indexing(graph: Graph, op_index: int) -> bool:
+    """Whether op `op_index` is in a scan's planning expansion but outside the body that evaluation
+    runs (`graph.ir.Region`): an iteration's indexing of a stacked input, or a later iteration."""
+    return any(r.kind == "scan" and r.start <= op_index < r.end
+               and not any(b.start <= op_index < b.end for b in r.bodies)
+               for rs in graph.regions.values() for r in rs)
 
 
 def _readers(graph: Graph) -> dict[int, list[int]]:
