@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from planner.graph.ir import Graph
-from planner.ilp.offload import DEVICE, HOST
+from planner.ilp.offload import DEVICE, HOST, sliced_from
 
 
 def positions(plan) -> tuple[frozenset[int], frozenset[int]]:
@@ -113,13 +113,9 @@ def _layer_slices(graph: Graph, early: frozenset[int], device: dict[int, Any]) -
     out = {}
     for o in early:
         for x in graph.ops[o].tensor_inputs:
-            if x in device or x not in producers:
+            if x in device:
                 continue
-            squeeze = graph.ops[producers[x][0]]
-            part = squeeze.tensor_inputs[0] if squeeze.name == "squeeze" and squeeze.tensor_inputs else None
-            cut = graph.ops[producers[part][0]] if part in producers else None
-            whole = cut.tensor_inputs[0] if cut is not None and cut.name == "slice" else None
-            s = device.get(whole)
+            s = device.get(sliced_from(graph, producers, x))
             if isinstance(s, jax.sharding.NamedSharding):
                 out[x] = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*tuple(s.spec)[1:]),
                                                     memory_kind=DEVICE)

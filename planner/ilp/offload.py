@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
 import jax.numpy as jnp
@@ -135,6 +135,17 @@ def _slice_reads(graph: Graph, tin: int, op_index: int, readers: dict[int, list[
     if not casts or not all(_is_float_cast(graph, c, t.dtype) for c in casts):
         return None
     return casts
+
+
+def sliced_from(graph: Graph, producers: Mapping[int, tuple[int, int]], x: int) -> int | None:
+    """The stacked argument whose layer slice tensor `x` is (the `squeeze` of a `slice` of it, the
+    chain `_slice_reads` accepts, walked back from the cast's operand), or None. `producers`:
+    `graph.producers()`."""
+    squeeze = graph.ops[producers[x][0]] if x in producers else None
+    part = squeeze.tensor_inputs[0] if squeeze is not None and squeeze.name == "squeeze" and squeeze.tensor_inputs \
+        else None
+    cut = graph.ops[producers[part][0]] if part in producers else None
+    return cut.tensor_inputs[0] if cut is not None and cut.name == "slice" and cut.tensor_inputs else None
 
 
 def _scan_indexing(graph: Graph, op_index: int) -> bool:
