@@ -428,3 +428,37 @@ def test_int8_gradient_exchange_is_quantised_once_per_step():
     assert costs["int8"].input_specs == costs["exact"].input_specs and costs["int8"].data_axes == {"x"}
     assert costs["int8"].sync_s < costs["exact"].sync_s / 2
     assert costs["int8"].time_s == pytest.approx(costs["exact"].time_s, rel=1e-9)
+
+
+def test_a_layer_is_planned_for_the_steps_microbatches():
+    """A GPT block shaped as Megatron-LM's 145.6B row (hidden 12288) in its Megatron layout on a
+    24-host x 8 A100 stage mesh, under float32 partial sums (the exact default): planned for one
+    microbatch, its ILP trades the gradient reduction (paid once per step in a pipeline) for
+    per-microbatch collectives over the data axis; planned for the step's 16 microbatches
+    (`LayerCostTable(microbatches=16)`), it keeps the reduction and the step costs no more than the
+    one-microbatch plan's, up to the layer ILP's relative gap."""
+    from planner.configs.baselines import layer_variant_pins
+    from planner.core.options import PlanOptions
+    from planner.stages.cost_table import LayerCostTable
+    from planner.stages.layer_cost import LAYER_GAP
+
+    B = 16
+    b = get_model("gpt3-1.3b", batch=24, seq=2048, vocab=51200, d_model=12288, heads=96, layers=2, dtype="bfloat16")
+    graph = trace(b.train_step, b.abstract_state(), b.abstract_batch())
+    layers = cluster_layers(graph, num_layers=2)
+    cluster = make_cluster(24, 8, "a100-80gb")
+    meshes = tuple(m for m in logical_meshes((24, 8), cluster, max_ndim=2) if m.mesh.shape == (24, 8))
+    pins = layer_variant_pins("megatron-tp")
+    block = layers.names.index("blocks_0")
+    cost = {k: LayerCostTable(graph, layers, meshes, cluster, PlanOptions(), pins=lambda m: pins(graph, m),
+                              microbatches=k).cost(block, 0) for k in (1, B)}
+    data = meshes[0].mesh.axis_names[0]
+
+    def per_microbatch_over_data(c):
+        return [x for x in c.collectives if data in x.axes and x.reason != "partial sum"]
+
+    assert cost[1].data_axes == cost[B].data_axes == {data}
+    assert per_microbatch_over_data(cost[1])  # the one-microbatch optimum's trade
+    assert not per_microbatch_over_data(cost[B])
+    step = {k: B * c.time_s + c.sync_s for k, c in cost.items()}
+    assert step[B] <= step[1] * (1 + LAYER_GAP)

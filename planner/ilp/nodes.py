@@ -32,6 +32,8 @@ class Node:
         beside later compute (the combinable collectives: gradient reductions).
       comm_ops: per strategy, the op index that performs each entry of `comms` (the memory model
         places a reduction's buffers at its op, `ilp.liveness.memory_profile`).
+      quantise_s: per strategy, the seconds of its compute that quantise an int8 gradient exchange
+        (paid with the exchange: once per step where the exchange is, `mesh_plan.reductions_weighed`).
     """
 
     index: int
@@ -48,8 +50,11 @@ class Node:
     comm_times: list[list[float]] = dataclasses.field(default_factory=list)
     async_s: list[float] = dataclasses.field(default_factory=list)
     comm_ops: list[list[int]] = dataclasses.field(default_factory=list)
+    quantise_s: list[float] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
+        if not self.quantise_s:
+            self.quantise_s = [0.0] * len(self.costs)
         if not self.comm_ops:
             self.comm_ops = [[self.ops[0] if self.ops else -1] * len(c) for c in self.comms]
         if not self.async_s:

@@ -357,6 +357,7 @@ def _decision_node(inputs: _Inputs, built: _Decisions, seen: _Op) -> Node:
         comm_times=[list(ts) for ts in comm_times],
         combined=list(groups),
         async_s=[s.comm_time if combined else 0.0 for s in strategies],
+        quantise_s=[s.quantise_time if combined else 0.0 for s in strategies],
     )
 
 

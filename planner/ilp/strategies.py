@@ -37,6 +37,7 @@ class Strategy:
       comms: collectives the op itself performs (partial-sum reductions).
       compute_time: seconds of local compute.
       comm_time: seconds of `comms`.
+      quantise_time: seconds of `compute_time` that quantise an int8 gradient exchange (`int8_reduction`).
     """
 
     assignment: tuple[tuple[str, tuple[int, ...]], ...]
@@ -45,6 +46,7 @@ class Strategy:
     comms: tuple[Comm, ...]
     compute_time: float
     comm_time: float
+    quantise_time: float = 0.0
 
     @property
     def cost(self) -> float:
@@ -210,7 +212,7 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
     if qgz and gradient_chunks(outs[0].shape, base_out[0], n) is not None:  # beside it (`enumerate_strategies`)
         ar8, extra = int8_reduction("all-reduce", outs[0], base_out[0], partial, cost)
         result.append(Strategy(assignment, in_specs, base_out, ar8, compute + extra,
-                               sum(cost.collective_time(k, b, a, combined) for k, a, b in ar8)))
+                               sum(cost.collective_time(k, b, a, combined) for k, a, b in ar8), extra))
     if len(outs) == 1:
         t, s = outs[0], base_out[0]
         for d in range(len(t.shape)):
@@ -222,7 +224,7 @@ def _build(sig: OpSig, ins: Sequence[Tensor | None], outs: Sequence[Tensor], axe
                     variants.append(int8_reduction("reduce-scatter", t, s, partial, cost))
                 for rs, extra in variants:
                     result.append(Strategy(assignment, in_specs, (new,), rs, compute + extra,
-                                           cost.collective_time("reduce-scatter", rs[0][2], partial, combined)))
+                                           cost.collective_time("reduce-scatter", rs[0][2], partial, combined), extra))
     return result
 
 

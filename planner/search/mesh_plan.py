@@ -255,7 +255,7 @@ def plan_problem(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: j
 def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None = None,
               pins: Mapping[int, Spec] | None = None, problem: Problem | None = None,
               min_peak_search: bool = True, start: Sequence[int] | None = None, lp_level: int = 1,
-              beat: Callable[[], float] | None = None, gap: float = 0.0) -> Plan:
+              beat: Callable[[], float] | None = None, gap: float = 0.0, microbatches: int = 1) -> Plan:
     """Plans `graph` on `mesh`; `pins` (input position -> spec, `planner.configs.pins.resolve`) fix those
     inputs' shardings and the ILP plans the rest. `problem`: `plan_problem`'s answer for the same
     arguments, when the caller built it already. `min_peak_search=False`: an infeasible budget is
@@ -266,6 +266,11 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     `beat`: a step time found elsewhere, read as the solver goes (`ilp.solver.solve`); the solve
     stops with `OutboundError` once it proves no plan beats it. Without host offload only (with it,
     the offload variants tried may differ in time either way).
+    `microbatches`: `graph` is one of this many microbatches of a step that reduces its gradients
+    once (a pipeline stage's layer, `stages.layer_cost`): the solver weighs the gradient reductions
+    (the combinable collectives, `Node.async_s`) at 1/microbatches of their time, so that a layout
+    is chosen for the whole step; the prediction still prices this one microbatch with them in full
+    (the caller takes them out to once per step).
 
     Raises:
       MeshError: a mesh axis that can split nothing.
@@ -274,7 +279,12 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     t0 = time.perf_counter()
     if problem is None:
         problem = plan_problem(graph, mesh, options, jax_mesh, pins)
-    problem, sol = _solve(problem, options, jax_mesh, min_peak_search, start, lp_level, beat, gap)
+    if microbatches > 1:
+        solved, sol = _solve(reductions_weighed(problem, 1.0 / microbatches), options, jax_mesh, min_peak_search,
+                             start, lp_level, beat, gap)
+        problem = dataclasses.replace(solved, nodes=problem.nodes)  # priced in full (the solve's choice)
+    else:
+        problem, sol = _solve(problem, options, jax_mesh, min_peak_search, start, lp_level, beat, gap)
     op_specs = _op_specs(graph, problem, sol.choice)
     operand_specs = _operand_specs(problem, sol.choice)
     scatter_specs = _scatter_specs(graph, problem, sol.choice)
@@ -306,6 +316,25 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
         kernels=graph.cached(("kernel_notes", problem.cost.hardware.platform),
                              lambda: kernel_notes(graph, problem.cost.hardware.platform)),
     )
+
+
+def reductions_weighed(problem: Problem, share: float) -> Problem:
+    """`problem` with each strategy's combinable collectives (the gradient reductions, `Node.async_s`)
+    and their int8 quantisation (`Node.quantise_s`) costing `share` of their time: in its cost, its
+    own collectives and the part that may hide. Each (kind, axes) group's latency stays whole (it is
+    paid once anyway)."""
+    nodes = []
+    for node in problem.nodes:
+        if not any(node.async_s) and not any(node.quantise_s):
+            nodes.append(node)
+            continue
+        cut = [a * (1.0 - share) for a in node.async_s]
+        quantise = [q * (1.0 - share) for q in node.quantise_s]
+        nodes.append(dataclasses.replace(node, costs=[c - d - q for c, d, q in zip(node.costs, cut, quantise)],
+                                         comm_s=[c - d for c, d in zip(node.comm_s, cut)],
+                                         async_s=[a * share for a in node.async_s],
+                                         quantise_s=[q * share for q in node.quantise_s]))
+    return dataclasses.replace(problem, nodes=tuple(nodes))
 
 
 def _solve(problem: Problem, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None, min_peak_search: bool,

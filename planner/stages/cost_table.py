@@ -56,6 +56,9 @@ class LayerCostTable:
     exception in place of a Spec (a pin that mesh cannot take) makes the layers reading that input
     infeasible on that mesh.
 
+    `microbatches`: the microbatches per step the table prices (`layer_cost`: each layer's ILP
+    chooses its layout for the step, its gradient reductions paid once); part of the cache key.
+
     `variants` names further per-layer plans: name -> `pins(logical_mesh)` in the form above,
     each layer on that mesh planned again with the inputs it reads pinned so (`cost(layer, mesh_index,
     variant)`; "" is the layer's own plan, pinned by `pins` only). A variant whose pins map is empty on
@@ -77,6 +80,7 @@ class LayerCostTable:
     _edges: tuple | None = None
     _inputs: dict = dataclasses.field(default_factory=dict)  # layer -> its `external_inputs`
     ranges: dict = dataclasses.field(default_factory=dict)  # `stage_cost.stage_ranges`'s, shared like `cache`
+    microbatches: int = 1  # per step: each layer's ILP weighs its gradient reductions at 1/microbatches
 
     def __post_init__(self):
         if not self.facts:
@@ -137,11 +141,12 @@ class LayerCostTable:
     def _key(self, layer: int, mesh_index: int, variant: str = "") -> tuple[tuple, Mapping[int, Spec]]:
         lm = self.meshes[mesh_index]
         pinned, pin_key = self.pinned(layer, mesh_index, variant)
-        return (self.layers.keys[layer], lm.mesh.shape, lm.links, self.cluster.hardware.name, pin_key), pinned
+        return (self.layers.keys[layer], lm.mesh.shape, lm.links, self.cluster.hardware.name, pin_key,
+                self.microbatches), pinned
 
     def _solve(self, layer: int, mesh_index: int, pinned: Mapping[int, Spec]) -> LayerCost:
         return layer_cost(self.graph, self.layers, self.facts[layer], layer, self.meshes[mesh_index],
-                           planning_hardware(self.cluster), self.options, pinned)
+                           planning_hardware(self.cluster), self.options, pinned, self.microbatches)
 
     def cost(self, layer: int, mesh_index: int, variant: str = "") -> LayerCost:
         key, pinned = self._key(layer, mesh_index, variant)

@@ -219,7 +219,7 @@ def _with_count(even: _EvenPipeline, priced: _Priced, B: int) -> _Priced:
     t0 = time.perf_counter()
     pins = even.pins
     table = LayerCostTable(graph, layers, (even.lm,), even.cluster, even.options, even.cache,
-                           pins=None if pins is None else (lambda m, g=graph: pins(g, m)))
+                           pins=None if pins is None else (lambda m, g=graph: pins(g, m)), microbatches=B)
     boundary = boundary_bytes(graph, layers)
     st, chosen = _even_stages(even, table, boundary, ranges, B, even.budget)
     fits = all(math.isfinite(c.time_s) for c in chosen)

@@ -147,7 +147,7 @@ def layer_table(space: SearchSpace, B: int) -> tuple[Graph, Layers, LayerCostTab
         for name in space.layer_variants}
     table = LayerCostTable(graph, layers, space.meshes, space.cluster, space.options, space.cache,
                            pins=None if pins is None else (lambda m, g=graph: pins(g, m)), variants=variants,
-                           ranges=space.ranges)
+                           ranges=space.ranges, microbatches=B)
     return graph, layers, table, t0
 
 
