@@ -157,9 +157,24 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
     try:
         plan = make_plan(sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP,  # small ILPs: `ilp.solver.solve`
                          microbatches=microbatches)
+        found, split = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, plan)
+        if split and microbatches > 1:
+            # a parameter split over a data axis: the runtime reduces every microbatch, which the
+            # step-weighted solve did not price; the layer's one-microbatch plan may be cheaper
+            alone, _ = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, make_plan(
+                sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP))
+            if microbatches * alone.time_s + alone.sync_s < microbatches * found.time_s + found.sync_s:
+                found = alone
+        return found
     except (MeshError, PlannerError) as e:
         log.info("layer %s on %s: %s", layers.names[layer], lmesh.mesh, e)
         return INFEASIBLE
+
+
+def _from_plan(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmesh: LogicalMesh, cost, sub: Graph,
+               ext: Sequence[int], plan) -> tuple[LayerCost, bool]:
+    """The layer's cost under its subgraph's `plan`, and whether the plan splits a parameter over
+    a data axis (then its gradients are reduced every microbatch)."""
     mesh = lmesh.mesh
     spec_of_input = dict(zip(ext, plan.input_specs))
     param_set = set(facts.param_inputs)
@@ -205,7 +220,8 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
     sync, exposed = grad_sync(plan.prediction, data, cost)
     quantise = replica_quantisation(sub, plan, data, cost)  # int8 exchanges: quantised once per step too
     data_index = {mesh.axis_names.index(a) for a in data}
-    if any(data_index & spec_axes(spec_of_input.get(t) or ()) for t in ext if t in param_set):
+    split = any(data_index & spec_axes(spec_of_input.get(t) or ()) for t in ext if t in param_set)
+    if split:
         # a parameter split over a data axis: the pipeline runtime reduces every microbatch
         # (`stage_records.set_replicas`), as the layer's plan prices it; nothing once per step
         sync, exposed, quantise = 0.0, 0.0, 0.0
@@ -217,7 +233,7 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
     return LayerCost(pred.step_time_s - exposed - quantise, apply_s, state, act, work, facts.fwd_fraction,
                      tuple(spec_of_input.get(t) for t in ext), zero_extra, zero_state, work + param_shard,
                      tuple(zero_specs), sync, produced, max(0.0, pred.communication_time_s - exposed),
-                     pred.hidden_communication_time_s, data, tuple(pred.collectives), tuple(zero_gathers))
+                     pred.hidden_communication_time_s, data, tuple(pred.collectives), tuple(zero_gathers)), split
 
 
 def batch_axes(specs: Sequence[Spec | None], mesh) -> frozenset[str]:
