@@ -462,3 +462,29 @@ def test_a_layer_is_planned_for_the_steps_microbatches():
     assert not per_microbatch_over_data(cost[B])
     step = {k: B * c.time_s + c.sync_s for k, c in cost.items()}
     assert step[B] <= step[1] * (1 + LAYER_GAP)
+
+
+def test_a_layer_whose_step_plan_splits_a_parameter_over_a_data_axis_keeps_the_cheaper_plan():
+    """The embedding layer of a GPT shaped as Megatron-LM's 3.6B row (hidden 3072) in its Megatron
+    layout on 8 hosts x 8 A100s seen as (data 32, tensor 2): weighing its gradient reductions at
+    1/16, its ILP splits a parameter over a data axis, where the runtime reduces it every
+    microbatch; so the layer is planned for one microbatch too and the step pays no more than that
+    plan's, up to the layer ILP's relative gap."""
+    from planner.configs.baselines import layer_variant_pins
+    from planner.core.options import PlanOptions
+    from planner.stages.cost_table import LayerCostTable
+    from planner.stages.layer_cost import LAYER_GAP
+    from planner.stages.submesh import tensor_parallel_mesh
+
+    B = 16
+    b = get_model("gpt3-1.3b", batch=32, seq=2048, vocab=51200, d_model=3072, heads=32, layers=2, dtype="bfloat16")
+    graph = trace(b.train_step, b.abstract_state(), b.abstract_batch())
+    layers = cluster_layers(graph, num_layers=2)
+    cluster = make_cluster(8, 8, "a100-80gb")
+    meshes = (tensor_parallel_mesh((8, 8), cluster, 2),)
+    pins = layer_variant_pins("megatron-tp")
+    pre = layers.names.index("pre")
+    cost = {k: LayerCostTable(graph, layers, meshes, cluster, PlanOptions(), pins=lambda m: pins(graph, m),
+                              microbatches=k).cost(pre, 0) for k in (1, B)}
+    step = {k: B * c.time_s + c.sync_s for k, c in cost.items()}
+    assert step[B] <= step[1] * (1 + LAYER_GAP)
