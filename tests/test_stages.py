@@ -296,8 +296,12 @@ def test_resharding_between_layers_of_one_stage_is_costed():
         assert inner[0, 1] == pytest.approx(expected) and inner[0, 0] == inner[1, 1] == 0
         boundary = boundary_bytes(graph, layers)
         t_range, _, _ = stage_ranges(table, StageOption(0, "plan", False), 8, boundary, boundary_link(cluster))
-        layer_sum = table.cost(0, 0).time_s + table.cost(1, 0).time_s
-        assert t_range[0, 1] == pytest.approx(layer_sum + expected)
+        rows = (table.cost(0, 0), table.cost(1, 0))
+        layer_sum = rows[0].time_s + rows[1].time_s
+        # a parameter split over the other layer's data axis: the runtime reduces every microbatch
+        split = bool((rows[0].param_axes | rows[1].param_axes) & (rows[0].data_axes | rows[1].data_axes))
+        assert split == resharded  # the column split's axis is the data-parallel layer's batch axis
+        assert t_range[0, 1] == pytest.approx(layer_sum + expected + (sum(r.sync_s for r in rows) if split else 0.0))
 
 
 def test_scanned_weights_are_named_when_pipelining():
@@ -384,11 +388,12 @@ def test_sharded_state_stages_reduce_gradients_every_microbatch():
     """In the sharded-state layout a stage's parameters are split over its data axes too, so the
     pipeline runtime reduces their gradients every microbatch (`stage_records.set_replicas`):
     the stage tables price that reduction in the stage time per microbatch and not once per step;
-    the "plan" layout keeps it once per step."""
+    the "plan" layout keeps it once per step unless a layer's plan splits a parameter over a data
+    axis of the stage, where the runtime reduces every microbatch too (`stage_cost.split_ranges`)."""
     from planner.core.options import PlanOptions
     from planner.stages.candidate import once_per_step as _once_per_step
     from planner.stages.cost_table import LayerCostTable
-    from planner.stages.stage_cost import StageOption, _columns
+    from planner.stages.stage_cost import StageOption, _columns, stage_ranges
 
     ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
     graph = trace(_tanh_chain_step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
@@ -398,6 +403,7 @@ def test_sharded_state_stages_reduce_gradients_every_microbatch():
     sharded, planned = StageOption(0, "sharded-state", False), StageOption(0, "plan", False)
     rows = [table.cost(l, 0) for l in range(2)]
     assert any(r.data_axes and r.sync_s > 0 for r in rows)  # a data-parallel layer: its gradient reduction
+    split = bool(frozenset().union(*(r.param_axes for r in rows)) & frozenset().union(*(r.data_axes for r in rows)))
     for option in (sharded, planned):
         time = _columns(table, option)["time"]
         every = [option is sharded and bool(r.data_axes) and r.sync_s > 0 for r in rows]
@@ -405,8 +411,13 @@ def test_sharded_state_stages_reduce_gradients_every_microbatch():
             gathers = r.zero_extra_s if option is sharded else 0.0
             assert time[l] == pytest.approx(r.time_s + gathers + (r.sync_s if every[l] else 0.0), rel=1e-12)
         once = _once_per_step(table, option, 0, 1)[0]
-        assert once == pytest.approx(sum(r.sync_s for r, e in zip(rows, every) if not e), abs=1e-15)
-        assert (once < sum(r.sync_s for r in rows)) == (option is sharded)
+        kept = 0.0 if split else sum(r.sync_s for r, e in zip(rows, every) if not e)
+        assert once == pytest.approx(kept, abs=1e-15)
+        assert (once < sum(r.sync_s for r in rows)) == (option is sharded or split)
+        moved = _once_per_step(table, option, 0, 0)[0] + _once_per_step(table, option, 1, 1)[0] - once
+        t, _, _ = stage_ranges(table, option, 4, np.zeros(2), boundary_link(cluster))
+        assert t[0, 1] - t[0, 0] - t[1, 1] == pytest.approx(table.inner(0)[0, 1] + (moved if split else 0.0),
+                                                          rel=1e-9, abs=1e-15)
 
 
 def test_int8_gradient_exchange_is_quantised_once_per_step():

@@ -320,9 +320,10 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
 
 def reductions_weighed(problem: Problem, share: float) -> Problem:
     """`problem` with each strategy's combinable collectives (the gradient reductions, `Node.async_s`)
-    and their int8 quantisation (`Node.quantise_s`) costing `share` of their time: in its cost, its
-    own collectives and the part that may hide. Each (kind, axes) group's latency stays whole (it is
-    paid once anyway)."""
+    and their int8 quantisation (`Node.quantise_s`) costing `share` of their time, exposed: paid once
+    per step after the last microbatch, where nothing is left to hide them behind
+    (`stages.candidate.once_per_step_max`). Each (kind, axes) group's latency stays whole (it is paid
+    once anyway)."""
     nodes = []
     for node in problem.nodes:
         if not any(node.async_s) and not any(node.quantise_s):
@@ -332,7 +333,7 @@ def reductions_weighed(problem: Problem, share: float) -> Problem:
         quantise = [q * (1.0 - share) for q in node.quantise_s]
         nodes.append(dataclasses.replace(node, costs=[c - d - q for c, d, q in zip(node.costs, cut, quantise)],
                                          comm_s=[c - d for c, d in zip(node.comm_s, cut)],
-                                         async_s=[a * share for a in node.async_s],
+                                         async_s=[0.0] * node.size,
                                          quantise_s=[q * share for q in node.quantise_s]))
     return dataclasses.replace(problem, nodes=tuple(nodes))
 

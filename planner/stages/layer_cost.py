@@ -90,6 +90,10 @@ class LayerCost:
         for the stage when the stage programs cannot be built, `planned.to_plan`).
       zero_collectives: the sharded-state layout's parameter all-gathers per microbatch (each
         gathered parameter twice: forward and backward), priced as `zero_extra_s` prices them.
+      param_axes: names of the mesh axes splitting any of the layer's parameters: where one is a
+        data axis of the stage holding the layer, the pipeline runtime reduces the whole stage's
+        gradients every microbatch (`stage_cost.split_ranges`, `selection._replica_fallback`); one
+        of the layer's own data axes puts its own reduction in `time_s` already.
       produced_specs: the plan's sharding of each value the layer makes that is used outside it,
         keyed by (position of the making op among the layer's ops, result index), so that identical
         layers key alike (`LayerCostTable.inner`: resharding between layers of one stage).
@@ -113,6 +117,7 @@ class LayerCost:
     data_axes: frozenset[str] = frozenset()
     collectives: tuple = ()
     zero_collectives: tuple = ()
+    param_axes: frozenset[str] = frozenset()
 
 
 # A layer that cannot be planned on a mesh (a pin the mesh cannot take, or no plan): never chosen.
@@ -233,7 +238,9 @@ def _from_plan(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
     return LayerCost(pred.step_time_s - exposed - quantise, apply_s, state, act, work, facts.fwd_fraction,
                      tuple(spec_of_input.get(t) for t in ext), zero_extra, zero_state, work + param_shard,
                      tuple(zero_specs), sync, produced, max(0.0, pred.communication_time_s - exposed),
-                     pred.hidden_communication_time_s, data, tuple(pred.collectives), tuple(zero_gathers)), split
+                     pred.hidden_communication_time_s, data, tuple(pred.collectives), tuple(zero_gathers),
+                     frozenset(mesh.axis_names[a] for t in ext if t in param_set
+                               for a in spec_axes(spec_of_input.get(t) or ()) if mesh.shape[a] > 1)), split
 
 
 def batch_axes(specs: Sequence[Spec | None], mesh) -> frozenset[str]:

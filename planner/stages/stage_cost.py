@@ -109,6 +109,23 @@ def sync_every_microbatch(cost: LayerCost, option: StageOption) -> bool:
     return option.layout == "sharded-state" and bool(cost.data_axes) and cost.sync_s > 0
 
 
+def split_ranges(rows: Sequence[LayerCost], option: StageOption) -> tuple[np.ndarray, np.ndarray]:
+    """(`split[k, i]`: a layer of k..i splits a parameter over a data axis of some layer of k..i, so
+    the runtime reduces the gradients of a stage of those layers every microbatch
+    (`selection._replica_fallback`); `sync[k, i]`: the once-per-step reductions of layers k..i,
+    which then move into the time per microbatch)."""
+    names = sorted({a for r in rows for a in r.param_axes | r.data_axes})
+    bit = {a: 1 << i for i, a in enumerate(names)}
+    params = np.array([sum(bit[a] for a in r.param_axes) for r in rows], dtype=np.int64)
+    data = np.array([sum(bit[a] for a in r.data_axes) for r in rows], dtype=np.int64)
+    L = len(rows)
+    split = np.zeros((L, L), dtype=bool)
+    for k in range(L):
+        split[k, k:] = (np.bitwise_or.accumulate(params[k:]) & np.bitwise_or.accumulate(data[k:])) != 0
+    sync = np.array([0.0 if sync_every_microbatch(r, option) else r.sync_s for r in rows])
+    return split, _range_sums(sync)
+
+
 def _columns(table: LayerCostTable, option: StageOption) -> dict[str, np.ndarray]:
     """Per layer on the option's mesh, variant and state layout: its time per microbatch ("time")
     and the exposed communication inside it ("comm"), each with what remat's recomputed forward adds
@@ -175,7 +192,9 @@ def _range_seconds(table: LayerCostTable, col: dict[str, np.ndarray], kind: str,
     recomputed forward's share of the layers and of the resharding."""
     inner = table.inner(option.mesh_index, option.variant)
     fwd_send, bwd_send = _sends(boundary, link, devices)
-    out = _range_sums(col[kind]) + inner + fwd_send[None, :] + bwd_send[:, None]
+    split, sync = split_ranges([table.cost(l, option.mesh_index, option.variant)
+                                for l in range(table.layers.num_layers)], option)
+    out = _range_sums(col[kind]) + inner + fwd_send[None, :] + bwd_send[:, None] + np.where(split, sync, 0.0)
     if option.remat:
         out = out + _range_sums(col[f"{kind}_recompute"]) + inner / 2
     return out
