@@ -74,6 +74,36 @@ def test_combined_gradient_reductions_pay_one_latency():
 
 
 
+def test_a_plan_for_several_microbatches_weighs_its_gradient_all_reduces_once_per_step():
+    """The data-parallel MLP on 8 devices planned as one of 16 microbatches (`microbatches=16`, a
+    pipeline stage's layer): the solver's objective counts each gradient all-reduce at 1/16 of its
+    time, exposed, its group latencies whole; the prediction still prices the microbatch with them
+    in full (the caller moves them to once per step), which is the plain plan's prediction."""
+    from planner.search.mesh_plan import plan_problem, reductions_weighed
+    from planner.ilp.objective import step_time
+
+    graph = zoo_graph("mlp-tiny", **{**TALL, "batch": 4 * TALL["batch"]})
+    options = PlanOptions(solver_time_limit=20, overlap=False)
+    one = make_plan(graph, MESH_8, options)
+    many = make_plan(graph, MESH_8, options, microbatches=16)
+    assert many.input_specs == one.input_specs  # data parallel either way
+    assert many.prediction.step_time_s == pytest.approx(one.prediction.step_time_s, rel=1e-12)
+    hw = get_hardware(None)
+    reduces = [c for c in one.prediction.collectives if c.kind == "all-reduce"]
+    bandwidth = sum(ring_bytes("all-reduce", c.nbytes, 8) for c in reduces) / hw.intra_bandwidth
+    assert reduces and many.solver.objective_s == pytest.approx(one.solver.objective_s - bandwidth * 15 / 16, rel=1e-9)
+    # a reduce-scatter (the gradient split, and so its parameter) keeps its whole time
+    problem = plan_problem(graph, MESH_8, options)
+    weighed = reductions_weighed(problem, 1 / 16)
+    for old, new in zip(problem.nodes, weighed.nodes):
+        for i, comms in enumerate(old.comms):
+            if old.async_s[i] and all(kind == "reduce-scatter" for kind, _, _ in comms):
+                assert new.costs[i] == old.costs[i] and new.async_s[i] == old.async_s[i]
+    assert any(n.async_s[i] and any(k == "reduce-scatter" for k, _, _ in n.comms[i])
+               for n in problem.nodes for i in range(n.size))
+    assert step_time(weighed, [0] * len(weighed.nodes)).total_s <= step_time(problem, [0] * len(problem.nodes)).total_s
+
+
 def test_gradient_all_reduce_hides_behind_the_backward_and_the_flags_say_so():
     """Data-parallel MLP (batch >> hidden) on 8 A100s: the second layer's gradient all-reduce runs
     while the first layer's backward computes. Predicted faster than with overlap off, by the hidden

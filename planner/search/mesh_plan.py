@@ -319,22 +319,28 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
 
 
 def reductions_weighed(problem: Problem, share: float) -> Problem:
-    """`problem` with each strategy's combinable collectives (the gradient reductions, `Node.async_s`)
-    and their int8 quantisation (`Node.quantise_s`) costing `share` of their time, exposed: paid once
-    per step after the last microbatch, where nothing is left to hide them behind
-    (`stages.candidate.once_per_step_max`). Each (kind, axes) group's latency stays whole (it is paid
+    """`problem` with each strategy's combinable all-reduces (the gradient reductions that leave the
+    gradient whole over their axes, among `Node.async_s`) and their int8 quantisation
+    (`Node.quantise_s`) costing `share` of their time, exposed: paid once per step after the last
+    microbatch, where nothing is left to hide them behind (`stages.candidate.once_per_step_max`).
+    A reduce-scatter keeps its full time: it splits the gradient, and so its parameter, over its
+    axes, and a pipeline stage with a parameter split over a data axis reduces every microbatch
+    (`stages.stage_cost.split_ranges`). Each (kind, axes) group's latency stays whole (it is paid
     once anyway)."""
     nodes = []
     for node in problem.nodes:
-        if not any(node.async_s) and not any(node.quantise_s):
+        if not any(node.async_s):
             nodes.append(node)
             continue
-        cut = [a * (1.0 - share) for a in node.async_s]
-        quantise = [q * (1.0 - share) for q in node.quantise_s]
-        nodes.append(dataclasses.replace(node, costs=[c - d - q for c, d, q in zip(node.costs, cut, quantise)],
-                                         comm_s=[c - d for c, d in zip(node.comm_s, cut)],
-                                         async_s=[0.0] * node.size,
-                                         quantise_s=[q * share for q in node.quantise_s]))
+        once = [min(a, sum(t for (kind, _, _), t in zip(comms, times) if kind == "all-reduce"))
+                for a, comms, times in zip(node.async_s, node.comms, node.comm_times)]
+        scatters = [any(kind == "reduce-scatter" for kind, _, _ in comms) for comms in node.comms]
+        quantised = [0.0 if rs else q for q, rs in zip(node.quantise_s, scatters)]
+        cut = [(o + q) * (1.0 - share) for o, q in zip(once, quantised)]
+        nodes.append(dataclasses.replace(node, costs=[c - d for c, d in zip(node.costs, cut)],
+                                         comm_s=[c - o * (1.0 - share) for c, o in zip(node.comm_s, once)],
+                                         async_s=[a - o for a, o in zip(node.async_s, once)],
+                                         quantise_s=[q - qq * (1.0 - share) for q, qq in zip(node.quantise_s, quantised)]))
     return dataclasses.replace(problem, nodes=tuple(nodes))
 
 

@@ -163,9 +163,14 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
         plan = make_plan(sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP,  # small ILPs: `ilp.solver.solve`
                          microbatches=microbatches)
         found, split = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, plan)
-        if split and microbatches > 1:
+        weighed = plan.solver.objective_s
+        if split and microbatches > 1 and (weighed is None or plan.prediction.step_time_s > weighed * (1 + LAYER_GAP)):
             # a parameter split over a data axis: the runtime reduces every microbatch, which the
-            # step-weighted solve did not price; the layer's one-microbatch plan may be cheaper
+            # step-weighted solve priced at 1/microbatches for some all-reduce (its objective is
+            # below the plan's time per microbatch by more than the gap; otherwise no plan for one
+            # microbatch beats it either); the layer's one-microbatch plan may be cheaper
+            log.info("layer %s on %s: its plan for %d microbatches splits a parameter over a data axis; "
+                     "planned for one microbatch too", layers.names[layer], lmesh.mesh, microbatches)
             alone, _ = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, make_plan(
                 sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP))
             if microbatches * alone.time_s + alone.sync_s < microbatches * found.time_s + found.sync_s:
