@@ -267,10 +267,10 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     stops with `OutboundError` once it proves no plan beats it. Without host offload only (with it,
     the offload variants tried may differ in time either way).
     `microbatches`: `graph` is one of this many microbatches of a step that reduces its gradients
-    once (a pipeline stage's layer, `stages.layer_cost`): the solver weighs the gradient reductions
-    (the combinable collectives, `Node.async_s`) at 1/microbatches of their time, so that a layout
-    is chosen for the whole step; the prediction still prices this one microbatch with them in full
-    (the caller takes them out to once per step).
+    once (a pipeline stage's layer, `stages.layer_cost`): the solver weighs the gradient all-reduces
+    at 1/microbatches of their time, exposed (`reductions_weighed`), so that a layout is chosen for
+    the whole step; the prediction still prices this one microbatch with them in full (the caller
+    takes them out to once per step).
 
     Raises:
       MeshError: a mesh axis that can split nothing.

@@ -28,14 +28,17 @@ group); the per-microbatch time drops by their exposed part (their time beyond t
 the plan hides behind compute, which they are first to use), and `sync_s` keeps all of it, exposed:
 the stage pays it once after its last backward (`candidate.once_per_step_max`), not overlapped
 with other stages' remaining backwards (a simplification, stated). The layer's ILP itself plans
-for the whole step (`make_plan(microbatches=B)`): it weighs every gradient reduction (the
-combinable collectives) at 1/B of its time, so that it does not trade a reduction paid once per
-step for per-microbatch collectives that merely cost less for one microbatch (with float32 partial
-sums, the exact default, a 145.6B GPT block on 24x8 A100s chose an all-to-all of its activations
-and a per-microbatch all-gather of each gradient over the data axis instead: 3x slower at 96
-microbatches); the prediction it returns prices one microbatch with them in full, as above. A
-reduction over an axis that does not split the batch (a sequence split) is weighed so too but
-priced per microbatch, as the runtime runs it: the layout is chosen for the common case. Gradients the plan exchanges as
+for the whole step (`make_plan(microbatches=B)`): it weighs each gradient all-reduce at 1/B of its
+time, exposed (`mesh_plan.reductions_weighed`; a reduce-scatter, which splits the parameter, keeps
+its whole time), so that it does not trade a reduction paid once per step for per-microbatch
+collectives that merely cost less for one microbatch (with float32 partial sums, the exact
+default, a 145.6B GPT block on 24x8 A100s chose an all-to-all of its activations and a
+per-microbatch all-gather of each gradient over the data axis instead: 3x slower at 96
+microbatches); the prediction it returns prices one microbatch with them in full, as above. An
+all-reduce over an axis that does not split the batch (a sequence split) is weighed so too but
+priced per microbatch, as the runtime runs it: the layout is chosen for the common case. A plan
+that still splits a parameter over a data axis, discounted by more than the gap, is weighed
+against the layer's one-microbatch plan (`layer_cost`). Gradients the plan exchanges as
 int8 over data axes (comm_precision "int8") move their quantisation with them: the ILP charges it
 per microbatch, the runtime quantises each replica's accumulated gradient once per step
 (`replica_quantisation`, `planner.emit.wire.reduce_replicas`).
