@@ -19,6 +19,7 @@ from planner.graph.ir import Graph
 from planner.stages.clustering import Layers
 from planner.stages.cost_table import LayerCostTable
 from planner.stages.dp import DPResult, StageChoice, bubble_fraction, pipeline_latency
+from planner.stages.layer_cost import splits_data
 from planner.stages.layer_facts import external_inputs
 from planner.stages.pipeline_plan import PipelinePlan, StagePlan
 from planner.stages.stage_cost import (StageOption, StageTimes, stage_collectives, stage_communication, stage_memory,
@@ -57,7 +58,7 @@ def stage_option(st: StageTimes, stage: StageChoice, position: int) -> StageOpti
 def once_per_step(table: LayerCostTable, opt: StageOption, first: int, last: int) -> tuple[float, float]:
     """(data-parallel gradient reduction, optimizer update) of the stage of layers first..last."""
     costs = [table.cost(l, opt.mesh_index, opt.variant) for l in range(first, last + 1)]
-    if frozenset().union(*(c.param_axes for c in costs)) & frozenset().union(*(c.data_axes for c in costs)):
+    if splits_data(costs):
         return 0.0, sum(c.apply_s for c in costs)  # the runtime reduces every microbatch (`stage_cost.split_ranges`)
     return (sum(c.sync_s for c in costs if not sync_every_microbatch(c, opt)),  # the rest is in the stage time
             sum(c.apply_s for c in costs))

@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from planner.cost_model import Hardware, get_hardware
 from planner.core.errors import MeshError, PlannerError
@@ -165,16 +165,17 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
     try:
         plan = make_plan(sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP,  # small ILPs: `ilp.solver.solve`
                          microbatches=microbatches)
-        found, split = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, plan)
+        found = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, plan)
         weighed = plan.solver.objective_s
-        if split and microbatches > 1 and (weighed is None or plan.prediction.step_time_s > weighed * (1 + LAYER_GAP)):
+        discounted = weighed is None or plan.prediction.step_time_s > weighed * (1 + LAYER_GAP)
+        if splits_data((found,)) and microbatches > 1 and discounted:
             # a parameter split over a data axis: the runtime reduces every microbatch, which the
             # step-weighted solve priced at 1/microbatches for some all-reduce (its objective is
             # below the plan's time per microbatch by more than the gap; otherwise no plan for one
             # microbatch beats it either); the layer's one-microbatch plan may be cheaper
             log.info("layer %s on %s: its plan for %d microbatches splits a parameter over a data axis; "
                      "planned for one microbatch too", layers.names[layer], lmesh.mesh, microbatches)
-            alone, _ = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, make_plan(
+            alone = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, make_plan(
                 sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP))
             if microbatches * alone.time_s + alone.sync_s < microbatches * found.time_s + found.sync_s:
                 found = alone
@@ -184,10 +185,17 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
         return INFEASIBLE
 
 
+def splits_data(costs: Iterable[LayerCost]) -> bool:
+    """Whether a stage of layers planned as `costs` splits a parameter over one of its data axes (some
+    layer's `param_axes` meets some layer's `data_axes`): the pipeline runtime then reduces the
+    stage's gradients every microbatch (`selection._replica_fallback`)."""
+    costs = tuple(costs)
+    return bool(frozenset().union(*(c.param_axes for c in costs)) & frozenset().union(*(c.data_axes for c in costs)))
+
+
 def _from_plan(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmesh: LogicalMesh, cost, sub: Graph,
-               ext: Sequence[int], plan) -> tuple[LayerCost, bool]:
-    """The layer's cost under its subgraph's `plan`, and whether the plan splits a parameter over
-    a data axis (then its gradients are reduced every microbatch)."""
+               ext: Sequence[int], plan) -> LayerCost:
+    """The layer's cost under its subgraph's `plan`."""
     mesh = lmesh.mesh
     spec_of_input = dict(zip(ext, plan.input_specs))
     param_set = set(facts.param_inputs)
@@ -232,9 +240,9 @@ def _from_plan(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
     data = batch_axes([spec_of_input.get(t) for t in ext if t not in param_set], mesh)
     sync, exposed = grad_sync(plan.prediction, data, cost)
     quantise = replica_quantisation(sub, plan, data, cost)  # int8 exchanges: quantised once per step too
-    data_index = {mesh.axis_names.index(a) for a in data}
-    split = any(data_index & spec_axes(spec_of_input.get(t) or ()) for t in ext if t in param_set)
-    if split:
+    param_axes = frozenset(mesh.axis_names[a] for t in ext if t in param_set
+                           for a in spec_axes(spec_of_input.get(t) or ()) if mesh.shape[a] > 1)
+    if param_axes & data:
         # a parameter split over a data axis: the pipeline runtime reduces every microbatch
         # (`stage_records.set_replicas`), as the layer's plan prices it; nothing once per step
         sync, exposed, quantise = 0.0, 0.0, 0.0
@@ -247,8 +255,7 @@ def _from_plan(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
                      tuple(spec_of_input.get(t) for t in ext), zero_extra, zero_state, work + param_shard,
                      tuple(zero_specs), sync, produced, max(0.0, pred.communication_time_s - exposed),
                      pred.hidden_communication_time_s, data, tuple(pred.collectives), tuple(zero_gathers),
-                     frozenset(mesh.axis_names[a] for t in ext if t in param_set
-                               for a in spec_axes(spec_of_input.get(t) or ()) if mesh.shape[a] > 1)), split
+                     param_axes)
 
 
 def batch_axes(specs: Sequence[Spec | None], mesh) -> frozenset[str]:

@@ -129,12 +129,16 @@ def split_ranges(rows: Sequence[LayerCost], option: StageOption) -> tuple[np.nda
 def _columns(table: LayerCostTable, option: StageOption) -> dict[str, np.ndarray]:
     """Per layer on the option's mesh, variant and state layout: its time per microbatch ("time")
     and the exposed communication inside it ("comm"), each with what remat's recomputed forward adds
-    ("..._recompute"); its state, activation and working bytes."""
+    ("..._recompute"); its state, activation and working bytes; and per layer range the
+    once-per-step reductions a split stage moves into every microbatch ("split_sync",
+    `split_ranges`)."""
     rows = [table.cost(l, option.mesh_index, option.variant) for l in range(table.layers.num_layers)]
     sharded = option.layout == "sharded-state"
     gathers = [r.zero_extra_s if sharded else 0.0 for r in rows]  # the sharded state's all-gathers
     every = [r.sync_s if sync_every_microbatch(r, option) else 0.0 for r in rows]
+    split, sync = split_ranges(rows, option)
     return {
+        "split_sync": np.where(split, sync, 0.0),  # [first, last]: reductions moved into every microbatch
         "time": np.array([r.time_s + g + e for r, g, e in zip(rows, gathers, every)]),
         "time_recompute": np.array([r.time_s * r.fwd_fraction + g / 2 for r, g in zip(rows, gathers)]),
         "comm": np.array([r.comm_s + g + e for r, g, e in zip(rows, gathers, every)]),
@@ -188,13 +192,11 @@ def _range_seconds(table: LayerCostTable, col: dict[str, np.ndarray], kind: str,
                    boundary: np.ndarray, link, devices: int) -> np.ndarray:
     """`out[k, i]`: seconds per microbatch of layers k..i as one stage, from the per-layer column
     `kind` of `_columns` ("time", or "comm" for the communication inside it): the layers' sum, the
-    resharding between them (`LayerCostTable.inner`), the boundary sends; under remat the
+    reductions a split stage runs every microbatch ("split_sync"), the resharding between them (`LayerCostTable.inner`), the boundary sends; under remat the
     recomputed forward's share of the layers and of the resharding."""
     inner = table.inner(option.mesh_index, option.variant)
     fwd_send, bwd_send = _sends(boundary, link, devices)
-    split, sync = split_ranges([table.cost(l, option.mesh_index, option.variant)
-                                for l in range(table.layers.num_layers)], option)
-    out = _range_sums(col[kind]) + inner + fwd_send[None, :] + bwd_send[:, None] + np.where(split, sync, 0.0)
+    out = _range_sums(col[kind]) + inner + fwd_send[None, :] + bwd_send[:, None] + col["split_sync"]
     if option.remat:
         out = out + _range_sums(col[f"{kind}_recompute"]) + inner / 2
     return out
