@@ -84,10 +84,13 @@ def _plan_one(args, out, memo: PlanningMemo | None = None):
     options, assumed = donated_state(args, where.options, traced.graph)
     where = dataclasses.replace(where, options=options)
     pp_name, pp_stages = pp_baseline(args)
-    ranked, graph = _rank(args, where, traced, pp_name, pp_stages, memo)
+    ranked, graph, note = _rank(args, where, traced, pp_name, pp_stages, memo)
     view = plan_view(ranked, graph, traced.label, where.num_devices, where.cluster, where.hardware, where.budget,
                      traced.flops, time.perf_counter() - traced.t0)
     _print_plan(args, view, pp_stages, out)
+    if note is not None:
+        print(f"\nPipeline stages ({where.cluster.hosts} hosts: weighed by default where they can matter; "
+              f"--pipeline off / auto to decide): {note}", file=out)
     if assumed:
         print(assumed, file=out)
     return view
@@ -188,19 +191,41 @@ def _resized(loaded: tuple, batch: int) -> tuple:
 
 
 def _rank(args, where: PlanTarget, traced: Traced, pp_name, pp_stages, memo: PlanningMemo | None = None):
-    """The ranked plans (`present.ranking`) of the way the flags ask to plan, and the graph planned."""
+    """The ranked plans (`present.ranking`) of the way the flags ask to plan, the graph planned, and
+    what weighing pipeline stages by default gave (None: not weighed)."""
     if pp_stages:
-        return _rank_pipeline_baseline(args, where, traced, pp_name, pp_stages), traced.graph
+        return _rank_pipeline_baseline(args, where, traced, pp_name, pp_stages), traced.graph, None
     if where.pipelined:
-        return _rank_pipeline(args, where, traced, memo), traced.graph
+        return _rank_pipeline(args, where, traced, memo), traced.graph, None
     if hand_configured(args):
         results = configured_results(args, traced.graph, where.meshes, where.options, where.cluster)
-        return mesh_ranking(results, traced.flops, where.hardware), traced.graph
+        return mesh_ranking(results, traced.flops, where.hardware), traced.graph, None
+    stages = _stage_search(args, where, traced, memo)
     composed = compose_on_meshes(traced.step, traced.graph, where.meshes, where.options,
-                                 where.cluster.devices_per_host if where.cluster else None)
-    graph, results = composed.graph, composed.results
+                                 where.cluster.devices_per_host if where.cluster else None, stages)
     log.info("planned %d mesh shape(s) in %.1fs", len(where.meshes), time.perf_counter() - traced.t0)
-    return mesh_ranking(results, traced.flops, where.hardware), graph
+    if composed.pipelined is not None:
+        pp = composed.pipelined.found
+        single = composed.plan.pipeline.single_stage_step_time_s
+        ranked = pipeline_ranking(composed.plan, dataclasses.replace(pp, single_stage_time_s=single),
+                                  pipeline_target(args, where.cluster, where.num_devices), traced.flops,
+                                  where.hardware, time.perf_counter() - traced.t0)
+        return ranked, traced.graph, composed.pipeline_note
+    return mesh_ranking(composed.results, traced.flops, where.hardware), composed.graph, composed.pipeline_note
+
+
+def _stage_search(args, where: PlanTarget, traced: Traced, memo: PlanningMemo | None):
+    """The pipeline stage search weighed by default (`planning.pipeline_lever`) on a --cluster of
+    several hosts without --mesh; None elsewhere."""
+    if where.cluster is None or where.cluster.hosts < 2 or args.mesh is not None:
+        return None
+    cluster = pipeline_target(args, where.cluster, where.num_devices)
+    shared = memo if memo is not None else PlanningMemo()
+
+    def search(options: PlanOptions, beat: float):
+        return plan_stages(traced.step, traced.example, traced.graph, cluster, options, memo=shared, beat=beat)
+
+    return search
 
 
 def _rank_pipeline_baseline(args, where: PlanTarget, traced: Traced, pp_name: str, pp_stages: int):

@@ -37,7 +37,11 @@ class PlanOptions:
       inter_host_axes: mesh axes whose links cross hosts (slower links in the cost model).
       profile: path of a profile database written by `planner profile` (measured collective
         times replace the analytic ones where samples exist), or a loaded database object.
-      pipeline: "auto", True or False: whether to split the program into pipeline stages.
+      pipeline: whether to split the program into pipeline stages: True (at least two stages),
+        "auto" (the stage search, a single stage on the whole cluster competing), False (never), or
+        None, the default: weighed by `planner.planning.pipeline_lever` after the single-step
+        levers where it can matter (several hosts, a memory budget, a step proven
+        microbatch-invariant whose layers are not scanned over stacked parameters), the faster kept.
       num_microbatches: microbatches per step for pipelining (None: the planner chooses).
       schedule: pipeline schedule, "1f1b" or "gpipe".
       inter_host: the network between hosts as it is: one host's bandwidth, shared by its devices
@@ -108,7 +112,7 @@ class PlanOptions:
     constrain_intermediates: bool = True
     inter_host_axes: tuple[int, ...] = ()
     profile: Any = None
-    pipeline: bool | str = False
+    pipeline: bool | str | None = None
     num_microbatches: int | None = None
     schedule: str = "1f1b"
     inter_host: Any = None
@@ -160,8 +164,8 @@ class PlanOptions:
         if self.remat not in ("off", "auto") and self.pipeline:
             raise InvalidArgumentError(f"remat={self.remat!r} is for single-stage plans (pipeline stages choose "
                                        "recomputation themselves); drop pipeline= or use remat='auto'")
-        if self.pipeline not in (True, False, "auto"):
-            raise InvalidArgumentError(f"pipeline={self.pipeline!r} must be True, False or 'auto'")
+        if self.pipeline is not None and self.pipeline not in (True, False, "auto"):
+            raise InvalidArgumentError(f"pipeline={self.pipeline!r} must be True, False, 'auto' or None (weighed)")
         if self.schedule not in ("1f1b", "gpipe"):
             raise InvalidArgumentError(f"schedule={self.schedule!r} must be '1f1b' or 'gpipe'")
         if self.num_microbatches is not None and not (isinstance(self.num_microbatches, int) and self.num_microbatches >= 1):

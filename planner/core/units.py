@@ -101,6 +101,19 @@ def format_bytes(n: float | None) -> str:
     return f"{n:.0f} B"
 
 
+def format_seconds(s: float | None) -> str:
+    """A duration with its unit (s, ms, us, ns), "-" for None."""
+    if s is None:
+        return "-"
+    if abs(s) >= 1:
+        return f"{s:.3f} s"
+    if abs(s) >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    if abs(s) >= 1e-6:
+        return f"{s * 1e6:.2f} us"
+    return f"{s * 1e9:.1f} ns"
+
+
 def positive_int(text: str) -> int:
     """A count written on a command line (`--microbatches 4`), as an argparse type."""
     try:

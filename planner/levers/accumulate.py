@@ -430,6 +430,35 @@ def step_mixing(graph: Graph, parts: StepParts) -> tuple:
     return mixing_ops(graph, [graph.inputs[i] for i in parts.batch], parts.loss, parts.forward)
 
 
+def step_parts(graph: Graph) -> StepParts | None:
+    """The step's parts (`stages.derived.split_step`), computed once per graph; None when the step
+    cannot be split (then it is not split into microbatches by default)."""
+    def split() -> StepParts | None:
+        try:
+            return split_step(graph)
+        except InvalidArgumentError:
+            return None
+
+    return graph.cached(("split_step",), split)
+
+
+def why_microbatch_variant(graph: Graph) -> str | None:
+    """None when the step is proven microbatch-invariant (one batch size over its batch arguments,
+    and no op of its forward mixes their examples, `step_mixing`); otherwise why not, in words.
+    The levers that split the batch (accumulation, pipeline microbatches) are only on by default
+    for an invariant step."""
+    def why() -> str | None:
+        parts = step_parts(graph)
+        if parts is None:
+            return "its loss and update could not be told apart (`planner.stages.derived`)"
+        if len({graph.tensors[graph.inputs[i]].shape[0] for i in parts.batch}) != 1:
+            return "its batch arguments differ in their leading size"
+        found = step_mixing(graph, parts)
+        return f"it mixes the examples of its batch: {summary(found)}" if found else None
+
+    return graph.cached(("microbatch_variant",), why)
+
+
 def _say_if_mixing(graph: Graph, parts: StepParts, k: int) -> None:
     """One log line when the step's forward mixes the examples of its batch (`batch_mixing`): its
     accumulated result then legitimately differs from the step's on the whole batch."""

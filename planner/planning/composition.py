@@ -33,7 +33,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from planner.core.errors import InfeasiblePlanError, InvalidArgumentError, OffloadUnavailableError, PlannerError
+from planner.core.errors import InfeasiblePlanError, OffloadUnavailableError, PlannerError
 from planner.core.mesh import MeshSpec, default_axis_names
 from planner.core.options import PlanOptions
 from planner.core.plan import Plan
@@ -43,12 +43,13 @@ from planner.graph.ir import Graph
 from planner.ilp.levers import levers_text, marked_tried
 from planner.ilp.memory_bounds import memory_floor
 from planner.ilp.offload import streamed
-from planner.levers.accumulate import Accumulated, micro_options, plan_accumulation, step_mixing
+from planner.levers.accumulate import (Accumulated, micro_options, plan_accumulation, step_parts,
+                                       why_microbatch_variant)
 from planner.levers.remat import plan_remat, record as remat_record
+from planner.planning.pipeline_lever import Pipelined, StageSearch, weigh_pipeline
 from planner.search.mesh_plan import donated_inputs, overlaps
 from planner.search.meshes import search_meshes
 from planner.search.results import MeshResult, no_fit_error
-from planner.stages.derived import StepParts, split_step
 
 log = logging.getLogger("planner")
 
@@ -70,32 +71,53 @@ PREFETCH_GAIN = 1e-3
 @dataclasses.dataclass(frozen=True)
 class Composed:
     """What `compose` planned: the graph the plan is for (rewritten by recomputation, streamed for
-    offload; under accumulation the microbatch step's), one result per mesh (best first), and the
-    accumulated step when k > 1 microbatches were chosen (emitted with `emit.accumulate`)."""
+    offload; under accumulation the microbatch step's), one result per mesh (best first), the
+    accumulated step when k > 1 microbatches were chosen (emitted with `emit.accumulate`), and
+    the pipeline stages weighed by default (`planning.pipeline_lever`): `pipelined` when they beat
+    the single-step plan (then `plan` is theirs and `results` the single step's, possibly none),
+    `pipeline_note` what weighing them gave (None: not weighed)."""
 
     graph: Graph
     results: tuple[MeshResult, ...]
     accumulated: Accumulated | None = None
+    pipelined: Pipelined | None = None
+    pipeline_note: str | None = None
 
     @property
     def plan(self) -> Plan:
-        return self.results[0].plan
+        return self.pipelined.plan if self.pipelined is not None else self.results[0].plan
 
 
 def compose(step: Callable[..., Any], graph: Graph, options: PlanOptions, search: Search,
-            bounds: MeshSpec) -> Composed:
+            bounds: MeshSpec, stages: StageSearch | None = None) -> Composed:
     """`step` (traced as `graph`) planned with the levers `options` allows (module docstring).
 
     Args:
       search: plans a graph on the meshes of this run (`Search`).
       bounds: the mesh (or a 1-D mesh of every device) on which accumulation counts its buffers'
         smallest layouts in an infeasible answer.
+      stages: plans pipeline stages for this run's target (`pipeline_lever.StageSearch`), given by
+        callers planning for several hosts: with `options.pipeline` None they are weighed against
+        the single-step plan, and planned when no single-step plan fits (`pipeline_lever`).
 
     Raises:
       InfeasiblePlanError: no plan fits `options.memory_budget` with any lever (one line).
       InvalidArgumentError: a lever asked for explicitly that this step cannot use.
     """
-    return _as_asked(_with_prefetch(_compose(step, graph, options, search, bounds), options, search), options)
+    weigh = stages is not None and options.pipeline is None
+    try:
+        composed = _as_asked(_with_prefetch(_compose(step, graph, options, search, bounds), options, search), options)
+    except InfeasiblePlanError as e:
+        if not weigh:
+            raise
+        weighed = weigh_pipeline(graph, options, stages, math.inf)
+        if weighed.pipelined is None:
+            raise e.reworded(f"{e}; pipeline stages {weighed.note}") from None
+        return Composed(graph, (), None, weighed.pipelined, weighed.note)
+    if not weigh:
+        return composed
+    weighed = weigh_pipeline(graph, options, stages, composed.plan.prediction.step_time_s)
+    return dataclasses.replace(composed, pipelined=weighed.pipelined, pipeline_note=weighed.note)
 
 
 def _as_asked(composed: Composed, options: PlanOptions) -> Composed:
@@ -179,16 +201,16 @@ def _with_prefetch(composed: Composed, options: PlanOptions, search: Search) -> 
 
 
 def compose_on_meshes(step: Callable[..., Any], graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions,
-                      per_host: int | None) -> Composed:
+                      per_host: int | None, stages: StageSearch | None = None) -> Composed:
     """`compose` over a mesh search of `meshes` (`search.meshes.search_meshes`, hosts of `per_host`
-    devices): how `planner plan` and `planner compare` plan."""
+    devices): how `planner plan` and `planner compare` plan (`stages`: as in `compose`)."""
 
     def search(g: Graph, o: PlanOptions, smallest: bool, only: MeshSpec | None = None,
                beat: float = math.inf) -> Sequence[MeshResult]:
         return search_meshes(g, [only] if only is not None else meshes, o, per_host, min_peak_search=smallest,
                              beat=beat)
 
-    return compose(step, graph, options, search, MeshSpec((meshes[0].size,), default_axis_names(1)))
+    return compose(step, graph, options, search, MeshSpec((meshes[0].size,), default_axis_names(1)), stages)
 
 
 def _single(graph: Graph, options: PlanOptions, search: Search) -> Composed:
@@ -301,7 +323,7 @@ def _may_accumulate(options: PlanOptions, graph: Graph) -> bool:
     examples (`graph.batch_mixing`), so that k microbatches compute the step itself."""
     if options.accumulate is not None or options.pipeline or options.memory_budget is None:
         return False
-    return graph.cached(("microbatch_invariant",), lambda: _invariant(graph))
+    return why_microbatch_variant(graph) is None
 
 
 def _accumulation_may_fit(graph: Graph, options: PlanOptions, bounds: MeshSpec) -> bool:
@@ -309,32 +331,13 @@ def _accumulation_may_fit(graph: Graph, options: PlanOptions, bounds: MeshSpec) 
     step (`ilp.memory_bounds.memory_floor`) less the batch arguments, which accumulation shrinks,
     is under it (a budget below the state alone fails at once instead of after every k)."""
     n = bounds.size
-    parts = _parts(graph)
+    parts = step_parts(graph)
     batch = sum(graph.tensors[graph.inputs[i]].nbytes // n for i in parts.batch)
     floor = memory_floor(graph, n, donated_inputs(graph, options.donate_argnums)) - batch
     if floor > options.memory_budget:
         log.info("gradient accumulation cannot fit: the state alone needs %s per device", format_bytes(floor))
         return False
     return True
-
-
-def _parts(graph: Graph) -> StepParts | None:
-    """The step's parts (`stages.derived.split_step`), computed once per graph; None when the step
-    cannot be split (then it is not accumulated by default)."""
-    def split() -> StepParts | None:
-        try:
-            return split_step(graph)
-        except InvalidArgumentError:
-            return None
-
-    return graph.cached(("split_step",), split)
-
-
-def _invariant(graph: Graph) -> bool:
-    parts = _parts(graph)
-    if parts is None or len({graph.tensors[graph.inputs[i]].shape[0] for i in parts.batch}) != 1:
-        return False
-    return not step_mixing(graph, parts)
 
 
 def _accumulated(step: Callable[..., Any], graph: Graph, options: PlanOptions, search: Search, bounds: MeshSpec,

@@ -21,7 +21,7 @@ from planner.core.options import PlanOptions
 from planner.core.plan import Plan
 from planner.core.static_args import StaticResults, array_function, split
 from planner.emit.accumulate import jit_accumulated
-from planner.emit.pipeline.planned import plan_with_stages
+from planner.emit.pipeline.planned import pipeline_cluster, plan_with_stages
 from planner.emit.single import jit_planned
 from planner.graph.donation import returns_its_argument
 from planner.graph.ir import Graph
@@ -125,14 +125,30 @@ class StepPlanner:
         self.pinned(graph, args)  # checks the pins before anything is planned
         bounds = self.mesh or MeshSpec((len(self.devices),), default_axis_names(1))
         try:
-            composed = compose(fn, graph, self.options, self._searcher(args), bounds)
+            composed = compose(fn, graph, self.options, self._searcher(args), bounds, self._stage_search(fn, args, graph))
         except InfeasiblePlanError as e:
             raise self._donation_hint(fn, graph, args, bounds, e) from None
+        if composed.pipelined is not None:
+            return graph, composed.plan, composed.pipelined.found
         plan = record_user_constraints(composed.graph, composed.plan)
         if composed.accumulated is not None:
             acc = dataclasses.replace(composed.accumulated, plan=plan)
             return acc.graph, plan, jit_accumulated(acc, self.donate_argnums)
         return composed.graph, plan, jit_planned(composed.graph, plan, self.donate_argnums)
+
+    def _stage_search(self, fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph):
+        """The pipeline stage search `compose` weighs by default (`planning.pipeline_lever`): on a
+        cluster of several hosts (`options.hardware` naming one, e.g. "2x4:v100"), without a mesh,
+        pins or rules from the user (they fix one mesh); None elsewhere."""
+        if (self.options.pipeline is not None or self.mesh is not None or self.pins is not None
+                or self.rules is not None or self.unpinned != "plan"
+                or pipeline_cluster(None, len(self.devices), self.options).hosts < 2):
+            return None
+
+        def search(options: PlanOptions, beat: float) -> tuple[Plan, Any]:
+            return plan_with_stages(fn, args, graph, None, self.devices, options, beat=beat)
+
+        return search
 
     def _donation_hint(self, fn: Callable[..., Any], graph: Graph, args: tuple[Any, ...], bounds: MeshSpec,
                        e: InfeasiblePlanError) -> InfeasiblePlanError:

@@ -19,7 +19,7 @@ from planner.core.layer_index import split_indexed
 from planner.core.pipeline_records import PipelineFacts, stage_way
 from planner.core.plan import Plan
 from planner.core.plan_records import solver_quality as _solver_quality
-from planner.core.units import format_bytes
+from planner.core.units import format_bytes, format_seconds as fmt_time
 from planner.cost_model import peak_flops
 from planner.ilp.levers import LEVERS
 from planner.present.wire_text import wire_line
@@ -46,18 +46,6 @@ def fmt_pct(x: float | None) -> str:
     if x is None:
         return "-"
     return f"{x:.1%}" if x >= 0.001 else f"{x * 100:.2g}%"
-
-
-def fmt_time(s: float | None) -> str:
-    if s is None:
-        return "-"
-    if abs(s) >= 1:
-        return f"{s:.3f} s"
-    if abs(s) >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    if abs(s) >= 1e-6:
-        return f"{s * 1e6:.2f} us"
-    return f"{s * 1e9:.1f} ns"
 
 
 def _or_dash(value: Any) -> Any:

@@ -52,6 +52,7 @@ class _Found:
       priced / pruned: microbatch counts whose hand layouts were priced / skipped by the pruning rule.
       single: the single stage of `pipeline="auto"` (None: not tried).
       skipped: microbatch counts not planned (`_with_count_or_stop`).
+      beat: a step time found elsewhere, which the hand layouts' pruning rule weighs as a candidate.
     """
 
     candidates: tuple[Candidate, ...] = ()
@@ -62,6 +63,7 @@ class _Found:
     pruned: tuple[int, ...] = ()
     single: SingleStage | None = None
     skipped: tuple[int, ...] = ()
+    beat: float = math.inf
 
 
 def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster,
@@ -71,7 +73,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
                   full_graph: Graph | None = None,
                   pins: Callable[[Graph, LogicalMesh], Mapping[int, Any]] | None = None,
                   devices: Sequence[Any] = (), layer_variants: Sequence[str] = LAYER_VARIANTS,
-                  memo: PlanningMemo | None = None) -> PipelinePlan:
+                  memo: PlanningMemo | None = None, beat: float = math.inf) -> PipelinePlan:
     """Plans pipeline stages for `fn(*args)` on `cluster`.
 
     Args:
@@ -99,6 +101,9 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
         none with `pins`, which fix the layout themselves).
       memo: what plans of this step at other batch sizes found (`PlanningMemo`), used and filled:
         its symbolic trace, and its layer plans at the microbatch sizes they share.
+      beat: a step time found elsewhere (the single-step plan a default pipeline is weighed
+        against, `planner.planning.pipeline_lever`): a count is priced in the hand layouts only
+        where its pipeline ignoring memory could beat it (the pruning rule of `_with_hand_layouts`).
 
     Raises:
       InfeasiblePlanError: no stage assignment fits the memory budget.
@@ -107,7 +112,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
                          max_mesh_ndim=max_mesh_ndim, microbatch_limit=microbatch_limit, rel_gap=rel_gap,
                          num_layers=num_layers, full_graph=full_graph, pins=pins, devices=devices,
                          layer_variants=layer_variants, memo=memo)
-    found = _Found()
+    found = _Found(beat=beat)
     ahead = _fill_ahead(space)
     for i, B in enumerate(space.counts):
         if ahead is not None and ahead[0] == B:
@@ -178,7 +183,7 @@ def _with_count_or_stop(space: SearchSpace, found: _Found, B: int) -> tuple[_Fou
     c = found.candidates[-1] if found.candidates else None
     if c is None or c.B != B or c.dp is not None or not math.isfinite(space.budget) or not c.table.variants:
         return found, False
-    found = _with_hand_layouts(space, found, len(found.candidates) - 1)
+    found = _with_hand_layouts(space, found, len(found.candidates) - 1, stopping=True)
     return found, B in found.priced and found.candidates[-1].dp is None
 
 
@@ -203,16 +208,17 @@ def _with_count(space: SearchSpace, found: _Found, B: int) -> _Found:
         evaluations=found.evaluations + (dp.evaluations if dp is not None else 0))
 
 
-def _with_hand_layouts(space: SearchSpace, found: _Found, k: int) -> _Found:
+def _with_hand_layouts(space: SearchSpace, found: _Found, k: int, stopping: bool = False) -> _Found:
     """`found` with candidate `k` priced in the hand layouts too (`LayerCostTable.variants`), unless
-    the pruning rule skips it.
+    the pruning rule skips it (against the best candidate and `found.beat`; `stopping`: the stop
+    rule of `_with_count_or_stop` asks, which needs the pricing whatever `found.beat` is).
 
     The hand layouts only help where memory binds: a layer's own plan is the fastest, so a count B
     whose pipeline of the layers' own plans ignoring memory is no faster than the best pipeline found
     is not planned in them (a pruning rule, not a proof: a hand layout's layers are never faster, but
     their gradient reduction, charged once per step, may be)."""
     c = found.candidates[k]
-    best_step = min(x.step_s for x in found.candidates)
+    best_step = min([x.step_s for x in found.candidates] + ([] if stopping else [found.beat]))
     if math.isfinite(best_step) and not _memory_binds(space, c, best_step):
         return dataclasses.replace(found, pruned=found.pruned + (c.B,))
     st, dp, step = price(space, c.B, c.table, c.st.boundary, ("", *c.table.variants))

@@ -1,0 +1,109 @@
+"""Pipeline stages weighed by default (`PlanOptions.pipeline=None`, `planner.planning.pipeline_lever`):
+on a target of several hosts, for a step proven microbatch-invariant whose layers are not scanned,
+the stage search is weighed against the single-step plan and the faster kept; elsewhere it is not
+weighed, and the plan says why."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import planner
+from planner import cli
+from planner.core.options import PlanOptions
+from planner.graph.trace import trace
+from planner.planning.pipeline_lever import why_not_weighed
+from tests.conftest import skip_if_fewer_devices
+from tests.helpers import assert_first_step_close
+from zoo import get_model
+
+# A slow network between the two hosts, so that stages beat splitting every layer across them.
+SLOW = ["--cluster", "2x4:v100", "--inter-host", "1Gbit", "--quiet"]
+
+
+def _planned(capsys, tmp_path, name: str, *extra: str) -> tuple[dict, str]:
+    out = tmp_path / f"{name}.json"
+    assert cli.main(["plan", "--model", "gpt-tiny", *SLOW, "--json", str(out), *extra]) == 0
+    return json.loads(out.read_text()), capsys.readouterr().out
+
+
+def test_the_cli_weighs_stages_by_default_on_several_hosts_and_keeps_the_faster(capsys, tmp_path):
+    """No flag: the stages win on a slow inter-host link, and the default plan is no slower than
+    either the single step alone (--pipeline off) or the stage search alone (--pipeline on)."""
+    default, text = _planned(capsys, tmp_path, "default")
+    off, off_text = _planned(capsys, tmp_path, "off", "--pipeline", "off")
+    on, _ = _planned(capsys, tmp_path, "on", "--pipeline", "on")
+    step = {k: d["predicted"]["step_time_s"] for k, d in (("default", default), ("off", off), ("on", on))}
+    assert len(default["stages"]) >= 2 and step["default"] < step["off"], step
+    assert step["default"] <= step["on"] * (1 + 1e-9), step
+    assert "Pipeline stages" in text and "used:" in text
+    assert "Pipeline stages" not in off_text and len(off["stages"]) <= 1
+    # the single-step plan it was weighed against is recorded beside the pipeline
+    assert default["pipeline"]["single_stage_step_time_s"] == pytest.approx(step["off"], rel=1e-9)
+
+
+def test_one_host_weighs_no_stages(capsys):
+    assert cli.main(["plan", "--model", "gpt-tiny", "--cluster", "1x8:v100", "--quiet"]) == 0
+    assert "Pipeline stages" not in capsys.readouterr().out
+
+
+def _batch_norm_step(params, batch):
+    def loss(p):
+        h = batch["x"] @ p["w"]
+        h = (h - h.mean(0)) / (h.std(0) + 1e-5)  # a batch statistic: examples mixed
+        return jnp.mean((h @ p["v"] - batch["y"]) ** 2)
+
+    l, g = jax.value_and_grad(loss)(params)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), l
+
+
+def test_stages_are_not_weighed_for_a_step_mixing_examples_or_a_scanned_stack():
+    budget = PlanOptions(memory_budget=16e9)
+    params = {"w": jnp.ones((16, 16)), "v": jnp.ones((16, 4))}
+    batch = {"x": jnp.ones((8, 16)), "y": jnp.ones((8, 4))}
+    why = why_not_weighed(trace(_batch_norm_step, params, batch), budget)
+    assert why is not None and "microbatch-invariant" in why
+    scanned = get_model("llama-tiny", scan_layers=True)
+    graph = trace(scanned.train_step, scanned.abstract_state(), scanned.abstract_batch())
+    assert "scans its layers" in why_not_weighed(graph, budget)
+    unrolled = get_model("llama-tiny", scan_layers=False)
+    graph = trace(unrolled.train_step, unrolled.abstract_state(), unrolled.abstract_batch())
+    assert why_not_weighed(graph, budget) is None
+    assert "was asked for" in why_not_weighed(graph, PlanOptions(memory_budget=16e9, pipeline=False))
+    assert why_not_weighed(graph, PlanOptions()) is None  # no budget: the stages fit the device memory
+
+
+def test_plan_parallel_weighs_stages_on_a_cluster_and_runs_them():
+    """The decorator on a two-host cluster with a slow link: the stages are kept, and running them
+    computes the plain step (first-step parameters and loss as `jax.jit`'s)."""
+    skip_if_fewer_devices(8)
+    opt = optax.adam(1e-2)
+
+    def loss(params, x, y):
+        h = x
+        for i, w in enumerate(params["ws"]):
+            with jax.named_scope(f"blocks_{i}"):
+                h = jnp.tanh(h @ w)
+        return jnp.mean((h @ params["head"] - y) ** 2)
+
+    def step(params, opt_state, x, y):
+        l, g = jax.value_and_grad(loss)(params, x, y)
+        updates, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, l
+
+    params = {"ws": [jax.random.normal(jax.random.key(i), (64, 64)) * 0.1 for i in range(4)],
+              "head": jax.random.normal(jax.random.key(7), (64, 4)) * 0.1}
+    x, y = jax.random.normal(jax.random.key(8), (32, 64)), jax.random.normal(jax.random.key(9), (32, 4))
+    opt_state = opt.init(params)
+    planned = planner.plan_parallel(step, hardware="2x4:v100", inter_host="1Gbit")
+    plan = planned.plan(params, opt_state, x, y)
+    assert len(plan.stages) >= 2 and plan.pipeline.single_stage_step_time_s > plan.prediction.step_time_s
+    new_params, new_opt, l = planned(params, opt_state, x, y)
+    ref_params, ref_opt, ref_l = jax.jit(step)(params, opt_state, x, y)
+    assert_first_step_close(lambda p, b: loss(p, *b), opt, {"params": params, "opt_state": opt_state}, (x, y),
+                            {"params": new_params, "opt_state": new_opt}, {"loss": l},
+                            {"params": ref_params, "opt_state": ref_opt}, {"loss": ref_l},
+                            train_step=lambda s, b: step(s["params"], s["opt_state"], *b))
