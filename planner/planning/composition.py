@@ -22,6 +22,12 @@ A lever is only tried where the memory bound says it can matter, cheapest first:
    (gpt2-small on 1x8 H100: 0.02260 -> 0.02102 s/step). On the chosen mesh only: one more solve,
    not one per mesh (it makes some ILPs markedly harder, `PlanOptions.prefetch`).
 
+5. pipeline stages (`planning.pipeline_lever`, `pipeline=None`, the default), where the caller can
+   plan them (a `StageSearch`: a target of several hosts) and the step allows it: weighed against
+   the plan of 1-4, the faster kept; planned when nothing of 1-4 fits. While they may still be
+   weighed, 1-4 run without the smallest-peak searches (which only word a "does not fit" answer;
+   they run after, when no pipeline fits either).
+
 Each lever the plan uses records the plan it was weighed against (`without_*` in its record).
 When nothing fits, the answer is the one-line "does not fit" after every lever was tried.
 """
@@ -46,7 +52,7 @@ from planner.ilp.offload import streamed
 from planner.levers.accumulate import (Accumulated, micro_options, plan_accumulation, step_parts,
                                        why_microbatch_variant)
 from planner.levers.remat import plan_remat, record as remat_record
-from planner.planning.pipeline_lever import Pipelined, StageSearch, weigh_pipeline
+from planner.planning.pipeline_lever import Pipelined, StageSearch, weigh_pipeline, why_not_weighed
 from planner.search.mesh_plan import donated_inputs, overlaps
 from planner.search.meshes import search_meshes
 from planner.search.results import MeshResult, no_fit_error
@@ -104,20 +110,36 @@ def compose(step: Callable[..., Any], graph: Graph, options: PlanOptions, search
       InfeasiblePlanError: no plan fits `options.memory_budget` with any lever (one line).
       InvalidArgumentError: a lever asked for explicitly that this step cannot use.
     """
-    weigh = stages is not None and options.pipeline is None
-    try:
-        composed = _as_asked(_with_prefetch(_compose(step, graph, options, search, bounds), options, search), options)
-    except InfeasiblePlanError as e:
-        if not weigh:
-            raise
-        weighed = weigh_pipeline(graph, options, stages, math.inf)
-        if weighed.pipelined is None:
+    if stages is None or options.pipeline is not None:
+        return _levers(step, graph, options, search, bounds)
+    why = why_not_weighed(graph, options)
+    if why is not None:
+        log.info("pipeline stages not weighed: %s", why)
+        return dataclasses.replace(_levers(step, graph, options, search, bounds), pipeline_note=f"not weighed: {why}")
+    try:  # no smallest-peak searches while a pipeline may still fit (they only word the answer)
+        composed = _levers(step, graph, options, _no_smallest(search), bounds)
+    except InfeasiblePlanError:
+        weighed = weigh_pipeline(options, stages, math.inf)
+        if weighed.pipelined is not None:
+            return Composed(graph, (), None, weighed.pipelined, weighed.note)
+        try:  # the answer with the smallest peaks searched for (which may also find a plan that fits)
+            composed = _levers(step, graph, options, search, bounds)
+        except InfeasiblePlanError as e:
             raise e.reworded(f"{e}; pipeline stages {weighed.note}") from None
-        return Composed(graph, (), None, weighed.pipelined, weighed.note)
-    if not weigh:
-        return composed
-    weighed = weigh_pipeline(graph, options, stages, composed.plan.prediction.step_time_s)
+        return dataclasses.replace(composed, pipeline_note=weighed.note)
+    weighed = weigh_pipeline(options, stages, composed.plan.prediction.step_time_s)
     return dataclasses.replace(composed, pipelined=weighed.pipelined, pipeline_note=weighed.note)
+
+
+def _levers(step: Callable[..., Any], graph: Graph, options: PlanOptions, search: Search,
+            bounds: MeshSpec) -> Composed:
+    """The single-step levers (module docstring, 1-4), the plan's options as asked."""
+    return _as_asked(_with_prefetch(_compose(step, graph, options, search, bounds), options, search), options)
+
+
+def _no_smallest(search: Search) -> Search:
+    """`search` never searching for the smallest peak when nothing fits."""
+    return lambda g, o, smallest, only=None, beat=math.inf: search(g, o, False, only, **_beat(beat))
 
 
 def _as_asked(composed: Composed, options: PlanOptions) -> Composed:

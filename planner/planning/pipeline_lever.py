@@ -101,13 +101,9 @@ def stacked_scan_input(graph: Graph) -> str | None:
     return None
 
 
-def weigh_pipeline(graph: Graph, options: PlanOptions, stages: StageSearch, single_s: float) -> Weighed:
+def weigh_pipeline(options: PlanOptions, stages: StageSearch, single_s: float) -> Weighed:
     """The stage search weighed against a single-step plan of `single_s` s/step (inf: none fits),
-    where `why_not_weighed` allows it: the pipeline kept when it is faster."""
-    why = why_not_weighed(graph, options)
-    if why is not None:
-        log.info("pipeline stages not weighed: %s", why)
-        return Weighed(None, f"not weighed: {why}")
+    the pipeline kept when it is faster (the caller checked `why_not_weighed`)."""
     against = "no single-step plan fits" if math.isinf(single_s) else \
         f"the single-step plan's {format_seconds(single_s)}/step"
     log.info("weighing pipeline stages against %s ...", against)
