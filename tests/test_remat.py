@@ -297,3 +297,30 @@ def test_accumulated_microbatch_policies_are_bounded_too(devices8):
     assert plan.levers.accumulation.microbatches == 2 and plan.levers.remat.policy != "off"
     assert plan.prediction.memory_bytes_per_device <= budget
     assert any(math.isfinite(b) for b in beats), beats
+
+
+def test_the_fewest_layers_bisection_ends_where_a_probe_cannot_beat_the_fastest_plan():
+    """remat="auto"'s first-n-layers bisection gives each probe the fastest step time found and
+    stops at a probe no mesh of which can beat it (`NotFasterError`): fewer layers hold more memory."""
+    import math
+    import types
+
+    from planner.core.errors import NotFasterError
+    from planner.levers.remat import plan_remat
+
+    params, x = _blocks_data(layers=6, rows=64)
+    graph = trace(_sgd_step, params, x)
+    beats = []
+
+    def plan_fn(g, smallest, beat=math.inf):
+        beats.append(beat)
+        if len(beats) == 1:  # "off"
+            raise InfeasiblePlanError("no plan fits", None)
+        if math.isfinite(beat):  # every later probe: the fastest plan so far is out of its reach
+            raise NotFasterError("no plan beats the step time to beat")
+        return types.SimpleNamespace(prediction=types.SimpleNamespace(step_time_s=1.0 + 0.1 * len(beats)))
+
+    _, result, policy, _ = plan_remat(graph, "auto", 1e9, plan_fn, lambda r: r)
+    assert policy == "dots" and result.prediction.step_time_s == pytest.approx(1.2)
+    # off, dots (fits), dots_no_batch and full (bounded: cannot beat), one bisection probe (bounded), stop
+    assert beats[:2] == [math.inf, math.inf] and beats[2:] == [pytest.approx(1.2)] * 3, beats

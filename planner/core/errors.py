@@ -47,6 +47,11 @@ class InfeasiblePlanError(PlannerError, ValueError):
                                    deterministic_time=self.deterministic_time)
 
 
+class NotFasterError(InfeasiblePlanError):
+    """No mesh gave a plan because each was pruned by a step time to beat (`search_meshes(beat=)`):
+    whether a plan fits the budget is not known, only that none beats that time."""
+
+
 class OutboundError(PlannerError):
     """The solver proved, while searching, that no plan of this problem beats a step time found
     elsewhere (`ilp.solver.solve`'s `beat`): its objective bound reached that time, so the search

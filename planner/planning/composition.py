@@ -39,7 +39,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from planner.core.errors import InfeasiblePlanError, OffloadUnavailableError, PlannerError
+from planner.core.errors import InfeasiblePlanError, NotFasterError, OffloadUnavailableError, PlannerError
 from planner.core.mesh import MeshSpec, default_axis_names
 from planner.core.options import PlanOptions
 from planner.core.plan import Plan
@@ -52,7 +52,7 @@ from planner.ilp.offload import streamed
 from planner.levers.accumulate import (Accumulated, micro_options, plan_accumulation, step_parts,
                                        why_microbatch_variant)
 from planner.levers.remat import plan_remat, record as remat_record
-from planner.planning.pipeline_lever import Pipelined, StageSearch, weigh_pipeline, why_not_weighed
+from planner.planning.pipeline_lever import Pipelined, PipelineWeighing, StageSearch, why_not_weighed
 from planner.search.mesh_plan import donated_inputs, overlaps
 from planner.search.meshes import search_meshes
 from planner.search.results import MeshResult, no_fit_error
@@ -116,10 +116,11 @@ def compose(step: Callable[..., Any], graph: Graph, options: PlanOptions, search
     if why is not None:
         log.info("pipeline stages not weighed: %s", why)
         return dataclasses.replace(_levers(step, graph, options, search, bounds), pipeline_note=f"not weighed: {why}")
+    weighing = PipelineWeighing(options, stages)
     try:  # no smallest-peak searches while a pipeline may still fit (they only word the answer)
-        composed = _levers(step, graph, options, _no_smallest(search), bounds)
+        composed = _levers(step, graph, options, _no_smallest(search), bounds, weighing.time)
     except InfeasiblePlanError:
-        weighed = weigh_pipeline(options, stages, math.inf)
+        weighed = weighing.verdict(math.inf)
         if weighed.pipelined is not None:
             return Composed(graph, (), None, weighed.pipelined, weighed.note)
         try:  # the answer with the smallest peaks searched for (which may also find a plan that fits)
@@ -127,14 +128,16 @@ def compose(step: Callable[..., Any], graph: Graph, options: PlanOptions, search
         except InfeasiblePlanError as e:
             raise e.reworded(f"{e}; pipeline stages {weighed.note}") from None
         return dataclasses.replace(composed, pipeline_note=weighed.note)
-    weighed = weigh_pipeline(options, stages, composed.plan.prediction.step_time_s)
+    weighed = weighing.verdict(composed.plan.prediction.step_time_s)
     return dataclasses.replace(composed, pipelined=weighed.pipelined, pipeline_note=weighed.note)
 
 
-def _levers(step: Callable[..., Any], graph: Graph, options: PlanOptions, search: Search,
-            bounds: MeshSpec) -> Composed:
-    """The single-step levers (module docstring, 1-4), the plan's options as asked."""
-    return _as_asked(_with_prefetch(_compose(step, graph, options, search, bounds), options, search), options)
+def _levers(step: Callable[..., Any], graph: Graph, options: PlanOptions, search: Search, bounds: MeshSpec,
+            rival: Callable[[float], float] = lambda single_s: math.inf) -> Composed:
+    """The single-step levers (module docstring, 1-4), the plan's options as asked; `rival`: the
+    step time of another way to plan the step, given the single step's (`PipelineWeighing.time`),
+    which gradient accumulation must beat."""
+    return _as_asked(_with_prefetch(_compose(step, graph, options, search, bounds, rival), options, search), options)
 
 
 def _no_smallest(search: Search) -> Search:
@@ -156,7 +159,7 @@ def _as_asked(composed: Composed, options: PlanOptions) -> Composed:
 
 
 def _compose(step: Callable[..., Any], graph: Graph, options: PlanOptions, search: Search,
-             bounds: MeshSpec) -> Composed:
+             bounds: MeshSpec, rival: Callable[[float], float]) -> Composed:
     if options.accumulate not in (None, 1):
         return _accumulated(step, graph, options, search, bounds, options.accumulate)
     try:
@@ -166,8 +169,10 @@ def _compose(step: Callable[..., Any], graph: Graph, options: PlanOptions, searc
         if not _may_accumulate(options, graph) or not _accumulation_may_fit(graph, options, bounds):
             raise _told(e, tried) from None
         log.info("no single-step plan fits: trying gradient accumulation")
+        ceiling = rival(math.inf)
         try:
-            found = _accumulated(step, graph, options, search, bounds, "auto", smallest=2)
+            found = _accumulated(step, graph, options, _capped(search, ceiling), bounds, "auto", smallest=2,
+                                 ceiling=ceiling)
         except InfeasiblePlanError as acc:
             raise _closest(_told(e, tried + ("gradient accumulation",)), acc) from None
         return _weighed(found, False, None, e.min_memory_bytes)
@@ -179,10 +184,12 @@ def _compose(step: Callable[..., Any], graph: Graph, options: PlanOptions, searc
         mesh = min((r for r in single.results if r.plan is not None and len(r.mesh.shape) <= 2),
                    key=lambda r: r.plan.prediction.step_time_s, default=single.results[0]).mesh
         log.info("the plan needs a memory lever: weighing gradient accumulation against it on mesh %s", mesh)
+        ceiling = min(single.plan.prediction.step_time_s, rival(single.plan.prediction.step_time_s))
         try:
             found = _accumulated(step, graph, options,
-                                 lambda g, o, smallest, only=None, beat=math.inf: search(g, o, smallest, mesh, **_beat(beat)),
-                                 bounds, "auto", smallest=2, ceiling=single.plan.prediction.step_time_s)
+                                 _capped(lambda g, o, smallest, only=None, beat=math.inf:
+                                         search(g, o, smallest, mesh, **_beat(beat)), ceiling),
+                                 bounds, "auto", smallest=2, ceiling=ceiling)
         except PlannerError:
             return single
         if found.accumulated is not None and found.plan.prediction.step_time_s < single.plan.prediction.step_time_s:
@@ -300,6 +307,14 @@ def _remat(graph: Graph, options: PlanOptions, plan_fn, smallest: bool = True) -
         results = [dataclasses.replace(r, plan=remat_record(r.plan, graph, rewritten, policy, without))
                    if r.plan else r for r in results]
     return Composed(planned, tuple(results))
+
+
+def _capped(search: Search, ceiling: float) -> Search:
+    """`search` with every step time to beat at most `ceiling` (a microbatch slower than the step
+    time the accumulated step must beat cannot help): `search` itself when `ceiling` is infinite."""
+    if math.isinf(ceiling):
+        return search
+    return lambda g, o, smallest, only=None, beat=math.inf: search(g, o, smallest, only, beat=min(beat, ceiling))
 
 
 def _beat(beat: float) -> dict[str, float]:
@@ -447,7 +462,7 @@ def no_plan(results: Sequence[MeshResult], budget: float | None) -> PlannerError
     if any(r.over_budget for r in results):
         return no_fit_error(results, budget)
     if results and all(r.pruned is not None for r in results):  # a search given a step time to beat
-        return InfeasiblePlanError("no plan beats the step time to beat: " + "; ".join(
+        return NotFasterError("no plan beats the step time to beat: " + "; ".join(
             f"{r.mesh}: {r.pruned}" for r in results))
     errors = [r.error for r in results if r.error is not None]
     if len(errors) == 1:

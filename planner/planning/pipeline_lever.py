@@ -101,30 +101,54 @@ def stacked_scan_input(graph: Graph) -> str | None:
     return None
 
 
-def weigh_pipeline(options: PlanOptions, stages: StageSearch, single_s: float) -> Weighed:
-    """The stage search weighed against a single-step plan of `single_s` s/step (inf: none fits),
-    the pipeline kept when it is faster (the caller checked `why_not_weighed`)."""
-    against = "no single-step plan fits" if math.isinf(single_s) else \
-        f"the single-step plan's {format_seconds(single_s)}/step"
-    log.info("weighing pipeline stages against %s ...", against)
-    try:
-        plan, found = stages(dataclasses.replace(options, pipeline=True), single_s)
-    except InfeasiblePlanError as e:
-        log.info("pipeline stages: %s", first_line(e))
-        return Weighed(None, "weighed: no pipeline fits the memory budget")
-    except PlannerError as e:
-        log.info("pipeline stages: %s", first_line(e))
-        return Weighed(None, f"weighed: {first_line(e)}")
-    t = plan.prediction.step_time_s
-    facts = plan.pipeline
-    shape = f"{facts.num_stages} stages x {facts.num_microbatches} microbatches" if facts is not None else "stages"
-    if t >= single_s:
-        slower = f"at best {shape}, {format_seconds(t)}/step, not faster than this plan"
-        log.info("pipeline stages: %s", slower)
-        return Weighed(None, f"weighed: {slower}")
-    if facts is not None and math.isfinite(single_s):
-        plan = dataclasses.replace(plan, pipeline=dataclasses.replace(facts, single_stage_step_time_s=single_s))
-    kept = f"{shape}, {format_seconds(t)}/step" + (
-        "" if math.isinf(single_s) else f" against {format_seconds(single_s)}/step in one stage ({single_s / t:.2f}x)")
-    log.info("pipeline stages: %s: kept", kept)
-    return Weighed(Pipelined(plan, found), f"used: {kept}")
+class PipelineWeighing:
+    """The stage search of one `compose` call, run at most once: as soon as a single-step lever
+    needs its step time (`time`: gradient accumulation takes it as its ceiling, so that a count no
+    faster than the pipeline ends the weighing), or at the end (`verdict`) against the single-step
+    plan `compose` found."""
+
+    def __init__(self, options: PlanOptions, stages: StageSearch):
+        self._options, self._stages = options, stages
+        self._result: tuple[Plan, Any] | str | None = None  # (plan, the caller's result), or why none
+
+    def time(self, single_s: float) -> float:
+        """The pipeline's step time (inf when none fits), searched with `single_s` to beat when not
+        yet searched."""
+        self._search(single_s)
+        return self._result[0].prediction.step_time_s if isinstance(self._result, tuple) else math.inf
+
+    def verdict(self, single_s: float) -> Weighed:
+        """The pipeline against the single-step plan of `single_s` s/step (inf: none fits): kept
+        when faster."""
+        self._search(single_s)
+        if not isinstance(self._result, tuple):
+            return Weighed(None, f"weighed: {self._result}")
+        plan, found = self._result
+        t = plan.prediction.step_time_s
+        facts = plan.pipeline
+        shape = f"{facts.num_stages} stages x {facts.num_microbatches} microbatches" if facts is not None else "stages"
+        if t >= single_s:
+            slower = f"at best {shape}, {format_seconds(t)}/step, not faster than this plan"
+            log.info("pipeline stages: %s", slower)
+            return Weighed(None, f"weighed: {slower}")
+        if facts is not None and math.isfinite(single_s):
+            plan = dataclasses.replace(plan, pipeline=dataclasses.replace(facts, single_stage_step_time_s=single_s))
+        kept = f"{shape}, {format_seconds(t)}/step" + (
+            "" if math.isinf(single_s) else f" against {format_seconds(single_s)}/step in one stage ({single_s / t:.2f}x)")
+        log.info("pipeline stages: %s: kept", kept)
+        return Weighed(Pipelined(plan, found), f"used: {kept}")
+
+    def _search(self, single_s: float) -> None:
+        if self._result is not None:
+            return
+        against = "no single-step plan fits" if math.isinf(single_s) else \
+            f"the single-step plan's {format_seconds(single_s)}/step"
+        log.info("weighing pipeline stages against %s ...", against)
+        try:
+            self._result = self._stages(dataclasses.replace(self._options, pipeline=True), single_s)
+        except InfeasiblePlanError as e:
+            log.info("pipeline stages: %s", first_line(e))
+            self._result = "no pipeline fits the memory budget"
+        except PlannerError as e:
+            log.info("pipeline stages: %s", first_line(e))
+            self._result = first_line(e)
