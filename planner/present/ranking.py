@@ -85,7 +85,7 @@ def pipeline_ranking(plan: Plan, pp: PipelinePlan, cluster: Cluster, flops: Mapp
     out: Ranked = [(row, plan)]
     single = pp.single_stage_time_s
     if pp.num_stages > 1 and single is not None:
-        out.append(({"mesh": mesh_text, "axes": "whole cluster, no microbatching", "status": "single stage",
+        out.append(({"mesh": mesh_text, "axes": "whole cluster, one stage", "status": "single stage",
                      "note": f"{fmt_time(single)}/step" if math.isfinite(single) else _no_single(pp)}, None))
     return out
 

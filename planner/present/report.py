@@ -510,7 +510,7 @@ def format_stages(view: PlanView) -> str:
                f"bubble {fmt_pct(pipe.bubble_fraction)}, pipeline time {fmt_time(pipe.pipeline_time_s)}")
     single = pipe.single_stage_step_time_s
     if single is not None:
-        out.append(f"  best single stage {fmt_time(single)}/step (whole cluster, no microbatching)")
+        out.append(f"  best single stage {fmt_time(single)}/step (whole cluster, one stage)")
     stacked = pipe.planning.stacked_params if pipe.planning is not None else None
     if stacked:
         out.append(f"  note: {stacked_note(stacked)}")
