@@ -107,3 +107,12 @@ def test_plan_parallel_weighs_stages_on_a_cluster_and_runs_them():
                             {"params": new_params, "opt_state": new_opt}, {"loss": l},
                             {"params": ref_params, "opt_state": ref_opt}, {"loss": ref_l},
                             train_step=lambda s, b: step(s["params"], s["opt_state"], *b))
+
+
+def test_a_hand_pipeline_of_a_scanned_zoo_model_is_built_unrolled(capsys):
+    """`planner plan --baseline NAME+ppN` splits the zoo's scanned Llama into stages of whole
+    layers, as --pipeline and `planner compare` do (a stage holds whole leaves)."""
+    assert cli.main(["plan", "--model", "llama-tiny", "--cluster", "2x4:v100", "--batch", "4", "--seq", "32",
+                     "--baseline", "megatron-tp+pp2"]) == 0
+    out = capsys.readouterr().out
+    assert "layers unrolled for pipelining" in out and "scaniter" not in out

@@ -145,7 +145,8 @@ def _trace_step(args, where: PlanTarget, memo: PlanningMemo | None = None) -> Tr
         label, step, example = _resized(loaded, args.batch)
     else:
         label, step, example = (load_model(args.model, args.batch, args.seq, args.dtype,
-                                           where.target_hw.default_dtype, pipelined=where.pipelined)
+                                           where.target_hw.default_dtype,
+                                           pipelined=where.pipelined or bool(pp_baseline(args)[1]))
                                 if args.model else load_factory(args.fn, args.batch, args.seq, args.dtype))
     args.loaded = (label, step, example)
     if graph is not None:
