@@ -499,3 +499,29 @@ def test_a_layer_whose_step_plan_splits_a_parameter_over_a_data_axis_keeps_the_c
                               microbatches=k).cost(pre, 0) for k in (1, B)}
     step = {k: B * c.time_s + c.sync_s for k, c in cost.items()}
     assert step[B] <= step[1] * (1 + LAYER_GAP)
+
+
+def test_a_layer_whose_step_plan_is_weighed_below_its_price_keeps_the_cheaper_plan():
+    """A Llama-2-70B-shaped block (hidden 8192) in its Megatron layout on 8 hosts x 8 H100s, 16-row
+    microbatches of a 128-microbatch step: weighing every combinable all-reduce at 1/128, its ILP
+    split the sequence over the tensor axis and all-reduced weight-gradient partial sums over it,
+    which the runtime pays every microbatch (0.01986 s per microbatch against 0.0173 s planned for
+    one microbatch); so the layer is planned for one microbatch too and the step pays no more than
+    that plan's, up to the layer ILP's relative gap."""
+    from planner.configs.baselines import layer_variant_pins
+    from planner.core.options import PlanOptions
+    from planner.stages.cost_table import LayerCostTable
+    from planner.stages.layer_cost import LAYER_GAP
+
+    B = 128
+    b = get_model("llama-70b", batch=16, seq=4096, layers=2, scan_layers=False, dtype="bfloat16")
+    graph = trace(b.train_step, b.abstract_state(), b.abstract_batch())
+    layers = cluster_layers(graph)
+    cluster = make_cluster(8, 8, "h100")
+    meshes = tuple(m for m in logical_meshes((8, 8), cluster, max_ndim=2) if m.mesh.shape == (8, 8))
+    pins = layer_variant_pins("megatron-tp")
+    block = next(i for i, n in enumerate(layers.names) if n not in ("pre", "post"))
+    cost = {k: LayerCostTable(graph, layers, meshes, cluster, PlanOptions(), pins=lambda m: pins(graph, m),
+                              microbatches=k).cost(block, 0) for k in (1, B)}
+    step = {k: B * c.time_s + c.sync_s for k, c in cost.items()}
+    assert step[B] <= step[1] * (1 + LAYER_GAP), step

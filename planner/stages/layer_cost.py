@@ -36,9 +36,10 @@ default, a 145.6B GPT block on 24x8 A100s chose an all-to-all of its activations
 per-microbatch all-gather of each gradient over the data axis instead: 3x slower at 96
 microbatches); the prediction it returns prices one microbatch with them in full, as above. An
 all-reduce over an axis that does not split the batch (a sequence split) is weighed so too but
-priced per microbatch, as the runtime runs it: the layout is chosen for the common case. A plan
-that still splits a parameter over a data axis, discounted by more than the gap, is weighed
-against the layer's one-microbatch plan (`layer_cost`). Gradients the plan exchanges as
+priced per microbatch, as the runtime runs it, and so is every reduction of a plan that splits a
+parameter over a data axis: a plan whose weighed objective is below its price per step (`time_s`
+per microbatch, `sync_s` once) by more than the gap is weighed against the layer's one-microbatch
+plan, the cheaper step kept (`_discounted_per_microbatch`). Gradients the plan exchanges as
 int8 over data axes (comm_precision "int8") move their quantisation with them: the ILP charges it
 per microbatch, the runtime quantises each replica's accumulated gradient once per step
 (`replica_quantisation`, `planner.emit.wire.reduce_replicas`).
@@ -166,14 +167,11 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
         plan = make_plan(sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP,  # small ILPs: `ilp.solver.solve`
                          microbatches=microbatches)
         found = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, plan)
-        weighed = plan.solver.objective_s
-        discounted = weighed is None or plan.prediction.step_time_s > weighed * (1 + LAYER_GAP)
-        if splits_data((found,)) and microbatches > 1 and discounted:
-            # a parameter split over a data axis: the runtime reduces every microbatch, which the
-            # step-weighted solve priced at 1/microbatches for some all-reduce (its objective is
-            # below the plan's time per microbatch by more than the gap; otherwise no plan for one
-            # microbatch beats it either); the layer's one-microbatch plan may be cheaper
-            log.info("layer %s on %s: its plan for %d microbatches splits a parameter over a data axis; "
+        if microbatches > 1 and _discounted_per_microbatch(plan, found, microbatches):
+            # the step-weighted solve priced at 1/microbatches some all-reduce the runtime pays every
+            # microbatch (a gradient reduced over a parameter's split data axis, or over an axis that
+            # splits no batch: a sequence split): the layer's one-microbatch plan may be cheaper
+            log.info("layer %s on %s: its plan for %d microbatches was weighed below its price per step; "
                      "planned for one microbatch too", layers.names[layer], lmesh.mesh, microbatches)
             alone = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, make_plan(
                 sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP))
@@ -183,6 +181,22 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
     except (MeshError, PlannerError) as e:
         log.info("layer %s on %s: %s", layers.names[layer], lmesh.mesh, e)
         return INFEASIBLE
+
+
+def _discounted_per_microbatch(plan, found: LayerCost, microbatches: int) -> bool:
+    """Whether the step-weighted solve (`make_plan(microbatches=)`) weighed the layer's plan below
+    what a step of it costs as the runtime runs it, by more than the gap: `time_s` every microbatch
+    and `sync_s` (the reductions over data axes only) once. It discounts every combinable all-reduce
+    (`mesh_plan.reductions_weighed`), which is right for those; one it discounted beyond them is
+    paid every microbatch (Llama-70B's megatron-tp layer on 8x8 H100, 16-row microbatches: a
+    sequence split over the tensor axis all-reducing weight-gradient partial sums, 0.01986 s per
+    microbatch against 0.0173 s for the one-microbatch plan), as is every reduction of a stage
+    whose parameter is split over a data axis (`splits_data`)."""
+    weighed = plan.solver.objective_s
+    if weighed is None:
+        return True
+    per_step = found.time_s + (found.sync_s / microbatches if not splits_data((found,)) else found.sync_s)
+    return per_step > weighed * (1 + LAYER_GAP)
 
 
 def splits_data(costs: Iterable[LayerCost]) -> bool:
