@@ -249,9 +249,11 @@ def test_pipeline_stage_reduces_replicas_as_planned(devices8):
     from planner.emit.pipeline.runtime import PipelinedStep
     from zoo import get_model, make_optimizer
 
-    # 64 rows: with 16, the last stage's layer plans (planned for the step's 2 microbatches) split
-    # its vocabulary instead of its batch, and no stage exchanges gradients over a data axis
-    b = get_model("gpt-tiny", layers=2, batch=64, seq=8, d_model=64, vocab=64, dtype="bfloat16")
+    # 32 rows: the last stage's batch split over its replica axis. The layout is a close call: with
+    # 16 rows its layer plans (planned for the step's 2 microbatches) split the vocabulary instead,
+    # with 64 the layers weighed below their price per step (`layer_cost._discounted_per_microbatch`)
+    # keep their one-microbatch plans, and no stage exchanges gradients over a data axis either way
+    b = get_model("gpt-tiny", layers=2, batch=32, seq=8, d_model=64, vocab=64, dtype="bfloat16")
     state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
     plan = planner.plan(b.train_step, state, batch, mesh=(2, 4), hardware="v100", pipeline=True,
                         num_microbatches=2, comm_precision="int8", inter_host_axes=(0,), inter_host="1Gbit",

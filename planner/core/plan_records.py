@@ -91,6 +91,8 @@ class SolverStats(JsonRecord):
         paid, the arguments' reshardings (without prefetch), what fitting the memory budget cost
         (when it bound), and how many arguments were pinned.
       configuration, approximation: what `planner.evaluate` evaluated and what it approximates.
+      weighed_reductions_s: a plan for one of several microbatches (`make_plan(microbatches=)`):
+        the seconds of all-reduces its solve weighed at 1/microbatches (priced in full here).
       planning: a pipeline plan's planning facts (`PipelinePlanning`), written among these keys.
     """
 
@@ -113,6 +115,7 @@ class SolverStats(JsonRecord):
     argument_reshards: tuple[ArgumentReshard, ...] | None = None
     configuration: str | None = None
     approximation: str | None = None
+    weighed_reductions_s: float | None = None
     planning: PipelinePlanning | None = None
 
     def to_json(self) -> dict:

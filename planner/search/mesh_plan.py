@@ -279,9 +279,11 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     t0 = time.perf_counter()
     if problem is None:
         problem = plan_problem(graph, mesh, options, jax_mesh, pins)
+    weighed_s = None
     if microbatches > 1:
-        solved, sol = _solve(reductions_weighed(problem, 1.0 / microbatches), options, jax_mesh, min_peak_search,
-                             start, lp_level, beat, gap)
+        weighed = reductions_weighed(problem, 1.0 / microbatches)
+        solved, sol = _solve(weighed, options, jax_mesh, min_peak_search, start, lp_level, beat, gap)
+        weighed_s = sum(full.async_s[c] - w.async_s[c] for full, w, c in zip(problem.nodes, weighed.nodes, sol.choice))
         problem = dataclasses.replace(solved, nodes=problem.nodes)  # priced in full (the solve's choice)
     else:
         problem, sol = _solve(problem, options, jax_mesh, min_peak_search, start, lp_level, beat, gap)
@@ -292,6 +294,8 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     out_specs = _output_specs(graph, problem, sol.choice)
     prediction = _predict(problem, sol)
     solver_info = _solver_info(graph, problem, sol, t0, pins)
+    if weighed_s is not None:
+        solver_info = dataclasses.replace(solver_info, weighed_reductions_s=weighed_s)
     levers = Levers(offload=offload_record(problem, sol.choice, options.planned_offload) if options.planned_offload != "off" else None)
     return Plan(
         mesh=mesh,

@@ -171,8 +171,9 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
             # the step-weighted solve priced at 1/microbatches some all-reduce the runtime pays every
             # microbatch (a gradient reduced over a parameter's split data axis, or over an axis that
             # splits no batch: a sequence split): the layer's one-microbatch plan may be cheaper
-            log.info("layer %s on %s: its plan for %d microbatches was weighed below its price per step; "
-                     "planned for one microbatch too", layers.names[layer], lmesh.mesh, microbatches)
+            log.info("layer %s on %s: its plan for %d microbatches weighed %.3g s of all-reduces at 1/%d, "
+                     "%.3g s of them deferred to once per step; planned for one microbatch too", layers.names[layer],
+                     lmesh.mesh, microbatches, plan.solver.weighed_reductions_s, microbatches, found.sync_s)
             alone = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, make_plan(
                 sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP))
             if microbatches * alone.time_s + alone.sync_s < microbatches * found.time_s + found.sync_s:
@@ -184,19 +185,18 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
 
 
 def _discounted_per_microbatch(plan, found: LayerCost, microbatches: int) -> bool:
-    """Whether the step-weighted solve (`make_plan(microbatches=)`) weighed the layer's plan below
-    what a step of it costs as the runtime runs it, by more than the gap: `time_s` every microbatch
-    and `sync_s` (the reductions over data axes only) once. It discounts every combinable all-reduce
-    (`mesh_plan.reductions_weighed`), which is right for those; one it discounted beyond them is
-    paid every microbatch (Llama-70B's megatron-tp layer on 8x8 H100, 16-row microbatches: a
-    sequence split over the tensor axis all-reducing weight-gradient partial sums, 0.01986 s per
-    microbatch against 0.0173 s for the one-microbatch plan), as is every reduction of a stage
-    whose parameter is split over a data axis (`splits_data`)."""
-    weighed = plan.solver.objective_s
+    """Whether the step-weighted solve (`make_plan(microbatches=)`) weighed at 1/microbatches more
+    all-reduce time (`SolverStats.weighed_reductions_s`) than the table defers to once per step
+    (`sync_s`: the reductions over data axes; none for a layer splitting a parameter over a data
+    axis, `splits_data`, whose stage reduces every microbatch), by more than the gap of the plan's
+    time. `mesh_plan.reductions_weighed` weighs every combinable all-reduce, right for those it
+    defers; another is paid every microbatch (Llama-70B's megatron-tp layer on 8x8 H100, 16-row
+    microbatches: a sequence split over the tensor axis all-reducing weight-gradient partial sums
+    over it, 0.01986 s per microbatch against 0.0173 s for the one-microbatch plan)."""
+    weighed = plan.solver.weighed_reductions_s
     if weighed is None:
-        return True
-    per_step = found.time_s + (found.sync_s / microbatches if not splits_data((found,)) else found.sync_s)
-    return per_step > weighed * (1 + LAYER_GAP)
+        return False
+    return weighed > found.sync_s + LAYER_GAP * plan.prediction.step_time_s
 
 
 def splits_data(costs: Iterable[LayerCost]) -> bool:
