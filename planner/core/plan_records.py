@@ -91,8 +91,9 @@ class SolverStats(JsonRecord):
         paid, the arguments' reshardings (without prefetch), what fitting the memory budget cost
         (when it bound), and how many arguments were pinned.
       configuration, approximation: what `planner.evaluate` evaluated and what it approximates.
-      weighed_reductions_s: a plan for one of several microbatches (`make_plan(microbatches=)`):
-        the seconds of all-reduces its solve weighed at 1/microbatches (priced in full here).
+      weighed_reductions: a plan for one of several microbatches (`make_plan(microbatches=)`):
+        the seconds of all-reduces its solve weighed at 1/microbatches (priced in full here), by the
+        mesh axes (names) they reduce over.
       planning: a pipeline plan's planning facts (`PipelinePlanning`), written among these keys.
     """
 
@@ -115,7 +116,7 @@ class SolverStats(JsonRecord):
     argument_reshards: tuple[ArgumentReshard, ...] | None = None
     configuration: str | None = None
     approximation: str | None = None
-    weighed_reductions_s: float | None = None
+    weighed_reductions: tuple[tuple[tuple[str, ...], float], ...] | None = None
     planning: PipelinePlanning | None = None
 
     def to_json(self) -> dict:
@@ -130,7 +131,8 @@ class SolverStats(JsonRecord):
     def from_json(cls, d: Mapping[str, Any]) -> SolverStats:
         stats = from_fields(cls, d, skip=("planning",), unbudgeted=Unbudgeted.from_json,
                             step_parts=StepTimeParts.from_json,
-                            argument_reshards=lambda rows: tuple(ArgumentReshard(*r) for r in rows))
+                            argument_reshards=lambda rows: tuple(ArgumentReshard(*r) for r in rows),
+                            weighed_reductions=lambda rows: tuple((tuple(a), float(t)) for a, t in rows))
         if d.get("status") == "pipeline":
             stats = dataclasses.replace(stats, planning=PipelinePlanning.from_json(d))
         return stats

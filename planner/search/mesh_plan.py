@@ -283,7 +283,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     if microbatches > 1:
         weighed = reductions_weighed(problem, 1.0 / microbatches)
         solved, sol = _solve(weighed, options, jax_mesh, min_peak_search, start, lp_level, beat, gap)
-        weighed_s = sum(full.async_s[c] - w.async_s[c] for full, w, c in zip(problem.nodes, weighed.nodes, sol.choice))
+        weighed_s = _weighed_by_axes(problem, weighed, sol.choice)
         problem = dataclasses.replace(solved, nodes=problem.nodes)  # priced in full (the solve's choice)
     else:
         problem, sol = _solve(problem, options, jax_mesh, min_peak_search, start, lp_level, beat, gap)
@@ -295,7 +295,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     prediction = _predict(problem, sol)
     solver_info = _solver_info(graph, problem, sol, t0, pins)
     if weighed_s is not None:
-        solver_info = dataclasses.replace(solver_info, weighed_reductions_s=weighed_s)
+        solver_info = dataclasses.replace(solver_info, weighed_reductions=weighed_s)
     levers = Levers(offload=offload_record(problem, sol.choice, options.planned_offload) if options.planned_offload != "off" else None)
     return Plan(
         mesh=mesh,
@@ -346,6 +346,24 @@ def reductions_weighed(problem: Problem, share: float) -> Problem:
                                          async_s=[a - o for a, o in zip(node.async_s, once)],
                                          quantise_s=[q - qq * (1.0 - share) for q, qq in zip(node.quantise_s, quantised)]))
     return dataclasses.replace(problem, nodes=tuple(nodes))
+
+
+def _weighed_by_axes(full: Problem, weighed: Problem, choice: Sequence[int]) -> tuple[tuple[tuple[str, ...], float], ...]:
+    """The all-reduce seconds `reductions_weighed` weighed down in the chosen strategies, by the mesh
+    axes of the all-reduces they came from (each node's weighed time shared among its all-reduces in
+    proportion to their times)."""
+    names = full.cost.mesh.axis_names
+    out: dict[tuple[str, ...], float] = {}
+    for node, w, c in zip(full.nodes, weighed.nodes, choice):
+        once = node.async_s[c] - w.async_s[c] if node.async_s else 0.0
+        if once <= 0:
+            continue
+        ars = [(axes, t) for (kind, axes, _), t in zip(node.comms[c], node.comm_times[c]) if kind == "all-reduce"]
+        total = sum(t for _, t in ars)
+        for axes, t in ars:
+            key = tuple(names[a] for a in axes)
+            out[key] = out.get(key, 0.0) + once * t / total
+    return tuple(sorted(out.items()))
 
 
 def _solve(problem: Problem, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None, min_peak_search: bool,

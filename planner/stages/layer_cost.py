@@ -37,9 +37,9 @@ per-microbatch all-gather of each gradient over the data axis instead: 3x slower
 microbatches); the prediction it returns prices one microbatch with them in full, as above. An
 all-reduce over an axis that does not split the batch (a sequence split) is weighed so too but
 priced per microbatch, as the runtime runs it, and so is every reduction of a plan that splits a
-parameter over a data axis: a plan whose weighed objective is below its price per step (`time_s`
-per microbatch, `sync_s` once) by more than the gap is weighed against the layer's one-microbatch
-plan, the cheaper step kept (`_discounted_per_microbatch`). Gradients the plan exchanges as
+parameter over a data axis: a plan whose solve weighed more all-reduce time at 1/B than the table
+defers to once per step (`sync_s`), by more than the gap of its time, is weighed against the
+layer's one-microbatch plan, the cheaper step kept (`_discounted_per_microbatch`). Gradients the plan exchanges as
 int8 over data axes (comm_precision "int8") move their quantisation with them: the ILP charges it
 per microbatch, the runtime quantises each replica's accumulated gradient once per step
 (`replica_quantisation`, `planner.emit.wire.reduce_replicas`).
@@ -167,13 +167,13 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
         plan = make_plan(sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP,  # small ILPs: `ilp.solver.solve`
                          microbatches=microbatches)
         found = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, plan)
-        if microbatches > 1 and _discounted_per_microbatch(plan, found, microbatches):
+        if microbatches > 1 and _discounted_per_microbatch(plan, found, bool(pins)):
             # the step-weighted solve priced at 1/microbatches some all-reduce the runtime pays every
             # microbatch (a gradient reduced over a parameter's split data axis, or over an axis that
             # splits no batch: a sequence split): the layer's one-microbatch plan may be cheaper
-            log.info("layer %s on %s: its plan for %d microbatches weighed %.3g s of all-reduces at 1/%d, "
-                     "%.3g s of them deferred to once per step; planned for one microbatch too", layers.names[layer],
-                     lmesh.mesh, microbatches, plan.solver.weighed_reductions_s, microbatches, found.sync_s)
+            log.info("layer %s on %s: its plan for %d microbatches weighed all-reduces the runtime runs every "
+                     "microbatch at 1/%d; planned for one microbatch too", layers.names[layer], lmesh.mesh,
+                     microbatches, microbatches)
             alone = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, make_plan(
                 sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP))
             if microbatches * alone.time_s + alone.sync_s < microbatches * found.time_s + found.sync_s:
@@ -184,19 +184,27 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
         return INFEASIBLE
 
 
-def _discounted_per_microbatch(plan, found: LayerCost, microbatches: int) -> bool:
-    """Whether the step-weighted solve (`make_plan(microbatches=)`) weighed at 1/microbatches more
-    all-reduce time (`SolverStats.weighed_reductions_s`) than the table defers to once per step
-    (`sync_s`: the reductions over data axes; none for a layer splitting a parameter over a data
-    axis, `splits_data`, whose stage reduces every microbatch), by more than the gap of the plan's
-    time. `mesh_plan.reductions_weighed` weighs every combinable all-reduce, right for those it
-    defers; another is paid every microbatch (Llama-70B's megatron-tp layer on 8x8 H100, 16-row
-    microbatches: a sequence split over the tensor axis all-reducing weight-gradient partial sums
-    over it, 0.01986 s per microbatch against 0.0173 s for the one-microbatch plan)."""
-    weighed = plan.solver.weighed_reductions_s
-    if weighed is None:
+def _discounted_per_microbatch(plan, found: LayerCost, pinned: bool) -> bool:
+    """Whether the step-weighted solve (`make_plan(microbatches=)`) may have chosen the layer's plan
+    for a discount the runtime does not give, by more than the gap. `mesh_plan.reductions_weighed`
+    weighs every combinable all-reduce at 1/microbatches; the runtime defers only reductions over
+    the layer's data axes to once per step. So: a layer splitting a parameter over a data axis
+    (`splits_data`: its stage reduces every microbatch) whose weighed objective is below its price
+    by more than the gap; or a layer planned in a hand layout (`pinned`) whose solve weighed
+    all-reduces over other axes (`SolverStats.weighed_reductions`) for more than the gap of its
+    time (Llama-70B's megatron-tp layer on 8x8 H100, 16-row microbatches: with its parameters
+    pinned over the tensor axis, a sequence split over that axis all-reducing weight-gradient
+    partial sums over it, 0.01986 s per microbatch against 0.0173 s for the one-microbatch plan).
+    Not for a layer's own plans: on GPT-39B b1024 that re-planned 99 layers instead of 15 (71.7 /
+    73.6 s against 55.7 / 55.6 s of planning, paired) for the same pipeline; a hand layout is
+    priced only where memory binds (65 re-planned there, 64.7 s, the same pipeline)."""
+    if splits_data((found,)):
+        weighed = plan.solver.objective_s
+        return weighed is None or plan.prediction.step_time_s > weighed * (1 + LAYER_GAP)
+    if not pinned:
         return False
-    return weighed > found.sync_s + LAYER_GAP * plan.prediction.step_time_s
+    other = sum(t for axes, t in plan.solver.weighed_reductions or () if not set(axes) <= found.data_axes)
+    return other > LAYER_GAP * plan.prediction.step_time_s
 
 
 def splits_data(costs: Iterable[LayerCost]) -> bool:
