@@ -46,6 +46,7 @@ log = logging.getLogger("planner")
 # -> (the pipeline's Plan, the caller's own result: the `PipelinePlan`, or the runner)
 StageSearch = Callable[[PlanOptions, float], tuple[Plan, Any]]
 
+
 @dataclasses.dataclass(frozen=True)
 class Pipelined:
     """A pipeline that beat the single-step plan: its `Plan` (its `pipeline` facts give the

@@ -279,11 +279,11 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     t0 = time.perf_counter()
     if problem is None:
         problem = plan_problem(graph, mesh, options, jax_mesh, pins)
-    weighed_s = None
+    weighed_by_axes = None
     if microbatches > 1:
         weighed = reductions_weighed(problem, 1.0 / microbatches)
         solved, sol = _solve(weighed, options, jax_mesh, min_peak_search, start, lp_level, beat, gap)
-        weighed_s = _weighed_by_axes(problem, weighed, sol.choice)
+        weighed_by_axes = _weighed_by_axes(problem, weighed, sol.choice)
         problem = dataclasses.replace(solved, nodes=problem.nodes)  # priced in full (the solve's choice)
     else:
         problem, sol = _solve(problem, options, jax_mesh, min_peak_search, start, lp_level, beat, gap)
@@ -294,8 +294,8 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     out_specs = _output_specs(graph, problem, sol.choice)
     prediction = _predict(problem, sol)
     solver_info = _solver_info(graph, problem, sol, t0, pins)
-    if weighed_s is not None:
-        solver_info = dataclasses.replace(solver_info, weighed_reductions=weighed_s)
+    if weighed_by_axes is not None:
+        solver_info = dataclasses.replace(solver_info, weighed_reductions=weighed_by_axes)
     levers = Levers(offload=offload_record(problem, sol.choice, options.planned_offload) if options.planned_offload != "off" else None)
     return Plan(
         mesh=mesh,

@@ -37,9 +37,10 @@ per-microbatch all-gather of each gradient over the data axis instead: 3x slower
 microbatches); the prediction it returns prices one microbatch with them in full, as above. An
 all-reduce over an axis that does not split the batch (a sequence split) is weighed so too but
 priced per microbatch, as the runtime runs it, and so is every reduction of a plan that splits a
-parameter over a data axis: a plan whose solve weighed more all-reduce time at 1/B than the table
-defers to once per step (`sync_s`), by more than the gap of its time, is weighed against the
-layer's one-microbatch plan, the cheaper step kept (`_discounted_per_microbatch`). Gradients the plan exchanges as
+parameter over a data axis. Such a split plan whose weighed objective is below its price by more
+than the gap, and a hand-layout plan whose solve weighed all-reduces over other axes than its data
+axes for more than the gap of its time, are weighed against the layer's one-microbatch plan, the
+cheaper step kept (`_discounted_per_microbatch`). Gradients the plan exchanges as
 int8 over data axes (comm_precision "int8") move their quantisation with them: the ILP charges it
 per microbatch, the runtime quantises each replica's accumulated gradient once per step
 (`replica_quantisation`, `planner.emit.wire.reduce_replicas`).
@@ -195,9 +196,9 @@ def _discounted_per_microbatch(plan, found: LayerCost, pinned: bool) -> bool:
     time (Llama-70B's megatron-tp layer on 8x8 H100, 16-row microbatches: with its parameters
     pinned over the tensor axis, a sequence split over that axis all-reducing weight-gradient
     partial sums over it, 0.01986 s per microbatch against 0.0173 s for the one-microbatch plan).
-    Not for a layer's own plans: on GPT-39B b1024 that re-planned 99 layers instead of 15 (71.7 /
-    73.6 s against 55.7 / 55.6 s of planning, paired) for the same pipeline; a hand layout is
-    priced only where memory binds (65 re-planned there, 64.7 s, the same pipeline)."""
+    Not for a layer's own plans: on GPT-39B b1024 (`--pipeline auto`) that re-planned 99 layers
+    instead of 15, 73.2 s of planning against 55.7 / 55.6 s, for the same pipeline; a hand layout
+    is priced only where memory binds (65 re-planned, 64.7 s, the same pipeline)."""
     if splits_data((found,)):
         weighed = plan.solver.objective_s
         return weighed is None or plan.prediction.step_time_s > weighed * (1 + LAYER_GAP)
