@@ -104,6 +104,28 @@ def test_a_plan_for_several_microbatches_weighs_its_gradient_all_reduces_once_pe
     assert step_time(weighed, [0] * len(weighed.nodes)).total_s <= step_time(problem, [0] * len(problem.nodes)).total_s
 
 
+def test_a_plan_for_several_microbatches_keeps_all_reduces_over_whole_axes_whole():
+    """`make_plan(microbatches=, whole_axes=)` (a hand layout's layer: its parameters' axes): an
+    all-reduce over one of those axes keeps its whole time in the solve (the runtime runs it every
+    microbatch), the others are weighed as before. The data-parallel MLP on 8 devices: with its one
+    axis whole the objective and the problem's costs are the plain plan's."""
+    from planner.search.mesh_plan import plan_problem, reductions_weighed
+
+    graph = zoo_graph("mlp-tiny", **{**TALL, "batch": 4 * TALL["batch"]})
+    options = PlanOptions(solver_time_limit=20, overlap=False)
+    one = make_plan(graph, MESH_8, options)
+    whole = make_plan(graph, MESH_8, options, microbatches=16, whole_axes=frozenset({0}))
+    weighed = make_plan(graph, MESH_8, options, microbatches=16)
+    assert whole.input_specs == one.input_specs
+    assert whole.solver.objective_s == pytest.approx(one.solver.objective_s, rel=1e-12)
+    assert weighed.solver.objective_s < one.solver.objective_s  # the reductions weighed without it
+    problem = plan_problem(graph, MESH_8, options)
+    kept = reductions_weighed(problem, 1 / 16, frozenset({0}))
+    assert [n.costs for n in kept.nodes] == [n.costs for n in problem.nodes]
+    assert [n.costs for n in reductions_weighed(problem, 1 / 16, frozenset({1})).nodes] == \
+        [n.costs for n in reductions_weighed(problem, 1 / 16).nodes]  # no all-reduce over axis 1
+
+
 def test_gradient_all_reduce_hides_behind_the_backward_and_the_flags_say_so():
     """Data-parallel MLP (batch >> hidden) on 8 A100s: the second layer's gradient all-reduce runs
     while the first layer's backward computes. Predicted faster than with overlap off, by the hidden

@@ -506,8 +506,10 @@ def test_a_layer_whose_step_plan_is_weighed_below_its_price_keeps_the_cheaper_pl
     microbatches of a 128-microbatch step: weighing every combinable all-reduce at 1/128, its ILP
     split the sequence over the tensor axis and all-reduced weight-gradient partial sums over it,
     which the runtime pays every microbatch (0.01986 s per microbatch against 0.0173 s planned for
-    one microbatch); so the layer is planned for one microbatch too and the step pays no more than
-    that plan's, up to the layer ILP's relative gap."""
+    one microbatch); with the tensor axis kept whole its plan is still priced above what its solve
+    weighed (0.01806 s: the price lets the deferred reductions hide first). So the layer is planned
+    for one microbatch too and the step pays no more than that plan's, up to the layer ILP's
+    relative gap."""
     from planner.configs.baselines import layer_variant_pins
     from planner.core.options import PlanOptions
     from planner.stages.cost_table import LayerCostTable

@@ -91,9 +91,6 @@ class SolverStats(JsonRecord):
         paid, the arguments' reshardings (without prefetch), what fitting the memory budget cost
         (when it bound), and how many arguments were pinned.
       configuration, approximation: what `planner.evaluate` evaluated and what it approximates.
-      weighed_reductions: a plan for one of several microbatches (`make_plan(microbatches=)`):
-        the seconds of all-reduces its solve weighed at 1/microbatches (priced in full here), by the
-        mesh axes (names) they reduce over.
       planning: a pipeline plan's planning facts (`PipelinePlanning`), written among these keys.
     """
 
@@ -116,7 +113,6 @@ class SolverStats(JsonRecord):
     argument_reshards: tuple[ArgumentReshard, ...] | None = None
     configuration: str | None = None
     approximation: str | None = None
-    weighed_reductions: tuple[tuple[tuple[str, ...], float], ...] | None = None
     planning: PipelinePlanning | None = None
 
     def to_json(self) -> dict:
@@ -131,8 +127,7 @@ class SolverStats(JsonRecord):
     def from_json(cls, d: Mapping[str, Any]) -> SolverStats:
         stats = from_fields(cls, d, skip=("planning",), unbudgeted=Unbudgeted.from_json,
                             step_parts=StepTimeParts.from_json,
-                            argument_reshards=lambda rows: tuple(ArgumentReshard(*r) for r in rows),
-                            weighed_reductions=lambda rows: tuple((tuple(a), float(t)) for a, t in rows))
+                            argument_reshards=lambda rows: tuple(ArgumentReshard(*r) for r in rows))
         if d.get("status") == "pipeline":
             stats = dataclasses.replace(stats, planning=PipelinePlanning.from_json(d))
         return stats

@@ -255,7 +255,8 @@ def plan_problem(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: j
 def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None = None,
               pins: Mapping[int, Spec] | None = None, problem: Problem | None = None,
               min_peak_search: bool = True, start: Sequence[int] | None = None, lp_level: int = 1,
-              beat: Callable[[], float] | None = None, gap: float = 0.0, microbatches: int = 1) -> Plan:
+              beat: Callable[[], float] | None = None, gap: float = 0.0, microbatches: int = 1,
+              whole_axes: frozenset[int] = frozenset()) -> Plan:
     """Plans `graph` on `mesh`; `pins` (input position -> spec, `planner.configs.pins.resolve`) fix those
     inputs' shardings and the ILP plans the rest. `problem`: `plan_problem`'s answer for the same
     arguments, when the caller built it already. `min_peak_search=False`: an infeasible budget is
@@ -270,7 +271,8 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     once (a pipeline stage's layer, `stages.layer_cost`): the solver weighs the gradient all-reduces
     at 1/microbatches of their time, exposed (`reductions_weighed`), so that a layout is chosen for
     the whole step; the prediction still prices this one microbatch with them in full (the caller
-    takes them out to once per step).
+    takes them out to once per step). `whole_axes`: mesh axes over which no all-reduce is weighed
+    down (the runtime runs them every microbatch: a stage's parameters split over them).
 
     Raises:
       MeshError: a mesh axis that can split nothing.
@@ -279,11 +281,9 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     t0 = time.perf_counter()
     if problem is None:
         problem = plan_problem(graph, mesh, options, jax_mesh, pins)
-    weighed_by_axes = None
     if microbatches > 1:
-        weighed = reductions_weighed(problem, 1.0 / microbatches)
+        weighed = reductions_weighed(problem, 1.0 / microbatches, whole_axes)
         solved, sol = _solve(weighed, options, jax_mesh, min_peak_search, start, lp_level, beat, gap)
-        weighed_by_axes = _weighed_by_axes(problem, weighed, sol.choice)
         problem = dataclasses.replace(solved, nodes=problem.nodes)  # priced in full (the solve's choice)
     else:
         problem, sol = _solve(problem, options, jax_mesh, min_peak_search, start, lp_level, beat, gap)
@@ -294,8 +294,6 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     out_specs = _output_specs(graph, problem, sol.choice)
     prediction = _predict(problem, sol)
     solver_info = _solver_info(graph, problem, sol, t0, pins)
-    if weighed_by_axes is not None:
-        solver_info = dataclasses.replace(solver_info, weighed_reductions=weighed_by_axes)
     levers = Levers(offload=offload_record(problem, sol.choice, options.planned_offload) if options.planned_offload != "off" else None)
     return Plan(
         mesh=mesh,
@@ -322,7 +320,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     )
 
 
-def reductions_weighed(problem: Problem, share: float) -> Problem:
+def reductions_weighed(problem: Problem, share: float, whole_axes: frozenset[int] = frozenset()) -> Problem:
     """`problem` with each strategy's combinable all-reduces (the gradient reductions that leave the
     gradient whole over their axes, among `Node.async_s`) and their int8 quantisation
     (`Node.quantise_s`) costing `share` of their time, exposed: paid once per step after the last
@@ -330,13 +328,14 @@ def reductions_weighed(problem: Problem, share: float) -> Problem:
     A reduce-scatter keeps its full time: it splits the gradient, and so its parameter, over its
     axes, and a pipeline stage with a parameter split over a data axis reduces every microbatch
     (`stages.stage_cost.split_ranges`). Each (kind, axes) group's latency stays whole (it is paid
-    once anyway)."""
+    once anyway). An all-reduce over any of `whole_axes` keeps its whole time."""
     nodes = []
     for node in problem.nodes:
         if not any(node.async_s):
             nodes.append(node)
             continue
-        once = [min(a, sum(t for (kind, _, _), t in zip(comms, times) if kind == "all-reduce"))
+        once = [min(a, sum(t for (kind, axes, _), t in zip(comms, times)
+                           if kind == "all-reduce" and not whole_axes.intersection(axes)))
                 for a, comms, times in zip(node.async_s, node.comms, node.comm_times)]
         scatters = [any(kind == "reduce-scatter" for kind, _, _ in comms) for comms in node.comms]
         quantised = [0.0 if rs else q for q, rs in zip(node.quantise_s, scatters)]
@@ -346,24 +345,6 @@ def reductions_weighed(problem: Problem, share: float) -> Problem:
                                          async_s=[a - o for a, o in zip(node.async_s, once)],
                                          quantise_s=[q - qq * (1.0 - share) for q, qq in zip(node.quantise_s, quantised)]))
     return dataclasses.replace(problem, nodes=tuple(nodes))
-
-
-def _weighed_by_axes(full: Problem, weighed: Problem, choice: Sequence[int]) -> tuple[tuple[tuple[str, ...], float], ...]:
-    """The all-reduce seconds `reductions_weighed` weighed down in the chosen strategies, by the mesh
-    axes of the all-reduces they came from (each node's weighed time shared among its all-reduces in
-    proportion to their times)."""
-    names = full.cost.mesh.axis_names
-    out: dict[tuple[str, ...], float] = {}
-    for node, w, c in zip(full.nodes, weighed.nodes, choice):
-        once = node.async_s[c] - w.async_s[c] if node.async_s else 0.0
-        if once <= 0:
-            continue
-        ars = [(axes, t) for (kind, axes, _), t in zip(node.comms[c], node.comm_times[c]) if kind == "all-reduce"]
-        total = sum(t for _, t in ars)
-        for axes, t in ars:
-            key = tuple(names[a] for a in axes)
-            out[key] = out.get(key, 0.0) + once * t / total
-    return tuple(sorted(out.items()))
 
 
 def _solve(problem: Problem, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None, min_peak_search: bool,

@@ -37,10 +37,10 @@ per-microbatch all-gather of each gradient over the data axis instead: 3x slower
 microbatches); the prediction it returns prices one microbatch with them in full, as above. An
 all-reduce over an axis that does not split the batch (a sequence split) is weighed so too but
 priced per microbatch, as the runtime runs it, and so is every reduction of a plan that splits a
-parameter over a data axis. Such a split plan whose weighed objective is below its price by more
-than the gap, and a hand-layout plan whose solve weighed all-reduces over other axes than its data
-axes for more than the gap of its time, are weighed against the layer's one-microbatch plan, the
-cheaper step kept (`_discounted_per_microbatch`). Gradients the plan exchanges as
+parameter over a data axis. A hand layout's solve keeps every all-reduce over its parameters' axes
+whole (`make_plan(whole_axes=)`: the runtime runs them every microbatch). A split plan or a
+hand-layout plan whose weighed objective is below its price by more than the gap is weighed
+against the layer's one-microbatch plan, the cheaper step kept (`_discounted_per_microbatch`). Gradients the plan exchanges as
 int8 over data axes (comm_precision "int8") move their quantisation with them: the ILP charges it
 per microbatch, the runtime quantises each replica's accumulated gradient once per step
 (`replica_quantisation`, `planner.emit.wire.reduce_replicas`).
@@ -164,17 +164,19 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
     if refused:  # a pinned leaf this mesh cannot hold as pinned
         log.info("layer %s on %s: %s", layers.names[layer], lmesh.mesh, refused[0])
         return INFEASIBLE
+    # a hand layout's parameter axes: their all-reduces run every microbatch (`splits_data`, or a
+    # tensor axis's sequence split), so the step-weighted solve keeps them whole
+    whole = frozenset().union(*(spec_axes(pinned[t]) for t in ext if t in pinned and t in facts.param_inputs)
+                              ) if pins else frozenset()
     try:
         plan = make_plan(sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP,  # small ILPs: `ilp.solver.solve`
-                         microbatches=microbatches)
+                         microbatches=microbatches, whole_axes=whole)
         found = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, plan)
-        if microbatches > 1 and _discounted_per_microbatch(plan, found, bool(pins)):
-            # the step-weighted solve priced at 1/microbatches some all-reduce the runtime pays every
-            # microbatch (a gradient reduced over a parameter's split data axis, or over an axis that
-            # splits no batch: a sequence split): the layer's one-microbatch plan may be cheaper
-            log.info("layer %s on %s: its plan for %d microbatches weighed all-reduces the runtime runs every "
-                     "microbatch at 1/%d; planned for one microbatch too", layers.names[layer], lmesh.mesh,
-                     microbatches, microbatches)
+        if microbatches > 1 and _discounted_per_microbatch(plan, found, bool(pins), microbatches):
+            # the step-weighted solve weighed at 1/microbatches what the price does not discount so
+            # (`_discounted_per_microbatch`): the layer's one-microbatch plan may be cheaper
+            log.info("layer %s on %s: its plan for %d microbatches is priced above what its solve weighed; "
+                     "planned for one microbatch too", layers.names[layer], lmesh.mesh, microbatches)
             alone = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, make_plan(
                 sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP))
             if microbatches * alone.time_s + alone.sync_s < microbatches * found.time_s + found.sync_s:
@@ -185,27 +187,27 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
         return INFEASIBLE
 
 
-def _discounted_per_microbatch(plan, found: LayerCost, pinned: bool) -> bool:
+def _discounted_per_microbatch(plan, found: LayerCost, pinned: bool, microbatches: int) -> bool:
     """Whether the step-weighted solve (`make_plan(microbatches=)`) may have chosen the layer's plan
-    for a discount the runtime does not give, by more than the gap. `mesh_plan.reductions_weighed`
-    weighs every combinable all-reduce at 1/microbatches; the runtime defers only reductions over
-    the layer's data axes to once per step. So: a layer splitting a parameter over a data axis
-    (`splits_data`: its stage reduces every microbatch) whose weighed objective is below its price
-    by more than the gap; or a layer planned in a hand layout (`pinned`) whose solve weighed
-    all-reduces over other axes (`SolverStats.weighed_reductions`) for more than the gap of its
-    time (Llama-70B's megatron-tp layer on 8x8 H100, 16-row microbatches: with its parameters
-    pinned over the tensor axis, a sequence split over that axis all-reducing weight-gradient
-    partial sums over it, 0.01986 s per microbatch against 0.0173 s for the one-microbatch plan).
-    Not for a layer's own plans: on GPT-39B b1024 (`--pipeline auto`) that re-planned 99 layers
-    instead of 15, 73.2 s of planning against 55.7 / 55.6 s, for the same pipeline; a hand layout
-    is priced only where memory binds (65 re-planned, 64.7 s, the same pipeline)."""
-    if splits_data((found,)):
-        weighed = plan.solver.objective_s
-        return weighed is None or plan.prediction.step_time_s > weighed * (1 + LAYER_GAP)
-    if not pinned:
+    for a discount its price does not give, by more than the gap: the layer's price per microbatch
+    (`found.time_s` and its share of `found.sync_s`) above the solve's objective by more than the
+    gap, for a layer splitting a parameter over a data axis (`splits_data`: its stage reduces every
+    microbatch, so nothing is deferred) or planned in a hand layout (`pinned`). A hand layout's
+    solve keeps its parameters' axes whole (`whole_axes` in `layer_cost`), but the price gives the
+    deferred reductions only their exposed part (they are first to use the hidden capacity, see the
+    module docstring) where the weighed solve lets the other collectives hide in their place:
+    Llama-70B's megatron-tp layer on 8x8 H100 at 16-row microbatches of 128, 0.01806 s per
+    microbatch priced against 0.01730 s for the one-microbatch plan (before `whole_axes`, a
+    sequence split over the tensor axis all-reducing weight-gradient partial sums over it: 0.01986
+    s). Not for a layer's own plans: on GPT-39B b1024 (`--pipeline auto`) that re-planned 99
+    layers instead of 15, 73.2 s of planning against 55.7 / 55.6 s, for the same pipeline. With
+    the hand layouts' whole axes, GPT-39B b1024 re-plans 22 layers (65 under the earlier rule:
+    weighed all-reduces over other axes than the data axes; a median 61.1 s against 66.4 s,
+    paired) and Llama-70B b2048 on 128x8 H100 55 (211), the same pipelines."""
+    if not (pinned or splits_data((found,))):
         return False
-    other = sum(t for axes, t in plan.solver.weighed_reductions or () if not set(axes) <= found.data_axes)
-    return other > LAYER_GAP * plan.prediction.step_time_s
+    weighed = plan.solver.objective_s
+    return weighed is None or found.time_s + found.sync_s / microbatches > weighed * (1 + LAYER_GAP)
 
 
 def splits_data(costs: Iterable[LayerCost]) -> bool:
