@@ -294,6 +294,11 @@ class _Model:
             # gap sooner (WORKSPACE.md, "Figures behind the code").
             for cuts in ("add_cg_cuts", "add_mir_cuts", "add_zero_half_cuts", "add_clique_cuts"):
                 setattr(solver.parameters, cuts, False)
+            # Every linear constraint in the LP from the start, and no SAT inprocessing: these small
+            # ILPs (the stage tables' per-layer ones) reach the gap sooner with the LP's bound whole
+            # than with the clause database worked on (WORKSPACE.md, "Figures behind the code").
+            solver.parameters.add_lp_constraints_lazily = False
+            solver.parameters.use_sat_inprocessing = False
         if hint is not None:
             self.m.ClearHints()
             for node, i in enumerate(hint):

@@ -38,9 +38,9 @@ microbatches); the prediction it returns prices one microbatch with them in full
 all-reduce over an axis that does not split the batch (a sequence split) is weighed so too but
 priced per microbatch, as the runtime runs it, and so is every reduction of a plan that splits a
 parameter over a data axis. A hand layout's solve keeps every all-reduce over its parameters' axes
-whole (`make_plan(whole_axes=)`: the runtime runs them every microbatch). A split plan or a
-hand-layout plan whose weighed objective is below its price by more than the gap is weighed
-against the layer's one-microbatch plan, the cheaper step kept (`_discounted_per_microbatch`). Gradients the plan exchanges as
+whole (`make_plan(whole_axes=)`: the runtime runs them every microbatch). A plan whose weighed
+objective is below its price by more than the gap is weighed against the layer's one-microbatch
+plan, the cheaper step kept (`_discounted_per_microbatch`). Gradients the plan exchanges as
 int8 over data axes (comm_precision "int8") move their quantisation with them: the ILP charges it
 per microbatch, the runtime quantises each replica's accumulated gradient once per step
 (`replica_quantisation`, `planner.emit.wire.reduce_replicas`).
@@ -172,7 +172,7 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
         plan = make_plan(sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP,  # small ILPs: `ilp.solver.solve`
                          microbatches=microbatches, whole_axes=whole)
         found = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, plan)
-        if microbatches > 1 and _discounted_per_microbatch(plan, found, bool(pins), microbatches):
+        if microbatches > 1 and _discounted_per_microbatch(plan, found, microbatches):
             # the step-weighted solve weighed at 1/microbatches what the price does not discount so
             # (`_discounted_per_microbatch`): the layer's one-microbatch plan may be cheaper
             log.info("layer %s on %s: its plan for %d microbatches is priced above what its solve weighed; "
@@ -187,25 +187,23 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
         return INFEASIBLE
 
 
-def _discounted_per_microbatch(plan, found: LayerCost, pinned: bool, microbatches: int) -> bool:
+def _discounted_per_microbatch(plan, found: LayerCost, microbatches: int) -> bool:
     """Whether the step-weighted solve (`make_plan(microbatches=)`) may have chosen the layer's plan
     for a discount its price does not give, by more than the gap: the layer's price per microbatch
     (`found.time_s` and its share of `found.sync_s`) above the solve's objective by more than the
-    gap, for a layer splitting a parameter over a data axis (`splits_data`: its stage reduces every
-    microbatch, so nothing is deferred) or planned in a hand layout (`pinned`). A hand layout's
-    solve keeps its parameters' axes whole (`whole_axes` in `layer_cost`), but the price gives the
-    deferred reductions only their exposed part (they are first to use the hidden capacity, see the
-    module docstring) where the weighed solve lets the other collectives hide in their place:
-    Llama-70B's megatron-tp layer on 8x8 H100 at 16-row microbatches of 128, 0.01806 s per
-    microbatch priced against 0.01730 s for the one-microbatch plan (before `whole_axes`, a
-    sequence split over the tensor axis all-reducing weight-gradient partial sums over it: 0.01986
-    s). Not for a layer's own plans: on GPT-39B b1024 (`--pipeline auto`) that re-planned 99
-    layers instead of 15, 73.2 s of planning against 55.7 / 55.6 s, for the same pipeline. With
-    the hand layouts' whole axes, GPT-39B b1024 re-plans 22 layers (65 under the earlier rule:
-    weighed all-reduces over other axes than the data axes; a median 61.1 s against 66.4 s,
-    paired) and Llama-70B b2048 on 128x8 H100 55 (211), the same pipelines."""
-    if not (pinned or splits_data((found,))):
-        return False
+    gap. The solve weighs at 1/microbatches every combinable all-reduce over axes it was not told
+    to keep whole (`whole_axes`: a hand layout's parameter axes); the price defers only those over
+    the layer's data axes, and none where the layer splits a parameter over a data axis
+    (`splits_data`); it also gives the deferred reductions only their exposed part (they are first
+    to use the hidden capacity, see the module docstring) where the weighed solve lets the other
+    collectives hide in their place. Llama-70B's megatron-tp layer on 8x8 H100 at 16-row
+    microbatches of 128: 0.01806 s per microbatch priced against 0.01730 s for the one-microbatch
+    plan (0.01986 s before `whole_axes`: a sequence split over the tensor axis all-reducing
+    weight-gradient partial sums over it). For every layer since the per-layer ILPs' solver
+    settings made them ~2x faster (`cpsat._Model.solve`, gap > 0): `planner plan --model llama-70b
+    --cluster 128x8:h100 --batch 2048 --pipeline auto`'s own-layout pipelines at 2048 microbatches
+    went 26.39 -> 18.78 s/step, at 128 18.46 -> 17.21 (148 re-plans); GPT-39B b1024 re-plans 59
+    layers (WORKSPACE.md, Measured)."""
     weighed = plan.solver.objective_s
     return weighed is None or found.time_s + found.sync_s / microbatches > weighed * (1 + LAYER_GAP)
 
