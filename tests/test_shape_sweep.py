@@ -40,6 +40,27 @@ def test_sweep_plans_each_shape_as_alone(tmp_path, capsys):
     assert (tmp_path / "sweep.b8.json").exists()
 
 
+def test_a_smaller_batch_takes_the_larger_ones_layer_plans_within_the_gap(tmp_path, capsys, caplog):
+    """`--batch 16,8`: batch 8's microbatch counts of the sizes batch 16 planned are smaller, so its
+    layers take batch 16's step-weighted plans where those are provably within the layer gap at the
+    smaller count (`layer_cost.StepSolve`): fewer ILP solves than planning batch 8 alone, and a
+    pipeline no slower than that one's beyond the gap (each layer's plan within it)."""
+    from planner.stages.layer_cost import LAYER_GAP
+
+    def solves(args):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="planner"):
+            assert cli.main(["plan", *_WHERE, *args]) == 0
+        capsys.readouterr()
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("solved:")]
+
+    swept = solves(["--batch", "16,8", "--json", str(tmp_path / "sweep.json")])
+    first = solves(["--batch", "16"])
+    alone = solves(["--batch", "8", "--json", str(tmp_path / "alone.json")])
+    assert len(swept) - len(first) < len(alone)
+    assert _step_time(tmp_path / "sweep.b8.json") <= _step_time(tmp_path / "alone.json") * (1 + LAYER_GAP)
+
+
 def test_sweep_bad_sizes_and_commands_that_plan_one_shape(capsys):
     assert cli.main(["plan", *_WHERE, "--batch", "16,x"]) == 2
     assert "comma-separated list" in capsys.readouterr().err

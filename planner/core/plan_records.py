@@ -91,6 +91,10 @@ class SolverStats(JsonRecord):
         paid, the arguments' reshardings (without prefetch), what fitting the memory budget cost
         (when it bound), and how many arguments were pinned.
       configuration, approximation: what `planner.evaluate` evaluated and what it approximates.
+      weighed_once_s: a plan for one of several microbatches (`make_plan(microbatches=B)`): the
+        full seconds of what its solve weighed at 1/B in the chosen strategies (all-reduces and
+        their int8 quantisation): the plan's objective at B' microbatches is `objective_s` +
+        (1/B' - 1/B) * this.
       planning: a pipeline plan's planning facts (`PipelinePlanning`), written among these keys.
     """
 
@@ -113,6 +117,7 @@ class SolverStats(JsonRecord):
     argument_reshards: tuple[ArgumentReshard, ...] | None = None
     configuration: str | None = None
     approximation: str | None = None
+    weighed_once_s: float | None = None
     planning: PipelinePlanning | None = None
 
     def to_json(self) -> dict:

@@ -271,7 +271,8 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     once (a pipeline stage's layer, `stages.layer_cost`): the solver weighs the gradient all-reduces
     at 1/microbatches of their time, exposed (`reductions_weighed`), so that a layout is chosen for
     the whole step; the prediction still prices this one microbatch with them in full (the caller
-    takes them out to once per step). `whole_axes`: mesh axes over which no all-reduce is weighed
+    takes them out to once per step; `Plan.solver.weighed_once_s` holds their full time in the
+    chosen plan, so its objective at another count is known). `whole_axes`: mesh axes over which no all-reduce is weighed
     down (the runtime runs them every microbatch: a stage's parameters split over them).
 
     Raises:
@@ -281,9 +282,11 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     t0 = time.perf_counter()
     if problem is None:
         problem = plan_problem(graph, mesh, options, jax_mesh, pins)
+    once_s = None
     if microbatches > 1:
         weighed = reductions_weighed(problem, 1.0 / microbatches, whole_axes)
         solved, sol = _solve(weighed, options, jax_mesh, min_peak_search, start, lp_level, beat, gap)
+        once_s = _weighed_once(problem, weighed, sol.choice, 1.0 / microbatches)
         problem = dataclasses.replace(solved, nodes=problem.nodes)  # priced in full (the solve's choice)
     else:
         problem, sol = _solve(problem, options, jax_mesh, min_peak_search, start, lp_level, beat, gap)
@@ -294,6 +297,8 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     out_specs = _output_specs(graph, problem, sol.choice)
     prediction = _predict(problem, sol)
     solver_info = _solver_info(graph, problem, sol, t0, pins)
+    if once_s is not None:
+        solver_info = dataclasses.replace(solver_info, weighed_once_s=once_s)
     levers = Levers(offload=offload_record(problem, sol.choice, options.planned_offload) if options.planned_offload != "off" else None)
     return Plan(
         mesh=mesh,
@@ -345,6 +350,21 @@ def reductions_weighed(problem: Problem, share: float, whole_axes: frozenset[int
                                          async_s=[a - o for a, o in zip(node.async_s, once)],
                                          quantise_s=[q - qq * (1.0 - share) for q, qq in zip(node.quantise_s, quantised)]))
     return dataclasses.replace(problem, nodes=tuple(nodes))
+
+
+def _weighed_once(full: Problem, weighed: Problem, choice: Sequence[int], share: float) -> float | None:
+    """The full seconds of what `reductions_weighed` weighed at `share` in the chosen strategies, or
+    None where the chosen plan weighed int8 quantisation: its time counts as compute in the overlap
+    term, so the objective is not affine in the share there (without it only the costs and
+    exposed collectives move with the share, the hidden capacity does not)."""
+    once = quantised = 0.0
+    for node, w, c in zip(full.nodes, weighed.nodes, choice):
+        if not node.async_s:
+            continue
+        o = (node.comm_s[c] - w.comm_s[c]) / (1.0 - share)
+        once += o
+        quantised += (node.costs[c] - w.costs[c]) / (1.0 - share) - o
+    return None if quantised > 1e-12 else once
 
 
 def _solve(problem: Problem, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None, min_peak_search: bool,

@@ -35,9 +35,19 @@ from planner.graph.ir import Graph
 from planner.ilp.strategies import reshard_cost
 from planner.search.cores import idle_cores
 from planner.stages.clustering import Layers
-from planner.stages.layer_cost import LayerCost, layer_cost
+from planner.stages.layer_cost import LayerCost, layer_step_cost
 from planner.stages.layer_facts import LayerFacts, external_inputs, layer_edges, layer_facts
 from planner.stages.submesh import LogicalMesh, effective_hardware, planning_hardware
+
+
+# The key in `LayerCostTable.cache` under which the step-weighted solves are kept (by the layer's
+# key without its microbatch count), for other counts to take plans from (`LayerCostTable._solve`).
+STEP_SOLVES = "step solves"
+
+
+def planned_layers(cache: Mapping) -> int:
+    """How many layer costs a table's `cache` holds (its step-weighted solves' entry not counted)."""
+    return len(cache) - (STEP_SOLVES in cache)
 
 
 # The hand layouts each layer is also planned in (`LayerCostTable.variants`; see the module docstring).
@@ -73,6 +83,7 @@ class LayerCostTable:
     cache: dict = dataclasses.field(default_factory=dict)
     facts: tuple[LayerFacts, ...] = ()
     solves: int = 0
+    reused: int = 0  # costs taken from a larger count's step-weighted solve (`_solve`)
     pins: Callable[[LogicalMesh], Mapping[int, Spec]] | None = None
     variants: Mapping[str, Callable[[LogicalMesh], Mapping[int, Spec]]] = dataclasses.field(default_factory=dict)
     _pinned: dict = dataclasses.field(default_factory=dict)
@@ -144,15 +155,37 @@ class LayerCostTable:
         return (self.layers.keys[layer], lm.mesh.shape, lm.links, self.cluster.hardware.name, pin_key,
                 self.microbatches), pinned
 
-    def _solve(self, layer: int, mesh_index: int, pinned: Mapping[int, Spec]) -> LayerCost:
-        return layer_cost(self.graph, self.layers, self.facts[layer], layer, self.meshes[mesh_index],
-                           planning_hardware(self.cluster), self.options, pinned, self.microbatches)
+    def _solve(self, layer: int, mesh_index: int, pinned: Mapping[int, Spec], key: tuple) -> LayerCost:
+        """The layer's cost: from a step-weighted solve of the same layer at the same microbatch size
+        for a larger count (another batch size sharing `cache`, `StepSolve.at`) where that plan is
+        provably within the gap here, else solved (and its `StepSolve` kept for smaller counts)."""
+        solves = self.cache.setdefault(STEP_SOLVES, {}).setdefault(key[:-1], []) if self.microbatches > 1 else []
+
+        def alone() -> LayerCost:  # the one-microbatch cost, kept as a one-microbatch table keeps it
+            one = key[:-1] + (1,)
+            if one not in self.cache:
+                self.cache[one] = layer_step_cost(self.graph, self.layers, self.facts[layer], layer,
+                                                  self.meshes[mesh_index], planning_hardware(self.cluster),
+                                                  self.options, pinned)[0]
+            return self.cache[one]
+
+        for earlier in list(solves):
+            found = earlier.at(self.microbatches, alone)
+            if found is not None:
+                self.reused += 1
+                return found
+        found, solve = layer_step_cost(self.graph, self.layers, self.facts[layer], layer, self.meshes[mesh_index],
+                                       planning_hardware(self.cluster), self.options, pinned, self.microbatches,
+                                       alone if self.microbatches > 1 else None)
+        if solve is not None:
+            solves.append(solve)
+        return found
 
     def cost(self, layer: int, mesh_index: int, variant: str = "") -> LayerCost:
         key, pinned = self._key(layer, mesh_index, variant)
         hit = self.cache.get(key)
         if hit is None:
-            hit = self.cache[key] = self._solve(layer, mesh_index, pinned)
+            hit = self.cache[key] = self._solve(layer, mesh_index, pinned, key)
             self.solves += 1
         return hit
 
@@ -176,12 +209,12 @@ class LayerCostTable:
         threads = max(1, min(threads, len(todo)))
         if threads == 1:
             for key, (layer, mi, pinned) in todo.items():
-                self.cache[key] = self._solve(layer, mi, pinned)
+                self.cache[key] = self._solve(layer, mi, pinned, key)
                 self.solves += 1
             return
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             # the likely longest first (`_solve_order`), so that no long solve starts last on one thread
-            futures = {key: pool.submit(self._solve, *todo[key]) for key in self._solve_order(todo)}
+            futures = {key: pool.submit(self._solve, *todo[key], key) for key in self._solve_order(todo)}
             for key in todo:  # in `todo`'s order: the cache's order is the serial one's
                 self.cache[key] = futures[key].result()
                 self.solves += 1

@@ -21,7 +21,7 @@ from planner.cost_model import Cluster
 from planner.graph.ir import Graph
 from planner.stages.candidate import Candidate, once_per_step_max, stage_plans, to_pipeline_plan
 from planner.stages.clustering import Layers, cluster_layers
-from planner.stages.cost_table import LayerCostTable
+from planner.stages.cost_table import LayerCostTable, planned_layers
 from planner.stages.dp import DPResult, StageChoice, pipeline_latency
 from planner.stages.layer_facts import boundary_bytes
 from planner.stages.microbatches import (MicrobatchGraphs, UntraceableMicrobatches, batch_size, microbatch_counts,
@@ -270,7 +270,7 @@ def _chosen(even: _EvenPipeline, priced: _Priced) -> PipelinePlan:
     plans, best, per_microbatch = cheapest_as_run(
         even.fn, even.args, feasible, lambda c: (not fits[c.B], c.step_s, -c.B),
         lambda c: stage_plans(c, (even.shape,), (even.lm,), even.cluster), even.batch, even.batch_argnum)
-    return to_pipeline_plan(best, plans, even.options, even.cluster, even.t_start, even.timings, len(even.cache),
+    return to_pipeline_plan(best, plans, even.options, even.cluster, even.t_start, even.timings, planned_layers(even.cache),
                             None, None, tuple((c.B, c.step_s, even.num_stages) for c in priced.candidates),
                             {"dp_evaluations": 0, "logical_meshes": 1, "stages_chosen": "even (hand-chosen)",
                              "fits_memory": fits[best.B],

@@ -27,7 +27,7 @@ from planner.cost_model import Cluster
 from planner.graph.ir import Graph
 from planner.stages.candidate import Candidate, once_per_step_max, stage_plans, to_pipeline_plan
 from planner.stages.clustering import stacked_inputs, stacked_note
-from planner.stages.cost_table import LAYER_VARIANTS
+from planner.stages.cost_table import LAYER_VARIANTS, planned_layers
 from planner.stages.layer_facts import boundary_bytes
 from planner.graph.shape_family import MIN_SIZE, ShapeFamily
 from planner.stages.microbatches import PlanningMemo, UntraceableMicrobatches, none_traces
@@ -260,7 +260,7 @@ def _chosen(space: SearchSpace, found: _Found) -> PipelinePlan:
         lambda c: stage_plans(c, space.shapes, space.meshes, space.cluster), space.batch, space.batch_argnum)
     one = found.single
     pp = to_pipeline_plan(best, plans, space.options, space.cluster, space.t_start, space.timings,
-                          len(space.cache), None if one is None else one.time_s, None if one is None else one.free_s,
+                          planned_layers(space.cache), None if one is None else one.time_s, None if one is None else one.free_s,
                           tuple((c.B, c.step_s, len(c.dp.stages) if c.dp else 0) for c in found.candidates),
                           _planning_facts(space, found, per_microbatch))
     return as_single_stage_plan(pp, one)

@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from planner.cost_model import Hardware, get_hardware
 from planner.core.errors import MeshError, PlannerError
@@ -150,11 +150,55 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
                microbatches: int = 1) -> LayerCost:
     """The layer planned alone on `lmesh` with the inputs `pinned` fixes, for a step of `microbatches`
     microbatches (see the module docstring)."""
+    return layer_step_cost(graph, layers, facts, layer, lmesh, hardware, options, pinned, microbatches)[0]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepSolve:
+    """A layer's step-weighted solve at `microbatches` (`layer_step_cost`), kept so that a smaller
+    count of the same microbatch size (another batch size of the step) takes its plan without a
+    solve where that plan is provably within the gap there (`at`).
+
+    The solve's objective is affine in the share 1/B it weighs the chosen plan's all-reduces at
+    (`make_plan`'s `weighed_once_s`: only costs move with the share) and no plan's objective falls
+    as the share grows, so at a smaller count B' every plan's objective is at least the solve's
+    bound at B, and the chosen plan's is `objective_s + (1/B' - 1/B) * once_s`.
+    """
+
+    microbatches: int
+    objective_s: float
+    bound_s: float
+    once_s: float
+    found: LayerCost  # the step-weighted plan's cost
+
+    def at(self, microbatches: int, alone: Callable[[], LayerCost]) -> LayerCost | None:
+        """The layer's cost for `microbatches` from this solve, or None where it would need a solve.
+        `alone`: the layer's one-microbatch cost (`layer_cost` at one microbatch), where needed."""
+        if not 1 < microbatches <= self.microbatches:
+            return None
+        objective = self.objective_s + (1.0 / microbatches - 1.0 / self.microbatches) * self.once_s
+        if objective - self.bound_s > LAYER_GAP * objective:
+            return None
+        found = self.found
+        if found.time_s + found.sync_s / microbatches > objective * (1 + LAYER_GAP):  # `_discounted_per_microbatch`
+            one = alone()
+            if microbatches * one.time_s + one.sync_s < microbatches * found.time_s + found.sync_s:
+                found = one
+        return found
+
+
+def layer_step_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmesh: LogicalMesh,
+                    hardware: str | Hardware, options: PlanOptions, pinned: Mapping[int, Spec] | None = None,
+                    microbatches: int = 1, alone: Callable[[], LayerCost] | None = None
+                    ) -> tuple[LayerCost, StepSolve | None]:
+    """`layer_cost`, with the step-weighted solve's `StepSolve` (None: one microbatch, no plan, or a
+    solve whose objective is not affine in the share or has no bound). `alone`: the layer's
+    one-microbatch cost where the caller keeps it (planned here otherwise)."""
     # once per layer: every mesh's ILP of it then shares the subgraph's memos (fusions, signatures, live ranges)
     sub, ext = graph.cached(("layer_subgraph", layers, layer), lambda: subgraph(
         graph, facts.ops, f"{layers.names[layer]}/", facts.param_grads, facts.exported))
     if not sub.ops:
-        return LayerCost(0.0, 0.0, 0.0, 0.0, 0.0)
+        return LayerCost(0.0, 0.0, 0.0, 0.0, 0.0), None
     cost = lmesh.cost_model(get_hardware(hardware))
     opts = dataclasses.replace(options, memory_budget=None, pipeline=False, tie_outputs=True,
                                inter_host_axes=lmesh.host_axes, hardware=hardware,
@@ -163,7 +207,7 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
     refused = [v for v in (pins or {}).values() if isinstance(v, Exception)]
     if refused:  # a pinned leaf this mesh cannot hold as pinned
         log.info("layer %s on %s: %s", layers.names[layer], lmesh.mesh, refused[0])
-        return INFEASIBLE
+        return INFEASIBLE, None
     # a hand layout's parameter axes: their all-reduces run every microbatch (`splits_data`, or a
     # tensor axis's sequence split), so the step-weighted solve keeps them whole
     whole = frozenset().union(*(spec_axes(pinned[t]) for t in ext if t in pinned and t in facts.param_inputs)
@@ -171,20 +215,24 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
     try:
         plan = make_plan(sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP,  # small ILPs: `ilp.solver.solve`
                          microbatches=microbatches, whole_axes=whole)
-        found = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, plan)
+        found = weighed = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, plan)
         if microbatches > 1 and _discounted_per_microbatch(plan, found, microbatches):
             # the step-weighted solve weighed at 1/microbatches what the price does not discount so
             # (`_discounted_per_microbatch`): the layer's one-microbatch plan may be cheaper
             log.info("layer %s on %s: its plan for %d microbatches is priced above what its solve weighed; "
                      "planned for one microbatch too", layers.names[layer], lmesh.mesh, microbatches)
-            alone = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, make_plan(
-                sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP))
-            if microbatches * alone.time_s + alone.sync_s < microbatches * found.time_s + found.sync_s:
-                found = alone
-        return found
+            one = alone() if alone is not None else _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext,
+                                                               make_plan(sub, lmesh.mesh, opts, pins=pins, lp_level=2,
+                                                                         gap=LAYER_GAP))
+            if microbatches * one.time_s + one.sync_s < microbatches * found.time_s + found.sync_s:
+                found = one
+        st = plan.solver
+        solve = None if microbatches == 1 or None in (st.objective_s, st.gap, st.weighed_once_s) else StepSolve(
+            microbatches, st.objective_s, st.objective_s * (1.0 - st.gap), st.weighed_once_s, weighed)
+        return found, solve
     except (MeshError, PlannerError) as e:
         log.info("layer %s on %s: %s", layers.names[layer], lmesh.mesh, e)
-        return INFEASIBLE
+        return INFEASIBLE, None
 
 
 def _discounted_per_microbatch(plan, found: LayerCost, microbatches: int) -> bool:
