@@ -272,8 +272,9 @@ def make_plan(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.
     at 1/microbatches of their time, exposed (`reductions_weighed`), so that a layout is chosen for
     the whole step; the prediction still prices this one microbatch with them in full (the caller
     takes them out to once per step; `Plan.solver.weighed_once_s` holds their full time in the
-    chosen plan, so its objective at another count is known). `whole_axes`: mesh axes over which no all-reduce is weighed
-    down (the runtime runs them every microbatch: a stage's parameters split over them).
+    chosen plan, so its objective at another count is known). `whole_axes`: mesh axes over which
+    no all-reduce is weighed down (the runtime runs them every microbatch: a stage's parameters
+    split over them).
 
     Raises:
       MeshError: a mesh axis that can split nothing.

@@ -179,12 +179,7 @@ class StepSolve:
         objective = self.objective_s + (1.0 / microbatches - 1.0 / self.microbatches) * self.once_s
         if objective - self.bound_s > LAYER_GAP * objective:
             return None
-        found = self.found
-        if found.time_s + found.sync_s / microbatches > objective * (1 + LAYER_GAP):  # `_discounted_per_microbatch`
-            one = alone()
-            if microbatches * one.time_s + one.sync_s < microbatches * found.time_s + found.sync_s:
-                found = one
-        return found
+        return _cheaper_step(self.found, objective, microbatches, alone)
 
 
 def layer_step_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmesh: LogicalMesh,
@@ -215,17 +210,19 @@ def layer_step_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int,
     try:
         plan = make_plan(sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP,  # small ILPs: `ilp.solver.solve`
                          microbatches=microbatches, whole_axes=whole)
-        found = weighed = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, plan)
-        if microbatches > 1 and _discounted_per_microbatch(plan, found, microbatches):
+        weighed = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, plan)
+
+        def one_microbatch() -> LayerCost:
             # the step-weighted solve weighed at 1/microbatches what the price does not discount so
             # (`_discounted_per_microbatch`): the layer's one-microbatch plan may be cheaper
             log.info("layer %s on %s: its plan for %d microbatches is priced above what its solve weighed; "
                      "planned for one microbatch too", layers.names[layer], lmesh.mesh, microbatches)
-            one = alone() if alone is not None else _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext,
-                                                               make_plan(sub, lmesh.mesh, opts, pins=pins, lp_level=2,
-                                                                         gap=LAYER_GAP))
-            if microbatches * one.time_s + one.sync_s < microbatches * found.time_s + found.sync_s:
-                found = one
+            return alone() if alone is not None else _from_plan(
+                graph, layers, facts, layer, lmesh, cost, sub, ext,
+                make_plan(sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP))
+
+        found = weighed if microbatches == 1 else _cheaper_step(weighed, plan.solver.objective_s, microbatches,
+                                                                 one_microbatch)
         st = plan.solver
         solve = None if microbatches == 1 or None in (st.objective_s, st.gap, st.weighed_once_s) else StepSolve(
             microbatches, st.objective_s, st.objective_s * (1.0 - st.gap), st.weighed_once_s, weighed)
@@ -235,11 +232,22 @@ def layer_step_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int,
         return INFEASIBLE, None
 
 
-def _discounted_per_microbatch(plan, found: LayerCost, microbatches: int) -> bool:
+def _cheaper_step(found: LayerCost, objective: float | None, microbatches: int,
+                  alone: Callable[[], LayerCost]) -> LayerCost:
+    """`found` (a step-weighted plan's cost whose solve's objective was `objective`), or the layer's
+    one-microbatch cost (`alone`, asked for only then) where `_discounted_per_microbatch` says the
+    solve may have discounted `found` and the one-microbatch plan's step is cheaper."""
+    if not _discounted_per_microbatch(objective, found, microbatches):
+        return found
+    one = alone()
+    return one if microbatches * one.time_s + one.sync_s < microbatches * found.time_s + found.sync_s else found
+
+
+def _discounted_per_microbatch(weighed: float | None, found: LayerCost, microbatches: int) -> bool:
     """Whether the step-weighted solve (`make_plan(microbatches=)`) may have chosen the layer's plan
     for a discount its price does not give, by more than the gap: the layer's price per microbatch
-    (`found.time_s` and its share of `found.sync_s`) above the solve's objective by more than the
-    gap. The solve weighs at 1/microbatches every combinable all-reduce over axes it was not told
+    (`found.time_s` and its share of `found.sync_s`) above the solve's objective `weighed` by more
+    than the gap. The solve weighs at 1/microbatches every combinable all-reduce over axes it was not told
     to keep whole (`whole_axes`: a hand layout's parameter axes); the price defers only those over
     the layer's data axes, and none where the layer splits a parameter over a data axis
     (`splits_data`); it also gives the deferred reductions only their exposed part (they are first
@@ -252,7 +260,6 @@ def _discounted_per_microbatch(plan, found: LayerCost, microbatches: int) -> boo
     --cluster 128x8:h100 --batch 2048 --pipeline auto`'s own-layout pipelines at 2048 microbatches
     went 26.39 -> 18.78 s/step, at 128 18.46 -> 17.21 (148 re-plans); GPT-39B b1024 re-plans 59
     layers (WORKSPACE.md, Measured)."""
-    weighed = plan.solver.objective_s
     return weighed is None or found.time_s + found.sync_s / microbatches > weighed * (1 + LAYER_GAP)
 
 
