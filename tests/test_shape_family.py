@@ -95,8 +95,9 @@ def test_steps_that_cannot_be_a_family_say_why():
     assert "not linear in the batch size" in trace_family(groups, _args(), (1,))
 
 
-def test_microbatch_graphs_trace_per_size_where_there_is_no_family():
-    """Size 1 and steps without a family are traced; a family serves every other size."""
+def test_microbatch_graphs_trace_per_size_where_there_is_no_family(monkeypatch):
+    """Steps without a family are traced per size; a family serves every size, one row too (the
+    symbolic program at one row, no trace of its own)."""
     def groups(params, batch):
         x = batch["x"]
         return (x[:x.shape[0] // 2 * 2].reshape(x.shape[0] // 2, 2, 4) @ params["w"]).sum()
@@ -104,7 +105,38 @@ def test_microbatch_graphs_trace_per_size_where_there_is_no_family():
     graphs = MicrobatchGraphs(_mean_step, _args(), -1)
     assert_same_graph(graphs.at(4, 2), trace(_mean_step, *_args(2)))
     assert isinstance(graphs.family, ShapeFamily)
-    assert_same_graph(graphs.at(8, 1), trace(_mean_step, *_args(1)))
+    from planner.stages import microbatches
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced although the family holds the size")
+    with monkeypatch.context() as m:
+        m.setattr(microbatches, "trace_microbatch", no_trace)
+        assert_same_graph(graphs.at(8, 1), graphs.family.program_at(1))
     other = MicrobatchGraphs(groups, _args(), -1)
     assert_same_graph(other.at(2, 4), trace(groups, *_args(4)))
     assert isinstance(other.family, str)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_one_row_is_the_symbolic_program_at_one_row(name):
+    """At one row the family gives the symbolic program evaluated there (`ShapeFamily.program_at`),
+    not JAX's own trace (which has unit-dimension ops: gpt-tiny's `take_along_axis` reshapes the
+    batch away): the same arguments and results, and evaluated op by op on the same one-row batch,
+    the same numbers as that trace. Exactly: the programs differ only in ops over the unit
+    dimension (broadcasts, reshapes, sums of one term), which round nothing."""
+    bundle = get_model(name, batch=4, seq=16, d_model=32, dtype="float32")
+    args = (bundle.abstract_state(), bundle.abstract_batch())
+    family = trace_family(bundle.train_step, args, (1,))
+    assert isinstance(family, ShapeFamily), family
+    one = family.program_at(1)
+    traced = trace(bundle.train_step, *microbatch_args(args, 1))
+    assert [one.tensors[t] for t in one.inputs] == [traced.tensors[t] for t in traced.inputs]
+    assert [one.tensors[t].shape for t in one.outputs if isinstance(t, int)] == \
+        [traced.tensors[t].shape for t in traced.outputs if isinstance(t, int)]
+    state = bundle.init_state(jax.random.PRNGKey(0))
+    batch = jax.tree.map(lambda x: x[:1], bundle.make_batch(jax.random.PRNGKey(1)))
+    flat = jax.tree_util.tree_leaves((state, batch))
+    got, want = one.evaluate(flat), traced.evaluate(flat)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

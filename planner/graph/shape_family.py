@@ -37,9 +37,10 @@ from planner.graph.trace import trace
 # The symbol of the batch size.
 BATCH = "b"
 
-# The smallest size a family holds: traced on a size-1 batch, JAX treats the unit dimension as one
-# that broadcasts (its transposes sum over it: extra `broadcast_in_dim` / `reduce_sum` ops), which a
-# symbolic size never is. A size-1 batch is traced on its own.
+# The smallest size at which a family's graph is the one `trace` makes: traced on a size-1 batch, JAX
+# treats the unit dimension as one that broadcasts (its transposes sum over it: extra
+# `broadcast_in_dim` / `reduce_sum` ops; `take_along_axis` reshapes it away), which a symbolic size
+# never is. At size 1 the family gives the symbolic program itself (`ShapeFamily.program_at`).
 MIN_SIZE = 2
 
 # Primitives whose parameters hold shapes inside objects (kernels' block specs, bodies traced per
@@ -67,6 +68,17 @@ class ShapeFamily:
         symbolic one, see `Traced`)."""
         if size < MIN_SIZE:
             raise ValueError(f"a shape family holds batch sizes of at least {MIN_SIZE}, got {size}")
+        return self.program_at(size)
+
+    def program_at(self, size: int) -> Graph:
+        """The symbolic program evaluated at batch size `size`, for every size >= 1: `at(size)`
+        from `MIN_SIZE` on. At size 1 it is not the graph `trace` makes there (that one has JAX's
+        unit-dimension ops) but the same computation, every op valid at that size (a `jax.export`
+        dimension stands for every size >= 1): what the pipeline search plans one-row microbatches
+        on (their layer costs), instead of a trace of its own (GPT-39B unrolled: ~5 s). The
+        pipeline runtime traces its stage programs itself."""
+        if size < 1:
+            raise ValueError(f"a batch size is at least 1, got {size}")
         env = {BATCH: int(size)}
         g = self.graph
         tensors = list(g.tensors)

@@ -12,7 +12,6 @@ competes too. The batch is the last positional argument; every leaf of it is spl
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -29,7 +28,6 @@ from planner.stages.candidate import Candidate, once_per_step_max, stage_plans, 
 from planner.stages.clustering import stacked_inputs, stacked_note
 from planner.stages.cost_table import LAYER_VARIANTS, planned_layers
 from planner.stages.layer_facts import boundary_bytes
-from planner.graph.shape_family import MIN_SIZE, ShapeFamily
 from planner.stages.microbatches import PlanningMemo, UntraceableMicrobatches, none_traces
 from planner.stages.pipeline_plan import PipelinePlan
 from planner.stages.search_space import SearchSpace, ignoring_memory, layer_table, price, search_space
@@ -113,10 +111,7 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
                          num_layers=num_layers, full_graph=full_graph, pins=pins, devices=devices,
                          layer_variants=layer_variants, memo=memo)
     found = _Found(beat=beat)
-    ahead = _fill_ahead(space)
     for i, B in enumerate(space.counts):
-        if ahead is not None and ahead[0] == B:
-            ahead = _joined(ahead)
         found, stop = _with_count_or_stop(space, found, B)
         if stop:
             found = dataclasses.replace(found, skipped=space.counts[i + 1:])
@@ -124,8 +119,6 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
                 log.info("B=%s not planned: microbatches of %d rows fit no pipeline in any layout, and larger ones "
                          "hold more activations", ",".join(map(str, found.skipped)), space.batch // B)
             break
-    if ahead is not None:
-        _joined(ahead)
     if not found.candidates and found.untraceable and space.options.pipeline != "auto":  # "auto": the single stage
         raise none_traces(found.untraceable, space.counts)
     for k in range(len(found.candidates)):
@@ -138,36 +131,6 @@ def plan_pipeline(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluste
     if memo is not None:
         memo.family, memo.traced, memo.step = space.graphs.family, space.graphs.traced, fn
     return _chosen(space, found)
-
-
-def _fill_ahead(space: SearchSpace) -> tuple[int, concurrent.futures.Future] | None:
-    """The second count's own layer plans, solving on another thread while the first count's
-    microbatches of one row are traced (a unit batch dimension: JAX's own trace, not the shape
-    family's, `MicrobatchGraphs.at`), which keeps one core busy and the other idle (GPT-39B: ~4 s).
-    (count, its fill) or None where the first count needs no trace of its own or the second none
-    from the family. The table is the one its count fills itself: each layer's plan is made alone
-    (`LayerCostTable.fill`); the count waits for it (`_joined`) before it plans."""
-    if len(space.counts) < 2 or space.batch // space.counts[0] >= MIN_SIZE:
-        return None
-    B = space.counts[1]
-    try:
-        _, _, table, _ = layer_table(space, B)  # its graph from the family: traced (once) by this thread
-    except UntraceableMicrobatches:
-        return None
-    if not isinstance(space.graphs.family, ShapeFamily):
-        return None
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    future = pool.submit(table.fill, sorted({mi for idx in space.per_submesh for mi in idx}), 1, ("",))
-    pool.shutdown(wait=False)
-    return B, future
-
-
-def _joined(ahead: tuple[int, concurrent.futures.Future]) -> None:
-    """Waits for `_fill_ahead`'s fill; its errors are left to the count's own fill to meet again."""
-    try:
-        ahead[1].result()
-    except Exception:  # noqa: BLE001 (the same solves, repeated by the count itself, raise where they belong)
-        pass
 
 
 def _with_count_or_stop(space: SearchSpace, found: _Found, B: int) -> tuple[_Found, bool]:

@@ -82,9 +82,9 @@ def trace_microbatch(fn: Callable, args: Sequence[Any], count: int, rows: int, r
 @dataclasses.dataclass
 class MicrobatchGraphs:
     """The step's graph at each microbatch size, from one trace: the step traced once with a
-    symbolic batch size (`shape_family`) and made concrete per size; traced per size where that
-    cannot be (a size-1 microbatch, a step whose shapes are not linear in the batch, ...: the
-    reason is logged once).
+    symbolic batch size (`shape_family`) and made concrete per size (one row: the symbolic program
+    at one row, `ShapeFamily.program_at`); traced per size where that cannot be (a step whose
+    shapes are not linear in the batch, ...: the reason is logged once).
 
     Attributes:
       fn, args, batch_argnum: the step, its arguments and where the batch is.
@@ -117,11 +117,12 @@ class MicrobatchGraphs:
         if count == 1 and self.full_graph is not None:
             return self.full_graph
         if rows not in self.traced:
-            if rows >= MIN_SIZE and self.family is None:
+            if self.family is None:
                 self.family = trace_family(self.fn, self.args, batch_argnums(self.batch_argnum))
                 if isinstance(self.family, str):
                     log.info("tracing the step once per microbatch size: %s", self.family)
-            self.traced[rows] = (self.family.at(rows) if rows >= MIN_SIZE and isinstance(self.family, ShapeFamily)
+            # one-row microbatches too: the symbolic program at one row (`ShapeFamily.program_at`)
+            self.traced[rows] = (self.family.program_at(rows) if isinstance(self.family, ShapeFamily)
                                  else trace_microbatch(self.fn, microbatch_args(self.args, rows, self.batch_argnum),
                                                        count, rows))
         return self.traced[rows]

@@ -96,7 +96,7 @@ def search_space(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster
     if memo.step is not fn:  # a memo filled for another step function (a factory's step per batch size)
         if isinstance(family, ShapeFamily) and full_graph is not None and batch >= MIN_SIZE \
                 and same_program(family.at(batch), full_graph):
-            traced = {rows: g for rows, g in traced.items() if rows >= MIN_SIZE}  # the family's; not size 1's
+            traced = dict(traced)  # every size's graph the family's (one row too: `ShapeFamily.program_at`)
         else:
             if isinstance(family, ShapeFamily):
                 log.info("the step at batch %d is not the one traced for an earlier batch size: traced again", batch)
