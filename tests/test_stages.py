@@ -527,3 +527,52 @@ def test_a_layer_whose_step_plan_is_weighed_below_its_price_keeps_the_cheaper_pl
                               microbatches=k).cost(block, 0) for k in (1, B)}
     step = {k: B * c.time_s + c.sync_s for k, c in cost.items()}
     assert step[B] <= step[1] * (1 + LAYER_GAP), step
+
+
+def test_sharded_optimizer_stages_keep_a_shard_of_the_optimizer_state():
+    """The sharded-optimizer state layout (`layer_cost.optimizer_layout`): gpt-tiny's data-parallel
+    blocks on a 2x2 logical mesh hold less state (their AdamW moments split over the data axes),
+    take as long per microbatch as in the plan layout, exchange their gradients once per step in a
+    reduce-scatter and an all-gather (on the cost model's ring the bytes of the all-reduce, one
+    latency more: rel 1e-3) and update on the shards; a stage holding the embedding (its plan
+    splits a parameter over a data axis: the runtime reduces every microbatch) does not run so;
+    and where the budget sits between the two layouts' memory the stage table takes this one."""
+    from planner.core.options import PlanOptions
+    from planner.stages.candidate import once_per_step as _once_per_step
+    from planner.stages.cost_table import LayerCostTable
+    from planner.stages.stage_cost import StageOption, stage_ranges, stage_times
+    from zoo import get_model
+
+    b = get_model("gpt-tiny", layers=2, batch=64)
+    graph = trace(b.train_step, b.abstract_state(), b.abstract_batch())
+    layers = cluster_layers(graph)
+    cluster = make_cluster(2, 4, "a100")
+    table = LayerCostTable(graph, layers, logical_meshes((1, 4), cluster, max_ndim=2), cluster, PlanOptions(), {})
+    L = layers.num_layers
+    rows = [table.cost(l, 0) for l in range(L)]
+    dp = [l for l, r in enumerate(rows) if r.data_axes and not r.param_axes & r.data_axes]
+    assert dp == list(range(1, L)), [(r.data_axes, r.param_axes) for r in rows]
+    for l, r in enumerate(rows):
+        if l in dp:
+            assert r.opt_state_bytes < r.state_bytes and r.opt_apply_s < r.apply_s
+            assert r.opt_sync_s == pytest.approx(r.sync_s, rel=1e-3)
+        else:
+            assert (r.opt_state_bytes, r.opt_apply_s) == (r.state_bytes, r.apply_s)
+    planned, sharded = StageOption(0, "plan", False), StageOption(0, "sharded-optimizer", False)
+    link, boundary = boundary_link(cluster), np.zeros(L)
+    t_plan, fixed_plan, per_plan = stage_ranges(table, planned, 4, boundary, link)
+    t_opt, fixed_opt, per_opt = stage_ranges(table, sharded, 4, boundary, link)
+    first, last = 1, L - 1
+    assert t_opt[first, last] == t_plan[first, last] and per_opt[first, last] == per_plan[first, last]
+    saved = sum(rows[l].state_bytes - rows[l].opt_state_bytes for l in range(first, last + 1))
+    assert fixed_plan[first, last] - fixed_opt[first, last] == pytest.approx(saved, rel=1e-12)
+    assert np.isinf(t_opt[0, last]) and np.isfinite(t_plan[0, last])  # the embedding's stage
+    once, once_plan = _once_per_step(table, sharded, first, last), _once_per_step(table, planned, first, last)
+    assert once == (sum(rows[l].opt_sync_s for l in range(first, last + 1)),
+                    sum(rows[l].opt_apply_s for l in range(first, last + 1)))
+    assert once[1] < once_plan[1]
+    budget = fixed_opt[first, last] + per_opt[first, last] + saved / 2  # one microbatch in flight
+    st = stage_times(table, [(1, 4)], [[0]], 1, "gpipe", budget, boundary, variants=("",))
+    chosen = st.options[0][int(st.option[0, first, last, 0])]
+    assert (chosen.layout, chosen.remat) == ("sharded-optimizer", False)
+    assert st.times[0, first, last, 0] == t_plan[first, last]

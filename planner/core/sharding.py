@@ -99,3 +99,33 @@ def spec_to_json(spec: Spec) -> list[list[int]]:
 
 def spec_from_json(data: Sequence[Sequence[int]]) -> Spec:
     return tuple(tuple(int(a) for a in axes) for axes in data)
+
+
+def optimizer_spec(shape: Shape, spec: Sequence[Sequence], axes: Sequence, sizes: dict) -> tuple | None:
+    """The layout of an optimizer-state leaf mirroring a parameter laid out as `spec`, in a
+    pipeline stage that shards its optimizer state over its data-parallel `axes` (the
+    "sharded-optimizer" state layout: Megatron-LM's distributed optimizer, ZeRO stage 1): `spec` with
+    those of `axes` it does not use appended to one dimension, the largest shard that divides by
+    them, so that the gradient's reduction over the replicas is one reduce-scatter along that
+    dimension (`jax.lax.psum_scatter`) and the updated parameter one all-gather back. None where
+    nothing is added (no such axis, or no dimension divides). Axes are whatever `spec` holds (mesh
+    axis indices in the planner, names in the runtime); `sizes` maps each to its size."""
+    used = {a for dim in spec for a in dim}
+    extra = tuple(a for a in axes if a not in used and sizes[a] > 1)
+    if not extra:
+        return None
+    ways = 1
+    for a in extra:
+        ways *= sizes[a]
+
+    def split(d: int) -> int:
+        n = 1
+        for a in spec[d]:
+            n *= sizes[a]
+        return n
+
+    fits = [d for d in range(len(shape)) if shape[d] % (split(d) * ways) == 0]
+    if not fits:
+        return None
+    d = max(fits, key=lambda d: (shape[d] // split(d), -d))
+    return tuple(tuple(spec[k]) + (extra if k == d else ()) for k in range(len(shape)))

@@ -223,3 +223,33 @@ def reduce_replicas(acc: jax.Array, fmt: str, sharding: jax.sharding.NamedShardi
     fn = jax.shard_map(local, mesh=sharding.mesh, in_specs=jax.sharding.PartitionSpec(axes, *spec),
                        out_specs=jax.sharding.PartitionSpec(*spec), check_vma=False)
     return fn(acc)
+
+
+def scatter_replicas(acc: jax.Array, fmt: str, sharding: jax.sharding.NamedSharding,
+                     target: jax.sharding.NamedSharding, axes: tuple[str, ...]) -> jax.Array:
+    """`reduce_replicas` into `target`: the parameter's sharding (`sharding`) with some of the
+    replicas' `axes` added to one dimension (`core.sharding.optimizer_spec`, the sharded-optimizer
+    layout): one reduce-scatter along it (`jax.lax.psum_scatter`) in `fmt`, where an all-reduce
+    would leave every replica the whole sum. An int8 exchange (qgZ's, `_exchange`) is reduced
+    whole and then sliced. Returns float32."""
+    if fmt == "int8":
+        return jax.lax.with_sharding_constraint(reduce_replicas(acc, fmt, sharding, axes), target)
+    ndim = acc.ndim - 1
+    src = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    dst = tuple(target.spec) + (None,) * (ndim - len(target.spec))
+
+    def names(d) -> tuple[str, ...]:
+        return () if d is None else (d,) if isinstance(d, str) else tuple(d)
+
+    (dim,) = [d for d in range(ndim) if names(src[d]) != names(dst[d])]
+    added = names(dst[dim])[len(names(src[dim])):]
+    if set(added) != {a for a in axes if sharding.mesh.shape[a] > 1}:  # not one scatter over every replica axis
+        return jax.lax.with_sharding_constraint(reduce_replicas(acc, fmt, sharding, axes), target)
+
+    def local(x):
+        part = x[0].astype(fmt)
+        return jax.lax.psum_scatter(part, added, scatter_dimension=dim, tiled=True).astype(jnp.float32)
+
+    fn = jax.shard_map(local, mesh=sharding.mesh, in_specs=jax.sharding.PartitionSpec(axes, *src),
+                       out_specs=jax.sharding.PartitionSpec(*dst), check_vma=False)
+    return fn(acc)

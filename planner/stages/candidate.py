@@ -60,6 +60,8 @@ def once_per_step(table: LayerCostTable, opt: StageOption, first: int, last: int
     costs = [table.cost(l, opt.mesh_index, opt.variant) for l in range(first, last + 1)]
     if splits_data(costs):
         return 0.0, sum(c.apply_s for c in costs)  # the runtime reduces every microbatch (`stage_cost.split_ranges`)
+    if opt.layout == "sharded-optimizer":  # reduce-scattered, updated sharded, gathered back
+        return sum(c.opt_sync_s for c in costs), sum(c.opt_apply_s for c in costs)
     return (sum(c.sync_s for c in costs if not sync_every_microbatch(c, opt)),  # the rest is in the stage time
             sum(c.apply_s for c in costs))
 

@@ -56,7 +56,7 @@ from planner.cost_model import Hardware, get_hardware
 from planner.core.errors import MeshError, PlannerError
 from planner.core.options import PlanOptions
 from planner.core.plan import PredictedCollective
-from planner.core.sharding import Spec, active_axes, replicated, spec_axes
+from planner.core.sharding import Spec, active_axes, optimizer_spec, replicated, spec_axes
 from planner.graph.ir import Graph
 from planner.ilp.strategies import int8_reduction, shard_bytes
 from planner.ilp.wire import before_reduction
@@ -99,6 +99,8 @@ class LayerCost:
         data axis of the stage holding the layer, the pipeline runtime reduces the whole stage's
         gradients every microbatch (`stage_cost.split_ranges`, `selection._replica_fallback`); one
         of the layer's own data axes puts its own reduction in `time_s` already.
+      opt_state_bytes, opt_apply_s, opt_sync_s: state bytes per device, the update and the
+        once-per-step gradient exchange of the sharded-optimizer layout (`optimizer_layout`).
       produced_specs: the plan's sharding of each value the layer makes that is used outside it,
         keyed by (position of the making op among the layer's ops, result index), so that identical
         layers key alike (`LayerCostTable.inner`: resharding between layers of one stage).
@@ -123,6 +125,9 @@ class LayerCost:
     collectives: tuple = ()
     zero_collectives: tuple = ()
     param_axes: frozenset[str] = frozenset()
+    opt_state_bytes: float = 0.0
+    opt_apply_s: float = 0.0
+    opt_sync_s: float = 0.0
 
 
 # A layer that cannot be planned on a mesh (a pin the mesh cannot take, or no plan): never chosen.
@@ -329,11 +334,52 @@ def _from_plan(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
     produced = {(op_index, k): spec for op_index, k, spec in plan.op_specs
                 if sub.ops[op_index].outputs[k] in exported}
     pred = plan.prediction
+    opt_state, opt_apply, opt_sync = (state, apply_s, sync) if param_axes & data else optimizer_layout(
+        graph, facts, [(t, spec_of_input.get(t)) for t in ext if t in param_set], data, param_shard, cost,
+        apply_bytes, (state, apply_s, sync))
     return LayerCost(pred.step_time_s - exposed - quantise, apply_s, state, act, work, facts.fwd_fraction,
                      tuple(spec_of_input.get(t) for t in ext), zero_extra, zero_state, work + param_shard,
                      tuple(zero_specs), sync, produced, max(0.0, pred.communication_time_s - exposed),
                      pred.hidden_communication_time_s, data, tuple(pred.collectives), tuple(zero_gathers),
-                     param_axes)
+                     param_axes, opt_state, opt_apply, opt_sync)
+
+
+def optimizer_layout(graph: Graph, facts: LayerFacts, params: Sequence[tuple[int, Spec | None]],
+                     data: frozenset[str], param_shard: float, cost, apply_bytes: float,
+                     plan_layout: tuple[float, float, float]) -> tuple[float, float, float]:
+    """(state bytes per device, update time, once-per-step gradient exchange) of the layer in the
+    sharded-optimizer state layout: parameters and gradient accumulators as the plan lays them
+    out, the optimizer state (moments, master copies: the state beyond parameters and gradients)
+    split over the layer's data axes too (`core.sharding.optimizer_spec`), as Megatron-LM's
+    distributed optimizer and ZeRO stage 1 keep it. Once per step each gradient is reduce-scattered
+    over the data axes into that layout (where the plan layout all-reduces it), updated there, and
+    the parameter all-gathered back (`emit.pipeline.programs`): the same bytes on a ring as the
+    all-reduce, one collective more. `plan_layout`: the plan layout's three, returned where the
+    layer has no data axis to add or no parameter takes one."""
+    mesh = cost.mesh
+    axes = tuple(sorted(mesh.axis_names.index(a) for a in data))
+    sizes = dict(enumerate(mesh.shape))
+    opt_param, exchange, groups = 0.0, 0.0, set()
+    for t, spec in params:
+        tensor = graph.tensors[t]
+        spec = spec or replicated(len(tensor.shape))
+        ospec = optimizer_spec(tensor.shape, spec, axes, sizes)
+        if ospec is None:
+            opt_param += shard_bytes(tensor, spec, mesh)
+            continue
+        opt_param += shard_bytes(tensor, ospec, mesh)
+        added = tuple(sorted(spec_axes(ospec) - spec_axes(spec)))
+        full = shard_bytes(tensor, spec, mesh)
+        for kind in ("reduce-scatter", "all-gather"):  # combined as `grad_sync` prices the all-reduces
+            exchange += cost.collective_time(kind, full, added, True)
+            groups.add((kind, added))
+    if not groups or not facts.param_bytes_total:
+        return plan_layout
+    exchange += sum(cost.collective_latency(kind, axes) for kind, axes in groups)
+    oratio = opt_param / facts.param_bytes_total
+    state = 2 * param_shard + (facts.state_bytes_total - facts.param_bytes_total) * oratio
+    apply_s = cost.compute_time(facts.apply_flops * oratio, apply_bytes * oratio, facts.apply_dtypes)
+    return state, apply_s, exchange
 
 
 def batch_axes(specs: Sequence[Spec | None], mesh) -> frozenset[str]:

@@ -3,12 +3,18 @@
 A range of layers costs the sum of its layers' times (`LayerCostTable`), the resharding between
 them and the sends at its boundaries; its memory is assembled from theirs.
 
-A stage runs in one of four ways, and the DP takes the fastest that fits the device memory (the
+A stage runs in one of six ways, and the DP takes the fastest that fits the device memory (the
 intra-op ILP plans each layer for time alone; it has no stage-level view of memory):
   state layout "plan"           parameters stored as the plan shards them;
                "sharded-state"  parameters, gradient accumulators and optimizer state split over every
                                 device of the stage (ZeRO-3 on top of the plan), the plan's layout
                                 all-gathered before the forward and again before the backward;
+               "sharded-optimizer"  parameters and gradients as the plan lays them out, the optimizer
+                                state split over the stage's data axes too (Megatron-LM's
+                                distributed optimizer, ZeRO stage 1; `layer_cost.optimizer_layout`):
+                                once per step a reduce-scatter, the update on the shards, an
+                                all-gather; not for a stage that splits a parameter over a data
+                                axis (its runtime reduces every microbatch, `split_ranges`);
   remat False  activations kept from each microbatch's forward to its backward;
         True   only the stage's input kept; the backward recomputes the stage's forward first
                (extra time: the forward's share of the FLOPs, times the layer's time).
@@ -28,7 +34,7 @@ from planner.stages.submesh import boundary_link
 
 
 # The state layouts a stage runs in (see the module docstring).
-LAYOUTS = ("plan", "sharded-state")
+LAYOUTS = ("plan", "sharded-state", "sharded-optimizer")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -138,12 +144,14 @@ def _columns(table: LayerCostTable, option: StageOption) -> dict[str, np.ndarray
     every = [r.sync_s if sync_every_microbatch(r, option) else 0.0 for r in rows]
     split, sync = split_ranges(rows, option)
     return {
+        "split": split,  # [first, last]: the runtime reduces the stage's gradients every microbatch
         "split_sync": np.where(split, sync, 0.0),  # [first, last]: reductions moved into every microbatch
         "time": np.array([r.time_s + g + e for r, g, e in zip(rows, gathers, every)]),
         "time_recompute": np.array([r.time_s * r.fwd_fraction + g / 2 for r, g in zip(rows, gathers)]),
         "comm": np.array([r.comm_s + g + e for r, g, e in zip(rows, gathers, every)]),
         "comm_recompute": np.array([r.comm_s * r.fwd_fraction + g / 2 for r, g in zip(rows, gathers)]),
-        "state": np.array([r.zero_state_bytes if sharded else r.state_bytes for r in rows]),
+        "state": np.array([r.zero_state_bytes if sharded else r.opt_state_bytes if option.layout == "sharded-optimizer"
+                           else r.state_bytes for r in rows]),
         "act": np.array([r.act_bytes for r in rows]),
         "work": np.array([r.zero_work_bytes if sharded else r.work_bytes for r in rows]),
     }
@@ -170,6 +178,8 @@ def _stage_ranges(table: LayerCostTable, option: StageOption, devices: int,
                   boundary: np.ndarray, link) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     col = _columns(table, option)
     t = _range_seconds(table, col, "time", option, boundary, link, devices)
+    if option.layout == "sharded-optimizer":  # its runtime shards no optimizer state where it reduces every microbatch
+        t = np.where(col["split"], np.inf, t)
     state, act, work = _range_sums(col["state"]), _range_sums(col["act"]), _range_max(col["work"])
     if not option.remat:
         return t, state + work, act

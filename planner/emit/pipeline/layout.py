@@ -35,6 +35,8 @@ class StageLayout:
       data_axes: axes of `mesh` that split the stage's batch (its data-parallel replicas), as the
         plan priced them (`pipeline_plan.StagePlan.data_axes`: axes splitting any layer's activations or
         batch leaves by rows); None: read from the batch specs (`data_axes`).
+      shard_optimizer: the sharded-optimizer state layout: the optimizer state split over the data
+        axes too, reduce-scattered into and gathered back from once per step (`programs`).
     """
 
     layers: tuple[str, ...]
@@ -43,6 +45,7 @@ class StageLayout:
     specs: Mapping[str, Spec] = dataclasses.field(default_factory=dict)
     remat: bool = False
     data_axes: tuple[int, ...] | None = None
+    shard_optimizer: bool = False
 
     def __post_init__(self):
         if len(self.devices) != self.mesh.size:

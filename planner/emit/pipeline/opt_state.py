@@ -37,10 +37,13 @@ def opt_layouts(optimizer: Any, num_stages: int, params: Any, opt_state: Any, pa
 
 
 def opt_shardings(okeys: Sequence[str], st: StagePrograms, flat_params: Sequence[Any], treedef: Any):
-    """Optimizer-state leaves take the sharding of the parameter they mirror; the rest are replicated."""
+    """Optimizer-state leaves take the sharding of the parameter they mirror (in the
+    sharded-optimizer layout its optimizer state's, `StagePrograms.opt_shardings`); the rest are
+    replicated."""
     paths = [jax.tree_util.keystr(p) for p, _ in
              jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(treedef, flat_params))[0]]
-    mine = [(paths[k], np.shape(flat_params[k]), sh) for k, sh in zip(st.params, st.param_shardings)]
+    mine = [(paths[k], np.shape(flat_params[k]), sh)
+            for k, sh in zip(st.params, st.opt_shardings or st.param_shardings)]
     rep = jax.sharding.NamedSharding(st.mesh, jax.sharding.PartitionSpec())
 
     def shard_of(key: str, leaf) -> Any:

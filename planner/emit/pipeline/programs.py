@@ -14,6 +14,12 @@ split over the data axes), and the update sums it once per step (one all-reduce,
 reduce-scatter where the parameter is split) before the optimizer, as Megatron-LM does. This is
 the unsharded step's arithmetic for a loss that is a mean of per-example terms (the runtime's
 contract); only the order of the gradient sums changes.
+
+A stage in the sharded-optimizer state layout (`StageLayout.shard_optimizer`, with replicas) keeps
+the optimizer state of each parameter split over its data axes too (`core.sharding.optimizer_spec`,
+the planner's rule): its update reduce-scatters each replica-accumulated gradient into that layout
+(`jax.lax.psum_scatter`, in the wire format the plan priced), updates the parameter's shard, and
+all-gathers the parameter back into the plan's layout (Megatron-LM's distributed optimizer).
 """
 from __future__ import annotations
 
@@ -26,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from planner.emit.wire import op_hooks, reduce_replicas, replica_wire
+from planner.core.sharding import optimizer_spec
+from planner.emit.wire import op_hooks, reduce_replicas, replica_wire, scatter_replicas
 from planner.emit.single import constraint_hooks
 from planner.core.errors import InvalidArgumentError
 from planner.graph.ir import Graph, Literal
@@ -58,6 +65,7 @@ class StagePrograms:
     plan: Any = None               # the stage's intra-op `Plan` of `stage_graph.graph`
     stage_graph: Any = None
     replica: Any = None            # `Replica` when gradients accumulate per data-parallel replica
+    opt_shardings: tuple[Any, ...] = ()  # per owned parameter, its optimizer state's (() : the parameter's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,21 +359,36 @@ def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: Stage
     def zeros():
         return [jnp.zeros(shape, dtype) for shape, dtype in acc_shapes]
 
+    opt_shard = optimizer_shardings(p_shard, [shape for shape, _ in zero_shapes], replica) \
+        if lay.shard_optimizer else list(p_shard)
     if replica is not None:  # each gradient's once-per-step reduction in the format the plan priced,
         formats = replica_wire(plan, sg.graph, tuple(sg.outputs["p"]), replica.axes)
         by_leaf = sorted(range(len(own)), key=lambda j: own[j])  # in the order of the update's leaves
-        reductions = [(formats[j], p_shard[j]) for j in by_leaf]
+        reductions = [(formats[j], p_shard[j], opt_shard[j]) for j in by_leaf]
 
     def apply(p, o, gr):
         if replica is not None:  # the data-parallel gradient reduction, once per step
             leaves, tree = jax.tree_util.tree_flatten(gr)
             gr = jax.tree_util.tree_unflatten(tree, [
-                reduce_replicas(x, f, sh, replica.axes).astype(q.dtype)
-                for x, (f, sh), q in zip(leaves, reductions, jax.tree_util.tree_leaves(p), strict=True)])
+                (reduce_replicas(x, f, sh, replica.axes) if osh is sh else scatter_replicas(x, f, sh, osh, replica.axes)
+                 ).astype(q.dtype)
+                for x, (f, sh, osh), q in zip(leaves, reductions, jax.tree_util.tree_leaves(p), strict=True)])
+            if lay.shard_optimizer:  # the update on the optimizer state's shards, the parameter gathered back
+                flat_p, ptree = jax.tree_util.tree_flatten(p)
+                p = jax.tree_util.tree_unflatten(ptree, [
+                    x if osh is sh else jax.lax.with_sharding_constraint(x, osh)
+                    for x, (_, sh, osh) in zip(flat_p, reductions, strict=True)])
         if hasattr(optimizer, "apply"):  # a step's own update ops (planner.stages.derived.GraphUpdate)
-            return optimizer.apply(p, o, gr)
-        updates, o2 = optimizer.update(gr, o, p)
-        return optax.apply_updates(p, updates), o2
+            new_p, o2 = optimizer.apply(p, o, gr)
+        else:
+            updates, o2 = optimizer.update(gr, o, p)
+            new_p = optax.apply_updates(p, updates)
+        if replica is not None and lay.shard_optimizer:
+            flat_p, ptree = jax.tree_util.tree_flatten(new_p)
+            new_p = jax.tree_util.tree_unflatten(ptree, [
+                x if osh is sh else jax.lax.with_sharding_constraint(x, sh)
+                for x, (_, sh, osh) in zip(flat_p, reductions, strict=True)])
+        return new_p, o2
 
     nacc = 5 if lay.remat else 2
     return StagePrograms(
@@ -375,5 +398,21 @@ def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: Stage
         bwd=jax.jit(bwd, out_shardings=(acc_shard, None), donate_argnums=(nacc,)),
         zeros=jax.jit(zeros, out_shardings=acc_shard),
         apply=jax.jit(apply),
-        plan=plan, stage_graph=sg, replica=replica,
+        plan=plan, stage_graph=sg, replica=replica, opt_shardings=tuple(opt_shard),
     )
+
+
+def optimizer_shardings(p_shard, shapes, replica: Replica | None) -> list:
+    """Per owned parameter, its optimizer state's sharding in the sharded-optimizer layout:
+    `core.sharding.optimizer_spec` over the replicas' axes (the parameter's own sharding, the same
+    object, where nothing is added or the stage has no replicas)."""
+    if replica is None:
+        return list(p_shard)
+    out = []
+    for sh, shape in zip(p_shard, shapes, strict=True):
+        spec = tuple(sh.spec) + (None,) * (len(shape) - len(sh.spec))
+        dims = [() if d is None else (d,) if isinstance(d, str) else tuple(d) for d in spec]
+        ospec = optimizer_spec(tuple(shape), dims, replica.axes, dict(sh.mesh.shape))
+        out.append(sh if ospec is None else jax.sharding.NamedSharding(
+            sh.mesh, jax.sharding.PartitionSpec(*(d if d else None for d in ospec))))
+    return out

@@ -158,7 +158,8 @@ class PipelinedStep:
         if hasattr(plan, "num_microbatches") and hasattr(plan, "stages"):
             B, schedule = plan.num_microbatches, plan.schedule
             stages = [StageLayout(tuple(st.layers), tuple(devices[i] for i in st.devices), st.mesh,
-                                  dict(st.specs), st.remat, _axis_indices(st.mesh, st.data_axes))
+                                  dict(st.specs), st.remat, _axis_indices(st.mesh, st.data_axes),
+                                  st.state_layout == "sharded-optimizer")
                       for st in plan.stages]
         else:
             info = getattr(plan, "pipeline", None)
@@ -168,7 +169,8 @@ class PipelinedStep:
             schedule = info.schedule if info is not None and info.schedule is not None else "1f1b"
             stages = [StageLayout(tuple(st.layers), tuple(devices[i] for i in st.devices), st.mesh,
                                   dict(st.shardings or ()), bool(st.remat),
-                                  _axis_indices(st.mesh, st.data_axes) if st.data_axes is not None else None)
+                                  _axis_indices(st.mesh, st.data_axes) if st.data_axes is not None else None,
+                                  st.state_layout == "sharded-optimizer")
                       for st in plan.stages]
             return cls(loss_fn, optimizer, stages, B, schedule, [st.plan for st in plan.stages])
         return cls(loss_fn, optimizer, stages, B, schedule)
