@@ -116,3 +116,21 @@ def test_a_hand_pipeline_of_a_scanned_zoo_model_is_built_unrolled(capsys):
                      "--baseline", "megatron-tp+pp2"]) == 0
     out = capsys.readouterr().out
     assert "layers unrolled for pipelining" in out and "scaniter" not in out
+
+
+def test_compare_weighs_stages_beside_pipeline_baselines_on_several_hosts(capsys, tmp_path):
+    """`planner compare` beside a pipeline baseline on a --cluster of several hosts: the planner's
+    row weighs its stage search too, so it is no slower than the pipeline baseline (its single
+    step on the slow link alone was several times slower) and the report holds its stages; beside
+    single-mesh baselines only, the row stays one mesh."""
+    out = tmp_path / "cmp.json"
+    assert cli.main(["compare", "--model", "gpt-tiny", *SLOW, "--mesh", "2x4", "--baselines", "dp,megatron-tp+pp2",
+                     "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    rows = {r["name"]: r["step_time_s"] for r in data["context"]["comparison"]["rows"]}
+    assert rows["planner"] <= min(rows["dp"], rows["megatron-tp+pp2"]) * (1 + 1e-9), rows
+    assert len(data["stages"]) >= 2 and "Pipeline stages of the planner's row" in text
+    assert data["pipeline"]["single_stage_step_time_s"] > rows["megatron-tp+pp2"]  # what the row was before
+    assert cli.main(["compare", "--model", "gpt-tiny", *SLOW, "--mesh", "2x4", "--baselines", "dp"]) == 0
+    assert "Pipeline stages" not in capsys.readouterr().out

@@ -1,4 +1,9 @@
-"""`planner compare`: the planner's plan beside named hand configurations on one mesh."""
+"""`planner compare`: the planner's plan beside named hand configurations on one mesh.
+
+Where a pipeline baseline (`NAME+ppN`) is compared on a --cluster of several hosts, the planner's
+row weighs pipeline stages on that cluster too (`planning.pipeline_lever`, as `planner plan
+--cluster` without --mesh does), so that it is never a single-mesh plan beside pipelines it could
+have been: the row is the faster of its single-step plan on --mesh and its stage search."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,14 +16,16 @@ from planner.core.errors import PlannerError
 from planner.core.mesh import MeshSpec
 from planner.core.options import PlanOptions
 from planner.cost_model import Cluster, get_hardware
+from planner.emit.pipeline.planned import plan_stages
 from planner.graph.ir import matmul_flops
 from planner.graph.trace import trace
 from planner.planning.evaluate import pipeline_baseline
 from planner.planning.composition import compose_on_meshes
 from planner.present.compare import comparison_record, format_record
-from planner.present.ranking import hardware_record, mesh_ranking, plan_view
+from planner.present.ranking import hardware_record, mesh_ranking, pipeline_ranking, plan_view
 from planner.search.mesh_plan import make_plan
 from planner.search.results import MeshResult
+from planner.stages.microbatches import PlanningMemo
 from planner.cli.configured import cli_pins, configured_results
 from planner.cli.errors import CLIError, one_line
 from planner.cli.options import budget, donated_state, plan_options
@@ -62,9 +69,11 @@ def cmd_compare(args, out) -> int:
     traced = trace(step, *example)
     options, assumed = donated_state(args, where.options, traced)
     where = dataclasses.replace(where, options=options)
-    # the planner's row: planned as `planner plan --mesh` plans it, with the levers the flags ask for
+    # the planner's row: planned as `planner plan --mesh` plans it, with the levers the flags ask for,
+    # and beside pipeline baselines on several hosts its stage search weighed too
     composed = compose_on_meshes(step, traced, [where.mesh], where.options,
-                                 where.cluster.devices_per_host if where.cluster else None)
+                                 where.cluster.devices_per_host if where.cluster else None,
+                                 _stage_search(args, where, step, example, traced) if staged else None)
     graph, plan = composed.graph, composed.plan
     planned_s = time.perf_counter() - t0
     rows = _rows(args, names, where, step, example, traced)
@@ -73,11 +82,28 @@ def cmd_compare(args, out) -> int:
     print(f"{label} on mesh {where.mesh}: the planner's plan beside hand configurations", file=out)
     record = comparison_record(plan, others, skipped, where.budget)
     print(format_record(record), file=out)
+    if composed.pipeline_note is not None:
+        print(f"Pipeline stages of the planner's row ({where.cluster.hosts} hosts, beside pipeline baselines): "
+              f"{composed.pipeline_note}", file=out)
     if assumed:
         print(assumed, file=out)
     if args.json or args.html:  # the plan's report, with the comparison beside it
-        _write_report(args, where, label, graph, plan, planned_s, record, out)
+        _write_report(args, where, label, graph, composed, planned_s, record, out)
     return 0
+
+
+def _stage_search(args, where: CompareTarget, step, example, graph):
+    """The planner row's stage search (`planning.pipeline_lever.StageSearch`) on the --cluster of
+    several hosts the pipeline baselines run on; None on one host."""
+    if where.cluster is None or where.cluster.hosts < 2:
+        return None
+    cluster = pipeline_target(args, where.cluster, where.num_devices)
+    memo = PlanningMemo()
+
+    def search(options: PlanOptions, beat: float):
+        return plan_stages(step, example, graph, cluster, options, memo=memo, beat=beat)
+
+    return search
 
 
 def _baseline_names(args) -> list[str]:
@@ -128,11 +154,17 @@ def _rows(args, names, where: CompareTarget, step, example, graph) -> list[tuple
     return rows
 
 
-def _write_report(args, where: CompareTarget, label, graph, plan, planned_s, record, out) -> None:
+def _write_report(args, where: CompareTarget, label, graph, composed, planned_s, record, out) -> None:
     """--json / --html: the plan's report, with the comparison beside it."""
     inter = where.options.inter_host_axes
     flops = matmul_flops(graph)
-    ranked = mesh_ranking([MeshResult(where.mesh, plan, None, inter, planned_s)], flops, where.hardware)
+    if composed.pipelined is not None:  # the planner's row is its stage search's pipeline
+        pp = dataclasses.replace(composed.pipelined.found,
+                                 single_stage_time_s=composed.plan.pipeline.single_stage_step_time_s)
+        ranked = pipeline_ranking(composed.plan, pp, pipeline_target(args, where.cluster, where.num_devices), flops,
+                                  where.hardware, planned_s)
+    else:
+        ranked = mesh_ranking([MeshResult(where.mesh, composed.plan, None, inter, planned_s)], flops, where.hardware)
     view = plan_view(ranked, graph, label, where.num_devices, where.cluster, where.hardware, where.budget, flops,
                      planned_s)
     view = dataclasses.replace(view, data={**view.data, "context": {**view.context, "comparison": record}})
