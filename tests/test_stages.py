@@ -576,3 +576,53 @@ def test_sharded_optimizer_stages_keep_a_shard_of_the_optimizer_state():
     chosen = st.options[0][int(st.option[0, first, last, 0])]
     assert (chosen.layout, chosen.remat) == ("sharded-optimizer", False)
     assert st.times[0, first, last, 0] == t_plan[first, last]
+
+
+def test_offloaded_optimizer_stages_hold_the_optimizer_state_only_during_the_update():
+    """The offloaded-optimizer layout: gpt-tiny's data-parallel blocks on 2x2 hold their
+    parameters and gradients on the devices through the microbatches and the optimizer state
+    (split as the sharded-optimizer layout splits it) only during the update, when no activations
+    are live (`stage_cost.update_peak`); once per step it crosses the host link both ways
+    (`Hardware.host_bandwidth`, PCIe 4 on the A100 preset). Where the budget sits below the
+    sharded-optimizer layout's need but above both phases of this one, the stage table takes it;
+    with offload="off" or on hardware without a known host link it is not offered."""
+    import dataclasses
+
+    from planner.core.options import PlanOptions
+    from planner.stages.candidate import once_per_step as _once_per_step
+    from planner.stages.cost_table import LayerCostTable
+    from planner.stages.stage_cost import StageOption, offload_layouts, stage_ranges, stage_times, update_peak
+    from zoo import get_model
+
+    b = get_model("gpt-tiny", layers=2, batch=64)
+    graph = trace(b.train_step, b.abstract_state(), b.abstract_batch())
+    layers = cluster_layers(graph)
+    cluster = make_cluster(2, 4, "a100")
+    table = LayerCostTable(graph, layers, logical_meshes((1, 4), cluster, max_ndim=2), cluster, PlanOptions(), {})
+    L, first = layers.num_layers, 1
+    last = L - 1
+    rows = [table.cost(l, 0) for l in range(L)]
+    link, boundary = boundary_link(cluster), np.zeros(L)
+    sharded, offloaded = StageOption(0, "sharded-optimizer", False), StageOption(0, "offloaded-optimizer", False)
+    t_s, fixed_s, per_s = stage_ranges(table, sharded, 4, boundary, link)
+    t_o, fixed_o, per_o = stage_ranges(table, offloaded, 4, boundary, link)
+    hosted = sum(rows[l].opt_host_bytes for l in range(first, last + 1))
+    assert hosted > 0 and t_o[first, last] == t_s[first, last] and per_o[first, last] == per_s[first, last]
+    assert fixed_s[first, last] - fixed_o[first, last] == pytest.approx(hosted, rel=1e-12)
+    peak = update_peak(table, offloaded)[first, last]
+    assert peak == pytest.approx(sum(rows[l].opt_state_bytes for l in range(first, last + 1)), rel=1e-12)
+    assert not update_peak(table, sharded).any()
+    host = cluster.hardware.host_bandwidth
+    once_s, once_o = _once_per_step(table, sharded, first, last), _once_per_step(table, offloaded, first, last)
+    assert once_o[0] == pytest.approx(once_s[0] + 2 * hosted / host, rel=1e-12) and once_o[1] == once_s[1]
+    need_s = fixed_s[first, last] + per_s[first, last]
+    budget = max(fixed_o[first, last] + per_o[first, last], peak) + 1.0
+    assert budget < need_s
+    st = stage_times(table, [(1, 4)], [[0]], 1, "gpipe", budget, boundary, variants=("",))
+    chosen = st.options[0][int(st.option[0, first, last, 0])]
+    assert (chosen.layout, chosen.remat) == ("offloaded-optimizer", False)
+    off = dataclasses.replace(table, options=PlanOptions(offload="off"))
+    assert "offloaded-optimizer" not in offload_layouts(off, ("plan", "offloaded-optimizer"))
+    unknown = dataclasses.replace(table, cluster=dataclasses.replace(
+        cluster, hardware=dataclasses.replace(cluster.hardware, host_bandwidth=None)))
+    assert "offloaded-optimizer" not in offload_layouts(unknown, ("plan", "offloaded-optimizer"))

@@ -74,7 +74,8 @@ def why_not_weighed(graph: Graph, options: PlanOptions) -> str | None:
     if options.accumulate is not None:
         return f"accumulate={options.accumulate!r} was asked for"
     if options.offload not in (None, "off", "auto"):
-        return f"offload={options.offload!r} was asked for (stages take no host offload)"
+        return (f"offload={options.offload!r} was asked for (stages offload only their optimizer state, chosen "
+                "per stage under offload='auto')")
     if options.remat not in ("off", "auto"):
         return f"remat={options.remat!r} was asked for (stages choose their own recomputation)"
     stacked = stacked_scan_input(graph)

@@ -62,6 +62,10 @@ def once_per_step(table: LayerCostTable, opt: StageOption, first: int, last: int
         return 0.0, sum(c.apply_s for c in costs)  # the runtime reduces every microbatch (`stage_cost.split_ranges`)
     if opt.layout == "sharded-optimizer":  # reduce-scattered, updated sharded, gathered back
         return sum(c.opt_sync_s for c in costs), sum(c.opt_apply_s for c in costs)
+    if opt.layout == "offloaded-optimizer":  # and the optimizer state copied in from the host and back
+        host = table.cluster.hardware.host_bandwidth
+        return (sum(c.opt_sync_s for c in costs) + 2 * sum(c.opt_host_bytes for c in costs) / host,
+                sum(c.opt_apply_s for c in costs))
     return (sum(c.sync_s for c in costs if not sync_every_microbatch(c, opt)),  # the rest is in the stage time
             sum(c.apply_s for c in costs))
 

@@ -101,6 +101,8 @@ class LayerCost:
         of the layer's own data axes puts its own reduction in `time_s` already.
       opt_state_bytes, opt_apply_s, opt_sync_s: state bytes per device, the update and the
         once-per-step gradient exchange of the sharded-optimizer layout (`optimizer_layout`).
+      opt_host_bytes: the optimizer state's share of `opt_state_bytes` (what the
+        offloaded-optimizer layout keeps in host memory between updates).
       produced_specs: the plan's sharding of each value the layer makes that is used outside it,
         keyed by (position of the making op among the layer's ops, result index), so that identical
         layers key alike (`LayerCostTable.inner`: resharding between layers of one stage).
@@ -128,6 +130,7 @@ class LayerCost:
     opt_state_bytes: float = 0.0
     opt_apply_s: float = 0.0
     opt_sync_s: float = 0.0
+    opt_host_bytes: float = 0.0
 
 
 # A layer that cannot be planned on a mesh (a pin the mesh cannot take, or no plan): never chosen.
@@ -341,7 +344,7 @@ def _from_plan(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
                      tuple(spec_of_input.get(t) for t in ext), zero_extra, zero_state, work + param_shard,
                      tuple(zero_specs), sync, produced, max(0.0, pred.communication_time_s - exposed),
                      pred.hidden_communication_time_s, data, tuple(pred.collectives), tuple(zero_gathers),
-                     param_axes, opt_state, opt_apply, opt_sync)
+                     param_axes, opt_state, opt_apply, opt_sync, max(0.0, opt_state - 2 * param_shard))
 
 
 def optimizer_layout(graph: Graph, facts: LayerFacts, params: Sequence[tuple[int, Spec | None]],

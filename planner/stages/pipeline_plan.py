@@ -32,7 +32,8 @@ class StagePlan:
       devices: device positions in the cluster (host * devices_per_host + device).
       state_layout: "plan" (parameters as the intra-op plan shards them), "sharded-state"
         (parameters, gradients and optimizer state split over all the stage's devices) or
-        "sharded-optimizer" (the optimizer state alone split over the stage's data axes too).
+        "sharded-optimizer" (the optimizer state alone split over the stage's data axes too) or
+        "offloaded-optimizer" (that, kept in host memory between updates).
       remat: the backward recomputes the stage's forward (only the stage input is kept).
       layer_plans: "planned" (each layer's own fastest plan) or the hand layout its layers were
         planned in (a `cost_table.LAYER_VARIANTS` name: parameters, optimizer state and batch pinned

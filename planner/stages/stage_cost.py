@@ -3,7 +3,7 @@
 A range of layers costs the sum of its layers' times (`LayerCostTable`), the resharding between
 them and the sends at its boundaries; its memory is assembled from theirs.
 
-A stage runs in one of six ways, and the DP takes the fastest that fits the device memory (the
+A stage runs in one of eight ways, and the DP takes the fastest that fits the device memory (the
 intra-op ILP plans each layer for time alone; it has no stage-level view of memory):
   state layout "plan"           parameters stored as the plan shards them;
                "sharded-state"  parameters, gradient accumulators and optimizer state split over every
@@ -15,6 +15,12 @@ intra-op ILP plans each layer for time alone; it has no stage-level view of memo
                                 once per step a reduce-scatter, the update on the shards, an
                                 all-gather; not for a stage that splits a parameter over a data
                                 axis (its runtime reduces every microbatch, `split_ranges`);
+               "offloaded-optimizer"  as "sharded-optimizer", the optimizer state kept in host
+                                memory between updates: copied to the device for the update and
+                                back, once per step over the host link (`Hardware.host_bandwidth`;
+                                not offered where none is known or `offload="off"`); the device
+                                holds it only during the update, when no activations are live
+                                (`update_peak`);
   remat False  activations kept from each microbatch's forward to its backward;
         True   only the stage's input kept; the backward recomputes the stage's forward first
                (extra time: the forward's share of the FLOPs, times the layer's time).
@@ -34,7 +40,10 @@ from planner.stages.submesh import boundary_link
 
 
 # The state layouts a stage runs in (see the module docstring).
-LAYOUTS = ("plan", "sharded-state", "sharded-optimizer")
+LAYOUTS = ("plan", "sharded-state", "sharded-optimizer", "offloaded-optimizer")
+
+# The layouts that split (and may offload) the optimizer state alone (`layer_cost.optimizer_layout`).
+OPTIMIZER_LAYOUTS = ("sharded-optimizer", "offloaded-optimizer")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -151,6 +160,7 @@ def _columns(table: LayerCostTable, option: StageOption) -> dict[str, np.ndarray
         "comm": np.array([r.comm_s + g + e for r, g, e in zip(rows, gathers, every)]),
         "comm_recompute": np.array([r.comm_s * r.fwd_fraction + g / 2 for r, g in zip(rows, gathers)]),
         "state": np.array([r.zero_state_bytes if sharded else r.opt_state_bytes if option.layout == "sharded-optimizer"
+                           else r.opt_state_bytes - r.opt_host_bytes if option.layout == "offloaded-optimizer"
                            else r.state_bytes for r in rows]),
         "act": np.array([r.act_bytes for r in rows]),
         "work": np.array([r.zero_work_bytes if sharded else r.work_bytes for r in rows]),
@@ -178,7 +188,7 @@ def _stage_ranges(table: LayerCostTable, option: StageOption, devices: int,
                   boundary: np.ndarray, link) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     col = _columns(table, option)
     t = _range_seconds(table, col, "time", option, boundary, link, devices)
-    if option.layout == "sharded-optimizer":  # its runtime shards no optimizer state where it reduces every microbatch
+    if option.layout in OPTIMIZER_LAYOUTS:  # its runtime shards no optimizer state where it reduces every microbatch
         t = np.where(col["split"], np.inf, t)
     state, act, work = _range_sums(col["state"]), _range_sums(col["act"]), _range_max(col["work"])
     if not option.remat:
@@ -186,6 +196,23 @@ def _stage_ranges(table: LayerCostTable, option: StageOption, devices: int,
     stage_input = np.concatenate([[0.0], boundary[:-1]]) / devices
     per_mb = np.where(np.isfinite(act), np.broadcast_to(stage_input[:, None], act.shape), np.inf)
     return t, state + act + work, per_mb
+
+
+def update_peak(table: LayerCostTable, option: StageOption) -> np.ndarray:
+    """`out[k, i]`: bytes per device layers k..i hold during the update in the offloaded-optimizer
+    layout (parameters, gradients and the optimizer state copied in; no activations are live
+    then); zeros in the other layouts, whose update holds no more than the microbatches do."""
+    L = table.layers.num_layers
+    if option.layout != "offloaded-optimizer":
+        return np.zeros((L, L))
+    return _range_sums(np.array([table.cost(l, option.mesh_index, option.variant).opt_state_bytes for l in range(L)]))
+
+
+def offload_layouts(table: LayerCostTable, layouts: Sequence[str]) -> tuple[str, ...]:
+    """`layouts` without the offloaded-optimizer layout where the host link is unknown or the
+    options turn host offload off."""
+    known = table.cluster.hardware.host_bandwidth is not None and table.options.offload in (None, "auto")
+    return tuple(lay for lay in layouts if known or lay != "offloaded-optimizer")
 
 
 def _sends(boundary: np.ndarray, link, devices: int) -> tuple[np.ndarray, np.ndarray]:
@@ -247,11 +274,13 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
     options: list[tuple[StageOption, ...]] = []
     for m, (n, k) in enumerate(submeshes):
         opts = tuple(StageOption(mi, layout, remat, v) for mi in mesh_indices[m] for v in variants
-                     if table.has_variant(v, mi) for layout in layouts for remat in remats)
+                     if table.has_variant(v, mi) for layout in offload_layouts(table, layouts) for remat in remats)
         options.append(opts)
         for j, opt in enumerate(opts):
             t, fixed, per_mb = stage_ranges(table, opt, n * k, boundary, link)
             ok = np.isfinite(t) & (fixed + counts * per_mb <= memory_budget)  # [in-flight count, first, last]
+            if opt.layout == "offloaded-optimizer":
+                ok &= update_peak(table, opt) <= memory_budget
             cand = np.where(ok, t, np.inf)
             better = cand < times[m]
             times[m] = np.where(better, cand, times[m])
@@ -264,4 +293,4 @@ def stage_memory(table: LayerCostTable, first: int, last: int, opt: StageOption,
                  boundary: np.ndarray, inflight: int) -> float:
     """Predicted per-device memory of one stage holding `inflight` microbatches."""
     _, fixed, per_mb = stage_ranges(table, opt, devices, boundary, boundary_link(table.cluster))
-    return float(fixed[first, last] + inflight * per_mb[first, last])
+    return max(float(fixed[first, last] + inflight * per_mb[first, last]), float(update_peak(table, opt)[first, last]))

@@ -37,6 +37,8 @@ class StageLayout:
         batch leaves by rows); None: read from the batch specs (`data_axes`).
       shard_optimizer: the sharded-optimizer state layout: the optimizer state split over the data
         axes too, reduce-scattered into and gathered back from once per step (`programs`).
+      offload_optimizer: the offloaded-optimizer state layout: that optimizer state (split so where
+        the stage has replicas) kept in host memory between updates.
     """
 
     layers: tuple[str, ...]
@@ -46,6 +48,7 @@ class StageLayout:
     remat: bool = False
     data_axes: tuple[int, ...] | None = None
     shard_optimizer: bool = False
+    offload_optimizer: bool = False
 
     def __post_init__(self):
         if len(self.devices) != self.mesh.size:

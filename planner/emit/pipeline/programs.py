@@ -19,7 +19,9 @@ A stage in the sharded-optimizer state layout (`StageLayout.shard_optimizer`, wi
 the optimizer state of each parameter split over its data axes too (`core.sharding.optimizer_spec`,
 the planner's rule): its update reduce-scatters each replica-accumulated gradient into that layout
 (`jax.lax.psum_scatter`, in the wire format the plan priced), updates the parameter's shard, and
-all-gathers the parameter back into the plan's layout (Megatron-LM's distributed optimizer).
+all-gathers the parameter back into the plan's layout (Megatron-LM's distributed optimizer). In
+the offloaded-optimizer layout (`StageLayout.offload_optimizer`) that state lives in host memory
+(`pinned_host`) between updates; the update copies it in and its new value back out.
 """
 from __future__ import annotations
 
@@ -360,11 +362,15 @@ def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: Stage
         return [jnp.zeros(shape, dtype) for shape, dtype in acc_shapes]
 
     opt_shard = optimizer_shardings(p_shard, [shape for shape, _ in zero_shapes], replica) \
-        if lay.shard_optimizer else list(p_shard)
+        if lay.shard_optimizer or lay.offload_optimizer else list(p_shard)
+    sharded = [osh is not sh for osh, sh in zip(opt_shard, p_shard)]
+    if lay.offload_optimizer:  # the optimizer state in host memory between updates
+        opt_shard = [osh.with_memory_kind("pinned_host") for osh in opt_shard]
     if replica is not None:  # each gradient's once-per-step reduction in the format the plan priced,
         formats = replica_wire(plan, sg.graph, tuple(sg.outputs["p"]), replica.axes)
         by_leaf = sorted(range(len(own)), key=lambda j: own[j])  # in the order of the update's leaves
-        reductions = [(formats[j], p_shard[j], opt_shard[j]) for j in by_leaf]
+        reductions = [(formats[j], p_shard[j], opt_shard[j].with_memory_kind("device") if sharded[j] else p_shard[j])
+                      for j in by_leaf]
 
     def apply(p, o, gr):
         if replica is not None:  # the data-parallel gradient reduction, once per step
@@ -373,17 +379,25 @@ def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: Stage
                 (reduce_replicas(x, f, sh, replica.axes) if osh is sh else scatter_replicas(x, f, sh, osh, replica.axes)
                  ).astype(q.dtype)
                 for x, (f, sh, osh), q in zip(leaves, reductions, jax.tree_util.tree_leaves(p), strict=True)])
-            if lay.shard_optimizer:  # the update on the optimizer state's shards, the parameter gathered back
+            if any(sharded):  # the update on the optimizer state's shards, the parameter gathered back
                 flat_p, ptree = jax.tree_util.tree_flatten(p)
                 p = jax.tree_util.tree_unflatten(ptree, [
                     x if osh is sh else jax.lax.with_sharding_constraint(x, osh)
                     for x, (_, sh, osh) in zip(flat_p, reductions, strict=True)])
+        flat_o, otree = jax.tree_util.tree_flatten(o)
+        hosted = [jax.typeof(x).memory_space == jax.memory.Space.Host for x in flat_o]
+        if any(hosted):  # copied in for the update (offloaded-optimizer)
+            o = jax.tree_util.tree_unflatten(otree, [jax.device_put(x, jax.memory.Space.Device) if h else x
+                                                     for x, h in zip(flat_o, hosted)])
         if hasattr(optimizer, "apply"):  # a step's own update ops (planner.stages.derived.GraphUpdate)
             new_p, o2 = optimizer.apply(p, o, gr)
         else:
             updates, o2 = optimizer.update(gr, o, p)
             new_p = optax.apply_updates(p, updates)
-        if replica is not None and lay.shard_optimizer:
+        if any(hosted):  # and back
+            o2 = jax.tree_util.tree_unflatten(otree, [jax.device_put(x, jax.memory.Space.Host) if h else x
+                                                      for x, h in zip(jax.tree_util.tree_leaves(o2), hosted)])
+        if replica is not None and any(sharded):
             flat_p, ptree = jax.tree_util.tree_flatten(new_p)
             new_p = jax.tree_util.tree_unflatten(ptree, [
                 x if osh is sh else jax.lax.with_sharding_constraint(x, sh)

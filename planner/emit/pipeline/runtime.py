@@ -62,6 +62,7 @@ from planner.emit.pipeline.programs import build_programs, replica_sharding
 from planner.emit.pipeline.stage_records import StageWork, stage_plans, stage_records
 from planner.stages.derived import is_float
 from planner.stages.schedule import dispatch_order, stage_tasks
+from planner.stages.stage_cost import OPTIMIZER_LAYOUTS
 
 log = logging.getLogger("planner")
 
@@ -159,7 +160,7 @@ class PipelinedStep:
             B, schedule = plan.num_microbatches, plan.schedule
             stages = [StageLayout(tuple(st.layers), tuple(devices[i] for i in st.devices), st.mesh,
                                   dict(st.specs), st.remat, _axis_indices(st.mesh, st.data_axes),
-                                  st.state_layout == "sharded-optimizer")
+                                  st.state_layout in OPTIMIZER_LAYOUTS, st.state_layout == "offloaded-optimizer")
                       for st in plan.stages]
         else:
             info = getattr(plan, "pipeline", None)
@@ -170,7 +171,7 @@ class PipelinedStep:
             stages = [StageLayout(tuple(st.layers), tuple(devices[i] for i in st.devices), st.mesh,
                                   dict(st.shardings or ()), bool(st.remat),
                                   _axis_indices(st.mesh, st.data_axes) if st.data_axes is not None else None,
-                                  st.state_layout == "sharded-optimizer")
+                                  st.state_layout in OPTIMIZER_LAYOUTS, st.state_layout == "offloaded-optimizer")
                       for st in plan.stages]
             return cls(loss_fn, optimizer, stages, B, schedule, [st.plan for st in plan.stages])
         return cls(loss_fn, optimizer, stages, B, schedule)
