@@ -621,6 +621,14 @@ def test_offloaded_optimizer_stages_hold_the_optimizer_state_only_during_the_upd
     st = stage_times(table, [(1, 4)], [[0]], 1, "gpipe", budget, boundary, variants=("",))
     chosen = st.options[0][int(st.option[0, first, last, 0])]
     assert (chosen.layout, chosen.remat) == ("offloaded-optimizer", False)
+    # the stage table weighs each way with its once-per-step term as the chosen stage is priced
+    from planner.stages.stage_cost import LAYOUTS, once_per_step_ranges
+    for layout in LAYOUTS:
+        opt = StageOption(0, layout, False)
+        ranges = once_per_step_ranges(table, opt)
+        for k in range(L):
+            for i in range(k, L):
+                assert ranges[k, i] == pytest.approx(sum(_once_per_step(table, opt, k, i)), rel=1e-12, abs=1e-18)
     off = dataclasses.replace(table, options=PlanOptions(offload="off"))
     assert "offloaded-optimizer" not in offload_layouts(off, ("plan", "offloaded-optimizer"))
     unknown = dataclasses.replace(table, cluster=dataclasses.replace(

@@ -208,6 +208,22 @@ def update_peak(table: LayerCostTable, option: StageOption) -> np.ndarray:
     return _range_sums(np.array([table.cost(l, option.mesh_index, option.variant).opt_state_bytes for l in range(L)]))
 
 
+def once_per_step_ranges(table: LayerCostTable, option: StageOption) -> np.ndarray:
+    """`out[k, i]`: the once-per-step term of layers k..i as one stage run as `option` says (its
+    gradient exchange and update, and in the offloaded-optimizer layout the optimizer state's trip
+    over the host link), as `candidate.once_per_step` prices a chosen stage: what `stage_times`
+    weighs, amortised over the microbatches, when it picks a stage's way."""
+    rows = [table.cost(l, option.mesh_index, option.variant) for l in range(table.layers.num_layers)]
+    split, _ = split_ranges(rows, option)
+    apply = _range_sums(np.array([r.apply_s for r in rows]))  # a split stage: reduced every microbatch
+    if option.layout in OPTIMIZER_LAYOUTS:
+        host = table.cluster.hardware.host_bandwidth if option.layout == "offloaded-optimizer" else None
+        once = [r.opt_apply_s + r.opt_sync_s + (2 * r.opt_host_bytes / host if host else 0.0) for r in rows]
+    else:
+        once = [r.apply_s + (0.0 if sync_every_microbatch(r, option) else r.sync_s) for r in rows]
+    return np.where(split, apply, _range_sums(np.array(once)))
+
+
 def offload_layouts(table: LayerCostTable, layouts: Sequence[str]) -> tuple[str, ...]:
     """`layouts` without the offloaded-optimizer layout where the host link is unknown or the
     options turn host offload off."""
@@ -253,7 +269,9 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
                 mesh_indices: Sequence[Sequence[int]], num_microbatches: int, schedule: str,
                 memory_budget: float, boundary: np.ndarray, layouts: Sequence[str] = LAYOUTS,
                 remats: Sequence[bool] = (False, True), variants: Sequence[str] | None = None) -> StageTimes:
-    """The DP's latency table: per (layer range, submesh, in-flight count) the fastest way that fits.
+    """The DP's latency table: per (layer range, submesh, in-flight count) the fastest way that fits
+    (its time per microbatch, the way weighed with its once-per-step term over the step's
+    microbatches: `once_per_step_ranges`).
 
     A way fits when `fixed + inflight * per_microbatch <= memory_budget` (see `stage_ranges`), where
     `inflight` is what a stage at that pipeline position holds: under 1F1B min(position from the
@@ -268,6 +286,7 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
     inflight = tuple(range(1, min(B, L) + 1)) if schedule == "1f1b" else (B,)
     Q, S = len(inflight), len(submeshes)
     times = np.full((S, Q, L, L), np.inf)  # by submesh while filled: each submesh's block contiguous
+    weighed = np.full((S, Q, L, L), np.inf)  # what the way was picked by: with its once-per-step term / B
     option = np.full((S, Q, L, L), -1, dtype=np.int32)
     counts = np.asarray(inflight, dtype=float)[:, None, None]
     link = boundary_link(table.cluster)
@@ -281,9 +300,12 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
             ok = np.isfinite(t) & (fixed + counts * per_mb <= memory_budget)  # [in-flight count, first, last]
             if opt.layout == "offloaded-optimizer":
                 ok &= update_peak(table, opt) <= memory_budget
-            cand = np.where(ok, t, np.inf)
-            better = cand < times[m]
-            times[m] = np.where(better, cand, times[m])
+            # the ways are weighed with their once-per-step term amortised over the microbatches (a
+            # way that is faster per microbatch may pay more once: an offloaded optimizer state's trip)
+            cand = np.where(ok, t + once_per_step_ranges(table, opt)[None] / B, np.inf)
+            better = cand < weighed[m]
+            weighed[m] = np.where(better, cand, weighed[m])
+            times[m] = np.where(better, t, times[m])
             option[m] = np.where(better, j, option[m])
     return StageTimes(np.ascontiguousarray(times.transpose(1, 2, 3, 0)),
                       np.ascontiguousarray(option.transpose(1, 2, 3, 0)), tuple(options), inflight, boundary)
