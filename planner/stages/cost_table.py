@@ -90,6 +90,7 @@ class LayerCostTable:
     _inner: dict = dataclasses.field(default_factory=dict)
     _edges: tuple | None = None
     _inputs: dict = dataclasses.field(default_factory=dict)  # layer -> its `external_inputs`
+    _rows: dict = dataclasses.field(default_factory=dict)  # (mesh index, variant) -> every layer's cost
     ranges: dict = dataclasses.field(default_factory=dict)  # `stage_cost.stage_ranges`'s, shared like `cache`
     microbatches: int = 1  # per step: each layer's ILP weighs its gradient reductions at 1/microbatches
 
@@ -180,6 +181,15 @@ class LayerCostTable:
         if solve is not None:
             solves.append(solve)
         return found
+
+    def rows(self, mesh_index: int, variant: str = "") -> tuple[LayerCost, ...]:
+        """Every layer's cost on that mesh in that variant, in layer order (looked up once: the
+        stage tables read them per way and submesh)."""
+        hit = self._rows.get((mesh_index, variant))
+        if hit is None:
+            hit = self._rows[mesh_index, variant] = tuple(self.cost(l, mesh_index, variant)
+                                                          for l in range(self.layers.num_layers))
+        return hit
 
     def cost(self, layer: int, mesh_index: int, variant: str = "") -> LayerCost:
         key, pinned = self._key(layer, mesh_index, variant)

@@ -147,7 +147,7 @@ def _columns(table: LayerCostTable, option: StageOption) -> dict[str, np.ndarray
     ("..._recompute"); its state, activation and working bytes; and per layer range the
     once-per-step reductions a split stage moves into every microbatch ("split_sync",
     `split_ranges`)."""
-    rows = [table.cost(l, option.mesh_index, option.variant) for l in range(table.layers.num_layers)]
+    rows = table.rows(option.mesh_index, option.variant)
     sharded = option.layout == "sharded-state"
     gathers = [r.zero_extra_s if sharded else 0.0 for r in rows]  # the sharded state's all-gathers
     every = [r.sync_s if sync_every_microbatch(r, option) else 0.0 for r in rows]
@@ -175,9 +175,12 @@ def stage_ranges(table: LayerCostTable, option: StageOption, devices: int,
     backward (`alpha + bytes * beta / devices` each, over the cluster's boundary link), and the
     resharding of values passed between the range's layers (`LayerCostTable.inner`; once more in
     the recomputed forward under remat). Kept in `table.ranges` (shared by the tables of one step
-    at every batch size: the same layers at the same microbatch size give the same ranges); read-only.
+    at every batch size: the same layers at the same microbatch size and count give the same
+    ranges); read-only.
     """
-    key = (table.layers.keys, table.meshes[option.mesh_index], option, devices, boundary.tobytes(), link)
+    # the count too: each layer's plan is made for the step's microbatches (`LayerCostTable.microbatches`)
+    key = (table.layers.keys, table.meshes[option.mesh_index], option, devices, boundary.tobytes(), link,
+           table.microbatches)
     hit = table.ranges.get(key)
     if hit is None:
         hit = table.ranges[key] = _stage_ranges(table, option, devices, boundary, link)
@@ -205,7 +208,7 @@ def update_peak(table: LayerCostTable, option: StageOption) -> np.ndarray:
     L = table.layers.num_layers
     if option.layout != "offloaded-optimizer":
         return np.zeros((L, L))
-    return _range_sums(np.array([table.cost(l, option.mesh_index, option.variant).opt_state_bytes for l in range(L)]))
+    return _range_sums(np.array([r.opt_state_bytes for r in table.rows(option.mesh_index, option.variant)]))
 
 
 def once_per_step_ranges(table: LayerCostTable, option: StageOption) -> np.ndarray:
@@ -213,7 +216,15 @@ def once_per_step_ranges(table: LayerCostTable, option: StageOption) -> np.ndarr
     gradient exchange and update, and in the offloaded-optimizer layout the optimizer state's trip
     over the host link), as `candidate.once_per_step` prices a chosen stage: what `stage_times`
     weighs, amortised over the microbatches, when it picks a stage's way."""
-    rows = [table.cost(l, option.mesh_index, option.variant) for l in range(table.layers.num_layers)]
+    key = ("once per step", table.layers.keys, table.meshes[option.mesh_index], option, table.microbatches)
+    hit = table.ranges.get(key)
+    if hit is None:
+        hit = table.ranges[key] = _once_per_step_ranges(table, option)
+    return hit
+
+
+def _once_per_step_ranges(table: LayerCostTable, option: StageOption) -> np.ndarray:
+    rows = table.rows(option.mesh_index, option.variant)
     split, _ = split_ranges(rows, option)
     apply = _range_sums(np.array([r.apply_s for r in rows]))  # a split stage: reduced every microbatch
     if option.layout in OPTIMIZER_LAYOUTS:
