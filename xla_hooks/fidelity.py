@@ -84,8 +84,27 @@ def check_stage_fidelity(stages: Sequence[Any], tolerance: float = 0.10,
         if st.plan is None:
             raise ValueError(f"stage {st.index} carries no intra-op plan to compare with")
         measured = [c for lowered in st.programs().values() for c in collectives(lowered.compile())]
-        out.append(compare(st.plan.prediction.collectives, measured, tolerance, min_bytes))
+        out.append(compare(stage_collectives(st), measured, tolerance, min_bytes))
     return tuple(out)
+
+
+def stage_collectives(st: Any) -> list:
+    """A lowered stage's predicted collectives: its plan's, where the stage splits its optimizer
+    state (`StageLowered.shards_optimizer`) each gradient all-reduce over its data axes (a "partial
+    sum" over them, as `stages.layer_cost.grad_sync` finds them) as the reduce-scatter and the
+    parameter all-gather its update runs instead (the same bytes each, half the ring's all-reduce);
+    a scalar's (the loss mean's partial sum, not a parameter gradient) stays an all-reduce."""
+    predicted = list(st.plan.prediction.collectives)
+    if not getattr(st, "shards_optimizer", False):
+        return predicted
+    data = set(st.data_axes)
+    out = []
+    for c in predicted:
+        if c.kind == "all-reduce" and c.reason == "partial sum" and c.axes and set(c.axes) <= data and c.nbytes > 8:
+            out += [dataclasses.replace(c, kind="reduce-scatter"), dataclasses.replace(c, kind="all-gather")]
+        else:
+            out.append(c)
+    return out
 
 
 def compare(predicted: Sequence[PredictedCollective], measured: Sequence[Collective], tolerance: float = 0.10,

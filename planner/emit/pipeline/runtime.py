@@ -95,6 +95,9 @@ class StageLowered:
         lists the collectives the forward and backward together should compile to).
       data_axes: mesh axes over which the stage accumulates gradients per replica, reducing them in
         its update once per step (`programs.Replica`); empty: the backward reduces them.
+      shards_optimizer: its update reduce-scatters those gradients into a split optimizer state and
+        all-gathers the parameters back (the sharded- and offloaded-optimizer layouts) where the
+        plan's prediction all-reduces them.
     """
 
     index: int
@@ -105,6 +108,7 @@ class StageLowered:
     update: Any
     plan: Any = None
     data_axes: tuple[str, ...] = ()
+    shards_optimizer: bool = False
 
     def programs(self) -> dict[str, Any]:
         return {"forward": self.forward, "backward": self.backward, "update": self.update}
@@ -307,7 +311,8 @@ class PipelinedStep:
             o = jax.tree_util.tree_unflatten(odef, [sds(np.shape(full_opt[k]), full_opt[k].dtype,
                                                         shard_of(k, full_opt[k])) for k in okeys])
             out.append(StageLowered(s, st.layout.devices, st.mesh, fwd, bwd, st.apply.lower(masked, o, masked_acc),
-                                    st.plan, st.replica.axes if st.replica is not None else ()))
+                                    st.plan, st.replica.axes if st.replica is not None else (),
+                                    st.replica is not None and tuple(st.opt_shardings) != tuple(st.param_shardings)))
         return tuple(out)
 
     def step(self, params: Any, opt_state: Any, batch: Any):
