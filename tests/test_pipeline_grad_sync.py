@@ -57,6 +57,17 @@ def _reductions(lowered) -> list:
     return [c for c in collectives(lowered.compile()) if c.kind in ("all-reduce", "reduce-scatter")]
 
 
+def _tiny_two_stages():
+    """A small gpt-tiny, its optimizer, first state and batch, the unsharded step's result on them,
+    and 2 even stages of 4 CPU devices each (data parallel inside them)."""
+    b = get_model("gpt-tiny", layers=1, batch=8, seq=8, d_model=32, vocab=64)
+    opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
+    state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
+    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
+    names = layer_names(b.loss_fn, b.abstract_state()["params"], b.abstract_batch())
+    return b, opt, state, batch, ref_state, ref_metrics, even_layouts(names, jax.devices()[:8], 2)
+
+
 def test_stage_backward_accumulates_gradients_per_replica():
     """A small gpt-tiny in 2 stages of 4 CPU devices, the batch split 4 ways on each (data parallel
     inside the stages), 2 microbatches: the step equals the unsharded one, and each stage's
@@ -64,12 +75,7 @@ def test_stage_backward_accumulates_gradients_per_replica():
     while its update reduces them once per step; with `replica_grads=False` the backward reduces
     them (what the check would catch)."""
     skip_if_fewer_devices(8)
-    b = get_model("gpt-tiny", layers=1, batch=8, seq=8, d_model=32, vocab=64)
-    opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
-    state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
-    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
-    names = layer_names(b.loss_fn, b.abstract_state()["params"], b.abstract_batch())
-    layouts = even_layouts(names, jax.devices()[:8], 2)
+    b, opt, state, batch, ref_state, ref_metrics, layouts = _tiny_two_stages()
     step = PipelinedStep(b.loss_fn, opt, layouts, 2, "1f1b")
     new_state, metrics = step(state, batch)
     assert_first_step_close(b.loss_fn, opt, state, batch, new_state, metrics, ref_state, ref_metrics,
@@ -119,12 +125,7 @@ def test_sharded_optimizer_stages_reduce_scatter_and_keep_a_shard_of_the_optimiz
     skip_if_fewer_devices(8)
     import dataclasses
 
-    b = get_model("gpt-tiny", layers=1, batch=8, seq=8, d_model=32, vocab=64)
-    opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
-    state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
-    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
-    names = layer_names(b.loss_fn, b.abstract_state()["params"], b.abstract_batch())
-    plain = even_layouts(names, jax.devices()[:8], 2)
+    b, opt, state, batch, ref_state, ref_metrics, plain = _tiny_two_stages()
     layouts = tuple(dataclasses.replace(lay, shard_optimizer=True) for lay in plain)
     step = PipelinedStep(b.loss_fn, opt, layouts, 2, "1f1b")
     new_state, metrics = step(state, batch)
@@ -182,13 +183,8 @@ def test_offloaded_optimizer_stages_keep_the_optimizer_state_in_host_memory():
     skip_if_fewer_devices(8)
     import dataclasses
 
-    b = get_model("gpt-tiny", layers=1, batch=8, seq=8, d_model=32, vocab=64)
-    opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
-    state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
-    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
-    names = layer_names(b.loss_fn, b.abstract_state()["params"], b.abstract_batch())
-    layouts = tuple(dataclasses.replace(lay, shard_optimizer=True, offload_optimizer=True)
-                    for lay in even_layouts(names, jax.devices()[:8], 2))
+    b, opt, state, batch, ref_state, ref_metrics, plain = _tiny_two_stages()
+    layouts = tuple(dataclasses.replace(lay, shard_optimizer=True, offload_optimizer=True) for lay in plain)
     step = PipelinedStep(b.loss_fn, opt, layouts, 2, "1f1b")
     new_state, metrics = step(state, batch)
     assert_first_step_close(b.loss_fn, opt, state, batch, new_state, metrics, ref_state, ref_metrics,
