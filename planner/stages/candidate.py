@@ -22,8 +22,8 @@ from planner.stages.dp import DPResult, StageChoice, bubble_fraction, pipeline_l
 from planner.stages.layer_cost import splits_data
 from planner.stages.layer_facts import external_inputs
 from planner.stages.pipeline_plan import PipelinePlan, StagePlan
-from planner.stages.stage_cost import (StageOption, StageTimes, stage_collectives, stage_communication, stage_memory,
-                                       sync_every_microbatch)
+from planner.stages.stage_cost import (StageOption, StageTimes, once_per_step_columns, stage_collectives,
+                                       stage_communication, stage_memory)
 from planner.stages.submesh import LogicalMesh, boundary_link, place_submeshes
 
 
@@ -60,14 +60,8 @@ def once_per_step(table: LayerCostTable, opt: StageOption, first: int, last: int
     costs = [table.cost(l, opt.mesh_index, opt.variant) for l in range(first, last + 1)]
     if splits_data(costs):
         return 0.0, sum(c.apply_s for c in costs)  # the runtime reduces every microbatch (`stage_cost.split_ranges`)
-    if opt.layout == "sharded-optimizer":  # reduce-scattered, updated sharded, gathered back
-        return sum(c.opt_sync_s for c in costs), sum(c.opt_apply_s for c in costs)
-    if opt.layout == "offloaded-optimizer":  # and the optimizer state copied in from the host and back
-        host = table.cluster.hardware.host_bandwidth
-        return (sum(c.opt_sync_s for c in costs) + 2 * sum(c.opt_host_bytes for c in costs) / host,
-                sum(c.opt_apply_s for c in costs))
-    return (sum(c.sync_s for c in costs if not sync_every_microbatch(c, opt)),  # the rest is in the stage time
-            sum(c.apply_s for c in costs))
+    sync, apply = once_per_step_columns(table, costs, opt)  # a reduction run every microbatch is in the stage time
+    return sum(sync), sum(apply)
 
 
 def once_per_step_max(table: LayerCostTable, st: StageTimes, stages: Sequence[StageChoice]) -> float:

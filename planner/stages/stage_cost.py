@@ -223,16 +223,25 @@ def once_per_step_ranges(table: LayerCostTable, option: StageOption) -> np.ndarr
     return hit
 
 
+def once_per_step_columns(table: LayerCostTable, rows: Sequence[LayerCost], option: StageOption
+                          ) -> tuple[list[float], list[float]]:
+    """Per layer of `rows` run as `option` says in a stage that splits no parameter over a data
+    axis: (its gradient exchange once per step, with the offloaded-optimizer layout's trip over the
+    host link; its update). `candidate.once_per_step` sums them over a chosen stage,
+    `once_per_step_ranges` over every range."""
+    if option.layout in OPTIMIZER_LAYOUTS:
+        host = table.cluster.hardware.host_bandwidth if option.layout == "offloaded-optimizer" else None
+        return ([r.opt_sync_s + (2 * r.opt_host_bytes / host if host else 0.0) for r in rows],
+                [r.opt_apply_s for r in rows])
+    return [0.0 if sync_every_microbatch(r, option) else r.sync_s for r in rows], [r.apply_s for r in rows]
+
+
 def _once_per_step_ranges(table: LayerCostTable, option: StageOption) -> np.ndarray:
     rows = table.rows(option.mesh_index, option.variant)
     split, _ = split_ranges(rows, option)
     apply = _range_sums(np.array([r.apply_s for r in rows]))  # a split stage: reduced every microbatch
-    if option.layout in OPTIMIZER_LAYOUTS:
-        host = table.cluster.hardware.host_bandwidth if option.layout == "offloaded-optimizer" else None
-        once = [r.opt_apply_s + r.opt_sync_s + (2 * r.opt_host_bytes / host if host else 0.0) for r in rows]
-    else:
-        once = [r.apply_s + (0.0 if sync_every_microbatch(r, option) else r.sync_s) for r in rows]
-    return np.where(split, apply, _range_sums(np.array(once)))
+    sync, update = once_per_step_columns(table, rows, option)
+    return np.where(split, apply, _range_sums(np.array(sync) + np.array(update)))
 
 
 def offload_layouts(table: LayerCostTable, layouts: Sequence[str]) -> tuple[str, ...]:
