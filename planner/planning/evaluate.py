@@ -234,7 +234,9 @@ def compare(fn: Callable[..., Any], *args: Any, mesh: Any, baselines: Sequence[s
     """The planner's plan and, evaluated by the same code path, the named baselines (all by
     default; `NAME+ppN` names a pipeline baseline, costed on `mesh`'s devices as one host unless
     `hardware="HxD:preset"` names the cluster) and optionally the user's own pins / shardings
-    (named "yours").
+    (named "yours"). Beside a pipeline baseline on a cluster of several hosts the planner's plan
+    weighs pipeline stages on that cluster too (`planning.pipeline_lever`, as `planner compare`
+    does): the faster of its plan on `mesh` and its stage search.
 
     Raises:
       InvalidArgumentError: an unknown baseline name (before anything is planned).
@@ -242,7 +244,8 @@ def compare(fn: Callable[..., Any], *args: Any, mesh: Any, baselines: Sequence[s
     names = list(NAMES if baselines is None else baselines)
     for n in names:
         parse_baseline(n)
-    plan = plan_step(fn, *args, mesh=mesh, **options)
+    staged = any(parse_baseline(n)[1] for n in names)
+    plan = plan_step(fn, *args, mesh=mesh, stages_beside_mesh=staged, **options)
     configs: list[tuple[str, dict]] = [(n, {"baseline": n}) for n in names]
     if pins is not None:
         configs.append(("yours", {"pins": pins}))

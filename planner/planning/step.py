@@ -72,6 +72,9 @@ class StepPlanner:
       rules: logical-axis rules (`planner.configs.pins.rules_to_pins`), or None.
       logical: the arguments' logical PartitionSpecs for `rules` (None: read off the arguments).
       donate_argnums: arguments whose buffers the program may reuse (as in `jax.jit`).
+      stages_beside_mesh: with a `mesh`, the pipeline stages of the options' cluster of several hosts
+        are weighed beside the plan on that mesh, the faster kept (`compare`'s planner row beside
+        pipeline baselines); the decorator keeps the mesh it is given.
     """
 
     options: PlanOptions
@@ -84,12 +87,13 @@ class StepPlanner:
     rules: Any = None
     logical: Any = None
     donate_argnums: int | tuple[int, ...] = ()
+    stages_beside_mesh: bool = False
 
     @classmethod
     def create(cls, mesh: Any = None, devices=None, donate_argnums: int | tuple[int, ...] = (),
                pins: Mapping[str, Any] | None = None, unpinned: str = "plan", rules: Any = None,
-               logical: Any = None, **options: Any) -> StepPlanner:
-        """The planner of `plan_parallel`'s arguments (see there).
+               logical: Any = None, stages_beside_mesh: bool = False, **options: Any) -> StepPlanner:
+        """The planner of `plan_parallel`'s arguments (see there; `stages_beside_mesh`: the attribute).
 
         Raises:
           InvalidArgumentError: a bad `unpinned`, `pins` or option; MeshError: a mesh the devices do not fill.
@@ -111,7 +115,8 @@ class StepPlanner:
             elif jax_mesh.devices.size != len(found) and devices is None:
                 found = list(jax_mesh.devices.flat)
         return cls(checked, tuple(found), spec, jax_mesh, user_mesh,
-                   pins if callable(pins) else dict(pins) if pins else None, unpinned, rules, logical, donate_argnums)
+                   pins if callable(pins) else dict(pins) if pins else None, unpinned, rules, logical, donate_argnums,
+                   stages_beside_mesh)
 
     def plan(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Entry:
         """(graph, plan, program) of `fn` on its array arguments `args`: traced, its pins applied,
@@ -138,9 +143,10 @@ class StepPlanner:
 
     def _stage_search(self, fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph):
         """The pipeline stage search `compose` weighs by default (`planning.pipeline_lever`): on a
-        cluster of several hosts (`options.hardware` naming one, e.g. "2x4:v100"), without a mesh,
-        pins or rules from the user (they fix one mesh); None elsewhere."""
-        if (self.options.pipeline is not None or self.mesh is not None or self.pins is not None
+        cluster of several hosts (`options.hardware` naming one, e.g. "2x4:v100"), without a mesh
+        (unless `stages_beside_mesh`), pins or rules from the user (they fix one mesh); None elsewhere."""
+        if (self.options.pipeline is not None or (self.mesh is not None and not self.stages_beside_mesh)
+                or self.pins is not None
                 or self.rules is not None or self.unpinned != "plan"
                 or pipeline_cluster(None, len(self.devices), self.options).hosts < 2):
             return None
@@ -262,9 +268,11 @@ def array_step(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Callable[
 
 
 def plan_step(fn: Callable[..., Any], *args: Any, mesh: Any = None, pins: Mapping[str, Any] | None = None,
-              unpinned: str = "plan", rules: Any = None, logical: Any = None, **options: Any) -> Plan:
+              unpinned: str = "plan", rules: Any = None, logical: Any = None, stages_beside_mesh: bool = False,
+              **options: Any) -> Plan:
     """The plan `plan_parallel(fn, mesh=mesh, pins=pins, ...).plan(*args)` makes, without the wrapper
-    and its cache (`evaluate` and `compare` plan this way)."""
+    and its cache (`evaluate` and `compare` plan this way); `stages_beside_mesh`: see `StepPlanner`."""
     check_step(fn)
-    planner = StepPlanner.create(mesh=mesh, pins=pins, unpinned=unpinned, rules=rules, logical=logical, **options)
+    planner = StepPlanner.create(mesh=mesh, pins=pins, unpinned=unpinned, rules=rules, logical=logical,
+                                 stages_beside_mesh=stages_beside_mesh, **options)
     return planner.plan(*array_step(fn, args))[1]
