@@ -146,6 +146,10 @@ class PlanningMemo:
       ranges: the layer ranges' times and memory per stage way (`stage_cost.stage_ranges`).
       dp: the pipeline DP's evaluations per stage latency table (`dp.pipeline_dp(memo=...)`): a
         microbatch size's tables are the same at every batch size that has it, only the count differs.
+      stage_traces: the stage programs' traces by program (`emit.pipeline.stage_reuse.StageGraphs`):
+        stages of other cuts that are the same program (three blocks at the same rows) take them.
+      stage_solved: the stage programs' intra-op plans by program, mesh, pins and options
+        (`stage_records.stage_plans(solved=...)`).
     """
 
     family: ShapeFamily | str | None = None
@@ -156,6 +160,8 @@ class PlanningMemo:
     stage_plans: dict = dataclasses.field(default_factory=dict)
     ranges: dict = dataclasses.field(default_factory=dict)
     dp: dict = dataclasses.field(default_factory=dict)
+    stage_traces: dict = dataclasses.field(default_factory=dict)
+    stage_solved: dict = dataclasses.field(default_factory=dict)
 
     def graph_at(self, step: Callable[..., Any], batch: int | None) -> Graph | None:
         """`step`'s graph at batch size `batch` made from the family, when the family was traced from

@@ -105,6 +105,8 @@ def search_space(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster
         memo.stage_plans.clear()
         memo.ranges.clear()
         memo.dp.clear()
+        memo.stage_traces.clear()
+        memo.stage_solved.clear()
     t_start = time.perf_counter()
     counts = microbatch_counts(batch, options.num_microbatches, microbatch_limit)
     shapes = submesh_shapes(cluster.hosts, cluster.devices_per_host)

@@ -198,11 +198,12 @@ def _record(plan: Plan) -> Plan:
 
 
 def stage_plans_for(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, pp: PipelinePlan,
-                    cluster: Cluster, options: PlanOptions) -> tuple[tuple[Plan, ...], tuple]:
+                    cluster: Cluster, options: PlanOptions, memo: Any = None) -> tuple[tuple[Plan, ...], tuple]:
     """Each stage's intra-op plan of its forward + backward per microbatch, and the values crossing
     stages (`PipelinedStep.stage_plan_records`), for the step `fn(*args)`; ((), (), ()) when the step's
     loss and update cannot be found (running it then says why); a third element names each stage's
-    once-per-step gradient reduction axes."""
+    once-per-step gradient reduction axes. `memo`: a `PlanningMemo` whose stage traces and plans by
+    program are shared (stages of another cut or batch size that are the same program)."""
     if has_marker(fn):
         loss_fn, update = fn.loss_fn, fn.optimizer
         params, batch = args[0]["params"], args[1]
@@ -219,7 +220,7 @@ def stage_plans_for(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph,
     step = PipelinedStep(loss_fn, update, layouts, step.num_microbatches, step.schedule)
     hw = planning_hardware(cluster)
     opts = [dataclasses.replace(options, hardware=hw, inter_host_axes=st.host_axes) for st in pp.stages]
-    return step.stage_plan_records(params, batch, opts)
+    return step.stage_plan_records(params, batch, opts, memo)
 
 
 def has_marker(fn: Callable[..., Any]) -> bool:
@@ -343,15 +344,16 @@ def _stage_plans(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, pp
     one step function)."""
     if memo is None:
         return stage_plans_for(fn, args, graph, pp, cluster, options)
+    share = memo if memo.step is fn else None  # traces and plans by program: one step function's only
     rows = batch_size(args, batch_argnum) // pp.num_microbatches
     key = (rows, options, tuple((st.layer_range, st.submesh, st.mesh, st.host_axes, st.devices, st.state_layout,
                                  st.remat, st.layer_plans, tuple(sorted(st.specs.items()))) for st in pp.stages))
     try:
         hash(key)
     except TypeError:  # options holding an unhashable value: nothing to look up by
-        return stage_plans_for(fn, args, graph, pp, cluster, options)
+        return stage_plans_for(fn, args, graph, pp, cluster, options, share)
     if key not in memo.stage_plans:
-        memo.stage_plans[key] = stage_plans_for(fn, args, graph, pp, cluster, options)
+        memo.stage_plans[key] = stage_plans_for(fn, args, graph, pp, cluster, options, share)
     return memo.stage_plans[key]
 
 

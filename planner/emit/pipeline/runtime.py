@@ -59,6 +59,7 @@ from planner.core.sharding import named_sharding
 from planner.emit.pipeline.layout import StageLayout, even_layouts, layer_names
 from planner.emit.pipeline.opt_state import opt_layouts, opt_shardings
 from planner.emit.pipeline.programs import build_programs, replica_sharding
+from planner.emit.pipeline.stage_reuse import StageGraphs
 from planner.emit.pipeline.stage_records import StageWork, stage_plans, stage_records
 from planner.stages.derived import is_float
 from planner.stages.schedule import dispatch_order, stage_tasks
@@ -181,9 +182,11 @@ class PipelinedStep:
         return cls(loss_fn, optimizer, stages, B, schedule)
 
     # ----- building ------------------------------------------------------------------------
-    def _layout(self, params: Any, batch: Any):
-        """What each stage runs, devices aside (`stage_records.stage_records`)."""
-        return stage_records(self.loss_fn, self.layouts, self.num_microbatches, self.replica_grads, params, batch)
+    def _layout(self, params: Any, batch: Any, traces: StageGraphs | None = None):
+        """What each stage runs, devices aside (`stage_records.stage_records`; `traces`: its
+        traces to share)."""
+        return stage_records(self.loss_fn, self.layouts, self.num_microbatches, self.replica_grads, params, batch,
+                             traces)
 
     def _say_if_mixing(self, graph, params: Any, batch: Any, mb: int) -> None:
         """Logs once, when the stages are planned, that the loss mixes the examples of its batch
@@ -204,15 +207,18 @@ class PipelinedStep:
                         "microbatches of %d examples and averages, so its loss and gradients differ from the "
                         "unpipelined step's", summary(found), self.num_microbatches, mb)
 
-    def _stage_plans(self, stages: Sequence[StageWork], options: Any = None) -> tuple[Plan, ...]:
+    def _stage_plans(self, stages: Sequence[StageWork], options: Any = None,
+                     solved: dict | None = None) -> tuple[Plan, ...]:
         """Every stage's intra-op `Plan` (`stage_records.stage_plans`): the one given in
-        `stage_plans` when it was made for this program, else planned now (once per distinct stage)."""
-        return stage_plans(stages, self.stage_plans, options)
+        `stage_plans` when it was made for this program, else planned now (once per distinct
+        stage; `solved`: plans by program shared with other calls)."""
+        return stage_plans(stages, self.stage_plans, options, solved)
 
-    def stage_plan_records(self, params: Any, batch: Any,
-                           options: Any = None) -> tuple[tuple[Plan, ...], tuple, tuple[tuple[str, ...], ...]]:
+    def stage_plan_records(self, params: Any, batch: Any, options: Any = None, shared: Any = None
+                           ) -> tuple[tuple[Plan, ...], tuple, tuple[tuple[str, ...], ...]]:
         """Every stage's intra-op plan (`_stage_plans`; `options` one `PlanOptions` or one per stage)
         and the values crossing stages, without devices (layout devices may be placeholders).
+        `shared`: a `PlanningMemo` whose stage traces and plans by program this call shares.
 
         Returns:
           (plans, transfers, once): transfers are `(from stage, to stage, bytes per receiving device,
@@ -220,11 +226,12 @@ class PipelinedStep:
           `once[s]` names the mesh axes over which stage s reduces its gradients once per step (its
           data-parallel replicas, `stage_records.set_replicas`; empty where it reduces them per microbatch).
         """
-        graph, stages, needed_by, _, mb = self._layout(params, batch)
+        traces = StageGraphs(shared.stage_traces) if shared is not None else None
+        graph, stages, needed_by, _, mb = self._layout(params, batch, traces)
         self._say_if_mixing(graph, params, batch, mb)
         once = tuple(tuple(st.layout.mesh.axis_names[a] for a in st.axes if st.layout.mesh.shape[a] > 1)
                      if st.replica is not None else () for st in stages)
-        plans = self._stage_plans(stages, options)
+        plans = self._stage_plans(stages, options, shared.stage_solved if shared is not None else None)
         transfers = []
         for st in stages:
             for t in st.outs + st.aux_out:

@@ -23,7 +23,8 @@ from planner.core.plan_records import SolverStats
 from planner.core.sharding import replicated, spec_axes
 from planner.emit.pipeline.layout import StageLayout, data_axes, data_spec, find_spec
 from planner.emit.pipeline.partition import partition
-from planner.emit.pipeline.programs import Replica, stage_graph
+from planner.emit.pipeline.programs import Replica
+from planner.emit.pipeline.stage_reuse import StageGraphs
 from planner.emit.pipeline.same_stages import relabelled, reuse_key
 from planner.graph.trace import trace
 from planner.search.cores import idle_cores
@@ -68,9 +69,10 @@ class StageWork:
 
 
 def stage_records(loss_fn: Callable[..., Any], layouts: Sequence[StageLayout], num_microbatches: int,
-                  replica_grads: bool, params: Any, batch: Any):
+                  replica_grads: bool, params: Any, batch: Any, traces: StageGraphs | None = None):
     """What each stage runs, devices aside: per stage its op, parameter, batch and boundary
-    tensors, the specs of its inputs, and its `StageGraph` (forward + backward per microbatch).
+    tensors, the specs of its inputs, and its `StageGraph` (forward + backward per microbatch;
+    `traces`: the traces to share, `stage_reuse`, a fresh `StageGraphs` when None).
 
     Returns:
       (graph, stages, needed_by, param_owner, mb): the loss traced at the microbatch size `mb`, a
@@ -86,7 +88,8 @@ def stage_records(loss_fn: Callable[..., Any], layouts: Sequence[StageLayout], n
     mb = size // B
     abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
     abstract_mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb,) + tuple(np.shape(x)[1:]), x.dtype), batch)
-    graph = trace(loss_fn, abstract_params, abstract_mb)
+    traces = traces if traces is not None else StageGraphs()  # one program, one trace (`stage_reuse`)
+    graph = traces.loss_graph(loss_fn, abstract_params, abstract_mb)
     if len(graph.outputs) != 1 or not isinstance(graph.outputs[0], int) or graph.tensors[graph.outputs[0]].shape:
         raise InvalidArgumentError("loss_fn must return one scalar (the mean loss over the batch)")
     n_params = len(jax.tree_util.tree_leaves(params))
@@ -123,21 +126,24 @@ def stage_records(loss_fn: Callable[..., Any], layouts: Sequence[StageLayout], n
             b_spec.append(find_spec(lay.specs, batch_paths[k], shape, lay.mesh) or data_spec(shape, axes, lay.mesh))
         act = {t: data_spec(graph.tensors[t].shape, axes, lay.mesh) for t in incoming + outgoing}
         acts_in, aux_in, outs, aux_out = fl(incoming), nf(incoming), fl(outgoing), nf(outgoing)
-        sg = stage_graph(graph, ops, tuple(graph.inputs[k] for k in own),
-                         acts_in, aux_in, tuple(graph.inputs[n_params + k] for k in bl), outs, aux_out)
+        sg = traces.get(graph, ops, tuple(graph.inputs[k] for k in own),
+                        acts_in, aux_in, tuple(graph.inputs[n_params + k] for k in bl), outs, aux_out)
         stages.append(StageWork(index=s, layout=lay, ops=ops, own=own, bl=bl, acts_in=acts_in, aux_in=aux_in,
                                 outs=outs, aux_out=aux_out, p_spec=tuple(p_spec), b_spec=tuple(b_spec), act=act,
                                 sg=sg, axes=axes, replica=None))
     if replica_grads:
-        stages = set_replicas(loss_fn, graph, stages, abstract_params, batch, mb, loss)
+        stages = set_replicas(loss_fn, graph, stages, abstract_params, batch, mb, loss, traces)
+    log.info("stage programs: %d traced, %d the same program as an earlier stage's", traces.traced, traces.reused)
     return graph, stages, needed_by, param_owner, mb
 
 
 def set_replicas(loss_fn: Callable[..., Any], graph, stages: list[StageWork], abstract_params: Any, batch: Any,
-                 mb: int, loss: int) -> list[StageWork]:
+                 mb: int, loss: int, traces: StageGraphs | None = None) -> list[StageWork]:
     """`stages` with each data-parallel stage's `programs.Replica` (its program traced at `mb / ways`
     rows) where every value it exchanges is batch-major or the loss and no parameter is split over
-    a data axis; the other stages keep reducing gradients per microbatch."""
+    a data axis; the other stages keep reducing gradients per microbatch (`traces`: the stage
+    traces to share, `stage_reuse`)."""
+    traces = traces if traces is not None else StageGraphs()
     traced: dict[int, Any] = {}
     out = []
     for st in stages:
@@ -166,9 +172,9 @@ def set_replicas(loss_fn: Callable[..., Any], graph, stages: list[StageWork], ab
         if any(k is None for ks in list(ins.values()) + list(outs.values()) for k in ks) or \
                 "mean" in outs["aux_out"]:
             continue
-        sg = stage_graph(g, st.ops, tuple(g.inputs[k] for k in st.own), st.acts_in, st.aux_in,
-                         tuple(g.inputs[len(g.inputs) - len(jax.tree_util.tree_leaves(batch)) + k]
-                               for k in st.bl), st.outs, st.aux_out)
+        sg = traces.get(g, st.ops, tuple(g.inputs[k] for k in st.own), st.acts_in, st.aux_in,
+                        tuple(g.inputs[len(g.inputs) - len(jax.tree_util.tree_leaves(batch)) + k]
+                              for k in st.bl), st.outs, st.aux_out)
         full = st.sg
         planned = len(sg.graph.ops) == len(full.graph.ops) and sg.split == full.split and all(
             x.name == y.name for x, y in zip(sg.graph.ops, full.graph.ops))
@@ -245,28 +251,34 @@ def _problem(st: StageWork, options: Any) -> tuple[dict, PlanOptions]:
     return pins, opts
 
 
-def stage_plans(stages: Sequence[StageWork], given: Sequence[Any], options: Any = None) -> tuple:
+def stage_plans(stages: Sequence[StageWork], given: Sequence[Any], options: Any = None,
+                solved: dict | None = None) -> tuple:
     """Every stage's plan (`stage_plan`); a stage that runs the same program as an earlier one, on
     the same mesh with the same pins and options, takes that stage's plan renamed
-    (`same_stages.relabelled`) instead of solving it again. The distinct stages are solved side by
-    side on the idle cores (CP-SAT releases the GIL; each plan is made alone, as in
-    `LayerCostTable.fill`)."""
+    (`same_stages.relabelled`) instead of solving it again; so does one whose program `solved`
+    (reuse key -> (plan, program), filled here) holds from an earlier call (a sweep's
+    `PlanningMemo.stage_solved`). The distinct stages are solved side by side on the idle cores
+    (CP-SAT releases the GIL; each plan is made alone, as in `LayerCostTable.fill`)."""
+    solved = solved if solved is not None else {}
     problems = [_problem(st, options) for st in stages]
     keys = [None if st.index < len(given) and given[st.index] is not None
             else reuse_key(st.sg.graph, st.layout.mesh, *problem) for st, problem in zip(stages, problems)]
     first: dict = {}
     for i, key in enumerate(keys):
-        if key is not None:
+        if key is not None and key not in solved:
             first.setdefault(key, i)
-    solve = [i for i, key in enumerate(keys) if key is None or first[key] == i]
+    solve = [i for i, key in enumerate(keys) if key is None or first.get(key) == i]
     workers = problems[0][1].solver_workers if problems else 1
     threads = max(1, min(len(solve), idle_cores() // workers))
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         made = dict(zip(solve, pool.map(lambda i: stage_plan(stages[i], given, options), solve)))
+    for i in solve:
+        if keys[i] is not None:
+            solved.setdefault(keys[i], (made[i], stages[i].sg.graph))
     plans = []
     for i, (st, key) in enumerate(zip(stages, keys)):
         if i not in made:
-            j = first[key]
-            made[i] = relabelled(made[j], stages[j].sg.graph, st.sg.graph) or stage_plan(st, given, options)
+            plan, program = solved[key]
+            made[i] = relabelled(plan, program, st.sg.graph) or stage_plan(st, given, options)
         plans.append(made[i])
     return tuple(plans)
