@@ -138,13 +138,23 @@ def longest_reduction(fn, *args) -> int:
     return longest
 
 
-def per_example_abs_grad(loss_fn, params, batch):
-    """mean_b |grad l_b|: the scale sum|x_i| of the terms that add up to a mean-loss gradient."""
+def per_example_abs_grad(loss_fn, params, batch, max_bytes: int = 1 << 28):
+    """mean_b |grad l_b|: the scale sum|x_i| of the terms that add up to a mean-loss gradient.
+    Computed over chunks of examples whose per-example gradients hold at most `max_bytes`
+    (4096 examples of an 8 MB model would hold 32 GB at once)."""
     def one(example):
         return jax.grad(loss_fn)(params, jax.tree.map(lambda x: x[None], example))
 
-    grads = jax.jit(jax.vmap(one))(batch)
-    return jax.tree.map(lambda g: np.mean(np.abs(np.asarray(g, np.float64)), axis=0), grads)
+    per = jax.jit(jax.vmap(one))
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    nbytes = sum(np.asarray(p).nbytes for p in jax.tree.leaves(params))
+    chunk = max(1, min(rows, max_bytes // max(nbytes, 1)))
+    total = None
+    for start in range(0, rows, chunk):
+        grads = per(jax.tree.map(lambda x: x[start:start + chunk], batch))
+        part = jax.tree.map(lambda g: np.sum(np.abs(np.asarray(g, np.float64)), axis=0), grads)
+        total = part if total is None else jax.tree.map(np.add, total, part)
+    return jax.tree.map(lambda t: t / rows, total)
 
 
 def _adam_state(opt_state):

@@ -14,7 +14,7 @@ import pytest
 import planner
 from planner.core.errors import InfeasiblePlanError
 from planner.emit.single import jit_planned
-from planner.graph.scan_remat import is_recomputed, recomputable_scans, recompute_scans, scan_pairs
+from planner.graph.scan_remat import is_recomputed, recomputable_scans, recompute_scans, scan_pairs, split_length
 from planner.graph.trace import trace
 from planner.levers.remat import graph_for
 from planner.present.report import format_levers
@@ -79,6 +79,34 @@ def test_rewritten_scan_computes_the_same_gradients(policy):
     assert_gradients_close(_scanned_loss, params, x, grads, want_grads, n)
 
 
+def test_the_first_layers_of_a_scanned_stack_recompute_and_compute_the_same_gradients():
+    """`first=n`: the forward scan splits at n (its first n iterations stack their inputs, the others
+    their residuals) and so does the backward; the same primitives on the same operands, so the
+    tolerance is the reduction's. n outside 1..L-1 is no such rewrite."""
+    params, x = _data()
+    step = jax.value_and_grad(_scanned_loss)
+    graph = trace(step, params, x)
+    assert split_length(graph) == 4
+    whole, off = recompute_scans(graph, "full"), _forward_scan_bytes(graph)
+    assert recompute_scans(graph, "full", first=0) is graph and recompute_scans(graph, "full", first=4) is graph
+    want_loss, want_grads = jax.jit(step)(params, x)
+    n = longest_reduction(step, params, x)
+    stacked = []
+    for first in (1, 2, 3):
+        g = recompute_scans(graph, "full", first=first)
+        assert g.source.scans_recomputed == 1 and g.source.scan_first == first and recomputable_scans(g) == 0
+        scans = sorted((r for rs in g.regions.values() for r in rs if r.kind == "scan"), key=lambda r: r.start)
+        assert len(scans) == 4  # the forward's two parts, then the backward's two
+        stacked.append(sum(g.tensors[t].nbytes for r in scans[:2] for t in r.outputs if isinstance(t, int)))
+        assert any(is_recomputed(op.name_stack) for op in g.ops)
+        loss, grads = jax.tree_util.tree_unflatten(
+            g.out_tree, jax.jit(lambda *a: g.evaluate(list(a)))(*jax.tree_util.tree_leaves((params, x))))
+        assert_loss_close(loss, want_loss, n)
+        assert_gradients_close(_scanned_loss, params, x, grads, want_grads, n)
+    # each recomputed layer stacks its input instead of its residuals: fewer bytes with more layers
+    assert _forward_scan_bytes(whole) < stacked[2] < stacked[1] < stacked[0] < off
+
+
 def test_a_transformed_graph_is_not_rewritten_again():
     params, x = _data()
     graph = trace(jax.value_and_grad(_scanned_loss), params, x)
@@ -138,3 +166,57 @@ def test_auto_recomputes_a_scanned_stack_when_the_budget_needs_it(llama, devices
     rec = tight.levers.remat
     assert rec.policy != "off" and rec.scans == 1 and rec.without_fits is False
     assert tight.prediction.memory_bytes_per_device <= budget
+
+
+def _linear_loss(params, x):
+    """A scanned stack whose only residual is each layer's hidden activation (h @ a): "dots" keeps
+    it, so only "full" saves memory, at the price of recomputing a matmul per layer."""
+    w1, w2 = params
+    return jnp.mean(jax.lax.scan(lambda h, w: (h + (h @ w[0]) @ w[1], None), x, (w1, w2))[0] ** 2)
+
+
+def _linear_step(params, x):
+    loss, grads = jax.value_and_grad(_linear_loss)(params, x)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss, grads
+
+
+def test_auto_recomputes_the_first_layers_of_a_scanned_stack_where_that_is_fastest(devices8):
+    """Under a budget no plan without recomputation meets, "full" on the first n of 8 scanned layers
+    fits and is faster than on all 8 (less recomputed): remat="auto" chooses it (`split_length`
+    bisection, `levers.remat`), the plan says so, runs against the unsharded step within the
+    summation-order bounds, compiles below the plan without recomputation, and a saved plan is
+    emitted again on the graph it was made for."""
+    rng = np.random.default_rng(0)
+    params = (jnp.asarray(rng.normal(size=(8, 16, 256)) / 16, jnp.float32),
+              jnp.asarray(rng.normal(size=(8, 256, 16)) / 64, jnp.float32))
+    x = jnp.asarray(rng.normal(size=(8192, 16)), jnp.float32)  # many rows: the recomputed matmuls dominate
+    common = dict(mesh="8", offload="off", accumulate=1)
+    with pytest.raises(InfeasiblePlanError) as e:
+        planner.plan(_linear_step, params, x, memory_budget="1KB", remat="off", **common)
+    budget = int(0.8 * e.value.lower_bound_bytes)
+    step = planner.plan_parallel(_linear_step, remat="auto", memory_budget=budget, **common)
+    plan = step.plan(params, x)
+    rec = plan.levers.remat
+    assert rec.policy == "full" and rec.scans == 1 and 0 < rec.scan_layers < 8, rec
+    assert plan.prediction.memory_bytes_per_device <= budget
+    every = planner.plan(_linear_step, params, x, remat="full", memory_budget=budget, **common)
+    assert every.levers.remat.scan_layers is None
+    assert plan.prediction.step_time_s < every.prediction.step_time_s
+    assert f"the first {rec.scan_layers} layers of each" in format_levers(plan)
+
+    new_params, loss, grads = step(params, x)
+    want_params, want_loss, want_grads = jax.jit(_linear_step)(params, x)
+    n = longest_reduction(_linear_step, params, x)
+    assert_loss_close(loss, want_loss, n)
+    assert_gradients_close(_linear_loss, params, x, grads, want_grads, n)
+
+    off = planner.plan_parallel(_linear_step, mesh="8", remat="off", offload="off", accumulate=1)
+    measured = {k: memory_stats(s.lower(params, x).compile(FAST)).peak_bytes for k, s in (("first", step), ("off", off))}
+    assert measured["first"] < measured["off"], measured
+
+    loaded = planner.Plan.from_json(plan.to_json()).bind(params, x, mesh=plan.jax_mesh, out_tree=plan.out_tree)
+    assert loaded.levers.remat.scan_layers == rec.scan_layers
+    fresh = trace(_linear_step, params, x)
+    with jax.sharding.set_mesh(loaded._mesh()):
+        again = jit_planned(graph_for(fresh, loaded), loaded)(*jax.device_put((params, x), loaded.in_shardings))
+    assert max_abs_diff(again, (new_params, loss, grads)) == 0.0  # the same program

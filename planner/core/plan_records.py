@@ -212,6 +212,7 @@ class RematRecord(JsonRecord):
     without_step_time_s: float | None = None
     without_memory_bytes: int | None = None
     scans: int | None = None  # scanned stacks recomputed (`planner.graph.scan_remat`)
+    scan_layers: int | None = None  # the first layers of each such stack recomputed (None: all)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

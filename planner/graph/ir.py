@@ -137,11 +137,13 @@ class Traced:
       ops: the traced graph's ops (compared by identity).
       scans_recomputed: scan pairs whose backward recomputes its residuals (`scan_remat`): 0 for
         the step as the user wrote it.
+      scan_first: the layers of each such stack that recompute, its first ones (None: all).
     """
 
     jaxpr: Any
     ops: tuple
     scans_recomputed: int = 0
+    scan_first: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)

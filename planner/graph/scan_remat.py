@@ -23,6 +23,14 @@ function of the step's flat arguments) and traced again like any step (`graph.tr
 memory liveness and emission see real scans with the recomputation in B's body. The values are the
 same as the original step's (the same primitives on the same operands).
 
+The first layers only (`first=n`, Megatron-LM's `--recompute-num-layers` for a scanned stack):
+F runs as two scans, iterations [0, n) rewritten as above and [n, L) as the original body stacking
+its residuals; B (reversed) runs [n, L) on those residuals, then [0, n) recomputing. Each part reads
+its rows of the whole stacked operands by index (`_ranged`), so no part of a stacked weight is
+copied; the per-layer results of each part (B's weight gradients) are concatenated, the layout the
+planner prices as the original scan's stacking (written into one carried buffer instead, every
+layer's weight-gradient partial sum was reduced inside the loop: priced 4x the communication).
+
 Out of scope: a scan pair inside a nested `jit` or control flow (only the step's top level is
 rewritten; the plan says no scan was recomputed), and residuals that are not stacked scan outputs
 (loop-invariant residuals are computed once outside the loop by JAX itself).
@@ -183,24 +191,51 @@ class _Plan:
     saved: tuple[Any, ...]
 
 
-def _forward(plan: _Plan, eqn, vals: list[Any]) -> list[Any]:
+def _ranged(step: Callable, carry: Any, full: Sequence[Any], stacked: Any, start: int, stop: int, reverse: bool,
+            unroll: Any) -> tuple[Any, Any]:
+    """`lax.scan` of `step(carry, index, row of each `full` array at that index, stacked row)` over
+    the indices [start, stop): the iterations of a split scan read their rows of the whole stacked
+    operands (no copy of a part of them), `stacked` holds stop - start rows."""
+    def body(carry, xs):
+        i, row = xs
+        return step(carry, i, [jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in full], row)
+
+    return jax.lax.scan(body, carry, (jax.numpy.arange(start, stop), stacked), length=stop - start,
+                        reverse=reverse, unroll=unroll)
+
+
+def _forward(plan: _Plan, eqn, vals: list[Any], first: int | None = None) -> list[Any]:
     """The forward scan, stacking its input carry and the kept matmul results instead of the
     residuals; returns the equation's results in its order, with the stacks appended (the
-    residual slots hold None)."""
+    residual slots hold None). With `first` (`rewrite`): only its first `first` iterations so, the
+    others as the original scan, whose residual stacks fill the residual slots."""
     p = eqn.params
     nc, nk = scan_counts(p)
     body = plan.body
     res = set(plan.pair.residuals)
+    xs = vals[nc + nk:]
 
-    def step(carry, xs):
-        outs, saved = _body_outputs(body, plan.saved, list(vals[:nc]) + list(carry) + list(xs))
+    def recomputed(carry, x):
+        outs, saved = _body_outputs(body, plan.saved, list(vals[:nc]) + list(carry) + list(x))
         ys = [y for j, y in enumerate(outs[nk:]) if j not in res]
         return outs[:nk], (ys, list(carry), saved)
 
-    carry, (ys, carries, saved) = jax.lax.scan(step, vals[nc:nc + nk], vals[nc + nk:], length=p["length"],
-                                               reverse=p["reverse"], unroll=p.get("unroll", 1))
+    if first is None:
+        carry, (ys, carries, saved) = jax.lax.scan(recomputed, vals[nc:nc + nk], xs, length=p["length"],
+                                                   reverse=p["reverse"], unroll=p.get("unroll", 1))
+        it = iter(ys)
+        return list(carry) + [None if j in res else next(it) for j in range(len(eqn.outvars) - nk)], (carries, saved)
+
+    def plain(carry, i, x, row):  # the original body: every stacked output, residuals included
+        outs = jaxpr_as_fun(body)(*(list(vals[:nc]) + list(carry) + list(x)))
+        return outs[:nk], outs[nk:]
+
+    unroll = p.get("unroll", 1)
+    carry, (ys, carries, saved) = _ranged(lambda c, i, x, row: recomputed(c, x), vals[nc:nc + nk], xs, (),
+                                          0, first, False, unroll)
+    carry, rest = _ranged(plain, carry, xs, (), first, p["length"], False, unroll)
     it = iter(ys)
-    full = [None if j in res else next(it) for j in range(len(eqn.outvars) - nk)]
+    full = [rest[j] if j in res else jax.numpy.concatenate([next(it), rest[j]]) for j in range(len(rest))]
     return list(carry) + full, (carries, saved)
 
 
@@ -213,9 +248,14 @@ def _body_outputs(body: ClosedJaxpr, saved_vars: Sequence[Any], args: list[Any])
     return values[:len(j.outvars)], values[len(j.outvars):]
 
 
-def _backward(plan: _Plan, f_eqn, f_vals: list[Any], stacks, eqn, vals: list[Any]) -> list[Any]:
+def _backward(plan: _Plan, f_eqn, f_vals: list[Any], stacks, eqn, vals: list[Any],
+              first: int | None = None) -> list[Any]:
     """The backward scan, its residuals recomputed per iteration from the forward's stacked input
-    carries, scanned inputs and kept matmul results (`stacks`), with the forward's constants."""
+    carries, scanned inputs and kept matmul results (`stacks`), with the forward's constants. With
+    `first`: the iterations after the first `first` run first (the scan is reversed) as the
+    original scan on the residuals the forward stacked for them, then the first `first`
+    recomputing theirs; both read their rows of the whole scanned operands and write their rows of
+    each stacked result into one buffer (no copies of parts)."""
     p = eqn.params
     nc, nk = scan_counts(p)
     fnc, fnk = scan_counts(f_eqn.params)
@@ -227,21 +267,44 @@ def _backward(plan: _Plan, f_eqn, f_vals: list[Any], stacks, eqn, vals: list[Any
     known = set(fbody.invars) | set(fbody.constvars) | set(plan.saved)
     recompute_eqns = _needed(fbody, plan.residual_vars, known)
 
-    def step(carry, xs):
-        own, carry_i, fx_i, saved_i = xs
+    def args_of(carry, own, res):
+        own_it, res_it = iter(own), iter(res)
+        return list(vals[:nc]) + list(carry) + [next(res_it) if k in slots else next(own_it)
+                                                for k in range(nc + nk, len(vals))]
+
+    def recompute(carry_i, fx_i, saved_i):
         env = dict(zip(fbody.invars, list(f_consts) + list(carry_i) + list(fx_i)))
         env.update(zip(plan.saved, saved_i))
         with jax.named_scope(SCOPE):
-            res = _eval(fbody, plan.body.consts, env, recompute_eqns, plan.residual_vars)
-        args = list(vals[:nc]) + list(carry)
-        own_it = iter(own)
-        args += [res[slots[k]] if k in slots else next(own_it) for k in range(nc + nk, len(vals))]
-        out = jaxpr_as_fun(body)(*args)
+            return _eval(fbody, plan.body.consts, env, recompute_eqns, plan.residual_vars)
+
+    own_xs = [vals[k] for k in other]
+    if first is None:
+        def step(carry, xs):
+            own, carry_i, fx_i, saved_i = xs
+            out = jaxpr_as_fun(body)(*args_of(carry, own, recompute(carry_i, fx_i, saved_i)))
+            return out[:nk], out[nk:]
+
+        carry, ys = jax.lax.scan(step, vals[nc:nc + nk], (own_xs, carries, f_xs, saved), length=p["length"],
+                                 reverse=p["reverse"], unroll=p.get("unroll", 1))
+        return list(carry) + list(ys)
+
+    unroll = p.get("unroll", 1)
+
+    def late(carry, i, x, res):  # the original body on the residuals the forward stacked (operand order)
+        out = jaxpr_as_fun(body)(*args_of(carry, x, res))
         return out[:nk], out[nk:]
 
-    carry, ys = jax.lax.scan(step, vals[nc:nc + nk], ([vals[k] for k in other], carries, f_xs, saved),
-                             length=p["length"], reverse=p["reverse"], unroll=p.get("unroll", 1))
-    return list(carry) + list(ys)
+    def early(carry, i, x, row):  # recomputing its residuals (`plan.residual_vars` order)
+        own, fx_i = x[:len(own_xs)], x[len(own_xs):]
+        res = recompute(row[0], fx_i, row[1])
+        out = jaxpr_as_fun(body)(*args_of(carry, own, [res[slots[k]] for k in sorted(slots)]))
+        return out[:nk], out[nk:]
+
+    carry, ys_late = _ranged(late, vals[nc:nc + nk], own_xs, [vals[k] for k in sorted(slots)], first, p["length"],
+                             True, unroll)
+    carry, ys = _ranged(early, carry, own_xs + list(f_xs), (carries, saved), 0, first, True, unroll)
+    return list(carry) + [jax.numpy.concatenate([a, b]) for a, b in zip(ys, ys_late)]
 
 
 def _plans(jaxpr: Jaxpr, policy: str) -> dict[int, _Plan]:
@@ -258,14 +321,32 @@ def _plans(jaxpr: Jaxpr, policy: str) -> dict[int, _Plan]:
     return plans
 
 
-def rewrite(closed: ClosedJaxpr, policy: str) -> tuple[Callable[..., list[Any]], int] | None:
+def _split_length(jaxpr: Jaxpr, plans: dict[int, _Plan]) -> int | None:
+    """The common length of `plans`' scans when each pair can recompute its first iterations only:
+    its forward scan runs forward, its backward scan in reverse (as `jax.grad` makes them)."""
+    lengths = set()
+    for pl in plans.values():
+        f, b = jaxpr.eqns[pl.pair.forward].params, jaxpr.eqns[pl.pair.backward].params
+        if f["reverse"] or not b["reverse"]:
+            return None
+        lengths.add(f["length"])
+    return lengths.pop() if len(lengths) == 1 else None
+
+
+def rewrite(closed: ClosedJaxpr, policy: str, first: int | None = None
+            ) -> tuple[Callable[..., list[Any]], int] | None:
     """(a function of the step's flat arguments computing its flat results with every recomputable
-    scan pair rewritten under `policy`, the number of pairs), or None when `closed` has none."""
+    scan pair rewritten under `policy`, the number of pairs), or None when `closed` has none.
+    `first`: only the first `first` layers (iterations) of each stack recompute (Megatron-LM's
+    `--recompute-num-layers`, `levers.remat`), the others keep their residuals as the original
+    scans do; None (no such rewrite) unless 0 < first < the stacks' common length (`split_length`)."""
     if policy not in POLICIES:
         raise ValueError(f"scan recomputation policy {policy!r} must be one of {POLICIES}")
     jaxpr = closed.jaxpr
     plans = _plans(jaxpr, policy)
     if not plans:
+        return None
+    if first is not None and not 0 < first < (_split_length(jaxpr, plans) or 0):
         return None
     backward_of = {pl.pair.backward: pl for pl in plans.values()}
 
@@ -281,11 +362,12 @@ def rewrite(closed: ClosedJaxpr, policy: str) -> tuple[Callable[..., list[Any]],
             vals = [read(v) for v in eqn.invars]
             with _scope(eqn):
                 if i in plans:
-                    result, stacks[i] = _forward(plans[i], eqn, vals)
+                    result, stacks[i] = _forward(plans[i], eqn, vals, first)
                 elif i in backward_of:
                     pl = backward_of[i]
                     f_eqn = jaxpr.eqns[pl.pair.forward]
-                    result = _backward(pl, f_eqn, [read(v) for v in f_eqn.invars], stacks[pl.pair.forward], eqn, vals)
+                    result = _backward(pl, f_eqn, [read(v) for v in f_eqn.invars], stacks[pl.pair.forward], eqn, vals,
+                                       first)
                 else:
                     result = apply_equation(eqn, vals)
             env.update(zip(eqn.outvars, result))  # a recomputed residual: None (only the backward read it)
@@ -307,12 +389,23 @@ def recomputable_scans(graph: Graph) -> int:
     return graph.cached(("recomputable_scans",), lambda: len(_plans(graph.source.jaxpr.jaxpr, "full")))
 
 
-def recompute_scans(graph: Graph, policy: str) -> Graph:
+def split_length(graph: Graph) -> int | None:
+    """The layers per stack `recompute_scans(first=)` can choose the first of (the stacks' common
+    length), or None where it cannot (no stack, stacks of several lengths, a scan direction other
+    than `jax.grad`'s, or a transformed graph)."""
+    if not recomputable_scans(graph):
+        return None
+    jaxpr = graph.source.jaxpr.jaxpr
+    return graph.cached(("scan_split_length",), lambda: _split_length(jaxpr, _plans(jaxpr, "full")))
+
+
+def recompute_scans(graph: Graph, policy: str, first: int | None = None) -> Graph:
     """`graph` traced again with every scan pair's residuals recomputed under `policy` (module
-    docstring); `graph` itself when it has none or was transformed since it was traced."""
+    docstring), in the first `first` layers of each stack only where given (`rewrite`); `graph`
+    itself when it has none, was transformed since it was traced, or cannot split at `first`."""
     if not _rewritable(graph):
         return graph
-    made = rewrite(graph.source.jaxpr, policy)
+    made = rewrite(graph.source.jaxpr, policy, first)
     if made is None:
         return graph
     fn, n = made
@@ -324,4 +417,5 @@ def recompute_scans(graph: Graph, policy: str) -> Graph:
         graph.in_tree, [jax.ShapeDtypeStruct(graph.tensors[t].shape, graph.tensors[t].dtype) for t in graph.inputs])
     out = trace(step, *abstract, user_constraints=graph.user_constraints)
     out = dataclasses.replace(out, input_paths=graph.input_paths, output_paths=graph.output_paths)
-    return dataclasses.replace(out, source=dataclasses.replace(out.source, ops=out.ops, scans_recomputed=n))
+    return dataclasses.replace(out, source=dataclasses.replace(out.source, ops=out.ops, scans_recomputed=n,
+                                                               scan_first=first))

@@ -30,7 +30,9 @@ process-wide XLA_FLAGS: passed per program (`jax.jit(compiler_options=...)`) it 
 A scanned stack of layers (one `scan` whose body is a layer: MaxText's `scan_layers`, Flax
 `nn.scan`) is recomputed by rewriting the step's jaxpr (`planner.graph.scan_remat`): the forward
 scan stacks each layer's input instead of its residuals and the backward scan recomputes them per
-layer, with the same policies, on every scan of the stack at once (no first-n choice).
+layer, with the same policies, on every scan of the stack at once, or (under "auto", as for unrolled
+layers) on the first n layers of each stack for the fewest n that fits (`scan_remat.rewrite(first=)`:
+each scan split at n, the first part recomputing, the rest keeping its residuals).
 
 Out of scope: unrolled layers inside another scan or control-flow region, and layers a pipeline
 plans (pipeline stages choose recomputation per stage, `pipeline="auto"`).
@@ -48,7 +50,7 @@ from typing import Any, TypeVar
 from planner.core.errors import InfeasiblePlanError, InvalidArgumentError, NotFasterError
 from planner.graph.ir import Body, Graph, Op, Recompute
 from planner.graph.scan_remat import (POLICIES as SCAN_POLICIES, is_recomputed, keeps, recomputable_scans,
-                                      recompute_scans)
+                                      recompute_scans, split_length)
 from planner.ilp.levers import LEVERS, RAISE, levers_text
 from planner.core.layer_index import find_indexed, in_fused_attention
 from planner.core.options import REMAT
@@ -166,16 +168,19 @@ def _is_backward(graph: Graph, i: int) -> bool:
     return graph.ops[i].name_stack.startswith("transpose(")
 
 
-def rematerialize(graph: Graph, layers: Sequence[str] | None = None, policy: str = "full") -> Graph:
+def rematerialize(graph: Graph, layers: Sequence[str] | None = None, policy: str = "full",
+                  scan_first: int | None = None) -> Graph:
     """`graph` with the forward of each layer in `layers` (default: every layer `remat_layers`
-    finds) recomputed before its backward (module docstring). The result computes the same values.
+    finds) recomputed before its backward (module docstring), and the layers of each scanned stack
+    (its first `scan_first` only, where given: `graph.scan_remat.recompute_scans`). The result
+    computes the same values.
 
     Raises:
       InvalidArgumentError: an unknown policy, or a layer name that is not a recomputable layer.
     """
     if policy not in POLICIES:
         raise InvalidArgumentError(f"remat policy {policy!r} must be one of {', '.join(map(repr, POLICIES))}")
-    graph = recompute_scans(graph, policy)  # a scanned stack: its jaxpr rewritten, traced again
+    graph = recompute_scans(graph, policy, scan_first)  # a scanned stack: its jaxpr rewritten, traced again
     found, skipped = _layers(graph)
     by_name = {layer.name: layer for layer in found}
     if layers is None:
@@ -258,7 +263,9 @@ def summary(original: Graph, transformed: Graph, policy: str) -> RematRecord:
     names = remat_layers(original)
     scans = transformed.source.scans_recomputed if transformed.source is not None else 0
     added = sum(op.name_stack.startswith(f"{WRAPPER}(") or is_recomputed(op.name_stack) for op in transformed.ops)
-    return RematRecord(policy, tuple(n for n in names if n in copied), len(names), added, scans=scans or None)
+    first = transformed.source.scan_first if scans else None
+    return RematRecord(policy, tuple(n for n in names if n in copied), len(names), added, scans=scans or None,
+                       scan_layers=first)
 
 
 def graph_for(graph: Graph, plan: Plan) -> Graph:
@@ -267,7 +274,7 @@ def graph_for(graph: Graph, plan: Plan) -> Graph:
     info = plan.levers.remat
     if info is None or not (info.recomputed_ops or info.scans):
         return graph
-    return rematerialize(graph, info.layers, info.policy)
+    return rematerialize(graph, info.layers, info.policy, info.scan_layers)
 
 
 # The plan without recomputation that remat="auto" weighed the chosen one against: (fits the
@@ -383,7 +390,13 @@ def _plan_auto(graph: Graph, names: Sequence[str], plan_fn: Callable[[Graph, boo
             found.append(probe)
     if found and "off" in failed:
         fastest = min(found, key=lambda x: x[:2])[4]
-        found.extend(_fewest_layers(graph, names, fastest, plan_fn, plan_of, min(f[0] for f in found)))
+        beat = min(f[0] for f in found)
+        if names:
+            found.extend(_fewest_layers(len(names), lambda n: rematerialize(graph, names[:n], fastest), fastest,
+                                        plan_fn, plan_of, beat))
+        elif fastest == "full" and split_length(graph):  # a scanned stack's first n layers (see `_fewest_layers`)
+            found.extend(_fewest_layers(split_length(graph), lambda n: rematerialize(graph, None, fastest, n),
+                                        fastest, plan_fn, plan_of, beat))
     if found:
         _, _, g, result, policy = min(found, key=lambda x: x[:2])  # on a tie, fewer layers recomputed
         return g, result, policy, (None if g is graph else without)
@@ -436,10 +449,24 @@ def _which(n: int, total: int) -> str:
     return f"{n} of {total} layers" if total else "the scanned layers"
 
 
-def _fewest_layers(graph: Graph, names: Sequence[str], policy: str, plan_fn: Callable[[Graph, bool], T],
+# A scanned stack's first n layers are recomputed under "full" only (`scan_remat.rewrite(first=)`):
+# Megatron-LM likewise chooses layers (`--recompute-method block --recompute-num-layers N`) with
+# `--recompute-granularity full` only; its selective recomputation (attention's core, "dots_no_batch"
+# here) runs on every layer (Megatron-LM's recomputation arguments; NeMo's "Activation Recomputation"
+# guide describes the same two modes).
+# Each probe traces the rewritten step again, and where "dots" or "dots_no_batch" already fits the
+# recomputed matmuls are few (Llama-2-7B b16 s4096: 0 and 4.5% of the step's matmul FLOPs, against
+# 21% under "full"), while the bisection's probes near L, which nearly fit, take the longest to
+# prove they cannot beat the fastest plan (`planner plan --model llama-7b --cluster 1x8:h100-sxm
+# --batch 16 --seq 4096`: two bisections under "dots" / "dots_no_batch" took 52 -> 93 s, no faster
+# plan).
+
+
+def _fewest_layers(total: int, make: Callable[[int], Graph], policy: str, plan_fn: Callable[[Graph, bool], T],
                    plan_of: Callable[[T], Plan], beat: float = math.inf) -> list[tuple[float, int, Graph, T, str]]:
-    """`policy` on the first n of `names` for the fewest n that fits, by bisection: none fits at 0
-    ("off" did not), all of them at len(names) (planned already). Every plan the bisection found
+    """`policy` on the first n of `total` layers (`make(n)`: the step so rewritten; the unrolled
+    layers' names, or the first iterations of a scanned stack) for the fewest n that fits, by
+    bisection: none fits at 0 ("off" did not), all of them at `total` (planned already). Every plan the bisection found
     fitting, the one at that n last, as `plan_remat` candidates (all were planned anyway, and one
     with more layers can be faster: its unconstrained optimum may fit where the fewest layers
     need more sharding).
@@ -450,11 +477,11 @@ def _fewest_layers(graph: Graph, names: Sequence[str], policy: str, plan_fn: Cal
     slower than the fastest plan found binds harder below (GPT-39B b1024 on 8x8 V100, microbatches
     of 512 rows: all 48 layers 31.13 s, the first 47 38.3 s after a 114 s probe; 4 microbatches:
     16.53 s and 24.22 s at 45 after 104 s). A rule, not a proof: fewer layers also recompute less."""
-    lo, hi, fitting = 0, len(names), []
+    lo, hi, fitting = 0, total, []
     while hi - lo > 1:
         mid = (lo + hi) // 2
         fastest = min([beat] + [f[0] for f in fitting])
-        probe = _probe(rematerialize(graph, names[:mid], policy), policy, mid, len(names), plan_fn, plan_of, fastest)
+        probe = _probe(make(mid), policy, mid, total, plan_fn, plan_of, fastest)
         if isinstance(probe, NotFasterError):
             log.info("remat auto: fewer layers than %d not probed: %d no longer beat %.4g s/step", mid, mid, fastest)
             break

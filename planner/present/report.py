@@ -406,7 +406,8 @@ def format_levers(plan) -> str:
             f", {len(layers)} of {len(layers) if remat.recomputable is None else remat.recomputable} layers "
             f"({'..'.join(dict.fromkeys((layers[0], layers[-1])))}), "
             f"{remat.recomputed_ops} ops recomputed in the backward" if layers else
-            f", {remat.scans} scanned stack(s) of layers recomputed in the backward scan" if remat.scans else
+            f", {remat.scans} scanned stack(s) of layers recomputed in the backward scan"
+            + (f" (the first {remat.scan_layers} layers of each)" if remat.scan_layers else "") if remat.scans else
             " (the plan fits without it)") + _without(remat))
     offload = plan.levers.offload
     if offload is not None:
