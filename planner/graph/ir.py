@@ -268,12 +268,19 @@ def matmul_flops(graph: Graph) -> dict[str, float]:
     for op in graph.ops:
         if op.name != "dot_general":
             continue
-        (lhs_contract, _), _ = op.params["dimension_numbers"]
         lhs, rhs = (graph.tensors[x] if isinstance(x, int) else x.tensor for x in op.inputs[:2])
-        res = graph.tensors[op.outputs[0]]
         key = str(min((lhs.dtype, rhs.dtype), key=lambda d: getattr(d, "itemsize", 8)))
-        out[key] = out.get(key, 0.0) + 2.0 * res.size * math.prod(lhs.shape[d] for d in lhs_contract)
+        out[key] = out.get(key, 0.0) + dot_flops(graph, op)
     return out
+
+
+def dot_flops(graph: Graph, op: Op) -> float:
+    """2 x output size x contracted size of a `dot_general` op; 0 for any other op."""
+    if op.name != "dot_general":
+        return 0.0
+    (lhs_contract, _), _ = op.params["dimension_numbers"]
+    lhs = graph.tensors[op.inputs[0]] if isinstance(op.inputs[0], int) else op.inputs[0].tensor
+    return 2.0 * graph.tensors[op.outputs[0]].size * math.prod(lhs.shape[d] for d in lhs_contract)
 
 
 # ----- the interpreter behind `Graph.evaluate` and `Graph.run_range` ----------------------------

@@ -47,8 +47,10 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
+
 from planner.core.errors import InfeasiblePlanError, InvalidArgumentError, NotFasterError
-from planner.graph.ir import Body, Graph, Op, Recompute
+from planner.graph.ir import Body, Graph, Op, Recompute, dot_flops
 from planner.graph.scan_remat import (POLICIES as SCAN_POLICIES, is_recomputed, keeps, recomputable_scans,
                                       recompute_scans, split_length)
 from planner.ilp.levers import LEVERS, RAISE, levers_text
@@ -302,7 +304,7 @@ NO_LAYERS = ("recomputable layers are repeated modules named like blocks_0, bloc
 
 
 def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable[[Graph, bool], T],
-               plan_of: Callable[[T], Plan]) -> tuple[Graph, T, str, Without | None]:
+               plan_of: Callable[[T], Plan], scan_first: bool = True) -> tuple[Graph, T, str, Without | None]:
     """Plans `graph` with recomputation `remat` ("off", "full", "dots" or "auto").
 
     "auto": no recomputation when there is no budget, or when the plan without it meets the budget
@@ -331,6 +333,8 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
         InfeasiblePlanError when nothing fits the budget, after a search for the smallest peak
         when `search` (False under "auto": the smallest peak of the fewest-bytes plan only, so
         that an infeasible "off" costs little before recomputation is tried).
+      scan_first: whether a scanned stack's first n layers are bisected too (under "full" and
+        `SCAN_GAIN`, see `_fewest_layers`); the accumulation lever's per-count searches do not.
 
     Returns:
       (the graph planned, plan_fn's result, the policy chosen: "off" or one of `POLICIES`, and under
@@ -349,7 +353,7 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
         return transformed, plan_fn(transformed, True), remat, None
     names = remat_layers(graph) if remat == "auto" and budget is not None else []
     if names or (remat == "auto" and budget is not None and recomputable_scans(graph)):
-        return _plan_auto(graph, names, plan_fn, plan_of)
+        return _plan_auto(graph, names, plan_fn, plan_of, scan_first)
     try:
         return graph, plan_fn(graph, True), "off", None
     except InfeasiblePlanError as e:
@@ -359,8 +363,9 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
 
 
 def _plan_auto(graph: Graph, names: Sequence[str], plan_fn: Callable[[Graph, bool], T],
-               plan_of: Callable[[T], Plan]) -> tuple[Graph, T, str, Without | None]:
-    """`plan_remat`'s "auto" with a budget and recomputable layers `names` (see there)."""
+               plan_of: Callable[[T], Plan], scan_first: bool = True) -> tuple[Graph, T, str, Without | None]:
+    """`plan_remat`'s "auto" with a budget and recomputable layers `names` (see there;
+    `scan_first`: whether a scanned stack's first layers are bisected)."""
     failed: dict[str, InfeasiblePlanError] = {}
     found: list[tuple[float, int, Graph, T, str]] = []  # (step time, layers recomputed, graph, result, policy)
     try:
@@ -394,9 +399,11 @@ def _plan_auto(graph: Graph, names: Sequence[str], plan_fn: Callable[[Graph, boo
         if names:
             found.extend(_fewest_layers(len(names), lambda n: rematerialize(graph, names[:n], fastest), fastest,
                                         plan_fn, plan_of, beat))
-        elif fastest == "full" and split_length(graph):  # a scanned stack's first n layers (see `_fewest_layers`)
-            found.extend(_fewest_layers(split_length(graph), lambda n: rematerialize(graph, None, fastest, n),
-                                        fastest, plan_fn, plan_of, beat))
+        elif scan_first and fastest == "full" and split_length(graph):  # a scanned stack's first n layers
+            total, best = split_length(graph), min(found, key=lambda x: x[:2])
+            saving = recompute_time(best[2], plan_of(best[3]))
+            found.extend(_fewest_layers(total, lambda n: rematerialize(graph, None, fastest, n), fastest, plan_fn,
+                                        plan_of, beat, worth=lambda n: (total - n) / total * saving > SCAN_GAIN * beat))
     if found:
         _, _, g, result, policy = min(found, key=lambda x: x[:2])  # on a tie, fewer layers recomputed
         return g, result, policy, (None if g is graph else without)
@@ -460,10 +467,32 @@ def _which(n: int, total: int) -> str:
 # prove they cannot beat the fastest plan (`planner plan --model llama-7b --cluster 1x8:h100-sxm
 # --batch 16 --seq 4096`: two bisections under "dots" / "dots_no_batch" took 52 -> 93 s, no faster
 # plan).
+# A probe of a scanned stack's first n layers is made only where the recomputation it drops, priced
+# in the fastest plan found (`recompute_time`), could beat that plan by this fraction: the stage
+# tables accept their layer plans this far from optimal (`stages.layer_cost.LAYER_GAP`), and the
+# probes nearest L nearly fit and take longest to refute (Llama-2-70B b128 s4096 on 8x8 H100: "full"
+# on 78 of 80 layers took 89 s to prove it cannot beat all 80, for at most 2/80 of their recomputation).
+SCAN_GAIN = 0.02
+
+
+def recompute_time(transformed: Graph, plan: Plan) -> float:
+    """The recomputation's share of `plan`'s compute time (the plan of `transformed`), estimated by
+    matmul FLOPs: those of the recomputed ops over all, ops inside a scan counted once per iteration."""
+    weight = np.ones(len(transformed.ops))
+    for regions in transformed.regions.values():
+        for r in regions:
+            if r.kind == "scan":
+                weight[r.start:r.end] *= r.params["length"]
+    flops = np.array([dot_flops(transformed, op) for op in transformed.ops]) * weight
+    recomputed = np.array([is_recomputed(op.name_stack) or op.name_stack.startswith(f"{WRAPPER}(")
+                           for op in transformed.ops], dtype=bool)
+    total = float(flops.sum())
+    return plan.prediction.compute_time_s * float(flops[recomputed].sum()) / total if total else 0.0
 
 
 def _fewest_layers(total: int, make: Callable[[int], Graph], policy: str, plan_fn: Callable[[Graph, bool], T],
-                   plan_of: Callable[[T], Plan], beat: float = math.inf) -> list[tuple[float, int, Graph, T, str]]:
+                   plan_of: Callable[[T], Plan], beat: float = math.inf,
+                   worth: Callable[[int], bool] | None = None) -> list[tuple[float, int, Graph, T, str]]:
     """`policy` on the first n of `total` layers (`make(n)`: the step so rewritten; the unrolled
     layers' names, or the first iterations of a scanned stack) for the fewest n that fits, by
     bisection: none fits at 0 ("off" did not), all of them at `total` (planned already). Every plan the bisection found
@@ -476,10 +505,17 @@ def _fewest_layers(total: int, make: Callable[[int], Graph], policy: str, plan_f
     fewer recomputed layers hold more memory, and a budget that already makes this many layers
     slower than the fastest plan found binds harder below (GPT-39B b1024 on 8x8 V100, microbatches
     of 512 rows: all 48 layers 31.13 s, the first 47 38.3 s after a 114 s probe; 4 microbatches:
-    16.53 s and 24.22 s at 45 after 104 s). A rule, not a proof: fewer layers also recompute less."""
+    16.53 s and 24.22 s at 45 after 104 s). A rule, not a proof: fewer layers also recompute less.
+    `worth(n)`: whether n layers can save enough to be probed; a probe that cannot is taken as
+    fitting with no gain (more layers save less still), and the bisection goes on below it only."""
     lo, hi, fitting = 0, total, []
     while hi - lo > 1:
         mid = (lo + hi) // 2
+        if worth is not None and not worth(mid):
+            log.info("remat auto: %s on %d of %d layers not probed: it cannot save enough to beat the fastest plan",
+                     policy, mid, total)
+            hi = mid
+            continue
         fastest = min([beat] + [f[0] for f in fitting])
         probe = _probe(make(mid), policy, mid, total, plan_fn, plan_of, fastest)
         if isinstance(probe, NotFasterError):

@@ -242,11 +242,13 @@ def compose_on_meshes(step: Callable[..., Any], graph: Graph, meshes: Sequence[M
     return compose(step, graph, options, search, MeshSpec((meshes[0].size,), default_axis_names(1)), stages)
 
 
-def _single(graph: Graph, options: PlanOptions, search: Search) -> Composed:
+def _single(graph: Graph, options: PlanOptions, search: Search, first_layers: bool = True) -> Composed:
     """Recomputation x host offload around the mesh search (module docstring, 1-2): recomputation
     first; host offload ("auto", the default) only when no recomputation policy fits without it
     (then every policy is tried again with it), or, when recomputation was needed, once without
-    recomputation, the faster plan kept."""
+    recomputation, the faster plan kept. `first_layers`: whether a scanned stack's first layers
+    are weighed (`levers.remat.plan_remat(scan_first=)`; not for each microbatch count of the
+    accumulation lever, which repeats this search per count)."""
     budget, mode = options.memory_budget, options.offload or "auto"
     if mode in EXPLICIT_OFFLOAD or mode == "off" or budget is None:
         explicit = mode in EXPLICIT_OFFLOAD
@@ -256,7 +258,7 @@ def _single(graph: Graph, options: PlanOptions, search: Search) -> Composed:
             return s, _found(search(s, options if explicit else _offload(options, "off"), smallest, None,
                                     **_beat(beat)), budget)
 
-        return _remat(graph, options, plan_fn)
+        return _remat(graph, options, plan_fn, first_layers=first_layers)
     plain = _offload(options, "off")
     with_offload = _offload(options, "auto")
 
@@ -268,14 +270,15 @@ def _single(graph: Graph, options: PlanOptions, search: Search) -> Composed:
         return s, _found(search(s, with_offload, smallest, None, **_beat(beat)), budget)
 
     try:
-        first = _remat(graph, dataclasses.replace(options, offload="off"), without, smallest=False)
+        first = _remat(graph, dataclasses.replace(options, offload="off"), without, smallest=False,
+                       first_layers=first_layers)
     except InfeasiblePlanError as e:
         log.info("no plan fits without host offload: planning with it")
         try:
-            found = _remat(graph, options, offloaded)
+            found = _remat(graph, options, offloaded, first_layers=first_layers)
         except OffloadUnavailableError as why:
             log.info("offload auto: %s", why)
-            return _remat(graph, options, without)  # the answer with the smallest peak searched for
+            return _remat(graph, options, without, first_layers=first_layers)  # with the smallest peak searched for
         return Composed(found.graph, _offload_weighed(found.results, False, None, e.min_memory_bytes))
     remat = first.plan.levers.remat
     # offload alone is weighed when recomputation "auto" was needed to fit at all (when the plan
@@ -284,7 +287,8 @@ def _single(graph: Graph, options: PlanOptions, search: Search) -> Composed:
         return first
     log.info("recomputation fits: weighing host offload without it")
     try:
-        alone = _remat(graph, dataclasses.replace(options, remat="off"), offloaded, smallest=False)
+        alone = _remat(graph, dataclasses.replace(options, remat="off"), offloaded, smallest=False,
+                       first_layers=first_layers)
     except (InfeasiblePlanError, OffloadUnavailableError):
         return first
     if alone.plan.levers.offload is not None and alone.plan.levers.offload.inputs \
@@ -294,15 +298,15 @@ def _single(graph: Graph, options: PlanOptions, search: Search) -> Composed:
     return first
 
 
-def _remat(graph: Graph, options: PlanOptions, plan_fn, smallest: bool = True) -> Composed:
+def _remat(graph: Graph, options: PlanOptions, plan_fn, smallest: bool = True, first_layers: bool = True) -> Composed:
     """Recomputation (`levers.remat.plan_remat`, `options.remat`) over `plan_fn` (graph, smallest
     peak search) -> (the graph planned, its results); `smallest`: False never searches for the
-    smallest peak (a caller that tries another lever after this one)."""
+    smallest peak (a caller that tries another lever after this one); `first_layers`: `_single`'s."""
     def fn(g: Graph, want: bool, beat: float = math.inf):
         return plan_fn(g, want and smallest, beat)
 
     rewritten, (planned, results), policy, without = plan_remat(graph, options.remat, options.memory_budget, fn,
-                                                                lambda found: found[1][0].plan)
+                                                                lambda found: found[1][0].plan, first_layers)
     if options.remat != "off":
         results = [dataclasses.replace(r, plan=remat_record(r.plan, graph, rewritten, policy, without))
                    if r.plan else r for r in results]
@@ -394,7 +398,7 @@ def _accumulated(step: Callable[..., Any], graph: Graph, options: PlanOptions, s
             return results
 
         try:
-            micro = _single(g, opts, recorded)
+            micro = _single(g, opts, recorded, first_layers=False)
         except InfeasiblePlanError as e:
             raise _accumulation_answer(e, seen[-1] if seen else ()) from None
         return micro.graph, micro.plan
