@@ -254,8 +254,8 @@ def _backward(plan: _Plan, f_eqn, f_vals: list[Any], stacks, eqn, vals: list[Any
     carries, scanned inputs and kept matmul results (`stacks`), with the forward's constants. With
     `first`: the iterations after the first `first` run first (the scan is reversed) as the
     original scan on the residuals the forward stacked for them, then the first `first`
-    recomputing theirs; both read their rows of the whole scanned operands and write their rows of
-    each stacked result into one buffer (no copies of parts)."""
+    recomputing theirs; both read their rows of the whole scanned operands (no copies of parts),
+    and their stacked results are concatenated."""
     p = eqn.params
     nc, nk = scan_counts(p)
     fnc, fnk = scan_counts(f_eqn.params)
@@ -267,9 +267,9 @@ def _backward(plan: _Plan, f_eqn, f_vals: list[Any], stacks, eqn, vals: list[Any
     known = set(fbody.invars) | set(fbody.constvars) | set(plan.saved)
     recompute_eqns = _needed(fbody, plan.residual_vars, known)
 
-    def args_of(carry, own, res):
-        own_it, res_it = iter(own), iter(res)
-        return list(vals[:nc]) + list(carry) + [next(res_it) if k in slots else next(own_it)
+    def args_of(carry, own, res):  # `res`: the residuals in `plan.residual_vars` order
+        own_it = iter(own)
+        return list(vals[:nc]) + list(carry) + [res[slots[k]] if k in slots else next(own_it)
                                                 for k in range(nc + nk, len(vals))]
 
     def recompute(carry_i, fx_i, saved_i):
@@ -291,18 +291,17 @@ def _backward(plan: _Plan, f_eqn, f_vals: list[Any], stacks, eqn, vals: list[Any
 
     unroll = p.get("unroll", 1)
 
-    def late(carry, i, x, res):  # the original body on the residuals the forward stacked (operand order)
+    def late(carry, i, x, res):  # the original body on the residuals the forward stacked
         out = jaxpr_as_fun(body)(*args_of(carry, x, res))
         return out[:nk], out[nk:]
 
-    def early(carry, i, x, row):  # recomputing its residuals (`plan.residual_vars` order)
+    def early(carry, i, x, row):  # recomputing its residuals
         own, fx_i = x[:len(own_xs)], x[len(own_xs):]
-        res = recompute(row[0], fx_i, row[1])
-        out = jaxpr_as_fun(body)(*args_of(carry, own, [res[slots[k]] for k in sorted(slots)]))
+        out = jaxpr_as_fun(body)(*args_of(carry, own, recompute(row[0], fx_i, row[1])))
         return out[:nk], out[nk:]
 
-    carry, ys_late = _ranged(late, vals[nc:nc + nk], own_xs, [vals[k] for k in sorted(slots)], first, p["length"],
-                             True, unroll)
+    carry, ys_late = _ranged(late, vals[nc:nc + nk], own_xs, [vals[k] for k in plan.pair.slots], first,
+                             p["length"], True, unroll)
     carry, ys = _ranged(early, carry, own_xs + list(f_xs), (carries, saved), 0, first, True, unroll)
     return list(carry) + [jax.numpy.concatenate([a, b]) for a, b in zip(ys, ys_late)]
 
