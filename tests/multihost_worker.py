@@ -29,6 +29,15 @@ def main() -> int:
     plan = step.plan(b.abstract_state(), b.abstract_batch())
     doc = plan.to_dict()
     doc.pop("solver")  # timings differ between processes; everything else must not
+    # Without a mesh the search reads the hosts from the devices' processes (planning/hosts.py);
+    # pipeline stages, which the runtime drives from one process, are refused in one line.
+    free = planner.plan_parallel(b.train_step).plan(b.abstract_state(), b.abstract_batch())
+    doc["no_mesh"] = {"mesh": list(free.mesh.shape), "inter_host_axes": list(free.options.inter_host_axes)}
+    try:
+        planner.plan_parallel(b.train_step, pipeline=True).plan(b.abstract_state(), b.abstract_batch())
+        doc["pipeline_error"] = None
+    except planner.InvalidArgumentError as e:
+        doc["pipeline_error"] = str(e)
     with open(os.path.join(out_dir, f"plan_{pid}.json"), "w") as f:
         json.dump(doc, f, sort_keys=True)
 

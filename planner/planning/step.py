@@ -27,6 +27,7 @@ from planner.graph.donation import returns_its_argument
 from planner.graph.ir import Graph
 from planner.graph.trace import trace
 from planner.planning.composition import compose
+from planner.planning.hosts import live_hosts, process_count
 from planner.planning.user_constraints import record_user_constraints
 from planner.search.candidates import candidate_meshes, default_mesh_ndim
 from planner.search.mesh_plan import check_options, make_plan
@@ -75,6 +76,9 @@ class StepPlanner:
       stages_beside_mesh: with a `mesh`, the pipeline stages of the options' cluster of several hosts
         are weighed beside the plan on that mesh, the faster kept (`compare`'s planner row beside
         pipeline baselines); the decorator keeps the mesh it is given.
+      devices_per_host: without a `mesh`, on devices of several processes, the devices of each
+        (the mesh search prices the axes that span processes on the inter-host link,
+        `planning.hosts`); None otherwise.
     """
 
     options: PlanOptions
@@ -88,6 +92,7 @@ class StepPlanner:
     logical: Any = None
     donate_argnums: int | tuple[int, ...] = ()
     stages_beside_mesh: bool = False
+    devices_per_host: int | None = None
 
     @classmethod
     def create(cls, mesh: Any = None, devices=None, donate_argnums: int | tuple[int, ...] = (),
@@ -114,9 +119,10 @@ class StepPlanner:
                 jax_mesh = spec.to_jax_mesh(found)
             elif jax_mesh.devices.size != len(found) and devices is None:
                 found = list(jax_mesh.devices.flat)
-        return cls(checked, tuple(found), spec, jax_mesh, user_mesh,
+        live = live_hosts(checked, found, jax_mesh)
+        return cls(live.options, live.devices, spec, jax_mesh, user_mesh,
                    pins if callable(pins) else dict(pins) if pins else None, unpinned, rules, logical, donate_argnums,
-                   stages_beside_mesh)
+                   stages_beside_mesh, live.devices_per_host)
 
     def plan(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Entry:
         """(graph, plan, program) of `fn` on its array arguments `args`: traced, its pins applied,
@@ -144,9 +150,10 @@ class StepPlanner:
     def _stage_search(self, fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph):
         """The pipeline stage search `compose` weighs by default (`planning.pipeline_lever`): on a
         cluster of several hosts (`options.hardware` naming one, e.g. "2x4:v100"), without a mesh
-        (unless `stages_beside_mesh`), pins or rules from the user (they fix one mesh); None elsewhere."""
+        (unless `stages_beside_mesh`), pins or rules from the user (they fix one mesh), on devices of
+        one process (`planning.hosts`: the runtime drives every stage from one); None elsewhere."""
         if (self.options.pipeline is not None or (self.mesh is not None and not self.stages_beside_mesh)
-                or self.pins is not None
+                or self.pins is not None or process_count(self.devices) > 1
                 or self.rules is not None or self.unpinned != "plan"
                 or pipeline_cluster(None, len(self.devices), self.options).hosts < 2):
             return None
@@ -186,7 +193,8 @@ class StepPlanner:
             plan = make_plan(g, self.mesh, options, self.jax_mesh, pins=self.pinned(g, args), min_peak_search=smallest)
             return (MeshResult(self.mesh, plan, None, options.inter_host_axes, 0.0),)
         meshes = [only] if only is not None else self._candidate_meshes()
-        return search_meshes(g, meshes, options, devices=self.devices, min_peak_search=smallest, beat=beat)
+        return search_meshes(g, meshes, options, devices=self.devices, min_peak_search=smallest, beat=beat,
+                             devices_per_host=self.devices_per_host)
 
     def program(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Graph:
         """The graph a one-mesh plan of `fn` on `args` is made on: traced, its pinned intermediates
@@ -234,6 +242,11 @@ class StepPlanner:
 
     def _pipelined(self, fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph) -> Entry:
         """Pipeline stages (`planner.emit.pipeline.planned.plan_with_stages`): the plan and its runner."""
+        hosts = process_count(self.devices)
+        if hosts > 1:
+            raise InvalidArgumentError(
+                f"pipeline={self.options.pipeline!r}: these devices span {hosts} processes and the pipeline runtime "
+                "drives its stages from one process; plan without pipeline= (sharding over every process)")
         plan, runner = plan_with_stages(fn, args, graph, self.mesh, self.devices, self.options,
                                         **self._stage_pins(graph))
         return graph, plan, runner
