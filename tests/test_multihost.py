@@ -51,9 +51,9 @@ def test_two_processes_plan_identically_and_match_one_process(tmp_path):
     plans = [json.loads((tmp_path / f"plan_{i}.json").read_text()) for i in range(2)]
     assert plans[0] == plans[1]
     # Each process is a host: the given mesh's axis across the processes ("x") is priced on the
-    # inter-host link, and so is some axis of the mesh the search chose without a mesh.
+    # inter-host link, and so is the one axis of the 8-device mesh the search plans without a mesh.
     assert plans[0]["options"]["inter_host_axes"] == [0]
-    assert plans[0]["no_mesh"]["inter_host_axes"], plans[0]["no_mesh"]
+    assert plans[0]["no_mesh"] == {"mesh": [8], "inter_host_axes": [0]}, plans[0]["no_mesh"]
     assert "span 2 processes" in plans[0]["pipeline_error"]
     # Assemble the planned result from both processes' shards and compare it with the unsharded
     # step here, at the tolerances derived from the summation order (tests/helpers.py).

@@ -63,12 +63,16 @@ def _sgd(loss):
 
 def test_exact_partial_sums_round_once(devices8):
     """The newcomer's step on 2x4. Under "exact" (the default) a split contraction's float32 partial sums are reduced, then
-    rounded to bf16 once: its gradient equals the unsharded one except where the two float32 sums
-    of the same terms in another order straddle a bf16 rounding boundary, and there by one bf16
-    spacing. The chance of a straddle is about the float32 error over the bf16 spacing,
-    n u32 / u_bf16 = 96 * 2^-24 / 2^-9 < 0.3% per element for the longest sum here (n = B*S, the
-    weight gradients'), so at most 1% of the elements may differ. Under "bf16" every device
-    rounds its share first, and most elements differ."""
+    rounded to bf16 once: its result equals the unsharded one except where the two float32 sums
+    of the same terms in another order straddle a bf16 rounding boundary. The chance of a straddle
+    is about the float32 error over the bf16 spacing, n u32 / u_bf16 = 96 * 2^-24 / 2^-9 < 0.3%
+    per element for the longest sum here (n = B*S, the weight gradients'), so at most 1% of the
+    elements may differ. Where the straddle is in the gradient's own contraction it differs by one
+    bf16 spacing; where it is upstream (an activation or cotangent one bf16 spacing off, itself
+    a split contraction's result), one term of the gradient's sum moves by a spacing of that term,
+    which can be several spacings of a sum that cancels, so only the count is bounded (seen: one
+    element of w1's 16384 at 3.7 spacings). Under "bf16" every device rounds its share first, and
+    most elements differ."""
     p, batch = _params(), _batch()
     step = _sgd(_loss(jnp.bfloat16))
     want, _ = jax.jit(step)(p, batch)
@@ -86,11 +90,7 @@ def test_exact_partial_sums_round_once(devices8):
         for name in ("w1", "w2", "out"):  # gradients made by contractions (emb's: a scatter-add, bf16 either way)
             g_got = np.asarray(p[name] - got[name], np.float64)
             g_want = np.asarray(p[name] - want[name], np.float64)
-            diff = np.abs(g_got - g_want)
-            spacing = 2 * unit_roundoff(jnp.bfloat16) * np.maximum(np.abs(g_want), np.abs(g_got))
-            if precision == "exact":
-                assert np.all(diff <= spacing * (1 + 1e-6)), (name, float(np.max(diff / np.maximum(spacing, 1e-30))))
-            count += int(np.count_nonzero(diff))
+            count += int(np.count_nonzero(g_got != g_want))
         differing[precision] = count
     total = sum(p[n].size for n in ("w1", "w2", "out"))
     assert differing["exact"] <= 0.01 * total, differing

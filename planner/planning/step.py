@@ -129,6 +129,11 @@ class StepPlanner:
         then planned in pipeline stages, or on one mesh with the levers of `planning.composition`
         (recomputation, host offload, gradient accumulation); the step's own sharding constraints
         recorded."""
+        hosts = process_count(self.devices)
+        if self.options.pipeline and hosts > 1:
+            raise InvalidArgumentError(
+                f"pipeline={self.options.pipeline!r}: these devices span {hosts} processes and the pipeline runtime "
+                "drives its stages from one process; plan without pipeline= (sharding over every process)")
         graph = self.trace(fn, args)
         if self.options.pipeline:
             return self._pipelined(fn, args, graph)
@@ -242,11 +247,6 @@ class StepPlanner:
 
     def _pipelined(self, fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph) -> Entry:
         """Pipeline stages (`planner.emit.pipeline.planned.plan_with_stages`): the plan and its runner."""
-        hosts = process_count(self.devices)
-        if hosts > 1:
-            raise InvalidArgumentError(
-                f"pipeline={self.options.pipeline!r}: these devices span {hosts} processes and the pipeline runtime "
-                "drives its stages from one process; plan without pipeline= (sharding over every process)")
         plan, runner = plan_with_stages(fn, args, graph, self.mesh, self.devices, self.options,
                                         **self._stage_pins(graph))
         return graph, plan, runner
