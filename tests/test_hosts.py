@@ -7,6 +7,7 @@ from __future__ import annotations
 import types
 
 import numpy as np
+import pytest
 
 from planner.core.options import PlanOptions
 from planner.planning.hosts import live_hosts, mesh_host_axes
@@ -50,3 +51,20 @@ def test_the_options_and_devices_planned_with():
         assert live.options == given and live.devices_per_host is None
     # Processes holding different numbers of devices: no one count per host, planned as one host.
     assert live_hosts(opts, _devices([0] * 5 + [1] * 3)).devices_per_host is None
+
+
+def test_stages_across_processes_need_transfers_between_them():
+    """Here (XLA:CPU, `jax_cross_host_transfer_socket_address` unset) arrays cannot move between
+    processes: stages on devices of two processes are refused in one line naming the flag; one
+    process runs them. (tests/test_multihost.py runs a pipeline over two processes with it set.)"""
+    from planner.core.errors import InvalidArgumentError
+    from planner.planning.hosts import check_stages_can_run, process_cluster, stages_can_run
+
+    two_hosts = _devices([0] * 4 + [1] * 4)
+    assert stages_can_run(_devices([0] * 8)) and not stages_can_run(two_hosts)
+    with pytest.raises(InvalidArgumentError, match="jax_cross_host_transfer_socket_address"):
+        check_stages_can_run(two_hosts, "pipeline=True")
+    # an explicit pipeline plans for the cluster of the processes
+    assert process_cluster(PlanOptions(hardware="h100"), two_hosts, 4).hardware == "2x4:h100-sxm"
+    assert process_cluster(PlanOptions(), two_hosts, None) == PlanOptions()
+    assert process_cluster(PlanOptions(hardware="1x8:v100"), two_hosts, 4).hardware == "1x8:v100"

@@ -54,28 +54,51 @@ def test_two_processes_plan_identically_and_match_one_process(tmp_path):
     # inter-host link, and so is the one axis of the 8-device mesh the search plans without a mesh.
     assert plans[0]["options"]["inter_host_axes"] == [0]
     assert plans[0]["no_mesh"] == {"mesh": [8], "inter_host_axes": [0]}, plans[0]["no_mesh"]
-    assert "span 2 processes" in plans[0]["pipeline_error"]
+    _pipeline_across_processes(tmp_path, plans[0]["pipeline_stage_processes"])
     # Assemble the planned result from both processes' shards and compare it with the unsharded
     # step here, at the tolerances derived from the summation order (tests/helpers.py).
     b = get_model("gpt-tiny")
     state = jax.tree_util.tree_map(np.asarray, b.init_state(jax.random.key(0)))
     batch = jax.tree_util.tree_map(np.asarray, b.make_batch(jax.random.key(1)))
     ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
-    leaves, tree = jax.tree_util.tree_flatten((ref_state, ref_metrics))
+    new_state, metrics = _assembled(tmp_path, "shards", (ref_state, ref_metrics))
+    assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
+    _profile_measured_each_level(tmp_path / "profile.json")
+
+
+def _assembled(tmp_path: pathlib.Path, name: str, like):
+    """The tree like `like` assembled from both processes' shards (NAME_<pid>.npz / .json)."""
+    leaves, tree = jax.tree_util.tree_flatten(like)
     got = [np.full(np.shape(x), np.nan, dtype=np.asarray(x).dtype) if np.issubdtype(np.asarray(x).dtype, np.floating)
            else np.zeros(np.shape(x), np.asarray(x).dtype) for x in leaves]
     covered = [np.zeros(np.shape(x), bool) for x in leaves]
     for pid in range(2):
-        data = np.load(tmp_path / f"shards_{pid}.npz")
-        for key, i, slices, shape in json.loads((tmp_path / f"shards_{pid}.json").read_text()):
+        data = np.load(tmp_path / f"{name}_{pid}.npz")
+        for key, i, slices, shape in json.loads((tmp_path / f"{name}_{pid}.json").read_text()):
             assert list(np.shape(leaves[i])) == shape
             where = tuple(slice(lo, hi) for lo, hi in slices)
             got[i][where] = data[key]
             covered[i][where] = True
-    assert all(c.all() for c in covered), "the two processes' shards do not cover every result"
-    new_state, metrics = jax.tree_util.tree_unflatten(tree, got)
-    assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref_metrics)
-    _profile_measured_each_level(tmp_path / "profile.json")
+    assert all(c.all() for c in covered), f"the two processes' shards do not cover every result ({name})"
+    return jax.tree_util.tree_unflatten(tree, got)
+
+
+def _pipeline_across_processes(tmp_path: pathlib.Path, stage_processes) -> None:
+    """The pipeline the two processes ran (tests/mlp_pipeline.py: planned with stages on the
+    cluster of the two processes, each stage on one process's devices, activations moving between
+    them): its first step as the unsharded step's, within the bounds of the summation order."""
+    from tests import mlp_pipeline
+    from tests.helpers import assert_first_step_close
+
+    assert len(stage_processes) >= 2 and {p for ps in stage_processes for p in ps} == {0, 1}, stage_processes
+    params, opt_state, x, y = mlp_pipeline.inputs()
+    ref_params, ref_opt, ref_l = jax.jit(mlp_pipeline.step)(params, opt_state, x, y)
+    new_params, new_opt, l = _assembled(tmp_path, "pipe", (ref_params, ref_opt, ref_l))
+    assert_first_step_close(lambda p, b: mlp_pipeline.loss(p, *b), mlp_pipeline.OPT,
+                            {"params": params, "opt_state": opt_state}, (x, y),
+                            {"params": new_params, "opt_state": new_opt}, {"loss": l},
+                            {"params": ref_params, "opt_state": ref_opt}, {"loss": ref_l},
+                            train_step=lambda s, b: mlp_pipeline.step(s["params"], s["opt_state"], *b))
 
 
 def _profile_measured_each_level(path: pathlib.Path) -> None:

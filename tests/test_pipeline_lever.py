@@ -8,7 +8,6 @@ import json
 
 import jax
 import jax.numpy as jnp
-import optax
 import pytest
 
 import planner
@@ -17,6 +16,7 @@ from planner.core.options import PlanOptions
 from planner.graph.trace import trace
 from planner.planning.pipeline_lever import why_not_weighed
 from tests.conftest import skip_if_fewer_devices
+from tests import mlp_pipeline
 from tests.helpers import assert_first_step_close
 from zoo import get_model
 
@@ -80,33 +80,17 @@ def test_plan_parallel_weighs_stages_on_a_cluster_and_runs_them():
     """The decorator on a two-host cluster with a slow link: the stages are kept, and running them
     computes the plain step (first-step parameters and loss as `jax.jit`'s)."""
     skip_if_fewer_devices(8)
-    opt = optax.adam(1e-2)
-
-    def loss(params, x, y):
-        h = x
-        for i, w in enumerate(params["ws"]):
-            with jax.named_scope(f"blocks_{i}"):
-                h = jnp.tanh(h @ w)
-        return jnp.mean((h @ params["head"] - y) ** 2)
-
-    def step(params, opt_state, x, y):
-        l, g = jax.value_and_grad(loss)(params, x, y)
-        updates, opt_state = opt.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, l
-
-    params = {"ws": [jax.random.normal(jax.random.key(i), (64, 64)) * 0.1 for i in range(4)],
-              "head": jax.random.normal(jax.random.key(7), (64, 4)) * 0.1}
-    x, y = jax.random.normal(jax.random.key(8), (32, 64)), jax.random.normal(jax.random.key(9), (32, 4))
-    opt_state = opt.init(params)
-    planned = planner.plan_parallel(step, hardware="2x4:v100", inter_host="1Gbit")
+    params, opt_state, x, y = mlp_pipeline.inputs()
+    planned = planner.plan_parallel(mlp_pipeline.step, hardware="2x4:v100", inter_host="1Gbit")
     plan = planned.plan(params, opt_state, x, y)
     assert len(plan.stages) >= 2 and plan.pipeline.single_stage_step_time_s > plan.prediction.step_time_s
     new_params, new_opt, l = planned(params, opt_state, x, y)
-    ref_params, ref_opt, ref_l = jax.jit(step)(params, opt_state, x, y)
-    assert_first_step_close(lambda p, b: loss(p, *b), opt, {"params": params, "opt_state": opt_state}, (x, y),
+    ref_params, ref_opt, ref_l = jax.jit(mlp_pipeline.step)(params, opt_state, x, y)
+    assert_first_step_close(lambda p, b: mlp_pipeline.loss(p, *b), mlp_pipeline.OPT,
+                            {"params": params, "opt_state": opt_state}, (x, y),
                             {"params": new_params, "opt_state": new_opt}, {"loss": l},
                             {"params": ref_params, "opt_state": ref_opt}, {"loss": ref_l},
-                            train_step=lambda s, b: step(s["params"], s["opt_state"], *b))
+                            train_step=lambda s, b: mlp_pipeline.step(s["params"], s["opt_state"], *b))
 
 
 def test_a_hand_pipeline_of_a_scanned_zoo_model_is_built_unrolled(capsys):

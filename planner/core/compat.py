@@ -260,3 +260,19 @@ def dim_is_linear(dim: Any) -> bool:
     or min): then it has one value per symbol size and no case split on the size. Reads the
     expression's printed form (`str` of a `_DimExpr`)."""
     return not (jax.export.is_symbolic_dim(dim) and any(f"{op}(" in str(dim) for op in _NONLINEAR_DIM_OPS))
+
+
+def cross_process_transfers() -> bool:
+    """Whether `jax.device_put` can move an array to devices another process owns: the backend
+    says it supports cross-host transfers (`supports_cross_host_transfers` on the PJRT client,
+    not public), or DCN transfers are configured (`jax_cross_host_transfer_socket_address`, read
+    with `jax.config._read`, not public). Only the pipeline runtime needs it, to move activations
+    between stages of different processes."""
+    import jax.extend
+
+    if getattr(jax.extend.backend.get_backend(), "supports_cross_host_transfers", False):
+        return True
+    try:
+        return bool(jax.config._read("jax_cross_host_transfer_socket_address"))
+    except (AttributeError, KeyError):  # a JAX without the flag: no DCN transfers
+        return False

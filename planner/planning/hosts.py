@@ -12,10 +12,13 @@ measured profile (whose levels were measured across the processes already):
   process (`search_meshes(devices_per_host=)`), with the devices in process order, as the
   candidates' row-major layouts assume (JAX lists them so by default).
 
-Pipeline stages are not weighed across processes: the pipeline runtime drives every stage from one
-process (it places microbatches and moves activations with `jax.device_put`, which multi-process
-JAX refuses for devices another process owns); `PipelineRunner` says so in one line if asked to
-run there.
+Pipeline stages run across processes where arrays can move between them (`jax.device_put` to
+devices another process owns: `compat.cross_process_transfers`, a backend that supports it or
+`jax_cross_host_transfer_socket_address` set): every process runs the same schedule, each program
+executing on the processes whose devices it spans, each process placing its own shards of the
+step's inputs (`emit.pipeline.runtime._put`), activations move with `_send`. Elsewhere stages are
+not weighed, and `pipeline=` is a one-line error naming the flag. Without a mesh the stage search
+(weighed by default, or asked for) plans for the cluster of the processes (`process_cluster`).
 """
 from __future__ import annotations
 
@@ -27,8 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from planner.core.compat import cross_process_transfers
+from planner.core.errors import InvalidArgumentError
 from planner.core.options import PlanOptions
-from planner.cost_model import Cluster
+from planner.cost_model import Cluster, Hardware, get_hardware
 
 log = logging.getLogger(__name__)
 
@@ -82,3 +87,29 @@ def live_hosts(options: PlanOptions, devices: Sequence[Any], jax_mesh: Any = Non
         return LiveHosts(options, found)
     ordered = tuple(sorted(found, key=process_of))  # stable: each process's devices keep their order
     return LiveHosts(options, ordered, len(found) // hosts)
+
+
+def stages_can_run(devices: Sequence[Any]) -> bool:
+    """Whether the pipeline runtime can run stages on `devices`: one process, or arrays can move
+    between the processes (`compat.cross_process_transfers`)."""
+    return process_count(devices) < 2 or cross_process_transfers()
+
+
+def check_stages_can_run(devices: Sequence[Any], asked: str) -> None:
+    """Raises the one-line InvalidArgumentError where `stages_can_run` does not hold."""
+    if not stages_can_run(devices):
+        raise InvalidArgumentError(
+            f"{asked}: these devices span {process_count(devices)} processes and pipeline stages move activations "
+            "between them, which this backend cannot do unless jax.config.update("
+            "'jax_cross_host_transfer_socket_address', 'HOST:PORT') is set in each process before "
+            "jax.distributed.initialize; or plan without pipeline= (sharding over every process)")
+
+
+def process_cluster(options: PlanOptions, devices: Sequence[Any], devices_per_host: int | None) -> PlanOptions:
+    """`options` naming the cluster of the devices' processes ("2x4:PRESET") where `live_hosts`
+    found one count of devices per process and the options name a preset (or none), so that a
+    pipeline plans its stages over those hosts; unchanged otherwise."""
+    if devices_per_host is None or isinstance(options.hardware, Hardware) or Cluster.is_cluster(options.hardware):
+        return options
+    hw = get_hardware(options.hardware)
+    return dataclasses.replace(options, hardware=f"{len(devices) // devices_per_host}x{devices_per_host}:{hw.name}")

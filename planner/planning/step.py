@@ -27,7 +27,7 @@ from planner.graph.donation import returns_its_argument
 from planner.graph.ir import Graph
 from planner.graph.trace import trace
 from planner.planning.composition import compose
-from planner.planning.hosts import live_hosts, process_count
+from planner.planning.hosts import check_stages_can_run, live_hosts, process_cluster, stages_can_run
 from planner.planning.user_constraints import record_user_constraints
 from planner.search.candidates import candidate_meshes, default_mesh_ndim
 from planner.search.mesh_plan import check_options, make_plan
@@ -129,11 +129,8 @@ class StepPlanner:
         then planned in pipeline stages, or on one mesh with the levers of `planning.composition`
         (recomputation, host offload, gradient accumulation); the step's own sharding constraints
         recorded."""
-        hosts = process_count(self.devices)
-        if self.options.pipeline and hosts > 1:
-            raise InvalidArgumentError(
-                f"pipeline={self.options.pipeline!r}: these devices span {hosts} processes and the pipeline runtime "
-                "drives its stages from one process; plan without pipeline= (sharding over every process)")
+        if self.options.pipeline:
+            check_stages_can_run(self.devices, f"pipeline={self.options.pipeline!r}")
         graph = self.trace(fn, args)
         if self.options.pipeline:
             return self._pipelined(fn, args, graph)
@@ -154,17 +151,18 @@ class StepPlanner:
 
     def _stage_search(self, fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph):
         """The pipeline stage search `compose` weighs by default (`planning.pipeline_lever`): on a
-        cluster of several hosts (`options.hardware` naming one, e.g. "2x4:v100"), without a mesh
-        (unless `stages_beside_mesh`), pins or rules from the user (they fix one mesh), on devices of
-        one process (`planning.hosts`: the runtime drives every stage from one); None elsewhere."""
+        cluster of several hosts (`options.hardware` naming one, e.g. "2x4:v100", or devices of several
+        processes, `planning.hosts`), without a mesh
+        (unless `stages_beside_mesh`), pins or rules from the user (they fix one mesh), on devices
+        whose stages can run (`planning.hosts.stages_can_run`); None elsewhere."""
         if (self.options.pipeline is not None or (self.mesh is not None and not self.stages_beside_mesh)
-                or self.pins is not None or process_count(self.devices) > 1
+                or self.pins is not None or not stages_can_run(self.devices)
                 or self.rules is not None or self.unpinned != "plan"
-                or pipeline_cluster(None, len(self.devices), self.options).hosts < 2):
+                or pipeline_cluster(None, len(self.devices), self._on_hosts(self.options)).hosts < 2):
             return None
 
         def search(options: PlanOptions, beat: float) -> tuple[Plan, Any]:
-            return plan_with_stages(fn, args, graph, None, self.devices, options, beat=beat)
+            return plan_with_stages(fn, args, graph, None, self.devices, self._on_hosts(options), beat=beat)
 
         return search
 
@@ -247,9 +245,14 @@ class StepPlanner:
 
     def _pipelined(self, fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph) -> Entry:
         """Pipeline stages (`planner.emit.pipeline.planned.plan_with_stages`): the plan and its runner."""
-        plan, runner = plan_with_stages(fn, args, graph, self.mesh, self.devices, self.options,
+        plan, runner = plan_with_stages(fn, args, graph, self.mesh, self.devices, self._on_hosts(self.options),
                                         **self._stage_pins(graph))
         return graph, plan, runner
+
+    def _on_hosts(self, options: PlanOptions) -> PlanOptions:
+        """`options` naming the cluster of the devices' processes for a stage search without a mesh
+        (`planning.hosts.process_cluster`)."""
+        return process_cluster(options, self.devices, self.devices_per_host)
 
     def _stage_pins(self, graph: Graph) -> dict[str, Any]:
         """Pins with pipeline stages (`planner.configs.pins.stage_pins`): each pin applies on the stage that

@@ -69,9 +69,73 @@ log = logging.getLogger("planner")
 
 
 def _put(x: Any, sharding: Any) -> Any:
-    """`x` with `sharding`: itself when it has it already (the parameters and optimizer state a
-    step handed back), else a `jax.device_put` (host time per leaf even when nothing moves)."""
-    return x if getattr(x, "sharding", None) == sharding else jax.device_put(x, sharding)
+    """An input of the step (a parameter, optimizer-state or batch leaf) with `sharding`: itself
+    when it has it already (the parameters and optimizer state a step handed back), else a
+    `jax.device_put` (host time per leaf even when nothing moves). Where `sharding` names devices
+    of other processes too (stages on several hosts, `jax.distributed`) and this process holds
+    `x` whole (a host array, or an array on its own devices: every process holds the same value,
+    as each computes the same initial state), each process places the shards its devices hold
+    (`jax.make_array_from_callback`); an array spread over several processes already moves with
+    `jax.device_put` (between processes where `compat.cross_process_transfers` holds)."""
+    if getattr(x, "sharding", None) == sharding:
+        return x
+    if not sharding.is_fully_addressable and (not isinstance(x, jax.Array) or x.is_fully_addressable):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index], dtype=host.dtype)
+    return jax.device_put(x, sharding)
+
+
+def _send(x: jax.Array, sharding: Any) -> jax.Array:
+    """An activation or cotangent `x` moved to a stage's `sharding`: `jax.device_put` in one
+    process. Across processes (stages on different hosts, `jax.distributed`), every process runs
+    this with the same arguments and takes the same branch (it depends on which processes own
+    the devices only): a process holding neither end gets a handle with no shards of its own
+    (`_elsewhere`: the programs of stages it does not run take it and execute nowhere here); JAX
+    moves an array between processes only between shardings of one tiling on as many devices
+    (`jax.device_put`'s cross-host transfer), so `x` is first laid out on its own devices in the
+    receiving layout (the target's mesh shape over the source's devices) and moved; between
+    stages of different sizes it goes whole from one sending device to one receiving device
+    and is laid out there (more bytes than the plan priced: the receiving stage's share on every
+    device)."""
+    src = x.sharding
+    if src == sharding:
+        return x
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    src_procs = {d.process_index for d in src.device_set}
+    dst_procs = {d.process_index for d in sharding.device_set}
+    me = jax.process_index()
+    if me not in src_procs | dst_procs:
+        return _elsewhere(x, sharding)
+    if src_procs == dst_procs == {me}:
+        return jax.device_put(x, sharding)
+    mesh = sharding.mesh
+    src_devices = src.mesh.devices if isinstance(src, jax.sharding.NamedSharding) else \
+        np.array(sorted(src.device_set, key=lambda d: d.id))
+    if src_devices.size == mesh.devices.size:
+        here = jax.sharding.Mesh(src_devices.reshape(mesh.devices.shape), mesh.axis_names)
+        staged = jax.jit(lambda a: a, out_shardings=jax.sharding.NamedSharding(here, sharding.spec))(x)
+        return jax.device_put(staged, sharding)
+    if len(dst_procs) > 1:
+        raise InvalidArgumentError(
+            f"a stage on the devices of {len(dst_procs)} processes receives a value from a stage of another "
+            "size on another process, which the pipeline runtime cannot move; plan stages of one process each")
+    a0, b0 = src_devices.flat[0], mesh.devices.flat[0]
+    one = jax.sharding.PartitionSpec()
+    names = tuple(f"d{k}" for k in range(src_devices.ndim))
+    whole = jax.jit(lambda a: a, out_shardings=jax.sharding.NamedSharding(jax.sharding.Mesh(src_devices, names), one))(x)
+    single = jax.make_array_from_single_device_arrays(
+        x.shape, jax.sharding.NamedSharding(jax.sharding.Mesh(np.array([a0]), ("d",)), one),
+        [sh.data for sh in whole.addressable_shards if sh.device == a0], dtype=x.dtype)
+    moved = jax.device_put(single, jax.sharding.NamedSharding(jax.sharding.Mesh(np.array([b0]), ("d",)), one))
+    if me not in dst_procs:
+        return _elsewhere(x, sharding)
+    return jax.device_put(moved, sharding)
+
+
+def _elsewhere(x: jax.Array, sharding: Any) -> jax.Array:
+    """A handle of `x`'s shape and type in `sharding` for a process that owns none of its devices."""
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, [], dtype=x.dtype)
 
 
 def _axis_indices(mesh: MeshSpec, names) -> tuple[int, ...]:
@@ -331,11 +395,11 @@ class PipelinedStep:
         opt_trees, full_opt = opt_layouts(self.optimizer, len(self.layouts), params, opt_state, param_owner)
 
         p = [[_put(flat_params[k], sh) for k, sh in zip(st.params, st.param_shardings)] for st in stages]
-        mbatch = [[[jax.device_put(flat_batch[k][i * mb:(i + 1) * mb], sh)
+        mbatch = [[[_put(flat_batch[k][i * mb:(i + 1) * mb], sh)
                     for k, sh in zip(st.batch, st.batch_shardings)] for i in range(B)] for st in stages]
         run = _Run(graph, stages, act_spec, needed_by, p, mbatch, [None] * len(stages), len(stages) - 1,
-                   jax.device_put(jnp.asarray(1.0 / B, graph.tensors[graph.outputs[0]].dtype),
-                                  jax.sharding.NamedSharding(stages[-1].mesh, jax.sharding.PartitionSpec())))
+                   _put(np.asarray(1.0 / B, graph.tensors[graph.outputs[0]].dtype),
+                        jax.sharding.NamedSharding(stages[-1].mesh, jax.sharding.PartitionSpec())))
         for s, kind, i in self.order:
             if kind == "F":
                 _forward(run, s, i)
@@ -395,7 +459,7 @@ def _forward(run: _Run, s: int, i: int) -> None:
     for t, v in list(zip(st.outs, outs)) + list(zip(st.aux_out, aux_out)):
         for u in run.needed_by.get(t, ()):
             if u > s:
-                run.inbox[(u, t, i)] = jax.device_put(v, run.act_spec[(u, t)])
+                run.inbox[(u, t, i)] = _send(v, run.act_spec[(u, t)])
     if s == run.last:
         run.losses.append(outs[0])
 
@@ -421,7 +485,7 @@ def _backward(run: _Run, s: int, i: int, producer_stage: Callable[[Any, int], in
         run.acc[s], ga = st.bwd(run.saved.pop((s, i)), cts, run.acc[s])
     for t, g in zip(st.acts_in, ga):
         owner = producer_stage(run.stages, t)
-        run.ctbox[(owner, t, i)].append(jax.device_put(g, run.act_spec[(owner, t)]))
+        run.ctbox[(owner, t, i)].append(_send(g, run.act_spec[(owner, t)]))
 
 
 def _updated(stages, opt_trees, full_opt, flat_params, treedef, p, acc) -> tuple[list, dict[str, Any]]:
