@@ -46,7 +46,12 @@ def main() -> int:
     pplan = piped.plan(*args)
     doc["pipeline_stage_processes"] = [sorted({int(jax.devices()[i].process_index) for i in st.devices})
                                        for st in pplan.stages]
-    _write_shards(piped(*args), out_dir, f"pipe_{pid}")
+    first = piped(*args)
+    _write_shards(first, out_dir, f"pipe_{pid}")
+    # A second step takes the state the first handed back as it lies (each leaf on its stage).
+    again = piped(first[0], first[1], *args[2:])
+    doc["pipeline_second_loss_finite"] = all(bool(np.isfinite(np.asarray(sh.data)).all())
+                                             for sh in again[2].addressable_shards)
     with open(os.path.join(out_dir, f"plan_{pid}.json"), "w") as f:
         json.dump(doc, f, sort_keys=True)
 

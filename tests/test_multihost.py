@@ -55,6 +55,7 @@ def test_two_processes_plan_identically_and_match_one_process(tmp_path):
     assert plans[0]["options"]["inter_host_axes"] == [0]
     assert plans[0]["no_mesh"] == {"mesh": [8], "inter_host_axes": [0]}, plans[0]["no_mesh"]
     _pipeline_across_processes(tmp_path, plans[0]["pipeline_stage_processes"])
+    assert plans[0]["pipeline_second_loss_finite"] and plans[1]["pipeline_second_loss_finite"]
     # Assemble the planned result from both processes' shards and compare it with the unsharded
     # step here, at the tolerances derived from the summation order (tests/helpers.py).
     b = get_model("gpt-tiny")

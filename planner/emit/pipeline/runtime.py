@@ -73,12 +73,15 @@ def _put(x: Any, sharding: Any) -> Any:
     when it has it already (the parameters and optimizer state a step handed back), else a
     `jax.device_put` (host time per leaf even when nothing moves). Where `sharding` names devices
     of other processes too (stages on several hosts, `jax.distributed`) and this process holds
-    `x` whole (a host array, or an array on its own devices: every process holds the same value,
-    as each computes the same initial state), each process places the shards its devices hold
-    (`jax.make_array_from_callback`); an array spread over several processes already moves with
-    `jax.device_put` (between processes where `compat.cross_process_transfers` holds)."""
+    `x` whole (a host array, or an array on one device of its own: every process holds the same
+    value, as each computes the same initial state), each process places the shards its devices
+    hold (`jax.make_array_from_callback`); any other array (what a step handed back, on a stage's
+    mesh) is the processes' one array and moves by `_send`, which every process decides alike."""
     if getattr(x, "sharding", None) == sharding:
         return x
+    if (jax.process_count() > 1 and isinstance(x, jax.Array)
+            and not isinstance(x.sharding, jax.sharding.SingleDeviceSharding)):
+        return _send(x, sharding)  # an array of the processes' (what a step handed back): moved by global facts
     if not sharding.is_fully_addressable and (not isinstance(x, jax.Array) or x.is_fully_addressable):
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index], dtype=host.dtype)
