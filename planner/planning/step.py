@@ -27,7 +27,7 @@ from planner.graph.donation import returns_its_argument
 from planner.graph.ir import Graph
 from planner.graph.trace import trace
 from planner.planning.composition import compose
-from planner.planning.hosts import check_stages_can_run, live_hosts, process_cluster, stages_can_run
+from planner.planning.hosts import check_stages_can_run, live_hosts, process_cluster, process_count, stages_can_run
 from planner.planning.user_constraints import record_user_constraints
 from planner.search.candidates import candidate_meshes, default_mesh_ndim
 from planner.search.mesh_plan import check_options, make_plan
@@ -269,8 +269,7 @@ class StepPlanner:
     def _candidate_meshes(self) -> list:
         """The mesh search's candidates for these devices (3-D ones when they span several processes,
         `search.candidates.default_mesh_ndim`)."""
-        hosts = len({getattr(d, "process_index", 0) for d in self.devices})
-        return candidate_meshes(len(self.devices), default_mesh_ndim(self.options.mesh_ndim, hosts))
+        return candidate_meshes(len(self.devices), default_mesh_ndim(self.options.mesh_ndim, process_count(self.devices)))
 
 
 def array_step(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
