@@ -121,6 +121,7 @@ def stage_plans(best: Candidate, shapes: Sequence[tuple[int, int]], meshes: Sequ
             devices=placed[k],
             state_layout=opt.layout,
             remat=opt.remat,
+            kept_layers=opt.kept,
             layer_plans=opt.variant or "planned",
             time_s=stage.time_s,
             apply_s=once_per_step(best.table, opt, stage.first, stage.last)[1],

@@ -35,6 +35,8 @@ class StagePlan:
         "sharded-optimizer" (the optimizer state alone split over the stage's data axes too) or
         "offloaded-optimizer" (that, kept in host memory between updates).
       remat: the backward recomputes the stage's forward (only the stage input is kept).
+      kept_layers: under `remat`, how many of its last layers keep their activations instead (0:
+        none; `stage_cost.StageOption.kept`).
       layer_plans: "planned" (each layer's own fastest plan) or the hand layout its layers were
         planned in (a `cost_table.LAYER_VARIANTS` name: parameters, optimizer state and batch pinned
         as that baseline lays them out, the rest planned).
@@ -72,12 +74,13 @@ class StagePlan:
     layer_plans: str = "planned"
     collectives: tuple = ()
     send_bytes: float = 0.0
+    kept_layers: int = 0
 
     @property
     def name(self) -> str:
         """How the stage runs, e.g. "plan", "fsdp:sharded-state+remat" (layer plans, state layout, remat)."""
         return stage_way(PipelineStage(layer_plans=self.layer_plans, state_layout=self.state_layout,
-                                       remat=self.remat))
+                                       remat=self.remat, kept_layers=self.kept_layers))
 
     def record(self, plan: Any = None) -> PipelineStage:
         """The stage as the plan keeps it (`Plan.stages`), with its intra-op `plan` when given."""
@@ -92,6 +95,7 @@ class StagePlan:
             state_layout=self.state_layout,
             remat=self.remat,
             layer_plans=self.layer_plans,
+            kept_layers=(self.kept_layers or None) if self.remat else None,
             time_per_microbatch_s=self.time_s,
             apply_time_s=self.apply_s,
             grad_sync_time_s=self.grad_sync_s,

@@ -23,7 +23,13 @@ intra-op ILP plans each layer for time alone; it has no stage-level view of memo
                                 (`update_peak`);
   remat False  activations kept from each microbatch's forward to its backward;
         True   only the stage's input kept; the backward recomputes the stage's forward first
-               (extra time: the forward's share of the FLOPs, times the layer's time).
+               (extra time: the forward's share of the FLOPs, times the layer's time);
+        True, kept j  the stage's last j layers keep their activations, the layers before them
+               are recomputed (only the stage's input kept for them): per microbatch in flight the
+               stage input and the last j layers' activations, the recomputed layers' activations
+               once (while their backward runs), their forward once more. Offered where the
+               layers are the model's own modules (`KEPT_LEVELS`, `kept_levels`): the runtime
+               finds the cut by their names (`emit.pipeline.programs.recompute_cut`).
 Each of them in the layers' own plans or in one of the table's variants (`StageOption`).
 """
 from __future__ import annotations
@@ -45,22 +51,40 @@ LAYOUTS = ("plan", "sharded-state", "sharded-optimizer", "offloaded-optimizer")
 # The layouts that split (and may offload) the optimizer state alone (`layer_cost.optimizer_layout`).
 OPTIMIZER_LAYOUTS = ("sharded-optimizer", "offloaded-optimizer")
 
+# How many of a stage's last layers may keep their activations under recomputation (`StageOption.kept`):
+# every count up to 4, then about 1.5x apart, so a stage of n layers can keep within ~1/3 of any count.
+KEPT_LEVELS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+def kept_levels(table: LayerCostTable) -> tuple[int, ...]:
+    """The `StageOption.kept` counts tried for `table`'s layers: every level below the layer count
+    where the layers are the model's own modules (the runtime cuts a stage's program by their
+    names), none otherwise."""
+    layers = table.layers
+    if layers.method != "modules":
+        return ()
+    return tuple(j for j in KEPT_LEVELS if j < layers.num_layers)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StageOption:
     """One way to run a stage on a submesh: a logical mesh (index into the table's meshes), a state
-    layout ("plan" or "sharded-state"), whether the backward recomputes the forward, and which
-    per-layer plans it runs ("": each layer's own; else a `LayerCostTable.variants` name)."""
+    layout ("plan" or "sharded-state"), whether the backward recomputes the forward, which
+    per-layer plans it runs ("": each layer's own; else a `LayerCostTable.variants` name), and under
+    recomputation how many of the stage's last layers keep their activations (`kept`; 0: none, the
+    whole forward is recomputed)."""
 
     mesh_index: int
     layout: str
     remat: bool
     variant: str = ""
+    kept: int = 0
 
     @property
     def name(self) -> str:
         """As `planner.core.pipeline_records.stage_way` writes a stage, e.g. "fsdp:sharded-state+remat"."""
-        return stage_way(PipelineStage(layer_plans=self.variant or "planned", state_layout=self.layout, remat=self.remat))
+        return stage_way(PipelineStage(layer_plans=self.variant or "planned", state_layout=self.layout,
+                                       remat=self.remat, kept_layers=self.kept))
 
 
 def stage_collectives(table: LayerCostTable, first: int, last: int, option: StageOption) -> tuple:
@@ -198,7 +222,22 @@ def _stage_ranges(table: LayerCostTable, option: StageOption, devices: int,
         return t, state + work, act
     stage_input = np.concatenate([[0.0], boundary[:-1]]) / devices
     per_mb = np.where(np.isfinite(act), np.broadcast_to(stage_input[:, None], act.shape), np.inf)
-    return t, state + act + work, per_mb
+    if not option.kept:
+        return t, state + act + work, per_mb
+    # layers k..i-j recomputed (their activations once), i-j+1..i kept per microbatch in flight
+    recomputed = shifted(act, option.kept)
+    longer = np.isfinite(recomputed)  # the range has more layers than it keeps
+    kept = act - np.where(longer, recomputed, 0.0)  # the last j layers' sum
+    return t, state + recomputed + work, np.where(longer, per_mb + kept, np.inf)
+
+
+def shifted(m: np.ndarray, j: int) -> np.ndarray:
+    """`out[k, i] = m[k, i - j]` where `i - j >= k`, else infinity: the range k..i less its last j
+    layers (a range of `j` layers or fewer has no layer left to recompute)."""
+    out = np.full_like(m, np.inf)
+    if j < m.shape[1]:
+        out[:, j:] = m[:, :-j] if j else m
+    return np.where(np.triu(np.ones(m.shape, dtype=bool), j), out, np.inf)
 
 
 def update_peak(table: LayerCostTable, option: StageOption) -> np.ndarray:
@@ -270,8 +309,8 @@ def _range_seconds(table: LayerCostTable, col: dict[str, np.ndarray], kind: str,
     inner = table.inner(option.mesh_index, option.variant)
     fwd_send, bwd_send = _sends(boundary, link, devices)
     out = _range_sums(col[kind]) + inner + fwd_send[None, :] + bwd_send[:, None] + col["split_sync"]
-    if option.remat:
-        out = out + _range_sums(col[f"{kind}_recompute"]) + inner / 2
+    if option.remat:  # the recomputed layers' forward and resharding (the layers before the last `kept`)
+        out = out + shifted(_range_sums(col[f"{kind}_recompute"]) + inner / 2, option.kept)
     return out
 
 
@@ -288,7 +327,8 @@ def stage_communication(table: LayerCostTable, first: int, last: int, option: St
 def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
                 mesh_indices: Sequence[Sequence[int]], num_microbatches: int, schedule: str,
                 memory_budget: float, boundary: np.ndarray, layouts: Sequence[str] = LAYOUTS,
-                remats: Sequence[bool] = (False, True), variants: Sequence[str] | None = None) -> StageTimes:
+                remats: Sequence[bool] = (False, True), variants: Sequence[str] | None = None,
+                kept: Sequence[int] | None = None) -> StageTimes:
     """The DP's latency table: per (layer range, submesh, in-flight count) the fastest way that fits
     (its time per microbatch, the way weighed with its once-per-step term over the step's
     microbatches: `once_per_step_ranges`).
@@ -297,11 +337,13 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
     `inflight` is what a stage at that pipeline position holds: under 1F1B min(position from the
     end, B), under GPipe B. `layouts` and `remats` restrict the ways tried (a hand configuration
     fixes its state layout, and may fix recomputation); `variants` the per-layer plans (None: the
-    layers' own and every one of `table.variants`).
+    layers' own and every one of `table.variants`); `kept` the counts of last layers a recomputing
+    stage may keep (None: `kept_levels`; a hand configuration recomputes all or none).
     """
     L = table.layers.num_layers
     B = num_microbatches
     variants = ("", *table.variants) if variants is None else tuple(variants)
+    kept = kept_levels(table) if kept is None else tuple(kept)
     table.fill(sorted({mi for idx in mesh_indices for mi in idx}), variants=variants)
     inflight = tuple(range(1, min(B, L) + 1)) if schedule == "1f1b" else (B,)
     Q, S = len(inflight), len(submeshes)
@@ -312,12 +354,12 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
     link = boundary_link(table.cluster)
     options: list[tuple[StageOption, ...]] = []
     for m, (n, k) in enumerate(submeshes):
-        opts = tuple(StageOption(mi, layout, remat, v) for mi in mesh_indices[m] for v in variants
-                     if table.has_variant(v, mi) for layout in offload_layouts(table, layouts) for remat in remats)
-        options.append(opts)
-        for j, opt in enumerate(opts):
+        opts: list[StageOption] = []
+
+        def weigh(opt: StageOption) -> np.ndarray:
+            """Takes `opt` where it is the best way so far; its fit mask [in-flight count, first, last]."""
             t, fixed, per_mb = stage_ranges(table, opt, n * k, boundary, link)
-            ok = np.isfinite(t) & (fixed + counts * per_mb <= memory_budget)  # [in-flight count, first, last]
+            ok = np.isfinite(t) & (fixed + counts * per_mb <= memory_budget)
             if opt.layout == "offloaded-optimizer":
                 ok &= update_peak(table, opt) <= memory_budget
             # the ways are weighed with their once-per-step term amortised over the microbatches (a
@@ -326,7 +368,22 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
             better = cand < weighed[m]
             weighed[m] = np.where(better, cand, weighed[m])
             times[m] = np.where(better, t, times[m])
-            option[m] = np.where(better, j, option[m])
+            option[m] = np.where(better, len(opts), option[m])
+            opts.append(opt)
+            return ok
+
+        for mi in mesh_indices[m]:
+            for v in variants:
+                if not table.has_variant(v, mi):
+                    continue
+                for layout in offload_layouts(table, layouts):
+                    fits = {r: weigh(StageOption(mi, layout, r, v)) for r in remats}
+                    # keeping the last layers holds more than recomputing all and is slower than
+                    # keeping all: it can only win where recomputing all fits and keeping all does not
+                    if True in fits and (False not in fits or (fits[True] & ~fits[False]).any()):
+                        for j in kept:
+                            weigh(StageOption(mi, layout, True, v, j))
+        options.append(tuple(opts))
     return StageTimes(np.ascontiguousarray(times.transpose(1, 2, 3, 0)),
                       np.ascontiguousarray(option.transpose(1, 2, 3, 0)), tuple(options), inflight, boundary)
 

@@ -39,6 +39,9 @@ class StageLayout:
         axes too, reduce-scattered into and gathered back from once per step (`programs`).
       offload_optimizer: the offloaded-optimizer state layout: that optimizer state (split so where
         the stage has replicas) kept in host memory between updates.
+      kept_layers: under `remat`, how many of `layers`' last layers keep their activations (their
+        backward reads them as the forward left them); the layers before them are recomputed from
+        the stage's input (`programs.recompute_cut`). 0: the whole forward is recomputed.
     """
 
     layers: tuple[str, ...]
@@ -49,11 +52,21 @@ class StageLayout:
     data_axes: tuple[int, ...] | None = None
     shard_optimizer: bool = False
     offload_optimizer: bool = False
+    kept_layers: int = 0
 
     def __post_init__(self):
         if len(self.devices) != self.mesh.size:
             raise InvalidArgumentError(
                 f"stage mesh {self.mesh} needs {self.mesh.size} devices but {len(self.devices)} were given")
+        if self.kept_layers and not (self.remat and 0 < self.kept_layers < len(self.layers)):
+            raise InvalidArgumentError(
+                f"kept_layers={self.kept_layers} needs remat=True and fewer kept layers than the stage's "
+                f"{len(self.layers)}")
+
+    @property
+    def recomputes_all(self) -> bool:
+        """The backward recomputes the whole forward from the stage's inputs (nothing else kept)."""
+        return self.remat and not self.kept_layers
 
 
 def layer_names(loss_fn: Callable[..., Any], params: Any, batch: Any) -> tuple[str, ...]:

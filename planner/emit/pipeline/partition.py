@@ -26,6 +26,7 @@ class Partition:
       producer: tensor -> the stage that makes it (parameters: their owner).
       needed_by: tensor -> the other stages that read it (batch leaves excluded: each stage reads its own).
       reads: per op, the tensors it reads, its regions' operands included (`op_reads`).
+      op_layer: per op, the name of its layer as the stage layouts name it.
     """
 
     op_stage: tuple[int, ...]
@@ -33,6 +34,7 @@ class Partition:
     producer: Mapping[int, int]
     needed_by: Mapping[int, set[int]]
     reads: tuple[tuple[int, ...], ...] = ()
+    op_layer: tuple[str, ...] = ()
 
 
 def runs_whole(region: Region) -> bool:
@@ -68,12 +70,14 @@ def partition(graph: Graph, layouts: Sequence[StageLayout], n_params: int) -> Pa
     named = [name for lay in layouts for name in lay.layers]
     layers = cluster_layers(graph, num_layers=len(named))
     stage_of_layer = {}
+    name_of = list(layers.names)
     for s, lay in enumerate(layouts):
         for name in lay.layers:
             stage_of_layer[name] = s
     if layers.method == "flops" and len(named) == layers.num_layers and set(named) != set(layers.names):
         # Balanced clustering names layers by op ranges of the graph it ran on; match by position.
         stage_of_layer = {new: stage_of_layer[old] for new, old in zip(layers.names, named)}
+        name_of = list(named)
     missing = [n for n in layers.names if n not in stage_of_layer]
     if missing:
         raise InvalidArgumentError(
@@ -113,4 +117,5 @@ def partition(graph: Graph, layouts: Sequence[StageLayout], n_params: int) -> Pa
         for t in reads[op.index]:
             if t in producer and producer[t] != op_stage[op.index] and t not in batch_ids:
                 needed_by[t].add(op_stage[op.index])
-    return Partition(tuple(op_stage), param_owner, producer, needed_by, reads)
+    return Partition(tuple(op_stage), param_owner, producer, needed_by, reads,
+                     tuple(name_of[l] for l in layers.op_layer))

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +44,8 @@ from planner.graph.ir import Graph, Literal
 from planner.graph.trace import trace
 from planner.emit.pipeline.layout import StageLayout
 from planner.stages.derived import op_ranges
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +138,53 @@ class StageGraph:
     def input_positions(self, group: str) -> tuple[int, ...]:
         pos = {t: i for i, t in enumerate(self.graph.inputs)}
         return tuple(pos[t] for t in self.inputs[group])
+
+    def kept_residuals(self, cut: int) -> tuple[int, ...]:
+        """What the backward reads from the forward when it first recomputes the forward's ops
+        [0, cut) (`recompute_cut`): the values the recomputation and ops [split, n) read that
+        neither makes (the stage's inputs among them), the cotangents and constants aside."""
+        g, n = self.graph, len(self.graph.ops)
+        run = [i for a, b in ((0, cut), (self.split, n)) for i in range(a, b)]
+        made = {t for i in run for t in g.ops[i].outputs}
+        reads = [t for i in run for t in g.ops[i].tensor_inputs]
+        for regions in g.regions.values():
+            reads += [t for r in regions if r.start >= self.split or r.start < cut
+                      for t in r.operands if isinstance(t, int)]
+        reads += [t for k in ("p", "a") for t in self.outputs[k] if isinstance(t, int)]
+        cts = set(self.inputs["ct"])
+        return tuple(dict.fromkeys(t for t in reads if t not in made and t not in cts and t not in g.consts))
+
+
+def _stack(name: str) -> str:
+    """An op's module path without the transformations the stage's trace wrapped it in ("jvp(blocks_3)")."""
+    while True:
+        plain = re.sub(r"jvp\(([^()]*)\)", r"\1", name)
+        if plain == name:
+            return name
+        name = plain
+
+
+def recompute_cut(sg: StageGraph, kept: frozenset[str], recomputed: frozenset[str]) -> int | None:
+    """Where a stage that keeps its last layers' activations stops recomputing: the first forward op
+    of `sg` (before `split`) bound under a module path only the kept layers' ops carry (`kept`: the
+    name stacks of their ops in the traced `loss_fn`; `recomputed`: those of the layers before),
+    moved back to the start of a region it falls in. Ops [0, cut) are recomputed in the backward,
+    ops [cut, split) keep their residuals. None: no forward op names a kept layer only (then the
+    whole forward is recomputed), or the forward cannot be cut from the backward."""
+    if sg.split is None:
+        return None
+    only = kept - recomputed
+    cut = next((op.index for op in sg.graph.ops[:sg.split] if _stack(op.name_stack) in only), None)
+    if cut is None:
+        return None
+    changed = True
+    while changed:  # a region runs whole on one side
+        changed = False
+        for regions in sg.graph.regions.values():
+            for r in regions:
+                if r.start < cut < r.end:
+                    cut, changed = r.start, True
+    return cut
 
 
 @contextlib.contextmanager
@@ -228,16 +279,18 @@ def stage_graph(graph: Graph, ops: tuple[int, ...], param_ids: tuple[int, ...], 
     return StageGraph(g, split, residuals, inputs, outputs)
 
 
-def _halves(sg: StageGraph, plan: Any, jmesh, remat: bool):
+def _halves(sg: StageGraph, plan: Any, jmesh, remat: bool, cut: int | None = None):
     """(forward, backward) of one microbatch of `sg`, evaluated under `plan`'s constraints: the
     forward gives (outputs, aux outputs[, residuals]); the backward (residuals, or the forward's
     inputs under remat, then the summed output cotangents) gives (parameter gradients, input
-    cotangents)."""
+    cotangents). With `cut` (not under `remat`) the residuals are `sg.kept_residuals(cut)` and the
+    backward recomputes the forward's ops [0, cut) first."""
     g = sg.graph
     consts = dict(g.consts)
     before_op, after_op = constraint_hooks(plan, jmesh)
     before_op, on_shards = op_hooks(plan, jmesh, g, before_op)
     n = len(g.ops)
+    residuals = sg.residuals if cut is None or remat else sg.kept_residuals(cut)
 
     def read(env, x):
         return x.value if isinstance(x, Literal) else env[x]
@@ -260,7 +313,7 @@ def _halves(sg: StageGraph, plan: Any, jmesh, remat: bool):
         x = [read(env, t) for t in sg.outputs["aux_out"]]
         if remat:
             return o, x
-        return o, x, [env.get(t) for t in sg.residuals]
+        return o, x, [env.get(t) for t in residuals]
 
     if remat:
         def bwd(p, a, aux, b, cts):
@@ -271,21 +324,23 @@ def _halves(sg: StageGraph, plan: Any, jmesh, remat: bool):
     else:
         def bwd(res, cts):
             env: dict[int, Any] = dict(consts)
-            env.update((t, v) for t, v in zip(sg.residuals, res) if v is not None)
+            env.update((t, v) for t, v in zip(residuals, res) if v is not None)
+            if cut:  # the recomputed layers' forward
+                g.run_range(0, cut, env, before_op, after_op, apply_op=on_shards)
             env.update(zip(sg.inputs["ct"], cts))
             g.run_range(sg.split, n, env, before_op, after_op, apply_op=on_shards)
             return grads(env)
     return fwd, bwd
 
 
-def _replicated_halves(rep: Replica, plan: Any, jmesh, remat: bool):
+def _replicated_halves(rep: Replica, plan: Any, jmesh, remat: bool, cut: int | None = None):
     """(forward, backward) over the whole microbatch as `jax.vmap` over the data-parallel replicas of
     the replica program's halves (`Replica`); the backward's parameter gradients keep the replica
     axis in front, its input cotangents and the forward's outputs are whole-microbatch values."""
     names = list(jmesh.axis_names)
     local = strip_axes(plan, tuple(names.index(a) for a in rep.axes)) if rep.planned else \
         dataclasses.replace(plan, op_specs=(), scatter_specs=(), operand_specs=())
-    fwd1, bwd1 = _halves(rep.sg, local, jmesh, remat)
+    fwd1, bwd1 = _halves(rep.sg, local, jmesh, remat, cut)
     w = rep.ways
     spmd = rep.axes if len(rep.axes) > 1 else rep.axes[0]
 
@@ -335,21 +390,33 @@ def replica_sharding(sharding: jax.sharding.NamedSharding, axes: tuple[str, ...]
 
 def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: StageLayout, jmesh, ops, own, bl,
                    acts_in, aux_in, outs, aux_out, p_shard, b_shard, zero_shapes,
-                   replica: Replica | None = None) -> StagePrograms:
+                   replica: Replica | None = None, stacks: tuple[frozenset, frozenset] = (frozenset(), frozenset())
+                   ) -> StagePrograms:
     """The stage's jitted forward, backward, gradient zeros and update: the pieces of `sg.graph`
     evaluated with `plan`'s sharding constraints (`planner.emit.single.constraint_hooks`) on `jmesh`; with
     `replica`, per data-parallel replica with the gradient reduction once per step, in the update
-    (see the module docstring)."""
+    (see the module docstring). `stacks`: the name stacks of the ops of the layers `lay` keeps and
+    of those before them (`recompute_cut`), where it keeps its last layers under remat."""
     if sg.split is None and not lay.remat:
         raise InvalidArgumentError(
             f"stage {s}: its traced backward starts before its forward's outputs are made, so no forward "
             "program can be cut from it; run this stage with remat=True")
+    cut = None
+    if lay.kept_layers:
+        cuts = [recompute_cut(g, *stacks) for g in ([sg] if replica is None else [sg, replica.sg])]
+        cut = cuts[0] if None not in cuts and len(set(cuts)) == 1 else None
+        if cut is None:
+            log.warning("stage %d: no op of its program names only its last %d layers (or its backward "
+                        "cannot be cut from its forward); it recomputes its whole forward instead",
+                        s, lay.kept_layers)
+            lay = dataclasses.replace(lay, kept_layers=0)
+    remat = lay.recomputes_all
     if replica is None:
-        fwd, bwd1 = _halves(sg, plan, jmesh, lay.remat)
+        fwd, bwd1 = _halves(sg, plan, jmesh, remat, cut)
         acc_shard = list(p_shard)
         acc_shapes = list(zero_shapes)
     else:
-        fwd, bwd1 = _replicated_halves(replica, plan, jmesh, lay.remat)
+        fwd, bwd1 = _replicated_halves(replica, plan, jmesh, remat, cut)
         acc_shard = [replica_sharding(sh, replica.axes) for sh in p_shard]
         acc_shapes = [((replica.ways,) + tuple(shape), jnp.float32) for shape, _ in zero_shapes]
 
@@ -404,7 +471,7 @@ def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: Stage
                 for x, (_, sh, osh) in zip(flat_p, reductions, strict=True)])
         return new_p, o2
 
-    nacc = 5 if lay.remat else 2
+    nacc = 5 if remat else 2
     return StagePrograms(
         index=s, layout=lay, mesh=jmesh, ops=ops, params=own, batch=bl, acts_in=acts_in, aux_in=aux_in,
         outs=outs, aux_out=aux_out, param_shardings=p_shard, batch_shardings=b_shard,

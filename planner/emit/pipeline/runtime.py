@@ -20,7 +20,8 @@ How it runs:
     parameter, batch and boundary shardings pinned (or the plan a saved pipeline plan recorded
     for it is used). Stage s gets three `jax.jit` programs on its submesh (a `jax.sharding.Mesh`
     over its devices): forward (its outputs and the residuals the backward reads, or nothing extra
-    under remat) and backward (cotangents in, gradient accumulator and input cotangents out), the
+    under remat; keeping its last layers, their residuals and the stage's inputs) and backward
+    (cotangents in, gradient accumulator and input cotangents out), the
     two halves of that program with `with_sharding_constraint` on every planned intermediate, and
     the optimizer update of its own parameters.
   * Activations and cotangents move between submeshes with `jax.device_put` to the receiving
@@ -232,7 +233,8 @@ class PipelinedStep:
             B, schedule = plan.num_microbatches, plan.schedule
             stages = [StageLayout(tuple(st.layers), tuple(devices[i] for i in st.devices), st.mesh,
                                   dict(st.specs), st.remat, _axis_indices(st.mesh, st.data_axes),
-                                  st.state_layout in OPTIMIZER_LAYOUTS, st.state_layout == "offloaded-optimizer")
+                                  st.state_layout in OPTIMIZER_LAYOUTS, st.state_layout == "offloaded-optimizer",
+                                  st.kept_layers if st.remat else 0)
                       for st in plan.stages]
         else:
             info = getattr(plan, "pipeline", None)
@@ -243,7 +245,8 @@ class PipelinedStep:
             stages = [StageLayout(tuple(st.layers), tuple(devices[i] for i in st.devices), st.mesh,
                                   dict(st.shardings or ()), bool(st.remat),
                                   _axis_indices(st.mesh, st.data_axes) if st.data_axes is not None else None,
-                                  st.state_layout in OPTIMIZER_LAYOUTS, st.state_layout == "offloaded-optimizer")
+                                  st.state_layout in OPTIMIZER_LAYOUTS, st.state_layout == "offloaded-optimizer",
+                                  (st.kept_layers or 0) if st.remat else 0)
                       for st in plan.stages]
             return cls(loss_fn, optimizer, stages, B, schedule, [st.plan for st in plan.stages])
         return cls(loss_fn, optimizer, stages, B, schedule)
@@ -322,7 +325,7 @@ class PipelinedStep:
                 self.optimizer, st.sg, plan, st.index, lay, jmesh, st.ops, st.own,
                 st.bl, st.acts_in, st.aux_in, st.outs, st.aux_out,
                 tuple(shard(x) for x in st.p_spec), tuple(shard(x) for x in st.b_spec), zero_shapes,
-                st.replica))
+                st.replica, st.stacks))
         act_spec = {}
         for st, info in zip(stages, layout):
             for t, spec in info.act.items():
@@ -368,7 +371,7 @@ class PipelinedStep:
                 acc = [sds((st.replica.ways,) + x.shape, jnp.float32, replica_sharding(x.sharding, st.replica.axes))
                        for x in p]
             fwd = st.fwd.lower(p, a, aux, b)
-            if st.layout.remat:
+            if st.layout.recomputes_all:
                 bwd = st.bwd.lower(p, a, aux, b, cts, acc)
             else:
                 compiled = fwd.compile()
@@ -453,7 +456,7 @@ def _forward(run: _Run, s: int, i: int) -> None:
     st = run.stages[s]
     a = [run.inbox.pop((s, t, i)) for t in st.acts_in]
     aux = [run.inbox.pop((s, t, i)) for t in st.aux_in]
-    if st.layout.remat:
+    if st.layout.recomputes_all:
         outs, aux_out = st.fwd(run.params[s], a, aux, run.batches[s][i])
         run.saved[(s, i)] = (a, aux)
     else:
@@ -481,7 +484,7 @@ def _backward(run: _Run, s: int, i: int, producer_stage: Callable[[Any, int], in
         cts.append(got)
     if run.acc[s] is None:
         run.acc[s] = st.zeros()
-    if st.layout.remat:
+    if st.layout.recomputes_all:
         a, aux = run.saved.pop((s, i))
         run.acc[s], ga = st.bwd(run.params[s], a, aux, run.batches[s][i], cts, run.acc[s])
     else:

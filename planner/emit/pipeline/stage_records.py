@@ -49,6 +49,8 @@ class StageWork:
       axes: the axes of its mesh that split the batch.
       replica: its data-parallel replicas' program (`set_replicas`), None where it reduces its
         gradients every microbatch.
+      stacks: where its layout keeps its last layers under remat, the name stacks of the ops of
+        those layers and of the layers before them (`programs.recompute_cut`).
     """
 
     index: int
@@ -66,6 +68,7 @@ class StageWork:
     sg: Any
     axes: tuple[int, ...]
     replica: Replica | None = None
+    stacks: tuple[frozenset, frozenset] = (frozenset(), frozenset())
 
 
 def stage_records(loss_fn: Callable[..., Any], layouts: Sequence[StageLayout], num_microbatches: int,
@@ -130,11 +133,21 @@ def stage_records(loss_fn: Callable[..., Any], layouts: Sequence[StageLayout], n
                         acts_in, aux_in, tuple(graph.inputs[n_params + k] for k in bl), outs, aux_out)
         stages.append(StageWork(index=s, layout=lay, ops=ops, own=own, bl=bl, acts_in=acts_in, aux_in=aux_in,
                                 outs=outs, aux_out=aux_out, p_spec=tuple(p_spec), b_spec=tuple(b_spec), act=act,
-                                sg=sg, axes=axes, replica=None))
+                                sg=sg, axes=axes, replica=None, stacks=_stacks(graph, parts.op_layer, ops, lay)))
     if replica_grads:
         stages = set_replicas(loss_fn, graph, stages, abstract_params, batch, mb, loss, traces)
     log.info("stage programs: %d traced, %d the same program as an earlier stage's", traces.traced, traces.reused)
     return graph, stages, needed_by, param_owner, mb
+
+
+def _stacks(graph, op_layer, ops, lay: StageLayout) -> tuple[frozenset, frozenset]:
+    """The name stacks of the stage's ops in the layers it keeps under remat and in those before them."""
+    if not lay.kept_layers:
+        return frozenset(), frozenset()
+    kept = set(lay.layers[-lay.kept_layers:])
+    split = ({graph.ops[i].name_stack for i in ops if op_layer[i] in kept},
+             {graph.ops[i].name_stack for i in ops if op_layer[i] not in kept})
+    return frozenset(split[0]), frozenset(split[1])
 
 
 def set_replicas(loss_fn: Callable[..., Any], graph, stages: list[StageWork], abstract_params: Any, batch: Any,
