@@ -142,7 +142,8 @@ def test_a_planned_stage_keeping_its_last_layer_runs_from_the_plan_json():
     plan = planned.plan(params, opt_state, x, y)
     last = plan.stages[-1]
     assert len(plan.stages) >= 2 and len(last.layers) >= 2 and not last.remat
-    edited = dataclasses.replace(plan, stages=plan.stages[:-1] + (dataclasses.replace(last, remat=True, kept_layers=1),))
+    kept = dataclasses.replace(last, remat=True, kept_layers=1)
+    edited = dataclasses.replace(plan, stages=plan.stages[:-1] + (kept,))
     back = planner.Plan.from_json(edited.to_json())
     assert back.stages[-1].kept_layers == 1 and "+remat(last 1 kept)" in back.summary()
     devices = jax.devices()[:8]

@@ -240,7 +240,8 @@ def _even_stages(even: _EvenPipeline, table: LayerCostTable, boundary, ranges: t
     even stages' latencies in it (infinite: a stage that does not fit)."""
     S = even.num_stages
     st = stage_times(table, (even.shape,), ((0,),), B, even.options.schedule, limit, boundary,
-                     layouts=("plan",), remats=even.remats, kept=())  # a hand configuration: all or none
+                     layouts=("plan",), remats=even.remats, kept=(),  # a hand configuration: all or none
+                     offload_acts=False)
     return st, tuple(StageChoice(first, last, 0, float(st.times[min(S - k, len(st.inflight)) - 1, first, last, 0]))
                      for k, (first, last) in enumerate(ranges))
 

@@ -30,6 +30,13 @@ intra-op ILP plans each layer for time alone; it has no stage-level view of memo
                once (while their backward runs), their forward once more. Offered where the
                layers are the model's own modules (`KEPT_LEVELS`, `kept_levels`): the runtime
                finds the cut by their names (`emit.pipeline.programs.recompute_cut`).
+  offloaded activations (without remat)  each microbatch's saved activations are copied to host
+               memory after its forward and back before its backward (the next backward's ahead
+               of time, `emit.pipeline.runtime`): the device holds one microbatch's going out
+               and one coming back; per microbatch one trip each way over the host link
+               (`Hardware.host_bandwidth`, one direction per device), overlapping the stage's
+               compute: the stage takes max(its time, the trip). Offered where the host link is
+               known and `offload` is not "off", where keeping the activations does not fit.
 Each of them in the layers' own plans or in one of the table's variants (`StageOption`).
 """
 from __future__ import annotations
@@ -72,19 +79,22 @@ class StageOption:
     layout ("plan" or "sharded-state"), whether the backward recomputes the forward, which
     per-layer plans it runs ("": each layer's own; else a `LayerCostTable.variants` name), and under
     recomputation how many of the stage's last layers keep their activations (`kept`; 0: none, the
-    whole forward is recomputed)."""
+    whole forward is recomputed); without it, whether the saved activations wait in host memory
+    (`offload_acts`)."""
 
     mesh_index: int
     layout: str
     remat: bool
     variant: str = ""
     kept: int = 0
+    offload_acts: bool = False
 
     @property
     def name(self) -> str:
         """As `planner.core.pipeline_records.stage_way` writes a stage, e.g. "fsdp:sharded-state+remat"."""
         return stage_way(PipelineStage(layer_plans=self.variant or "planned", state_layout=self.layout,
-                                       remat=self.remat, kept_layers=self.kept))
+                                       remat=self.remat, kept_layers=self.kept,
+                                       offloaded_activations=self.offload_acts))
 
 
 def stage_collectives(table: LayerCostTable, first: int, last: int, option: StageOption) -> tuple:
@@ -218,6 +228,8 @@ def _stage_ranges(table: LayerCostTable, option: StageOption, devices: int,
     if option.layout in OPTIMIZER_LAYOUTS:  # its runtime shards no optimizer state where it reduces every microbatch
         t = np.where(col["split"], np.inf, t)
     state, act, work = _range_sums(col["state"]), _range_sums(col["act"]), _range_max(col["work"])
+    if option.offload_acts:  # one microbatch's activations going out, one coming back
+        return t, state + work + 2 * act, np.where(np.isfinite(act), 0.0, np.inf)
     if not option.remat:
         return t, state + work, act
     stage_input = np.concatenate([[0.0], boundary[:-1]]) / devices
@@ -283,10 +295,16 @@ def _once_per_step_ranges(table: LayerCostTable, option: StageOption) -> np.ndar
     return np.where(split, apply, _range_sums(np.array(sync) + np.array(update)))
 
 
+def host_offload(table: LayerCostTable) -> bool:
+    """Whether stages may keep values in host memory: the host link is known and the options do not
+    turn host offload off."""
+    return table.cluster.hardware.host_bandwidth is not None and table.options.offload in (None, "auto")
+
+
 def offload_layouts(table: LayerCostTable, layouts: Sequence[str]) -> tuple[str, ...]:
     """`layouts` without the offloaded-optimizer layout where the host link is unknown or the
     options turn host offload off."""
-    known = table.cluster.hardware.host_bandwidth is not None and table.options.offload in (None, "auto")
+    known = host_offload(table)
     return tuple(lay for lay in layouts if known or lay != "offloaded-optimizer")
 
 
@@ -311,6 +329,11 @@ def _range_seconds(table: LayerCostTable, col: dict[str, np.ndarray], kind: str,
     out = _range_sums(col[kind]) + inner + fwd_send[None, :] + bwd_send[:, None] + col["split_sync"]
     if option.remat:  # the recomputed layers' forward and resharding (the layers before the last `kept`)
         out = out + shifted(_range_sums(col[f"{kind}_recompute"]) + inner / 2, option.kept)
+    if option.offload_acts:  # the host trips overlap the stage's compute; what they exceed it by is exposed
+        time = out if kind == "time" else _range_seconds(table, col, "time", option, boundary, link, devices)
+        with np.errstate(invalid="ignore"):  # below the diagonal both are infinite
+            over = np.maximum(_range_sums(col["act"]) / table.cluster.hardware.host_bandwidth - time, 0.0)
+        out = out + np.where(np.isnan(over), np.inf, over)
     return out
 
 
@@ -328,7 +351,7 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
                 mesh_indices: Sequence[Sequence[int]], num_microbatches: int, schedule: str,
                 memory_budget: float, boundary: np.ndarray, layouts: Sequence[str] = LAYOUTS,
                 remats: Sequence[bool] = (False, True), variants: Sequence[str] | None = None,
-                kept: Sequence[int] | None = None) -> StageTimes:
+                kept: Sequence[int] | None = None, offload_acts: bool = True) -> StageTimes:
     """The DP's latency table: per (layer range, submesh, in-flight count) the fastest way that fits
     (its time per microbatch, the way weighed with its once-per-step term over the step's
     microbatches: `once_per_step_ranges`).
@@ -338,12 +361,14 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
     end, B), under GPipe B. `layouts` and `remats` restrict the ways tried (a hand configuration
     fixes its state layout, and may fix recomputation); `variants` the per-layer plans (None: the
     layers' own and every one of `table.variants`); `kept` the counts of last layers a recomputing
-    stage may keep (None: `kept_levels`; a hand configuration recomputes all or none).
+    stage may keep (None: `kept_levels`; a hand configuration recomputes all or none);
+    `offload_acts` whether stages may keep their saved activations in host memory (`host_offload`).
     """
     L = table.layers.num_layers
     B = num_microbatches
     variants = ("", *table.variants) if variants is None else tuple(variants)
     kept = kept_levels(table) if kept is None else tuple(kept)
+    hosted = offload_acts and host_offload(table)
     table.fill(sorted({mi for idx in mesh_indices for mi in idx}), variants=variants)
     inflight = tuple(range(1, min(B, L) + 1)) if schedule == "1f1b" else (B,)
     Q, S = len(inflight), len(submeshes)
@@ -357,7 +382,8 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
         opts: list[StageOption] = []
 
         def weigh(opt: StageOption) -> np.ndarray:
-            """Takes `opt` where it is the best way so far; its fit mask [in-flight count, first, last]."""
+            """Takes `opt` where it is the best way so far; where it fails to fit a range it can run
+            [in-flight count, first, last]."""
             t, fixed, per_mb = stage_ranges(table, opt, n * k, boundary, link)
             ok = np.isfinite(t) & (fixed + counts * per_mb <= memory_budget)
             if opt.layout == "offloaded-optimizer":
@@ -370,19 +396,22 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
             times[m] = np.where(better, t, times[m])
             option[m] = np.where(better, len(opts), option[m])
             opts.append(opt)
-            return ok
+            return np.isfinite(t) & ~ok
 
         for mi in mesh_indices[m]:
             for v in variants:
                 if not table.has_variant(v, mi):
                     continue
                 for layout in offload_layouts(table, layouts):
-                    fits = {r: weigh(StageOption(mi, layout, r, v)) for r in remats}
+                    fails = {r: weigh(StageOption(mi, layout, r, v)) for r in remats}
                     # keeping the last layers holds more than recomputing all and is slower than
                     # keeping all: it can only win where recomputing all fits and keeping all does not
-                    if True in fits and (False not in fits or (fits[True] & ~fits[False]).any()):
+                    if True in fails and (False not in fails or (fails[False] & ~fails[True]).any()):
                         for j in kept:
                             weigh(StageOption(mi, layout, True, v, j))
+                    # offloading the activations is no faster than keeping them: only where that does not fit
+                    if hosted and False in fails and fails[False].any():
+                        weigh(StageOption(mi, layout, False, v, offload_acts=True))
         options.append(tuple(opts))
     return StageTimes(np.ascontiguousarray(times.transpose(1, 2, 3, 0)),
                       np.ascontiguousarray(option.transpose(1, 2, 3, 0)), tuple(options), inflight, boundary)

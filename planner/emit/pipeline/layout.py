@@ -42,6 +42,8 @@ class StageLayout:
       kept_layers: under `remat`, how many of `layers`' last layers keep their activations (their
         backward reads them as the forward left them); the layers before them are recomputed from
         the stage's input (`programs.recompute_cut`). 0: the whole forward is recomputed.
+      offload_activations: without remat, each microbatch's saved activations wait in host memory
+        (`pinned_host`) between its forward and its backward, copied back one backward ahead.
     """
 
     layers: tuple[str, ...]
@@ -53,6 +55,7 @@ class StageLayout:
     shard_optimizer: bool = False
     offload_optimizer: bool = False
     kept_layers: int = 0
+    offload_activations: bool = False
 
     def __post_init__(self):
         if len(self.devices) != self.mesh.size:
@@ -62,6 +65,8 @@ class StageLayout:
             raise InvalidArgumentError(
                 f"kept_layers={self.kept_layers} needs remat=True and fewer kept layers than the stage's "
                 f"{len(self.layers)}")
+        if self.offload_activations and self.remat:
+            raise InvalidArgumentError("offload_activations is for a stage that keeps its activations (remat=False)")
 
     @property
     def recomputes_all(self) -> bool:

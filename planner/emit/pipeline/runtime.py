@@ -234,7 +234,7 @@ class PipelinedStep:
             stages = [StageLayout(tuple(st.layers), tuple(devices[i] for i in st.devices), st.mesh,
                                   dict(st.specs), st.remat, _axis_indices(st.mesh, st.data_axes),
                                   st.state_layout in OPTIMIZER_LAYOUTS, st.state_layout == "offloaded-optimizer",
-                                  st.kept_layers if st.remat else 0)
+                                  st.kept_layers if st.remat else 0, st.offloaded_activations)
                       for st in plan.stages]
         else:
             info = getattr(plan, "pipeline", None)
@@ -246,7 +246,7 @@ class PipelinedStep:
                                   dict(st.shardings or ()), bool(st.remat),
                                   _axis_indices(st.mesh, st.data_axes) if st.data_axes is not None else None,
                                   st.state_layout in OPTIMIZER_LAYOUTS, st.state_layout == "offloaded-optimizer",
-                                  (st.kept_layers or 0) if st.remat else 0)
+                                  (st.kept_layers or 0) if st.remat else 0, bool(st.offloaded_activations))
                       for st in plan.stages]
             return cls(loss_fn, optimizer, stages, B, schedule, [st.plan for st in plan.stages])
         return cls(loss_fn, optimizer, stages, B, schedule)
@@ -448,7 +448,15 @@ class _Run:
     inbox: dict = dataclasses.field(default_factory=dict)  # (stage, tensor, microbatch) -> value
     ctbox: dict = dataclasses.field(default_factory=lambda: defaultdict(list))  # (owner, tensor, mb) -> cotangents
     saved: dict = dataclasses.field(default_factory=dict)  # (stage, microbatch) -> what its backward reads
+    fetched: set = dataclasses.field(default_factory=set)  # saved values of offloaded stages already back
     losses: list = dataclasses.field(default_factory=list)
+
+
+def _in_memory(values: Any, kind: str) -> Any:
+    """`values` (arrays) copied to memory `kind` of their devices ("pinned_host", "device"); an
+    array with no shard on this process's devices stays a handle."""
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind))
+                        if x.addressable_shards else x, values)
 
 
 def _forward(run: _Run, s: int, i: int) -> None:
@@ -461,7 +469,7 @@ def _forward(run: _Run, s: int, i: int) -> None:
         run.saved[(s, i)] = (a, aux)
     else:
         outs, aux_out, pull = st.fwd(run.params[s], a, aux, run.batches[s][i])
-        run.saved[(s, i)] = pull
+        run.saved[(s, i)] = _in_memory(pull, "pinned_host") if st.layout.offload_activations else pull
     for t, v in list(zip(st.outs, outs)) + list(zip(st.aux_out, aux_out)):
         for u in run.needed_by.get(t, ()):
             if u > s:
@@ -488,7 +496,16 @@ def _backward(run: _Run, s: int, i: int, producer_stage: Callable[[Any, int], in
         a, aux = run.saved.pop((s, i))
         run.acc[s], ga = st.bwd(run.params[s], a, aux, run.batches[s][i], cts, run.acc[s])
     else:
-        run.acc[s], ga = st.bwd(run.saved.pop((s, i)), cts, run.acc[s])
+        res = run.saved.pop((s, i))
+        if st.layout.offload_activations and (s, i) not in run.fetched:
+            res = _in_memory(res, "device")
+        run.fetched.discard((s, i))
+        run.acc[s], ga = st.bwd(res, cts, run.acc[s])
+        if st.layout.offload_activations:  # the stage's next backward's values start back now
+            ahead = min((j for u, j in run.saved if u == s and j > i), default=None)
+            if ahead is not None:
+                run.saved[(s, ahead)] = _in_memory(run.saved[(s, ahead)], "device")
+                run.fetched.add((s, ahead))
     for t, g in zip(st.acts_in, ga):
         owner = producer_stage(run.stages, t)
         run.ctbox[(owner, t, i)].append(_send(g, run.act_spec[(owner, t)]))
