@@ -156,3 +156,39 @@ def test_a_planned_stage_keeping_its_last_layer_runs_from_the_plan_json():
     saved = [run_plan(mlp_pipeline.step, p, devices).lower(params, opt_state, x, y)[-1].forward.compile()
              .memory_analysis().output_size_in_bytes for p in (back, plan)]
     assert saved[0] < saved[1], saved
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_the_stage_table_is_the_fastest_way_that_fits_at_every_in_flight_count(table, schedule):
+    """`stage_times` keeps one range table per way (bucketed by how many in-flight counts it fits);
+    its tables equal weighing every way at every in-flight count and range, the first offered
+    winning a tie, on budgets from none fitting to all fitting (every mesh and layout)."""
+    graph, table = table
+    from planner.stages.stage_cost import once_per_step_ranges, update_peak
+    L = table.layers.num_layers
+    boundary, link = boundary_bytes(graph, table.layers), boundary_link(table.cluster)
+    shapes, meshes = [(1, 4)], [list(range(len(table.meshes)))]
+    roomy = stage_times(table, shapes, meshes, 8, schedule, np.inf, boundary)
+    needs = []
+    for m, (n, k) in enumerate(shapes):
+        for opt in roomy.options[m]:
+            _, fixed, per_mb = stage_ranges(table, opt, n * k, boundary, link)
+            needs += list((fixed + per_mb)[np.isfinite(fixed + per_mb)])
+    for budget in [np.inf, *np.quantile(needs, [0.02, 0.3, 0.6, 0.9])]:
+        st = stage_times(table, shapes, meshes, 8, schedule, budget, boundary)
+        for m, (n, k) in enumerate(shapes):
+            counts = np.asarray(st.inflight, dtype=float)[:, None, None]
+            weighed = np.full((len(counts), L, L), np.inf)
+            times = np.full_like(weighed, np.inf)
+            option = np.full(weighed.shape, -1)
+            for j, opt in enumerate(st.options[m]):
+                t, fixed, per_mb = stage_ranges(table, opt, n * k, boundary, link)
+                ok = np.isfinite(t) & (fixed + counts * per_mb <= budget)
+                if opt.layout == "offloaded-optimizer":
+                    ok &= update_peak(table, opt) <= budget
+                cand = np.where(ok, t + once_per_step_ranges(table, opt)[None] / 8, np.inf)
+                better = cand < weighed
+                weighed, times, option = (np.where(better, cand, weighed), np.where(better, t, times),
+                                          np.where(better, j, option))
+            assert np.array_equal(st.option[..., m], option), (budget, m)
+            assert np.array_equal(st.times[..., m], times), (budget, m)

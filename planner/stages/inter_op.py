@@ -199,7 +199,10 @@ def _memory_binds(space: SearchSpace, c: Candidate, best_step: float) -> bool:
     `best_step` (the hand layouts can then help)."""
     free, bound = ignoring_memory(space, c.B, c.table, c.st.boundary)
     free_step = math.inf if bound is None else bound.objective_s + once_per_step_max(c.table, free, bound.stages)
-    return not (bound is None or bound.objective_s >= best_step or c.step_s <= free_step * (1 + 1e-9))
+    binds = not (bound is None or bound.objective_s >= best_step or c.step_s <= free_step * (1 + 1e-9))
+    if binds:
+        log.info("B=%d: %.4g s/step, %.4g ignoring memory: pricing the hand layouts", c.B, c.step_s, free_step)
+    return binds
 
 
 def _with_single_stage(space: SearchSpace, found: _Found) -> _Found:

@@ -373,48 +373,94 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
     inflight = tuple(range(1, min(B, L) + 1)) if schedule == "1f1b" else (B,)
     Q, S = len(inflight), len(submeshes)
     times = np.full((S, Q, L, L), np.inf)  # by submesh while filled: each submesh's block contiguous
-    weighed = np.full((S, Q, L, L), np.inf)  # what the way was picked by: with its once-per-step term / B
     option = np.full((S, Q, L, L), -1, dtype=np.int32)
-    counts = np.asarray(inflight, dtype=float)[:, None, None]
     link = boundary_link(table.cluster)
     options: list[tuple[StageOption, ...]] = []
     for m, (n, k) in enumerate(submeshes):
         opts: list[StageOption] = []
+        best = _Fastest(inflight, L)
 
-        def weigh(opt: StageOption) -> np.ndarray:
-            """Takes `opt` where it is the best way so far; where it fails to fit a range it can run
-            [in-flight count, first, last]."""
+        def weigh(opt: StageOption) -> tuple[np.ndarray, np.ndarray]:
+            """Offers `opt`; (where it can run, how many of the in-flight counts it fits) per range."""
             t, fixed, per_mb = stage_ranges(table, opt, n * k, boundary, link)
-            ok = np.isfinite(t) & (fixed + counts * per_mb <= memory_budget)
+            runs = np.isfinite(t)
             if opt.layout == "offloaded-optimizer":
-                ok &= update_peak(table, opt) <= memory_budget
+                runs &= update_peak(table, opt) <= memory_budget
+            fit = np.where(runs, fitting_counts(fixed, per_mb, memory_budget, inflight), 0)
             # the ways are weighed with their once-per-step term amortised over the microbatches (a
             # way that is faster per microbatch may pay more once: an offloaded optimizer state's trip)
-            cand = np.where(ok, t + once_per_step_ranges(table, opt)[None] / B, np.inf)
-            better = cand < weighed[m]
-            weighed[m] = np.where(better, cand, weighed[m])
-            times[m] = np.where(better, t, times[m])
-            option[m] = np.where(better, len(opts), option[m])
+            best.offer(t, t + once_per_step_ranges(table, opt) / B, fit, len(opts))
             opts.append(opt)
-            return np.isfinite(t) & ~ok
+            return runs, fit
 
         for mi in mesh_indices[m]:
             for v in variants:
                 if not table.has_variant(v, mi):
                     continue
                 for layout in offload_layouts(table, layouts):
-                    fails = {r: weigh(StageOption(mi, layout, r, v)) for r in remats}
+                    ways = {r: weigh(StageOption(mi, layout, r, v)) for r in remats}
                     # keeping the last layers holds more than recomputing all and is slower than
                     # keeping all: it can only win where recomputing all fits and keeping all does not
-                    if True in fails and (False not in fails or (fails[False] & ~fails[True]).any()):
+                    if True in ways and (False not in ways
+                                         or (ways[False][0] & (ways[True][1] > ways[False][1])).any()):
                         for j in kept:
                             weigh(StageOption(mi, layout, True, v, j))
                     # offloading the activations is no faster than keeping them: only where that does not fit
-                    if hosted and False in fails and fails[False].any():
+                    if hosted and False in ways and (ways[False][0] & (ways[False][1] < Q)).any():
                         weigh(StageOption(mi, layout, False, v, offload_acts=True))
+        times[m], option[m] = best.tables()
         options.append(tuple(opts))
     return StageTimes(np.ascontiguousarray(times.transpose(1, 2, 3, 0)),
                       np.ascontiguousarray(option.transpose(1, 2, 3, 0)), tuple(options), inflight, boundary)
+
+
+def fitting_counts(fixed: np.ndarray, per_mb: np.ndarray, budget: float, inflight: Sequence[int]) -> np.ndarray:
+    """Per range, how many of the (ascending) in-flight counts q fit: `fixed + q * per_mb <= budget`
+    holds for a prefix of them (the left side grows with q), found from the largest q that fits."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        q = np.where(per_mb > 0, np.floor((budget - fixed) / per_mb), np.where(fixed <= budget, np.inf, -np.inf))
+        q = np.where(fixed + (q + 1) * per_mb <= budget, q + 1, q)  # the division's rounding, either way
+        q = np.where(fixed + q * per_mb > budget, q - 1, q)
+    q = np.where(np.isnan(q), -np.inf, q)
+    return np.searchsorted(np.asarray(inflight, dtype=float), q, side="right")
+
+
+class _Fastest:
+    """The fastest way per (in-flight count, range) among the ways offered, each fitting a prefix of
+    the in-flight counts: each way is kept per range in the bucket of how many counts it fits
+    (where it beats the bucket's way, strictly, so the first offered wins a tie), and the way at a
+    count is the fastest of the buckets fitting it (ties: the first offered). The same tables as
+    weighing every way at every count, at the cost of one range table per way."""
+
+    def __init__(self, inflight: Sequence[int], L: int):
+        self.Q, self.L = len(inflight), L
+        self.w = np.full((self.Q + 1, L * L), np.inf)  # what a way is picked by
+        self.t = np.full((self.Q + 1, L * L), np.inf)
+        self.o = np.full((self.Q + 1, L * L), -1, dtype=np.int32)
+
+    def offer(self, t: np.ndarray, weight: np.ndarray, fit: np.ndarray, index: int) -> None:
+        cells = np.flatnonzero(fit.ravel() > 0)
+        bucket = fit.ravel()[cells]
+        w = weight.ravel()[cells]
+        better = w < self.w[bucket, cells]
+        bucket, cells = bucket[better], cells[better]
+        self.w[bucket, cells] = w[better]
+        self.t[bucket, cells] = t.ravel()[cells]
+        self.o[bucket, cells] = index
+
+    def tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """(times, way index) per (in-flight count, first layer, last layer); infinity and -1 where
+        no way fits."""
+        times = np.full((self.Q, self.L * self.L), np.inf)
+        option = np.full((self.Q, self.L * self.L), -1, dtype=np.int32)
+        w, t, o = self.w[self.Q].copy(), self.t[self.Q].copy(), self.o[self.Q].copy()
+        for q in range(self.Q - 1, -1, -1):  # count q+1 is fitted by the buckets q+1..Q
+            if q < self.Q - 1:
+                bw, bo = self.w[q + 1], self.o[q + 1]
+                take = (bw < w) | ((bw == w) & (bo >= 0) & ((o < 0) | (bo < o)))
+                w, t, o = np.where(take, bw, w), np.where(take, self.t[q + 1], t), np.where(take, bo, o)
+            times[q], option[q] = t, o
+        return times.reshape(self.Q, self.L, self.L), option.reshape(self.Q, self.L, self.L)
 
 
 def stage_memory(table: LayerCostTable, first: int, last: int, opt: StageOption, devices: int,
