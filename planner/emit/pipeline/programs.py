@@ -269,14 +269,8 @@ def stage_graph(graph: Graph, ops: tuple[int, ...], param_ids: tuple[int, ...], 
                     split, changed = r.end, True
     if split > first_bwd:  # no forward program can be cut from it; only a remat stage can run it
         return StageGraph(g, None, (), inputs, outputs)
-    late = range(split, len(g.ops))
-    produced_late = {t for i in late for t in g.ops[i].outputs}
-    reads = [t for i in late for t in g.ops[i].tensor_inputs]
-    for regions in g.regions.values():
-        reads += [t for r in regions if r.start >= split for t in r.operands if isinstance(t, int)]
-    reads += [t for k in ("p", "a") for t in outputs[k] if isinstance(t, int)]
-    residuals = tuple(dict.fromkeys(t for t in reads if t not in produced_late and t not in cts and t not in g.consts))
-    return StageGraph(g, split, residuals, inputs, outputs)
+    sg = StageGraph(g, split, (), inputs, outputs)
+    return dataclasses.replace(sg, residuals=sg.kept_residuals(0))  # nothing recomputed
 
 
 def _halves(sg: StageGraph, plan: Any, jmesh, remat: bool, cut: int | None = None):
