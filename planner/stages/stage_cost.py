@@ -137,8 +137,8 @@ def _range_sums(x: np.ndarray) -> np.ndarray:
     c = np.concatenate([[0.0], np.cumsum(np.where(bad, 0.0, x))])
     nbad = np.concatenate([[0], np.cumsum(bad)])
     out = c[None, 1:] - c[:-1, None]
-    out[(nbad[None, 1:] - nbad[:-1, None]) > 0] = np.inf
-    out[np.tril_indices(L, -1)] = np.inf
+    idx = np.arange(L)
+    out[((nbad[None, 1:] - nbad[:-1, None]) > 0) | (idx[:, None] > idx[None, :])] = np.inf
     return out
 
 
@@ -173,6 +173,42 @@ def split_ranges(rows: Sequence[LayerCost], option: StageOption) -> tuple[np.nda
         split[k, k:] = (np.bitwise_or.accumulate(params[k:]) & np.bitwise_or.accumulate(data[k:])) != 0
     sync = np.array([0.0 if sync_every_microbatch(r, option) else r.sync_s for r in rows])
     return split, _range_sums(sync)
+
+
+class _Columns:
+    """`_columns` of one (layers, mesh, variant, state layout, microbatch count) and their range sums,
+    made once and shared by every way of running a stage there (recomputation, kept layers, offloaded
+    activations: `shared_columns`); read-only once made."""
+
+    def __init__(self, table: LayerCostTable, option: StageOption):
+        self.col = _columns(table, option)
+        self.inner = table.inner(option.mesh_index, option.variant)
+        self._sums: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, kind: str) -> np.ndarray:
+        return self.col[kind]
+
+    def sums(self, kind: str) -> np.ndarray:
+        """`_range_sums` of column `kind`."""
+        if kind not in self._sums:
+            self._sums[kind] = _range_sums(self.col[kind])
+        return self._sums[kind]
+
+    def work_max(self) -> np.ndarray:
+        if "work max" not in self._sums:
+            self._sums["work max"] = _range_max(self.col["work"])
+        return self._sums["work max"]
+
+
+def shared_columns(table: LayerCostTable, option: StageOption) -> _Columns:
+    """The `_Columns` of `option`'s mesh, variant and state layout, kept in `table.ranges` (the ways
+    of one layout differ only in how they combine them)."""
+    key = ("columns", table.layers.keys, table.meshes[option.mesh_index], option.variant, option.layout,
+           table.microbatches)
+    hit = table.ranges.get(key)
+    if hit is None:
+        hit = table.ranges[key] = _Columns(table, option)
+    return hit
 
 
 def _columns(table: LayerCostTable, option: StageOption) -> dict[str, np.ndarray]:
@@ -223,11 +259,11 @@ def stage_ranges(table: LayerCostTable, option: StageOption, devices: int,
 
 def _stage_ranges(table: LayerCostTable, option: StageOption, devices: int,
                   boundary: np.ndarray, link) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    col = _columns(table, option)
+    col = shared_columns(table, option)
     t = _range_seconds(table, col, "time", option, boundary, link, devices)
     if option.layout in OPTIMIZER_LAYOUTS:  # its runtime shards no optimizer state where it reduces every microbatch
         t = np.where(col["split"], np.inf, t)
-    state, act, work = _range_sums(col["state"]), _range_sums(col["act"]), _range_max(col["work"])
+    state, act, work = col.sums("state"), col.sums("act"), col.work_max()
     if option.offload_acts:  # one microbatch's activations going out, one coming back
         return t, state + work + 2 * act, np.where(np.isfinite(act), 0.0, np.inf)
     if not option.remat:
@@ -267,7 +303,9 @@ def once_per_step_ranges(table: LayerCostTable, option: StageOption) -> np.ndarr
     gradient exchange and update, and in the offloaded-optimizer layout the optimizer state's trip
     over the host link), as `candidate.once_per_step` prices a chosen stage: what `stage_times`
     weighs, amortised over the microbatches, when it picks a stage's way."""
-    key = ("once per step", table.layers.keys, table.meshes[option.mesh_index], option, table.microbatches)
+    # the term depends on the mesh, the per-layer plans and the state layout only
+    key = ("once per step", table.layers.keys, table.meshes[option.mesh_index], option.variant, option.layout,
+           table.microbatches)
     hit = table.ranges.get(key)
     if hit is None:
         hit = table.ranges[key] = _once_per_step_ranges(table, option)
@@ -289,7 +327,7 @@ def once_per_step_columns(table: LayerCostTable, rows: Sequence[LayerCost], opti
 
 def _once_per_step_ranges(table: LayerCostTable, option: StageOption) -> np.ndarray:
     rows = table.rows(option.mesh_index, option.variant)
-    split, _ = split_ranges(rows, option)
+    split = shared_columns(table, option)["split"]
     apply = _range_sums(np.array([r.apply_s for r in rows]))  # a split stage: reduced every microbatch
     sync, update = once_per_step_columns(table, rows, option)
     return np.where(split, apply, _range_sums(np.array(sync) + np.array(update)))
@@ -318,21 +356,21 @@ def _sends(boundary: np.ndarray, link, devices: int) -> tuple[np.ndarray, np.nda
     return fwd_send, bwd_send
 
 
-def _range_seconds(table: LayerCostTable, col: dict[str, np.ndarray], kind: str, option: StageOption,
+def _range_seconds(table: LayerCostTable, col: _Columns, kind: str, option: StageOption,
                    boundary: np.ndarray, link, devices: int) -> np.ndarray:
     """`out[k, i]`: seconds per microbatch of layers k..i as one stage, from the per-layer column
     `kind` of `_columns` ("time", or "comm" for the communication inside it): the layers' sum, the
     reductions a split stage runs every microbatch ("split_sync"), the resharding between them (`LayerCostTable.inner`), the boundary sends; under remat the
     recomputed forward's share of the layers and of the resharding."""
-    inner = table.inner(option.mesh_index, option.variant)
+    inner = col.inner
     fwd_send, bwd_send = _sends(boundary, link, devices)
-    out = _range_sums(col[kind]) + inner + fwd_send[None, :] + bwd_send[:, None] + col["split_sync"]
+    out = col.sums(kind) + inner + fwd_send[None, :] + bwd_send[:, None] + col["split_sync"]
     if option.remat:  # the recomputed layers' forward and resharding (the layers before the last `kept`)
-        out = out + shifted(_range_sums(col[f"{kind}_recompute"]) + inner / 2, option.kept)
+        out = out + shifted(col.sums(f"{kind}_recompute") + inner / 2, option.kept)
     if option.offload_acts:  # the host trips overlap the stage's compute; what they exceed it by is exposed
         time = out if kind == "time" else _range_seconds(table, col, "time", option, boundary, link, devices)
         with np.errstate(invalid="ignore"):  # below the diagonal both are infinite
-            over = np.maximum(_range_sums(col["act"]) / table.cluster.hardware.host_bandwidth - time, 0.0)
+            over = np.maximum(col.sums("act") / table.cluster.hardware.host_bandwidth - time, 0.0)
         out = out + np.where(np.isnan(over), np.inf, over)
     return out
 
@@ -341,7 +379,7 @@ def stage_communication(table: LayerCostTable, first: int, last: int, option: St
                         boundary: np.ndarray, link) -> tuple[float, float]:
     """(exposed, hidden) communication per microbatch inside the stage time `stage_ranges` gives for
     layers first..last (`_range_seconds` of the "comm" column)."""
-    col = _columns(table, option)
+    col = shared_columns(table, option)
     exposed = _range_seconds(table, col, "comm", option, boundary, link, devices)
     return float(exposed[first, last]), sum(table.cost(l, option.mesh_index, option.variant).hidden_s
                                             for l in range(first, last + 1))
