@@ -13,7 +13,8 @@ def print_xla_flags(plan, out) -> None:
     """The XLA flags the prediction assumes (`Plan.xla_flags()`), ready to export."""
     flags = plan.xla_flags()
     if flags:
-        print("\nXLA flags this prediction assumes (overlapped gradient reductions):\n"
+        print("\nXLA flags this prediction assumes (collectives overlapping compute: gradient reductions, "
+              "prefetched gathers):\n"
               f"  XLA_FLAGS=\"{' '.join(flags)}\"", file=out)
 
 

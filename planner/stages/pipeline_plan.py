@@ -39,6 +39,8 @@ class StagePlan:
         none; `stage_cost.StageOption.kept`).
       offloaded_activations: its microbatches' saved activations wait in host memory between their
         forward and backward (`stage_cost.StageOption.offload_acts`).
+      prefetch: (sharded-state) each layer's parameter gather issued behind the compute of the layer
+        before it (`stage_cost.StageOption.prefetch`).
       layer_plans: "planned" (each layer's own fastest plan) or the hand layout its layers were
         planned in (a `cost_table.LAYER_VARIANTS` name: parameters, optimizer state and batch pinned
         as that baseline lays them out, the rest planned).
@@ -78,13 +80,15 @@ class StagePlan:
     send_bytes: float = 0.0
     kept_layers: int = 0
     offloaded_activations: bool = False
+    prefetch: bool = False
 
     @property
     def name(self) -> str:
         """How the stage runs, e.g. "plan", "fsdp:sharded-state+remat" (layer plans, state layout, remat)."""
         return stage_way(PipelineStage(layer_plans=self.layer_plans, state_layout=self.state_layout,
                                        remat=self.remat, kept_layers=self.kept_layers,
-                                       offloaded_activations=self.offloaded_activations))
+                                       offloaded_activations=self.offloaded_activations,
+                                       prefetch=self.prefetch))
 
     def record(self, plan: Any = None) -> PipelineStage:
         """The stage as the plan keeps it (`Plan.stages`), with its intra-op `plan` when given."""
@@ -101,6 +105,7 @@ class StagePlan:
             layer_plans=self.layer_plans,
             kept_layers=(self.kept_layers or None) if self.remat else None,
             offloaded_activations=self.offloaded_activations or None,
+            prefetch=self.prefetch or None,
             time_per_microbatch_s=self.time_s,
             apply_time_s=self.apply_s,
             grad_sync_time_s=self.grad_sync_s,

@@ -30,6 +30,14 @@ intra-op ILP plans each layer for time alone; it has no stage-level view of memo
                once (while their backward runs), their forward once more. Offered where the
                layers are the model's own modules (`KEPT_LEVELS`, `kept_levels`): the runtime
                finds the cut by their names (`emit.pipeline.programs.recompute_cut`).
+  prefetch (sharded-state)  each layer's parameter all-gather issued while the layer before it
+               computes (forward; in the backward the one after it), as FSDP and ZeRO-3 prefetch:
+               a gather is exposed only by what it exceeds that layer's compute free of its own
+               hidden communication (`_Columns.prefetch_hidden`), the stage's first gather of each
+               pass whole (so are the recomputed forward's); the device then holds the next layer's
+               gathered parameters too. Offered where collectives overlap compute (not XLA:CPU) and
+               `prefetch` is not off; the plan then assumes XLA's latency-hiding scheduler
+               (`Plan.xla_flags()`).
   offloaded activations (without remat)  each microbatch's saved activations are copied to host
                memory after its forward and back before its backward (the next backward's ahead
                of time, `emit.pipeline.runtime`): the device holds one microbatch's going out
@@ -80,7 +88,8 @@ class StageOption:
     per-layer plans it runs ("": each layer's own; else a `LayerCostTable.variants` name), and under
     recomputation how many of the stage's last layers keep their activations (`kept`; 0: none, the
     whole forward is recomputed); without it, whether the saved activations wait in host memory
-    (`offload_acts`)."""
+    (`offload_acts`); in the sharded-state layout, whether each layer's parameter gather is issued
+    behind the compute of the layer before it (`prefetch`)."""
 
     mesh_index: int
     layout: str
@@ -88,13 +97,14 @@ class StageOption:
     variant: str = ""
     kept: int = 0
     offload_acts: bool = False
+    prefetch: bool = False
 
     @property
     def name(self) -> str:
         """As `planner.core.pipeline_records.stage_way` writes a stage, e.g. "fsdp:sharded-state+remat"."""
         return stage_way(PipelineStage(layer_plans=self.variant or "planned", state_layout=self.layout,
                                        remat=self.remat, kept_layers=self.kept,
-                                       offloaded_activations=self.offload_acts))
+                                       offloaded_activations=self.offload_acts, prefetch=self.prefetch))
 
 
 def stage_collectives(table: LayerCostTable, first: int, last: int, option: StageOption) -> tuple:
@@ -199,6 +209,31 @@ class _Columns:
             self._sums["work max"] = _range_max(self.col["work"])
         return self._sums["work max"]
 
+    def prefetch_hidden(self) -> np.ndarray:
+        """`out[k, i]`: seconds of the sharded-state parameter gathers of layers k..i that prefetch
+        hides per microbatch: layer l's forward gather behind layer l-1's forward compute (l > k),
+        its backward gather behind layer l+1's backward compute (l < i), each at most the gather;
+        zero where the range is empty."""
+        if "prefetch" not in self._sums:
+            g, fwd, bwd = self.col["gather"], self.col["free_fwd"], self.col["free_bwd"]
+            hf = np.concatenate([[0.0], np.minimum(g[1:], fwd[:-1])])  # hf[l]: behind layer l-1
+            hb = np.concatenate([np.minimum(g[:-1], bwd[1:]), [0.0]])  # hb[l]: behind layer l+1
+            with np.errstate(invalid="ignore"):  # below the diagonal the sums are infinite
+                fwd_part = _range_sums(hf) - hf[:, None]  # sum over l = k+1..i
+                bwd_part = _range_sums(hb) - hb[None, :]  # sum over l = k..i-1
+                both = fwd_part + bwd_part
+            self._sums["prefetch"] = np.where(np.isfinite(both), both, 0.0)
+        return self._sums["prefetch"]
+
+    def prefetched_params(self) -> np.ndarray:
+        """`out[k, i]`: the most gathered parameter bytes of a layer of k..i, which prefetch holds
+        beside the layer computing (none where the range is one layer)."""
+        if "prefetched" not in self._sums:
+            most = _range_max(self.col["param"])
+            idx = np.arange(len(self.col["param"]))
+            self._sums["prefetched"] = np.where(idx[:, None] < idx[None, :], most, 0.0)
+        return self._sums["prefetched"]
+
 
 def shared_columns(table: LayerCostTable, option: StageOption) -> _Columns:
     """The `_Columns` of `option`'s mesh, variant and state layout, kept in `table.ranges` (the ways
@@ -220,6 +255,8 @@ def _columns(table: LayerCostTable, option: StageOption) -> dict[str, np.ndarray
     rows = table.rows(option.mesh_index, option.variant)
     sharded = option.layout == "sharded-state"
     gathers = [r.zero_extra_s if sharded else 0.0 for r in rows]  # the sharded state's all-gathers
+    # compute free of the layer's own hidden communication, behind which prefetch issues a gather
+    free = [max(0.0, r.time_s - r.comm_s - r.hidden_s) if sharded and np.isfinite(r.time_s) else 0.0 for r in rows]
     every = [r.sync_s if sync_every_microbatch(r, option) else 0.0 for r in rows]
     split, sync = split_ranges(rows, option)
     return {
@@ -234,6 +271,11 @@ def _columns(table: LayerCostTable, option: StageOption) -> dict[str, np.ndarray
                            else r.state_bytes for r in rows]),
         "act": np.array([r.act_bytes for r in rows]),
         "work": np.array([r.zero_work_bytes if sharded else r.work_bytes for r in rows]),
+        "gather": np.array([g / 2 for g in gathers]),  # one of the two (forward, backward)
+        "free_fwd": np.array([f * r.fwd_fraction for f, r in zip(free, rows)]),
+        "free_bwd": np.array([f * (1 - r.fwd_fraction) for f, r in zip(free, rows)]),
+        "param": np.array([max(0.0, r.zero_work_bytes - r.work_bytes) if sharded and np.isfinite(r.work_bytes)
+                           else 0.0 for r in rows]),  # the layer's gathered parameters
     }
 
 
@@ -264,6 +306,8 @@ def _stage_ranges(table: LayerCostTable, option: StageOption, devices: int,
     if option.layout in OPTIMIZER_LAYOUTS:  # its runtime shards no optimizer state where it reduces every microbatch
         t = np.where(col["split"], np.inf, t)
     state, act, work = col.sums("state"), col.sums("act"), col.work_max()
+    if option.prefetch:  # the next layer's gathered parameters beside the layer computing
+        work = work + col.prefetched_params()
     if option.offload_acts:  # one microbatch's activations going out, one coming back
         return t, state + work + 2 * act, np.where(np.isfinite(act), 0.0, np.inf)
     if not option.remat:
@@ -339,6 +383,13 @@ def host_offload(table: LayerCostTable) -> bool:
     return table.cluster.hardware.host_bandwidth is not None and table.options.offload in (None, "auto")
 
 
+def prefetch_offered(table: LayerCostTable) -> bool:
+    """Whether sharded-state stages may prefetch their gathers: collectives overlap compute on the
+    hardware (XLA:CPU runs them synchronously, `cost_model.hardware.xla_flags`) and the options do not
+    turn prefetch off."""
+    return table.cluster.hardware.platform != "cpu" and table.options.prefetch is not False
+
+
 def offload_layouts(table: LayerCostTable, layouts: Sequence[str]) -> tuple[str, ...]:
     """`layouts` without the offloaded-optimizer layout where the host link is unknown or the
     options turn host offload off."""
@@ -365,6 +416,8 @@ def _range_seconds(table: LayerCostTable, col: _Columns, kind: str, option: Stag
     inner = col.inner
     fwd_send, bwd_send = _sends(boundary, link, devices)
     out = col.sums(kind) + inner + fwd_send[None, :] + bwd_send[:, None] + col["split_sync"]
+    if option.prefetch:  # the gathers hidden behind the layers' compute
+        out = out - col.prefetch_hidden()
     if option.remat:  # the recomputed layers' forward and resharding (the layers before the last `kept`)
         out = out + shifted(col.sums(f"{kind}_recompute") + inner / 2, option.kept)
     if option.offload_acts:  # the host trips overlap the stage's compute; what they exceed it by is exposed
@@ -381,8 +434,9 @@ def stage_communication(table: LayerCostTable, first: int, last: int, option: St
     layers first..last (`_range_seconds` of the "comm" column)."""
     col = shared_columns(table, option)
     exposed = _range_seconds(table, col, "comm", option, boundary, link, devices)
-    return float(exposed[first, last]), sum(table.cost(l, option.mesh_index, option.variant).hidden_s
-                                            for l in range(first, last + 1))
+    prefetched = float(col.prefetch_hidden()[first, last]) if option.prefetch else 0.0
+    return float(exposed[first, last]), prefetched + sum(table.cost(l, option.mesh_index, option.variant).hidden_s
+                                                         for l in range(first, last + 1))
 
 
 def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
@@ -407,6 +461,7 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
     variants = ("", *table.variants) if variants is None else tuple(variants)
     kept = kept_levels(table) if kept is None else tuple(kept)
     hosted = offload_acts and host_offload(table)
+    prefetching = prefetch_offered(table)
     table.fill(sorted({mi for idx in mesh_indices for mi in idx}), variants=variants)
     inflight = tuple(range(1, min(B, L) + 1)) if schedule == "1f1b" else (B,)
     Q, S = len(inflight), len(submeshes)
@@ -446,6 +501,12 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
                     # offloading the activations is no faster than keeping them: only where that does not fit
                     if hosted and False in ways and (ways[False][0] & (ways[False][1] < Q)).any():
                         weigh(StageOption(mi, layout, False, v, offload_acts=True))
+                    # prefetch: where a sharded-state stage runs and some gather can hide
+                    if prefetching and layout == "sharded-state" and \
+                            shared_columns(table, StageOption(mi, layout, False, v)).prefetch_hidden().any():
+                        for r, (runs, _) in ways.items():
+                            if runs.any():
+                                weigh(StageOption(mi, layout, r, v, prefetch=True))
         times[m], option[m] = best.tables()
         options.append(tuple(opts))
     return StageTimes(np.ascontiguousarray(times.transpose(1, 2, 3, 0)),

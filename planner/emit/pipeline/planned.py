@@ -24,6 +24,7 @@ from typing import Any
 import jax
 
 from planner.cost_model import Cluster, get_hardware, hardware_with_links, ring_bytes
+from planner.cost_model.hardware import xla_flags
 from planner.emit.single import jit_planned
 from planner.core.errors import InvalidArgumentError, PlannerError
 from planner.graph.ir import Graph
@@ -140,9 +141,27 @@ def to_plan(pp: PipelinePlan, graph: Graph, cluster: Cluster, options: PlanOptio
         options=options.recorded(),
         stages=records,
         pipeline=pp.facts(),
+        assumed_xla_flags=pipeline_xla_flags(pp, stage_plans, cluster),
         in_tree=graph.in_tree,
         out_tree=graph.out_tree,
     )
+
+
+def pipeline_xla_flags(pp: PipelinePlan, stage_plans: Sequence[Plan], cluster: Cluster) -> tuple[str, ...]:
+    """The XLA flags a pipelined plan's prediction assumes (one process runs every stage's programs
+    under one set): its stage plans' (`Plan.assumed_xla_flags`), and the latency-hiding scheduler
+    where a stage prefetches its parameter gathers (`StagePlan.prefetch`); a flag two stages set to
+    different numbers (a combiner threshold) takes the larger."""
+    flags = [f for sp in stage_plans for f in sp.assumed_xla_flags]
+    if any(st.prefetch for st in pp.stages):
+        flags += list(xla_flags(cluster.hardware, True))
+    merged: dict[str, str] = {}
+    for flag in flags:
+        name, _, value = flag.partition("=")
+        old = merged.get(name)
+        if old is None or (value.isdigit() and old.isdigit() and int(value) > int(old)):
+            merged[name] = value
+    return tuple(f"{name}={value}" if value else name for name, value in merged.items())
 
 
 def pipeline_collectives(stage_collectives: Sequence[Sequence[PredictedCollective]],
