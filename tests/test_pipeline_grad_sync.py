@@ -206,3 +206,27 @@ def test_offloaded_optimizer_stages_keep_the_optimizer_state_in_host_memory():
     for got, ref in pairs:
         if np.abs(ref).max() > 1e-6 * top:
             assert np.abs(got - ref).max() <= 0.25 * np.abs(ref).max()
+
+
+def test_offloaded_optimizer_stages_update_one_parameter_at_a_time():
+    """The offloaded-optimizer layout's update runs one program per parameter the stage owns (the
+    step runs them in order, so a device holds one parameter's state copied in, not the stage's):
+    XLA's accounting of each program's arguments holds that parameter, its gradient and its state
+    (with the shared step count) alone, and together the programs take every argument of the whole
+    update once, the count once each; the step matches the unsharded one (the test above)."""
+    skip_if_fewer_devices(8)
+    import dataclasses
+
+    b, opt, state, batch, _, _, plain = _tiny_two_stages()
+    layouts = tuple(dataclasses.replace(lay, shard_optimizer=True, offload_optimizer=True) for lay in plain)
+    step = PipelinedStep(b.loss_fn, opt, layouts, 2, "1f1b")
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                            (state["params"], state["opt_state"], batch))
+    count = jax.tree.leaves(state["opt_state"][0].count)[0]
+    for st in step.lower(*abstract):
+        whole = st.update.compile().memory_analysis().argument_size_in_bytes
+        groups = [(k, low.compile().memory_analysis().argument_size_in_bytes) for k, low in st.streamed_updates]
+        assert len(groups) > 2 and len({k for k, _ in groups}) == len(groups)
+        assert max(size for _, size in groups) < whole / 2
+        shared = count.dtype.itemsize  # the step count (sizes are per device; it is replicated)
+        assert sum(size for _, size in groups) == whole + (len(groups) - 1) * shared

@@ -226,18 +226,22 @@ def test_pipeline_search_holds_the_hand_layouts_as_points():
     assert {s.layer_plans for s in roomy.stages} == {"planned"}
 
 
-def test_a_stage_in_a_hand_layout_runs_equal_to_the_unsharded_step():
+@pytest.mark.parametrize("written", ["pipelinable", "plain step"])
+def test_a_stage_in_a_hand_layout_runs_equal_to_the_unsharded_step(written):
     """A pipeline whose stages run their layers in the megatron-tp layout (the search's choice
     under a 1.4 MB budget on 2 hosts x 4 devices, with its optimizer state kept on the host, and a
     second stage that splits its optimizer state over its data axes) lowers, runs and matches the
-    unsharded step through the decorator."""
+    unsharded step through the decorator: with its optimizer given (`pipelinable`), and as a plain
+    train step, whose update ops the stages run (`stages.derived.GraphUpdate`; the host-kept
+    state's update one parameter at a time, as with the optimizer)."""
     skip_if_fewer_devices(8)
     from planner.stages.step import pipelinable
     b = get_model("gpt-tiny")
     opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
     state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
     ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
-    step = planner.plan_parallel(pipelinable(b.loss_fn, opt), mesh=(2, 4), inter_host_axes=(0,),
+    fn = pipelinable(b.loss_fn, opt) if written == "pipelinable" else b.train_step
+    step = planner.plan_parallel(fn, mesh=(2, 4), inter_host_axes=(0,),
                                  hardware="a100-80gb", pipeline=True, num_microbatches=2, memory_budget=1.4e6)
     plan = step.plan(state, batch)
     assert "megatron-tp" in {st.layer_plans for st in plan.stages}

@@ -103,6 +103,8 @@ class LayerCost:
         once-per-step gradient exchange of the sharded-optimizer layout (`optimizer_layout`).
       opt_host_bytes: the optimizer state's share of `opt_state_bytes` (what the
         offloaded-optimizer layout keeps in host memory between updates).
+      opt_host_leaf_bytes: the largest one parameter's share of `opt_host_bytes` (what a streamed
+        update, one parameter at a time, copies in at once).
       produced_specs: the plan's sharding of each value the layer makes that is used outside it,
         keyed by (position of the making op among the layer's ops, result index), so that identical
         layers key alike (`LayerCostTable.inner`: resharding between layers of one stage).
@@ -131,6 +133,7 @@ class LayerCost:
     opt_apply_s: float = 0.0
     opt_sync_s: float = 0.0
     opt_host_bytes: float = 0.0
+    opt_host_leaf_bytes: float = 0.0
 
 
 # A layer that cannot be planned on a mesh (a pin the mesh cannot take, or no plan): never chosen.
@@ -337,14 +340,15 @@ def _from_plan(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
     produced = {(op_index, k): spec for op_index, k, spec in plan.op_specs
                 if sub.ops[op_index].outputs[k] in exported}
     pred = plan.prediction
+    own = [(t, spec_of_input.get(t)) for t in ext if t in param_set]
     opt_state, opt_apply, opt_sync = (state, apply_s, sync) if param_axes & data else optimizer_layout(
-        graph, facts, [(t, spec_of_input.get(t)) for t in ext if t in param_set], data, param_shard, cost,
-        apply_bytes, (state, apply_s, sync))
+        graph, facts, own, data, param_shard, cost, apply_bytes, (state, apply_s, sync))
+    leaf = largest_state_leaf(graph, facts, own, () if param_axes & data else data, mesh)
     return LayerCost(pred.step_time_s - exposed - quantise, apply_s, state, act, work, facts.fwd_fraction,
                      tuple(spec_of_input.get(t) for t in ext), zero_extra, zero_state, work + param_shard,
                      tuple(zero_specs), sync, produced, max(0.0, pred.communication_time_s - exposed),
                      pred.hidden_communication_time_s, data, tuple(pred.collectives), tuple(zero_gathers),
-                     param_axes, opt_state, opt_apply, opt_sync, max(0.0, opt_state - 2 * param_shard))
+                     param_axes, opt_state, opt_apply, opt_sync, max(0.0, opt_state - 2 * param_shard), leaf)
 
 
 def optimizer_layout(graph: Graph, facts: LayerFacts, params: Sequence[tuple[int, Spec | None]],
@@ -383,6 +387,25 @@ def optimizer_layout(graph: Graph, facts: LayerFacts, params: Sequence[tuple[int
     state = 2 * param_shard + (facts.state_bytes_total - facts.param_bytes_total) * oratio
     apply_s = cost.compute_time(facts.apply_flops * oratio, apply_bytes * oratio, facts.apply_dtypes)
     return state, apply_s, exchange
+
+
+def largest_state_leaf(graph: Graph, facts: LayerFacts, params: Sequence[tuple[int, Spec | None]],
+                       data: frozenset[str], mesh) -> float:
+    """Bytes per device of the largest one parameter's optimizer state (its moments: the state
+    beyond parameters and gradients, in proportion to the parameter's bytes) as the
+    sharded-optimizer layout splits it over the `data` axes (none: as the parameter is laid out)."""
+    if not facts.param_bytes_total:
+        return 0.0
+    axes = tuple(sorted(mesh.axis_names.index(a) for a in data))
+    sizes = dict(enumerate(mesh.shape))
+    ratio = (facts.state_bytes_total - facts.param_bytes_total) / facts.param_bytes_total
+    most = 0.0
+    for t, spec in params:
+        tensor = graph.tensors[t]
+        spec = spec or replicated(len(tensor.shape))
+        ospec = optimizer_spec(tensor.shape, spec, axes, sizes) if axes else None
+        most = max(most, shard_bytes(tensor, ospec if ospec is not None else spec, mesh) * ratio)
+    return most
 
 
 def batch_axes(specs: Sequence[Spec | None], mesh) -> frozenset[str]:

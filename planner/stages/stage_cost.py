@@ -19,8 +19,8 @@ intra-op ILP plans each layer for time alone; it has no stage-level view of memo
                                 memory between updates: copied to the device for the update and
                                 back, once per step over the host link (`Hardware.host_bandwidth`;
                                 not offered where none is known or `offload="off"`); the device
-                                holds it only during the update, when no activations are live
-                                (`update_peak`);
+                                holds it only during the update, when no activations are live,
+                                one parameter's at a time (`update_peak`);
   remat False  activations kept from each microbatch's forward to its backward;
         True   only the stage's input kept; the backward recomputes the stage's forward first
                (extra time: the forward's share of the FLOPs, times the layer's time);
@@ -334,12 +334,16 @@ def shifted(m: np.ndarray, j: int) -> np.ndarray:
 
 def update_peak(table: LayerCostTable, option: StageOption) -> np.ndarray:
     """`out[k, i]`: bytes per device layers k..i hold during the update in the offloaded-optimizer
-    layout (parameters, gradients and the optimizer state copied in; no activations are live
-    then); zeros in the other layouts, whose update holds no more than the microbatches do."""
+    layout: parameters and gradients, and the optimizer state of one parameter at a time, copied in
+    and its new value going out (the runtime's streamed update, `emit.pipeline.runtime._updated`):
+    twice the largest parameter's (`LayerCost.opt_host_leaf_bytes`); no activations are live then.
+    Zeros in the other layouts, whose update holds no more than the microbatches do."""
     L = table.layers.num_layers
     if option.layout != "offloaded-optimizer":
         return np.zeros((L, L))
-    return _range_sums(np.array([r.opt_state_bytes for r in table.rows(option.mesh_index, option.variant)]))
+    rows = table.rows(option.mesh_index, option.variant)
+    return (_range_sums(np.array([r.opt_state_bytes - r.opt_host_bytes for r in rows]))
+            + 2 * _range_max(np.array([r.opt_host_leaf_bytes for r in rows])))
 
 
 def once_per_step_ranges(table: LayerCostTable, option: StageOption) -> np.ndarray:

@@ -36,6 +36,38 @@ def opt_layouts(optimizer: Any, num_stages: int, params: Any, opt_state: Any, pa
     return out, full
 
 
+def group_layouts(optimizer: Any, params: Any, owned: Sequence[int]) -> dict[int, tuple[Any, list[str]]]:
+    """Per parameter leaf `k` of `owned`: the structure and leaf paths (keys into the full state,
+    as `opt_layouts` gives a stage's) of the optimizer state of that parameter alone (its moments
+    and the shared leaves, e.g. the step count): what a streamed update takes per parameter."""
+    treedef = jax.tree_util.tree_structure(params)
+    flat = jax.tree_util.tree_leaves(jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params))
+    out = {}
+    for k in owned:
+        masked = jax.tree_util.tree_unflatten(treedef, [x if i == k else None for i, x in enumerate(flat)])
+        paths, tdef = jax.tree_util.tree_flatten_with_path(jax.eval_shape(optimizer.init, masked))
+        out[k] = (tdef, [jax.tree_util.keystr(p) for p, _ in paths])
+    return out
+
+
+def parameter_groups(ptree: Any, owned: Sequence[int], stage_params: Sequence[Any], grads: Sequence[Any],
+                     state: Mapping[str, Any], groups: Mapping[int, tuple[Any, list[str]]]):
+    """The arguments (parameters, optimizer state, gradients) of a streamed update, one parameter at
+    a time in leaf order: yields (leaf `k`, the state's keys, the args), the trees masked to `k`.
+    `stage_params` and `grads` are in `owned`'s order; `state` the stage's state leaves by key;
+    `groups` each parameter's state layout (`group_layouts`)."""
+    n = ptree.num_leaves
+    pos = {k: j for j, k in enumerate(owned)}
+    for k in sorted(owned):
+        gdef, gkeys = groups[k]
+
+        def one(xs, k=k):
+            return jax.tree_util.tree_unflatten(ptree, [xs[pos[i]] if i == k else None for i in range(n)])
+
+        yield k, gkeys, (one(stage_params), jax.tree_util.tree_unflatten(gdef, [state[key] for key in gkeys]),
+                         one(grads))
+
+
 def opt_shardings(okeys: Sequence[str], st: StagePrograms, flat_params: Sequence[Any], treedef: Any):
     """Optimizer-state leaves take the sharding of the parameter they mirror (in the
     sharded-optimizer layout its optimizer state's, `StagePrograms.opt_shardings`); the rest are

@@ -429,18 +429,23 @@ def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: Stage
         opt_shard = [osh.with_memory_kind("pinned_host") for osh in opt_shard]
     if replica is not None:  # each gradient's once-per-step reduction in the format the plan priced,
         formats = replica_wire(plan, sg.graph, tuple(sg.outputs["p"]), replica.axes)
-        by_leaf = sorted(range(len(own)), key=lambda j: own[j])  # in the order of the update's leaves
-        reductions = [(formats[j], p_shard[j], opt_shard[j].with_memory_kind("device") if sharded[j] else p_shard[j])
-                      for j in by_leaf]
+        reduction_of = {k: (formats[j], p_shard[j],  # by parameter leaf
+                            opt_shard[j].with_memory_kind("device") if sharded[j] else p_shard[j])
+                        for j, k in enumerate(own)}
 
     def apply(p, o, gr):
         if replica is not None:  # the data-parallel gradient reduction, once per step
+            # the update's leaves: every owned parameter's, or one's (a streamed update, `runtime._updated`)
+            present = [k for k, x in enumerate(jax.tree_util.tree_leaves(p, is_leaf=lambda x: x is None))
+                       if x is not None]
+            reductions = [reduction_of[k] for k in present]
             leaves, tree = jax.tree_util.tree_flatten(gr)
             gr = jax.tree_util.tree_unflatten(tree, [
                 (reduce_replicas(x, f, sh, replica.axes) if osh is sh else scatter_replicas(x, f, sh, osh, replica.axes)
                  ).astype(q.dtype)
                 for x, (f, sh, osh), q in zip(leaves, reductions, jax.tree_util.tree_leaves(p), strict=True)])
-            if any(sharded):  # the update on the optimizer state's shards, the parameter gathered back
+            split = any(osh is not sh for _, sh, osh in reductions)
+            if split:  # the update on the optimizer state's shards, the parameter gathered back
                 flat_p, ptree = jax.tree_util.tree_flatten(p)
                 p = jax.tree_util.tree_unflatten(ptree, [
                     x if osh is sh else jax.lax.with_sharding_constraint(x, osh)
@@ -458,7 +463,7 @@ def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: Stage
         if any(hosted):  # and back
             o2 = jax.tree_util.tree_unflatten(otree, [jax.device_put(x, jax.memory.Space.Host) if h else x
                                                       for x, h in zip(jax.tree_util.tree_leaves(o2), hosted)])
-        if replica is not None and any(sharded):
+        if replica is not None and split:
             flat_p, ptree = jax.tree_util.tree_flatten(new_p)
             new_p = jax.tree_util.tree_unflatten(ptree, [
                 x if osh is sh else jax.lax.with_sharding_constraint(x, sh)

@@ -58,7 +58,8 @@ from planner.core.mesh import MeshSpec
 from planner.core.plan import Plan
 from planner.core.sharding import named_sharding
 from planner.emit.pipeline.layout import StageLayout, even_layouts, layer_names
-from planner.emit.pipeline.opt_state import opt_layouts, opt_shardings
+from planner.emit.pipeline.lowered import StageLowered
+from planner.emit.pipeline.opt_state import group_layouts, opt_layouts, opt_shardings, parameter_groups
 from planner.emit.pipeline.programs import build_programs, replica_sharding
 from planner.emit.pipeline.stage_reuse import StageGraphs
 from planner.emit.pipeline.stage_records import StageWork, stage_plans, stage_records
@@ -148,39 +149,6 @@ def _axis_indices(mesh: MeshSpec, names) -> tuple[int, ...]:
 
 
 __all__ = ["PipelinedStep", "StageLayout", "StageLowered", "even_layouts", "layer_names"]
-
-
-@dataclasses.dataclass(frozen=True)
-class StageLowered:
-    """One stage's lowered programs (`PipelinedStep.lower`, `.lower()` of a pipelined plan).
-
-    Attributes:
-      index: the stage's position in the pipeline.
-      devices: its devices; mesh: the `jax.sharding.Mesh` its programs run on.
-      forward: one microbatch's forward (outputs and the residuals the backward needs).
-      backward: one microbatch's backward (gradient accumulation and input cotangents).
-      update: the optimizer update of the stage's parameters.
-      plan: the stage's intra-op `Plan` of one microbatch's forward + backward (its prediction
-        lists the collectives the forward and backward together should compile to).
-      data_axes: mesh axes over which the stage accumulates gradients per replica, reducing them in
-        its update once per step (`programs.Replica`); empty: the backward reduces them.
-      shards_optimizer: its update reduce-scatters those gradients into a split optimizer state and
-        all-gathers the parameters back (the sharded- and offloaded-optimizer layouts) where the
-        plan's prediction all-reduces them.
-    """
-
-    index: int
-    devices: tuple[Any, ...]
-    mesh: Any
-    forward: Any
-    backward: Any
-    update: Any
-    plan: Any = None
-    data_axes: tuple[str, ...] = ()
-    shards_optimizer: bool = False
-
-    def programs(self) -> dict[str, Any]:
-        return {"forward": self.forward, "backward": self.backward, "update": self.update}
 
 
 class PipelinedStep:
@@ -387,9 +355,14 @@ class PipelinedStep:
             shard_of = opt_shardings(okeys, st, flat_params, treedef)
             o = jax.tree_util.tree_unflatten(odef, [sds(np.shape(full_opt[k]), full_opt[k].dtype,
                                                         shard_of(k, full_opt[k])) for k in okeys])
+            streamed = () if not st.layout.offload_optimizer else tuple(
+                (k, st.apply.lower(*args)) for k, _, args in parameter_groups(
+                    ptree, st.params, p, acc, dict(zip(okeys, jax.tree_util.tree_leaves(o))),
+                    group_layouts(self.optimizer, params, st.params)))
             out.append(StageLowered(s, st.layout.devices, st.mesh, fwd, bwd, st.apply.lower(masked, o, masked_acc),
                                     st.plan, st.replica.axes if st.replica is not None else (),
-                                    st.replica is not None and tuple(st.opt_shardings) != tuple(st.param_shardings)))
+                                    st.replica is not None and tuple(st.opt_shardings) != tuple(st.param_shardings),
+                                    streamed))
         return tuple(out)
 
     def step(self, params: Any, opt_state: Any, batch: Any):
@@ -416,7 +389,8 @@ class PipelinedStep:
             loss = loss + x
         loss = loss / B
 
-        new_flat, new_opt = _updated(stages, opt_trees, full_opt, flat_params, treedef, p, run.acc)
+        new_flat, new_opt = _updated(stages, opt_trees, full_opt, flat_params, treedef, p, run.acc,
+                                     lambda owned: group_layouts(self.optimizer, params, owned))
         opt_paths, opt_def = jax.tree_util.tree_flatten_with_path(opt_state)
         opt_out = jax.tree_util.tree_unflatten(opt_def, [new_opt.get(jax.tree_util.keystr(pth), x)
                                                           for pth, x in opt_paths])
@@ -511,9 +485,12 @@ def _backward(run: _Run, s: int, i: int, producer_stage: Callable[[Any, int], in
         run.ctbox[(owner, t, i)].append(_send(g, run.act_spec[(owner, t)]))
 
 
-def _updated(stages, opt_trees, full_opt, flat_params, treedef, p, acc) -> tuple[list, dict[str, Any]]:
+def _updated(stages, opt_trees, full_opt, flat_params, treedef, p, acc, groups) -> tuple[list, dict[str, Any]]:
     """Every stage's optimizer update of its own parameters: (the new flat parameters, the new
-    optimizer state leaves by path)."""
+    optimizer state leaves by path). A stage whose optimizer state lives in host memory updates one
+    parameter at a time (`groups(owned)`: each one's state layout), one program each: a device runs
+    them in order, so it holds one parameter's state copied in (and its new value going out) at a
+    time, not the stage's whole state (`stage_cost.update_peak`)."""
     new_flat = list(flat_params)
     new_opt: dict[str, Any] = {}
     for s, st in enumerate(stages):
@@ -526,6 +503,14 @@ def _updated(stages, opt_trees, full_opt, flat_params, treedef, p, acc) -> tuple
         o = jax.tree_util.tree_unflatten(odef, [_put(full_opt[k], shard_of(k, full_opt[k]))
                                                 for k in okeys])
         grads = acc[s] if acc[s] is not None else st.zeros()
+        if st.layout.offload_optimizer:
+            for k, gkeys, args in parameter_groups(ptree, st.params, p[s], grads, dict(zip(okeys, jax.tree_util.tree_leaves(o))),
+                                                   groups(st.params)):
+                new_p, new_o = st.apply(*args)
+                new_flat[k] = jax.tree_util.tree_leaves(new_p)[0]
+                for key, x in zip(gkeys, jax.tree_util.tree_leaves(new_o)):
+                    new_opt.setdefault(key, x)
+            continue
         new_p, new_o = st.apply(mask(p[s]), o, mask(grads))
         for k, x in zip(st.params, [x for x in jax.tree_util.tree_leaves(new_p)]):
             new_flat[k] = x
