@@ -389,11 +389,12 @@ def test_sharded_state_stages_reduce_gradients_every_microbatch():
     pipeline runtime reduces their gradients every microbatch (`stage_records.set_replicas`):
     the stage tables price that reduction in the stage time per microbatch and not once per step;
     the "plan" layout keeps it once per step unless a layer's plan splits a parameter over a data
-    axis of the stage, where the runtime reduces every microbatch too (`stage_cost.split_ranges`)."""
+    axis of the stage, where the runtime reduces every microbatch too (`stage_columns.split_ranges`)."""
     from planner.core.options import PlanOptions
     from planner.stages.candidate import once_per_step as _once_per_step
     from planner.stages.cost_table import LayerCostTable
-    from planner.stages.stage_cost import StageOption, _columns, stage_ranges
+    from planner.stages.stage_columns import layer_columns
+    from planner.stages.stage_cost import StageOption, stage_ranges
 
     ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
     graph = trace(_tanh_chain_step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
@@ -405,7 +406,7 @@ def test_sharded_state_stages_reduce_gradients_every_microbatch():
     assert any(r.data_axes and r.sync_s > 0 for r in rows)  # a data-parallel layer: its gradient reduction
     split = bool(frozenset().union(*(r.param_axes for r in rows)) & frozenset().union(*(r.data_axes for r in rows)))
     for option in (sharded, planned):
-        time = _columns(table, option)["time"]
+        time = layer_columns(table, option)["time"]
         every = [option is sharded and bool(r.data_axes) and r.sync_s > 0 for r in rows]
         for l, r in enumerate(rows):
             gathers = r.zero_extra_s if option is sharded else 0.0

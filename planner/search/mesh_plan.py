@@ -333,7 +333,7 @@ def reductions_weighed(problem: Problem, share: float, whole_axes: frozenset[int
     microbatch, where nothing is left to hide them behind (`stages.candidate.once_per_step_max`).
     A reduce-scatter keeps its full time: it splits the gradient, and so its parameter, over its
     axes, and a pipeline stage with a parameter split over a data axis reduces every microbatch
-    (`stages.stage_cost.split_ranges`). Each (kind, axes) group's latency stays whole (it is paid
+    (`stages.stage_columns.split_ranges`). Each (kind, axes) group's latency stays whole (it is paid
     once anyway). An all-reduce over any of `whole_axes` keeps its whole time."""
     nodes = []
     for node in problem.nodes:

@@ -59,7 +59,7 @@ def once_per_step(table: LayerCostTable, opt: StageOption, first: int, last: int
     """(data-parallel gradient reduction, optimizer update) of the stage of layers first..last."""
     costs = [table.cost(l, opt.mesh_index, opt.variant) for l in range(first, last + 1)]
     if splits_data(costs):
-        return 0.0, sum(c.apply_s for c in costs)  # the runtime reduces every microbatch (`stage_cost.split_ranges`)
+        return 0.0, sum(c.apply_s for c in costs)  # the runtime reduces every microbatch (`stage_columns.split_ranges`)
     sync, apply = once_per_step_columns(table, costs, opt)  # a reduction run every microbatch is in the stage time
     return sum(sync), sum(apply)
 

@@ -97,7 +97,7 @@ class LayerCost:
         gathered parameter twice: forward and backward), priced as `zero_extra_s` prices them.
       param_axes: names of the mesh axes splitting any of the layer's parameters: where one is a
         data axis of the stage holding the layer, the pipeline runtime reduces the whole stage's
-        gradients every microbatch (`stage_cost.split_ranges`, `selection._replica_fallback`); one
+        gradients every microbatch (`stage_columns.split_ranges`, `selection._replica_fallback`); one
         of the layer's own data axes puts its own reduction in `time_s` already.
       opt_state_bytes, opt_apply_s, opt_sync_s: state bytes per device, the update and the
         once-per-step gradient exchange of the sharded-optimizer layout (`optimizer_layout`).

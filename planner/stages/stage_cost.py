@@ -33,7 +33,7 @@ intra-op ILP plans each layer for time alone; it has no stage-level view of memo
   prefetch (sharded-state)  each layer's parameter all-gather issued while the layer before it
                computes (forward; in the backward the one after it), as FSDP and ZeRO-3 prefetch:
                a gather is exposed only by what it exceeds that layer's compute free of its own
-               hidden communication (`_Columns.prefetch_hidden`), the stage's first gather of each
+               hidden communication (`Columns.prefetch_hidden`), the stage's first gather of each
                pass whole (so are the recomputed forward's); the device then holds the next layer's
                gathered parameters too. Offered where collectives overlap compute (not XLA:CPU) and
                `prefetch` is not off; the plan then assumes XLA's latency-hiding scheduler
@@ -57,6 +57,7 @@ import numpy as np
 from planner.core.pipeline_records import PipelineStage, stage_way
 from planner.stages.cost_table import LayerCostTable
 from planner.stages.layer_cost import LayerCost
+from planner.stages.stage_columns import Columns, range_max, range_sums, shared_columns, shifted, sync_every_microbatch
 from planner.stages.submesh import boundary_link
 
 
@@ -140,145 +141,6 @@ class StageTimes:
     boundary: np.ndarray
 
 
-def _range_sums(x: np.ndarray) -> np.ndarray:
-    """`out[k, i] = sum(x[k..i])` for i >= k, infinity below the diagonal or over an infinite entry."""
-    L = len(x)
-    bad = ~np.isfinite(x)
-    c = np.concatenate([[0.0], np.cumsum(np.where(bad, 0.0, x))])
-    nbad = np.concatenate([[0], np.cumsum(bad)])
-    out = c[None, 1:] - c[:-1, None]
-    idx = np.arange(L)
-    out[((nbad[None, 1:] - nbad[:-1, None]) > 0) | (idx[:, None] > idx[None, :])] = np.inf
-    return out
-
-
-def _range_max(x: np.ndarray) -> np.ndarray:
-    L = len(x)
-    out = np.full((L, L), np.inf)
-    for k in range(L):
-        out[k, k:] = np.maximum.accumulate(x[k:])
-    return out
-
-
-def sync_every_microbatch(cost: LayerCost, option: StageOption) -> bool:
-    """Whether the layer's data-parallel gradient reduction (`LayerCost.sync_s`) runs every
-    microbatch as `option` runs it, not once per step: in the sharded-state layout its parameters
-    are split over the data axes too, and the pipeline runtime then reduces every microbatch
-    (`stage_records.set_replicas`)."""
-    return option.layout == "sharded-state" and bool(cost.data_axes) and cost.sync_s > 0
-
-
-def split_ranges(rows: Sequence[LayerCost], option: StageOption) -> tuple[np.ndarray, np.ndarray]:
-    """(`split[k, i]`: a layer of k..i splits a parameter over a data axis of some layer of k..i, so
-    the runtime reduces the gradients of a stage of those layers every microbatch
-    (`selection._replica_fallback`); `sync[k, i]`: the once-per-step reductions of layers k..i,
-    which then move into the time per microbatch)."""
-    names = sorted({a for r in rows for a in r.param_axes | r.data_axes})
-    bit = {a: 1 << i for i, a in enumerate(names)}
-    params = np.array([sum(bit[a] for a in r.param_axes) for r in rows], dtype=np.int64)
-    data = np.array([sum(bit[a] for a in r.data_axes) for r in rows], dtype=np.int64)
-    L = len(rows)
-    split = np.zeros((L, L), dtype=bool)
-    for k in range(L):
-        split[k, k:] = (np.bitwise_or.accumulate(params[k:]) & np.bitwise_or.accumulate(data[k:])) != 0
-    sync = np.array([0.0 if sync_every_microbatch(r, option) else r.sync_s for r in rows])
-    return split, _range_sums(sync)
-
-
-class _Columns:
-    """`_columns` of one (layers, mesh, variant, state layout, microbatch count) and their range sums,
-    made once and shared by every way of running a stage there (recomputation, kept layers, offloaded
-    activations: `shared_columns`); read-only once made."""
-
-    def __init__(self, table: LayerCostTable, option: StageOption):
-        self.col = _columns(table, option)
-        self.inner = table.inner(option.mesh_index, option.variant)
-        self._sums: dict[str, np.ndarray] = {}
-
-    def __getitem__(self, kind: str) -> np.ndarray:
-        return self.col[kind]
-
-    def sums(self, kind: str) -> np.ndarray:
-        """`_range_sums` of column `kind`."""
-        if kind not in self._sums:
-            self._sums[kind] = _range_sums(self.col[kind])
-        return self._sums[kind]
-
-    def work_max(self) -> np.ndarray:
-        if "work max" not in self._sums:
-            self._sums["work max"] = _range_max(self.col["work"])
-        return self._sums["work max"]
-
-    def prefetch_hidden(self) -> np.ndarray:
-        """`out[k, i]`: seconds of the sharded-state parameter gathers of layers k..i that prefetch
-        hides per microbatch: layer l's forward gather behind layer l-1's forward compute (l > k),
-        its backward gather behind layer l+1's backward compute (l < i), each at most the gather;
-        zero where the range is empty."""
-        if "prefetch" not in self._sums:
-            g, fwd, bwd = self.col["gather"], self.col["free_fwd"], self.col["free_bwd"]
-            hf = np.concatenate([[0.0], np.minimum(g[1:], fwd[:-1])])  # hf[l]: behind layer l-1
-            hb = np.concatenate([np.minimum(g[:-1], bwd[1:]), [0.0]])  # hb[l]: behind layer l+1
-            with np.errstate(invalid="ignore"):  # below the diagonal the sums are infinite
-                fwd_part = _range_sums(hf) - hf[:, None]  # sum over l = k+1..i
-                bwd_part = _range_sums(hb) - hb[None, :]  # sum over l = k..i-1
-                both = fwd_part + bwd_part
-            self._sums["prefetch"] = np.where(np.isfinite(both), both, 0.0)
-        return self._sums["prefetch"]
-
-    def prefetched_params(self) -> np.ndarray:
-        """`out[k, i]`: the most gathered parameter bytes of a layer of k..i, which prefetch holds
-        beside the layer computing (none where the range is one layer)."""
-        if "prefetched" not in self._sums:
-            most = _range_max(self.col["param"])
-            idx = np.arange(len(self.col["param"]))
-            self._sums["prefetched"] = np.where(idx[:, None] < idx[None, :], most, 0.0)
-        return self._sums["prefetched"]
-
-
-def shared_columns(table: LayerCostTable, option: StageOption) -> _Columns:
-    """The `_Columns` of `option`'s mesh, variant and state layout, kept in `table.ranges` (the ways
-    of one layout differ only in how they combine them)."""
-    key = ("columns", table.layers.keys, table.meshes[option.mesh_index], option.variant, option.layout,
-           table.microbatches)
-    hit = table.ranges.get(key)
-    if hit is None:
-        hit = table.ranges[key] = _Columns(table, option)
-    return hit
-
-
-def _columns(table: LayerCostTable, option: StageOption) -> dict[str, np.ndarray]:
-    """Per layer on the option's mesh, variant and state layout: its time per microbatch ("time")
-    and the exposed communication inside it ("comm"), each with what remat's recomputed forward adds
-    ("..._recompute"); its state, activation and working bytes; and per layer range the
-    once-per-step reductions a split stage moves into every microbatch ("split_sync",
-    `split_ranges`)."""
-    rows = table.rows(option.mesh_index, option.variant)
-    sharded = option.layout == "sharded-state"
-    gathers = [r.zero_extra_s if sharded else 0.0 for r in rows]  # the sharded state's all-gathers
-    # compute free of the layer's own hidden communication, behind which prefetch issues a gather
-    free = [max(0.0, r.time_s - r.comm_s - r.hidden_s) if sharded and np.isfinite(r.time_s) else 0.0 for r in rows]
-    every = [r.sync_s if sync_every_microbatch(r, option) else 0.0 for r in rows]
-    split, sync = split_ranges(rows, option)
-    return {
-        "split": split,  # [first, last]: the runtime reduces the stage's gradients every microbatch
-        "split_sync": np.where(split, sync, 0.0),  # [first, last]: reductions moved into every microbatch
-        "time": np.array([r.time_s + g + e for r, g, e in zip(rows, gathers, every)]),
-        "time_recompute": np.array([r.time_s * r.fwd_fraction + g / 2 for r, g in zip(rows, gathers)]),
-        "comm": np.array([r.comm_s + g + e for r, g, e in zip(rows, gathers, every)]),
-        "comm_recompute": np.array([r.comm_s * r.fwd_fraction + g / 2 for r, g in zip(rows, gathers)]),
-        "state": np.array([r.zero_state_bytes if sharded else r.opt_state_bytes if option.layout == "sharded-optimizer"
-                           else r.opt_state_bytes - r.opt_host_bytes if option.layout == "offloaded-optimizer"
-                           else r.state_bytes for r in rows]),
-        "act": np.array([r.act_bytes for r in rows]),
-        "work": np.array([r.zero_work_bytes if sharded else r.work_bytes for r in rows]),
-        "gather": np.array([g / 2 for g in gathers]),  # one of the two (forward, backward)
-        "free_fwd": np.array([f * r.fwd_fraction for f, r in zip(free, rows)]),
-        "free_bwd": np.array([f * (1 - r.fwd_fraction) for f, r in zip(free, rows)]),
-        "param": np.array([max(0.0, r.zero_work_bytes - r.work_bytes) if sharded and np.isfinite(r.work_bytes)
-                           else 0.0 for r in rows]),  # the layer's gathered parameters
-    }
-
-
 def stage_ranges(table: LayerCostTable, option: StageOption, devices: int,
                  boundary: np.ndarray, link) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For every layer range k..i: (latency per microbatch, fixed memory, memory per in-flight microbatch).
@@ -323,15 +185,6 @@ def _stage_ranges(table: LayerCostTable, option: StageOption, devices: int,
     return t, state + recomputed + work, np.where(longer, per_mb + kept, np.inf)
 
 
-def shifted(m: np.ndarray, j: int) -> np.ndarray:
-    """`out[k, i] = m[k, i - j]` where `i - j >= k`, else infinity: the range k..i less its last j
-    layers (a range of `j` layers or fewer has no layer left to recompute)."""
-    out = np.full_like(m, np.inf)
-    if j < m.shape[1]:
-        out[:, j:] = m[:, :-j] if j else m
-    return np.where(np.triu(np.ones(m.shape, dtype=bool), j), out, np.inf)
-
-
 def update_peak(table: LayerCostTable, option: StageOption) -> np.ndarray:
     """`out[k, i]`: bytes per device layers k..i hold during the update in the offloaded-optimizer
     layout: parameters and gradients, and the optimizer state of one parameter at a time, copied in
@@ -342,8 +195,8 @@ def update_peak(table: LayerCostTable, option: StageOption) -> np.ndarray:
     if option.layout != "offloaded-optimizer":
         return np.zeros((L, L))
     rows = table.rows(option.mesh_index, option.variant)
-    return (_range_sums(np.array([r.opt_state_bytes - r.opt_host_bytes for r in rows]))
-            + 2 * _range_max(np.array([r.opt_host_leaf_bytes for r in rows])))
+    return (range_sums(np.array([r.opt_state_bytes - r.opt_host_bytes for r in rows]))
+            + 2 * range_max(np.array([r.opt_host_leaf_bytes for r in rows])))
 
 
 def once_per_step_ranges(table: LayerCostTable, option: StageOption) -> np.ndarray:
@@ -376,9 +229,9 @@ def once_per_step_columns(table: LayerCostTable, rows: Sequence[LayerCost], opti
 def _once_per_step_ranges(table: LayerCostTable, option: StageOption) -> np.ndarray:
     rows = table.rows(option.mesh_index, option.variant)
     split = shared_columns(table, option)["split"]
-    apply = _range_sums(np.array([r.apply_s for r in rows]))  # a split stage: reduced every microbatch
+    apply = range_sums(np.array([r.apply_s for r in rows]))  # a split stage: reduced every microbatch
     sync, update = once_per_step_columns(table, rows, option)
-    return np.where(split, apply, _range_sums(np.array(sync) + np.array(update)))
+    return np.where(split, apply, range_sums(np.array(sync) + np.array(update)))
 
 
 def host_offload(table: LayerCostTable) -> bool:
@@ -411,10 +264,10 @@ def _sends(boundary: np.ndarray, link, devices: int) -> tuple[np.ndarray, np.nda
     return fwd_send, bwd_send
 
 
-def _range_seconds(table: LayerCostTable, col: _Columns, kind: str, option: StageOption,
+def _range_seconds(table: LayerCostTable, col: Columns, kind: str, option: StageOption,
                    boundary: np.ndarray, link, devices: int) -> np.ndarray:
     """`out[k, i]`: seconds per microbatch of layers k..i as one stage, from the per-layer column
-    `kind` of `_columns` ("time", or "comm" for the communication inside it): the layers' sum, the
+    `kind` of `layer_columns` ("time", or "comm" for the communication inside it): the layers' sum, the
     reductions a split stage runs every microbatch ("split_sync"), the resharding between them (`LayerCostTable.inner`), the boundary sends; under remat the
     recomputed forward's share of the layers and of the resharding."""
     inner = col.inner
