@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -230,3 +231,59 @@ def test_offloaded_optimizer_stages_update_one_parameter_at_a_time():
         assert max(size for _, size in groups) < whole / 2
         shared = count.dtype.itemsize  # the step count (sizes are per device; it is replicated)
         assert sum(size for _, size in groups) == whole + (len(groups) - 1) * shared
+
+
+def test_offloaded_master_parameters_wait_in_host_memory_and_the_step_is_unchanged():
+    """Mixed precision (bfloat16 compute, float32 parameters): with `offload_params` a stage keeps
+    the master parameters it reads only by casts in host memory with their optimizer state; the
+    microbatches read cast copies made one parameter at a time. The casts then change nothing and
+    the backward's cast of the cotangent gives the same float32 gradient, so the step is the same:
+    within the first-step bounds of the unsharded step, and equal to the same pipeline keeping
+    the masters on the devices up to the order of its sums (bit for bit here: the same programs
+    on the same values). The masters come back in `pinned_host`, the others on the devices, and a
+    second step runs from that state; the lowered forward reads the bfloat16 copies."""
+    skip_if_fewer_devices(8)
+    import dataclasses
+
+    b = get_model("gpt-tiny", layers=1, batch=8, seq=8, d_model=32, vocab=64, dtype="bfloat16")
+    opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
+    state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
+    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
+    names = layer_names(b.loss_fn, b.abstract_state()["params"], b.abstract_batch())
+    kept = tuple(dataclasses.replace(lay, shard_optimizer=True, offload_optimizer=True)
+                 for lay in even_layouts(names, jax.devices()[:8], 2))
+    hosted = tuple(dataclasses.replace(lay, offload_params=True) for lay in kept)
+    step = PipelinedStep(b.loss_fn, opt, hosted, 2, "1f1b")
+    new_state, metrics = step(state, batch)
+    assert_first_step_close(b.loss_fn, opt, state, batch, new_state, metrics, ref_state, ref_metrics,
+                            train_step=b.train_step, dtype=jnp.bfloat16)
+    same, same_metrics = PipelinedStep(b.loss_fn, opt, kept, 2, "1f1b")(state, batch)
+    for x, y in zip(jax.tree.leaves((new_state, metrics)), jax.tree.leaves((same, same_metrics))):
+        np.testing.assert_array_equal(np.asarray(jax.device_get(x)), np.asarray(jax.device_get(y)))
+    kinds = [p.sharding.memory_kind for p in jax.tree.leaves(new_state["params"])]
+    assert kinds.count("pinned_host") >= len(kinds) // 2 and "device" in kinds  # kernels; not the embedding
+    again, _ = step(new_state, batch)
+    assert all(np.isfinite(np.asarray(jax.device_get(x))).all() for x in jax.tree.leaves(again["params"]))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                            (state["params"], state["opt_state"], batch))
+    read_low = sum(a.dtype == jnp.bfloat16 for st in step.lower(*abstract)
+                   for a in jax.tree.leaves(st.forward.in_avals[0][0]))
+    assert read_low == kinds.count("pinned_host")  # the forwards read the copies of exactly the masters kept away
+
+
+def test_bfloat16_stages_with_one_row_replicas_run_equal_to_the_unsharded_step():
+    """Mixed precision, 2 stages of 4 data-parallel replicas, 2 microbatches of 4 rows: each
+    replica's program is traced at one row, where JAX's trace is not the full program op for op
+    (`Replica.planned` False). The plan's float32 partial sums are keyed by the full program's
+    ops, so they must not be applied to the replica's (they once were: a reshape rebound with a
+    matmul's `preferred_element_type`, a TypeError in every bfloat16 pipeline of such stages)."""
+    skip_if_fewer_devices(8)
+    b = get_model("gpt-tiny", layers=1, batch=8, seq=8, d_model=32, vocab=64, dtype="bfloat16")
+    opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
+    state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
+    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
+    names = layer_names(b.loss_fn, b.abstract_state()["params"], b.abstract_batch())
+    step = PipelinedStep(b.loss_fn, opt, even_layouts(names, jax.devices()[:8], 2), 2, "1f1b")
+    new_state, metrics = step(state, batch)
+    assert_first_step_close(b.loss_fn, opt, state, batch, new_state, metrics, ref_state, ref_metrics,
+                            train_step=b.train_step, dtype=jnp.bfloat16)

@@ -137,7 +137,9 @@ class PipelineStage(JsonRecord):
         `kept_layers` of its last layers keep their activations (0 or None: none, the whole
         forward is recomputed); `offloaded_activations`: its microbatches' saved activations wait in
         host memory between their forward and backward; `prefetch`: (sharded-state) each layer's
-        parameter gather issued behind the compute of the layer before it.
+        parameter gather issued behind the compute of the layer before it; `offloaded_params`:
+        (offloaded-optimizer) its float32 master parameters wait in host memory with their
+        optimizer state, the microbatches reading their cast copies.
       time_per_microbatch_s, apply_time_s, grad_sync_time_s, exposed_communication_per_microbatch_s,
         hidden_communication_per_microbatch_s, data_axes, memory_bytes_per_device (None: it fits
         nowhere), inflight_microbatches: its predicted times, gradient reduction axes and memory.
@@ -159,6 +161,7 @@ class PipelineStage(JsonRecord):
     kept_layers: int | None = None
     offloaded_activations: bool | None = None
     prefetch: bool | None = None
+    offloaded_params: bool | None = None
     time_per_microbatch_s: float | None = None
     apply_time_s: float | None = None
     grad_sync_time_s: float | None = None
@@ -203,9 +206,11 @@ def stage_way(stage: PipelineStage) -> str:
     """How a pipeline stage runs: the hand layout its layers were planned in when not their own
     plans ("megatron-tp:"), its state layout, "+remat" when it recomputes its forward, "+remat(last 2
     kept)" when it recomputes all but its last two layers, "+offloaded-activations" when its saved
-    activations wait in host memory, "+prefetch" when its parameter gathers are issued ahead."""
+    activations wait in host memory, "+prefetch" when its parameter gathers are issued ahead,
+    "offloaded-optimizer+params" when its master parameters wait in host memory too."""
     plans = stage.layer_plans or "planned"
     remat = "" if not stage.remat else f"+remat(last {stage.kept_layers} kept)" if stage.kept_layers else "+remat"
     hosted = "+offloaded-activations" if stage.offloaded_activations else ""
     ahead = "+prefetch" if stage.prefetch else ""
-    return ("" if plans == "planned" else f"{plans}:") + (stage.state_layout or "-") + remat + hosted + ahead
+    masters = "+params" if stage.offloaded_params else ""
+    return ("" if plans == "planned" else f"{plans}:") + (stage.state_layout or "-") + masters + remat + hosted + ahead

@@ -44,6 +44,10 @@ class StageLayout:
         the stage's input (`programs.recompute_cut`). 0: the whole forward is recomputed.
       offload_activations: without remat, each microbatch's saved activations wait in host memory
         (`pinned_host`) between its forward and its backward, copied back one backward ahead.
+      offload_params: with `offload_optimizer`, the float32 master parameters the stage reads only
+        by casting them to a narrower float wait in host memory too: each step copies them in one at
+        a time as their cast copies, which the microbatches read, and the update copies them in
+        and back with their optimizer state (`programs.master_casts`).
     """
 
     layers: tuple[str, ...]
@@ -56,6 +60,7 @@ class StageLayout:
     offload_optimizer: bool = False
     kept_layers: int = 0
     offload_activations: bool = False
+    offload_params: bool = False
 
     def __post_init__(self):
         if len(self.devices) != self.mesh.size:
@@ -65,6 +70,9 @@ class StageLayout:
             raise InvalidArgumentError(
                 f"kept_layers={self.kept_layers} needs remat=True and fewer kept layers than the stage's "
                 f"{len(self.layers)}")
+        if self.offload_params and not self.offload_optimizer:
+            raise InvalidArgumentError("offload_params needs offload_optimizer=True (the masters wait in host memory "
+                                       "with their optimizer state)")
         if self.offload_activations and self.remat:
             raise InvalidArgumentError("offload_activations is for a stage that keeps its activations (remat=False)")
 

@@ -72,6 +72,7 @@ class StagePrograms:
     stage_graph: Any = None
     replica: Any = None            # `Replica` when gradients accumulate per data-parallel replica
     opt_shardings: tuple[Any, ...] = ()  # per owned parameter, its optimizer state's (() : the parameter's)
+    casts: Any = None  # per owned parameter kept in host memory (`master_casts`), the program making its cast copy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,8 +333,10 @@ def _replicated_halves(rep: Replica, plan: Any, jmesh, remat: bool, cut: int | N
     the replica program's halves (`Replica`); the backward's parameter gradients keep the replica
     axis in front, its input cotangents and the forward's outputs are whole-microbatch values."""
     names = list(jmesh.axis_names)
+    # a replica program that is not the full one op for one runs unconstrained: none of the plan's
+    # per-op facts (its layouts, and its wire formats, keyed by the full program's op indices) apply
     local = strip_axes(plan, tuple(names.index(a) for a in rep.axes)) if rep.planned else \
-        dataclasses.replace(plan, op_specs=(), scatter_specs=(), operand_specs=())
+        dataclasses.replace(plan, op_specs=(), scatter_specs=(), operand_specs=(), wire=())
     fwd1, bwd1 = _halves(rep.sg, local, jmesh, remat, cut)
     w = rep.ways
     spmd = rep.axes if len(rep.axes) > 1 else rep.axes[0]
@@ -434,6 +437,11 @@ def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: Stage
                         for j, k in enumerate(own)}
 
     def apply(p, o, gr):
+        flat_p, ptree = jax.tree_util.tree_flatten(p)
+        p_hosted = [jax.typeof(x).memory_space == jax.memory.Space.Host for x in flat_p]
+        if any(p_hosted):  # master parameters copied in (offload_params)
+            p = jax.tree_util.tree_unflatten(ptree, [jax.device_put(x, jax.memory.Space.Device) if h else x
+                                                     for x, h in zip(flat_p, p_hosted)])
         if replica is not None:  # the data-parallel gradient reduction, once per step
             # the update's leaves: every owned parameter's, or one's (a streamed update, `runtime._updated`)
             present = [k for k, x in enumerate(jax.tree_util.tree_leaves(p, is_leaf=lambda x: x is None))
@@ -468,6 +476,9 @@ def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: Stage
             new_p = jax.tree_util.tree_unflatten(ptree, [
                 x if osh is sh else jax.lax.with_sharding_constraint(x, sh)
                 for x, (_, sh, osh) in zip(flat_p, reductions, strict=True)])
+        if any(p_hosted):  # and back
+            new_p = jax.tree_util.tree_unflatten(ptree, [jax.device_put(x, jax.memory.Space.Host) if h else x
+                                                         for x, h in zip(jax.tree_util.tree_leaves(new_p), p_hosted)])
         return new_p, o2
 
     nacc = 5 if remat else 2
@@ -479,7 +490,31 @@ def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: Stage
         zeros=jax.jit(zeros, out_shardings=acc_shard),
         apply=jax.jit(apply),
         plan=plan, stage_graph=sg, replica=replica, opt_shardings=tuple(opt_shard),
+        casts=master_casts(sg, p_shard) if lay.offload_params else {},
     )
+
+
+def master_casts(sg: StageGraph, p_shard) -> dict[int, Any]:
+    """Per owned parameter (its position) that the stage's program reads only by casts to one narrower
+    float dtype (mixed precision's master parameters), a jitted program copying it from host memory
+    to the device as that cast (the microbatches' programs take the copy: their casts then change
+    nothing, and the backward's cast of its cotangent back gives the float32 gradient as before)."""
+    readers: dict[int, list] = {}
+    for op in sg.graph.ops:
+        for t in op.tensor_inputs:
+            readers.setdefault(t, []).append(op)
+    out = {}
+    for j, t in enumerate(sg.inputs["p"]):
+        source = sg.graph.tensors[t].dtype
+        kinds = {sg.graph.tensors[op.outputs[0]].dtype if op.name == "convert_element_type" else None
+                 for op in readers.get(t, ())}
+        if len(kinds) != 1 or None in kinds or not jnp.issubdtype(source, jnp.floating):
+            continue
+        (low,) = kinds
+        if jnp.issubdtype(low, jnp.floating) and jnp.dtype(low).itemsize < jnp.dtype(source).itemsize:
+            out[j] = jax.jit(lambda x, low=low: jax.device_put(x, jax.memory.Space.Device).astype(low),
+                             out_shardings=p_shard[j])
+    return out
 
 
 def optimizer_shardings(p_shard, shapes, replica: Replica | None) -> list:

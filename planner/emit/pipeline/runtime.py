@@ -202,7 +202,7 @@ class PipelinedStep:
             stages = [StageLayout(tuple(st.layers), tuple(devices[i] for i in st.devices), st.mesh,
                                   dict(st.specs), st.remat, _axis_indices(st.mesh, st.data_axes),
                                   st.state_layout in OPTIMIZER_LAYOUTS, st.state_layout == "offloaded-optimizer",
-                                  st.kept_layers if st.remat else 0, st.offloaded_activations)
+                                  st.kept_layers if st.remat else 0, st.offloaded_activations, st.offloaded_params)
                       for st in plan.stages]
         else:
             info = getattr(plan, "pipeline", None)
@@ -214,7 +214,8 @@ class PipelinedStep:
                                   dict(st.shardings or ()), bool(st.remat),
                                   _axis_indices(st.mesh, st.data_axes) if st.data_axes is not None else None,
                                   st.state_layout in OPTIMIZER_LAYOUTS, st.state_layout == "offloaded-optimizer",
-                                  (st.kept_layers or 0) if st.remat else 0, bool(st.offloaded_activations))
+                                  (st.kept_layers or 0) if st.remat else 0, bool(st.offloaded_activations),
+                                  bool(st.offloaded_params))
                       for st in plan.stages]
             return cls(loss_fn, optimizer, stages, B, schedule, [st.plan for st in plan.stages])
         return cls(loss_fn, optimizer, stages, B, schedule)
@@ -329,6 +330,10 @@ class PipelinedStep:
         for s, st in enumerate(stages):
             p = [sds(np.shape(flat_params[k]), flat_params[k].dtype, sh)
                  for k, sh in zip(st.params, st.param_shardings)]
+            masters = [sds(x.shape, x.dtype, x.sharding.with_memory_kind("pinned_host")) if j in st.casts else x
+                       for j, x in enumerate(p)]
+            low = [sds(x.shape, jax.eval_shape(st.casts[j], masters[j]).dtype, x.sharding) if j in st.casts else x
+                   for j, x in enumerate(p)]
             b = [sds((mb,) + tuple(np.shape(flat_batch[k])[1:]), flat_batch[k].dtype, sh)
                  for k, sh in zip(st.batch, st.batch_shardings)]
             a = [sds(graph.tensors[t].shape, graph.tensors[t].dtype, act_spec[(s, t)]) for t in st.acts_in]
@@ -338,17 +343,17 @@ class PipelinedStep:
             if st.replica is not None:  # gradients per data-parallel replica, float32
                 acc = [sds((st.replica.ways,) + x.shape, jnp.float32, replica_sharding(x.sharding, st.replica.axes))
                        for x in p]
-            fwd = st.fwd.lower(p, a, aux, b)
+            fwd = st.fwd.lower(low, a, aux, b)
             if st.layout.recomputes_all:
-                bwd = st.bwd.lower(p, a, aux, b, cts, acc)
+                bwd = st.bwd.lower(low, a, aux, b, cts, acc)
             else:
                 compiled = fwd.compile()
-                shapes = jax.eval_shape(st.fwd, p, a, aux, b)[2]
+                shapes = jax.eval_shape(st.fwd, low, a, aux, b)[2]
                 pull = jax.tree.map(lambda x, sh: sds(x.shape, x.dtype, sh), shapes, compiled.output_shardings[2])
                 bwd = st.bwd.lower(pull, cts, acc)
             ptree, odef, okeys = opt_trees[s]
             pos = {k: j for j, k in enumerate(st.params)}
-            masked = jax.tree_util.tree_unflatten(ptree, [p[pos[k]] if k in pos else None
+            masked = jax.tree_util.tree_unflatten(ptree, [masters[pos[k]] if k in pos else None
                                                           for k in range(ptree.num_leaves)])
             masked_acc = jax.tree_util.tree_unflatten(ptree, [acc[pos[k]] if k in pos else None
                                                               for k in range(ptree.num_leaves)])
@@ -357,7 +362,7 @@ class PipelinedStep:
                                                         shard_of(k, full_opt[k])) for k in okeys])
             streamed = () if not st.layout.offload_optimizer else tuple(
                 (k, st.apply.lower(*args)) for k, _, args in parameter_groups(
-                    ptree, st.params, p, acc, dict(zip(okeys, jax.tree_util.tree_leaves(o))),
+                    ptree, st.params, masters, acc, dict(zip(okeys, jax.tree_util.tree_leaves(o))),
                     group_layouts(self.optimizer, params, st.params)))
             out.append(StageLowered(s, st.layout.devices, st.mesh, fwd, bwd, st.apply.lower(masked, o, masked_acc),
                                     st.plan, st.replica.axes if st.replica is not None else (),
@@ -373,10 +378,14 @@ class PipelinedStep:
         flat_batch = jax.tree_util.tree_leaves(batch)
         opt_trees, full_opt = opt_layouts(self.optimizer, len(self.layouts), params, opt_state, param_owner)
 
-        p = [[_put(flat_params[k], sh) for k, sh in zip(st.params, st.param_shardings)] for st in stages]
+        # master parameters the stage keeps in host memory (`programs.master_casts`) stay there; the
+        # microbatches read their cast copies, made one parameter at a time (one program each)
+        p = [[_put(flat_params[k], sh.with_memory_kind("pinned_host") if j in st.casts else sh)
+              for j, (k, sh) in enumerate(zip(st.params, st.param_shardings))] for st in stages]
+        low = [[st.casts[j](x) if j in st.casts else x for j, x in enumerate(ps)] for st, ps in zip(stages, p)]
         mbatch = [[[_put(flat_batch[k][i * mb:(i + 1) * mb], sh)
                     for k, sh in zip(st.batch, st.batch_shardings)] for i in range(B)] for st in stages]
-        run = _Run(graph, stages, act_spec, needed_by, p, mbatch, [None] * len(stages), len(stages) - 1,
+        run = _Run(graph, stages, act_spec, needed_by, low, mbatch, [None] * len(stages), len(stages) - 1,
                    _put(np.asarray(1.0 / B, graph.tensors[graph.outputs[0]].dtype),
                         jax.sharding.NamedSharding(stages[-1].mesh, jax.sharding.PartitionSpec())))
         for s, kind, i in self.order:
