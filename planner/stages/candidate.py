@@ -124,6 +124,7 @@ def stage_plans(best: Candidate, shapes: Sequence[tuple[int, int]], meshes: Sequ
             kept_layers=opt.kept,
             offloaded_activations=opt.offload_acts,
             prefetch=opt.prefetch,
+            offloaded_params=opt.offload_params,
             layer_plans=opt.variant or "planned",
             time_s=stage.time_s,
             apply_s=once_per_step(best.table, opt, stage.first, stage.last)[1],

@@ -50,6 +50,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+
+import jax.numpy as jnp
+import numpy as np
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from planner.cost_model import Hardware, get_hardware
@@ -61,7 +64,7 @@ from planner.graph.ir import Graph
 from planner.ilp.strategies import int8_reduction, shard_bytes
 from planner.ilp.wire import before_reduction
 from planner.search.mesh_plan import make_plan
-from planner.stages.clustering import Layers
+from planner.stages.clustering import APPLY, Layers, op_phases
 from planner.stages.layer_facts import LayerFacts, subgraph
 from planner.stages.submesh import LogicalMesh
 
@@ -105,6 +108,10 @@ class LayerCost:
         offloaded-optimizer layout keeps in host memory between updates).
       opt_host_leaf_bytes: the largest one parameter's share of `opt_host_bytes` (what a streamed
         update, one parameter at a time, copies in at once).
+      master_bytes, master_cast_bytes, master_leaf_bytes: per device, the layer's master parameters
+        (read before the update only by casts to one narrower float, `master_params`) as the plan lays
+        them out, their cast copies, and the largest one's bytes (what the offloaded-optimizer
+        layout's `StageOption.offload_params` keeps in host memory).
       produced_specs: the plan's sharding of each value the layer makes that is used outside it,
         keyed by (position of the making op among the layer's ops, result index), so that identical
         layers key alike (`LayerCostTable.inner`: resharding between layers of one stage).
@@ -134,6 +141,9 @@ class LayerCost:
     opt_sync_s: float = 0.0
     opt_host_bytes: float = 0.0
     opt_host_leaf_bytes: float = 0.0
+    master_bytes: float = 0.0
+    master_cast_bytes: float = 0.0
+    master_leaf_bytes: float = 0.0
 
 
 # A layer that cannot be planned on a mesh (a pin the mesh cannot take, or no plan): never chosen.
@@ -344,11 +354,15 @@ def _from_plan(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
     opt_state, opt_apply, opt_sync = (state, apply_s, sync) if param_axes & data else optimizer_layout(
         graph, facts, own, data, param_shard, cost, apply_bytes, (state, apply_s, sync))
     leaf = largest_state_leaf(graph, facts, own, () if param_axes & data else data, mesh)
+    casts = master_params(graph)
+    masters = [(shard_bytes(graph.tensors[t], spec or replicated(len(graph.tensors[t].shape)), mesh), casts[t])
+               for t, spec in own if t in casts]
     return LayerCost(pred.step_time_s - exposed - quantise, apply_s, state, act, work, facts.fwd_fraction,
                      tuple(spec_of_input.get(t) for t in ext), zero_extra, zero_state, work + param_shard,
                      tuple(zero_specs), sync, produced, max(0.0, pred.communication_time_s - exposed),
                      pred.hidden_communication_time_s, data, tuple(pred.collectives), tuple(zero_gathers),
-                     param_axes, opt_state, opt_apply, opt_sync, max(0.0, opt_state - 2 * param_shard), leaf)
+                     param_axes, opt_state, opt_apply, opt_sync, max(0.0, opt_state - 2 * param_shard), leaf,
+                     sum(b for b, _ in masters), sum(b * r for b, r in masters), max((b for b, _ in masters), default=0.0))
 
 
 def optimizer_layout(graph: Graph, facts: LayerFacts, params: Sequence[tuple[int, Spec | None]],
@@ -387,6 +401,30 @@ def optimizer_layout(graph: Graph, facts: LayerFacts, params: Sequence[tuple[int
     state = 2 * param_shard + (facts.state_bytes_total - facts.param_bytes_total) * oratio
     apply_s = cost.compute_time(facts.apply_flops * oratio, apply_bytes * oratio, facts.apply_dtypes)
     return state, apply_s, exchange
+
+
+def master_params(graph: Graph) -> dict[int, float]:
+    """Per parameter input tensor that the step reads before its update only by casts to one narrower
+    floating dtype (mixed precision's float32 master parameters): the cast's bytes per byte of it.
+    Once per graph (`Graph.cached`)."""
+    def make() -> dict[int, float]:
+        phases = op_phases(graph)
+        readers: dict[int, set] = {}
+        for op in graph.ops:
+            if phases[op.index] == APPLY:
+                continue
+            for t in op.tensor_inputs:
+                readers.setdefault(t, set()).add(
+                    graph.tensors[op.outputs[0]].dtype if op.name == "convert_element_type" else None)
+        out = {}
+        for t in graph.inputs:
+            kinds, source = readers.get(t, {None}), graph.tensors[t].dtype
+            if len(kinds) == 1 and None not in kinds and jnp.issubdtype(source, jnp.floating):
+                (low,) = kinds
+                if jnp.issubdtype(low, jnp.floating) and np.dtype(low).itemsize < np.dtype(source).itemsize:
+                    out[t] = np.dtype(low).itemsize / np.dtype(source).itemsize
+        return out
+    return graph.cached("master params", make)
 
 
 def largest_state_leaf(graph: Graph, facts: LayerFacts, params: Sequence[tuple[int, Spec | None]],

@@ -41,6 +41,8 @@ class StagePlan:
         forward and backward (`stage_cost.StageOption.offload_acts`).
       prefetch: (sharded-state) each layer's parameter gather issued behind the compute of the layer
         before it (`stage_cost.StageOption.prefetch`).
+      offloaded_params: (offloaded-optimizer) its master parameters wait in host memory with their
+        optimizer state (`stage_cost.StageOption.offload_params`).
       layer_plans: "planned" (each layer's own fastest plan) or the hand layout its layers were
         planned in (a `cost_table.LAYER_VARIANTS` name: parameters, optimizer state and batch pinned
         as that baseline lays them out, the rest planned).
@@ -81,6 +83,7 @@ class StagePlan:
     kept_layers: int = 0
     offloaded_activations: bool = False
     prefetch: bool = False
+    offloaded_params: bool = False
 
     @property
     def name(self) -> str:
@@ -88,7 +91,7 @@ class StagePlan:
         return stage_way(PipelineStage(layer_plans=self.layer_plans, state_layout=self.state_layout,
                                        remat=self.remat, kept_layers=self.kept_layers,
                                        offloaded_activations=self.offloaded_activations,
-                                       prefetch=self.prefetch))
+                                       prefetch=self.prefetch, offloaded_params=self.offloaded_params))
 
     def record(self, plan: Any = None) -> PipelineStage:
         """The stage as the plan keeps it (`Plan.stages`), with its intra-op `plan` when given."""
@@ -106,6 +109,7 @@ class StagePlan:
             kept_layers=(self.kept_layers or None) if self.remat else None,
             offloaded_activations=self.offloaded_activations or None,
             prefetch=self.prefetch or None,
+            offloaded_params=self.offloaded_params or None,
             time_per_microbatch_s=self.time_s,
             apply_time_s=self.apply_s,
             grad_sync_time_s=self.grad_sync_s,

@@ -137,7 +137,7 @@ def as_single_stage_plan(pp: PipelinePlan, one: SingleStage | None) -> PipelineP
         whole, pred = one.whole, one.whole.prediction
         st = dataclasses.replace(
             pp.stages[0], mesh=whole.mesh, host_axes=tuple(one.whole_axes), state_layout="plan", remat=False,
-            kept_layers=0, offloaded_activations=False, prefetch=False,
+            kept_layers=0, offloaded_activations=False, prefetch=False, offloaded_params=False,
             time_s=pred.step_time_s, apply_s=0.0, grad_sync_s=0.0, memory_bytes=pred.memory_bytes_per_device,
             specs=MappingProxyType(dict(zip(whole.input_paths, whole.input_specs))),
             comm_s=pred.communication_time_s, hidden_s=pred.hidden_communication_time_s, data_axes=frozenset())

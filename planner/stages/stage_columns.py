@@ -111,7 +111,7 @@ def shared_columns(table: LayerCostTable, option: Any) -> Columns:
     """The `Columns` of `option`'s mesh, variant and state layout, kept in `table.ranges` (the ways
     of one layout differ only in how they combine them)."""
     key = ("columns", table.layers.keys, table.meshes[option.mesh_index], option.variant, option.layout,
-           table.microbatches)
+           option.offload_params, table.microbatches)
     hit = table.ranges.get(key)
     if hit is None:
         hit = table.ranges[key] = Columns(table, option)
@@ -125,6 +125,7 @@ def layer_columns(table: LayerCostTable, option: Any) -> dict[str, np.ndarray]:
     once-per-step reductions a split stage moves into every microbatch ("split_sync",
     `split_ranges`)."""
     rows = table.rows(option.mesh_index, option.variant)
+    masters = bool(option.offload_params)  # the master parameters in host memory, their cast copies here
     sharded = option.layout == "sharded-state"
     gathers = [r.zero_extra_s if sharded else 0.0 for r in rows]  # the sharded state's all-gathers
     # compute free of the layer's own hidden communication, behind which prefetch issues a gather
@@ -139,8 +140,8 @@ def layer_columns(table: LayerCostTable, option: Any) -> dict[str, np.ndarray]:
         "comm": np.array([r.comm_s + g + e for r, g, e in zip(rows, gathers, every)]),
         "comm_recompute": np.array([r.comm_s * r.fwd_fraction + g / 2 for r, g in zip(rows, gathers)]),
         "state": np.array([r.zero_state_bytes if sharded else r.opt_state_bytes if option.layout == "sharded-optimizer"
-                           else r.opt_state_bytes - r.opt_host_bytes if option.layout == "offloaded-optimizer"
-                           else r.state_bytes for r in rows]),
+                           else r.opt_state_bytes - r.opt_host_bytes - masters * (r.master_bytes - r.master_cast_bytes)
+                           if option.layout == "offloaded-optimizer" else r.state_bytes for r in rows]),
         "act": np.array([r.act_bytes for r in rows]),
         "work": np.array([r.zero_work_bytes if sharded else r.work_bytes for r in rows]),
         "gather": np.array([g / 2 for g in gathers]),  # one of the two (forward, backward)

@@ -20,7 +20,11 @@ intra-op ILP plans each layer for time alone; it has no stage-level view of memo
                                 back, once per step over the host link (`Hardware.host_bandwidth`;
                                 not offered where none is known or `offload="off"`); the device
                                 holds it only during the update, when no activations are live,
-                                one parameter's at a time (`update_peak`);
+                                one parameter's at a time (`update_peak`); "+params": the
+                                float32 master parameters read only by casts wait there too, the
+                                device holding their cast copies (three trips a step: in for the
+                                casts, in and back for the update; weighed where the plain
+                                layout fits some range but not at every in-flight count);
   remat False  activations kept from each microbatch's forward to its backward;
         True   only the stage's input kept; the backward recomputes the stage's forward first
                (extra time: the forward's share of the FLOPs, times the layer's time);
@@ -90,7 +94,8 @@ class StageOption:
     recomputation how many of the stage's last layers keep their activations (`kept`; 0: none, the
     whole forward is recomputed); without it, whether the saved activations wait in host memory
     (`offload_acts`); in the sharded-state layout, whether each layer's parameter gather is issued
-    behind the compute of the layer before it (`prefetch`)."""
+    behind the compute of the layer before it (`prefetch`); in the offloaded-optimizer layout,
+    whether the master parameters wait in host memory too (`offload_params`)."""
 
     mesh_index: int
     layout: str
@@ -99,13 +104,15 @@ class StageOption:
     kept: int = 0
     offload_acts: bool = False
     prefetch: bool = False
+    offload_params: bool = False
 
     @property
     def name(self) -> str:
         """As `planner.core.pipeline_records.stage_way` writes a stage, e.g. "fsdp:sharded-state+remat"."""
         return stage_way(PipelineStage(layer_plans=self.variant or "planned", state_layout=self.layout,
                                        remat=self.remat, kept_layers=self.kept,
-                                       offloaded_activations=self.offload_acts, prefetch=self.prefetch))
+                                       offloaded_activations=self.offload_acts, prefetch=self.prefetch,
+                                       offloaded_params=self.offload_params))
 
 
 def stage_collectives(table: LayerCostTable, first: int, last: int, option: StageOption) -> tuple:
@@ -195,8 +202,10 @@ def update_peak(table: LayerCostTable, option: StageOption) -> np.ndarray:
     if option.layout != "offloaded-optimizer":
         return np.zeros((L, L))
     rows = table.rows(option.mesh_index, option.variant)
-    return (range_sums(np.array([r.opt_state_bytes - r.opt_host_bytes for r in rows]))
-            + 2 * range_max(np.array([r.opt_host_leaf_bytes for r in rows])))
+    masters = bool(option.offload_params)  # then the cast copies on the device, each master copied in with its state
+    return (range_sums(np.array([r.opt_state_bytes - r.opt_host_bytes - masters * (r.master_bytes - r.master_cast_bytes)
+                                 for r in rows]))
+            + 2 * range_max(np.array([r.opt_host_leaf_bytes + masters * r.master_leaf_bytes for r in rows])))
 
 
 def once_per_step_ranges(table: LayerCostTable, option: StageOption) -> np.ndarray:
@@ -206,7 +215,7 @@ def once_per_step_ranges(table: LayerCostTable, option: StageOption) -> np.ndarr
     weighs, amortised over the microbatches, when it picks a stage's way."""
     # the term depends on the mesh, the per-layer plans and the state layout only
     key = ("once per step", table.layers.keys, table.meshes[option.mesh_index], option.variant, option.layout,
-           table.microbatches)
+           option.offload_params, table.microbatches)
     hit = table.ranges.get(key)
     if hit is None:
         hit = table.ranges[key] = _once_per_step_ranges(table, option)
@@ -221,7 +230,9 @@ def once_per_step_columns(table: LayerCostTable, rows: Sequence[LayerCost], opti
     `once_per_step_ranges` over every range."""
     if option.layout in OPTIMIZER_LAYOUTS:
         host = table.cluster.hardware.host_bandwidth if option.layout == "offloaded-optimizer" else None
-        return ([r.opt_sync_s + (2 * r.opt_host_bytes / host if host else 0.0) for r in rows],
+        # host-kept master parameters: copied in for their casts, in for the update and back
+        trips = [2 * r.opt_host_bytes + (3 * r.master_bytes if option.offload_params else 0.0) for r in rows]
+        return ([r.opt_sync_s + (t / host if host else 0.0) for r, t in zip(rows, trips)],
                 [r.opt_apply_s for r in rows])
     return [0.0 if sync_every_microbatch(r, option) else r.sync_s for r in rows], [r.apply_s for r in rows]
 
@@ -358,6 +369,11 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
                     # offloading the activations is no faster than keeping them: only where that does not fit
                     if hosted and False in ways and (ways[False][0] & (ways[False][1] < Q)).any():
                         weigh(StageOption(mi, layout, False, v, offload_acts=True))
+                    # master parameters in host memory: where the plain offloaded layout runs but not at every count
+                    if layout == "offloaded-optimizer" and any(r.master_bytes > 0 for r in table.rows(mi, v)):
+                        for r, (runs, fit) in list(ways.items()):
+                            if (runs & (fit < Q)).any():
+                                weigh(StageOption(mi, layout, r, v, offload_params=True))
                     # prefetch: where a sharded-state stage runs and some gather can hide
                     if prefetching and layout == "sharded-state" and \
                             shared_columns(table, StageOption(mi, layout, False, v)).prefetch_hidden().any():

@@ -366,7 +366,8 @@ def _stage_plans(fn: Callable[..., Any], args: tuple[Any, ...], graph: Graph, pp
     share = memo if memo.step is fn else None  # traces and plans by program: one step function's only
     rows = batch_size(args, batch_argnum) // pp.num_microbatches
     key = (rows, options, tuple((st.layer_range, st.submesh, st.mesh, st.host_axes, st.devices, st.state_layout,
-                                 st.remat, st.kept_layers, st.offloaded_activations, st.layer_plans,
+                                 st.remat, st.kept_layers, st.offloaded_activations, st.offloaded_params,
+                                 st.layer_plans,
                                  tuple(sorted(st.specs.items())))
                                 for st in pp.stages))
     try:

@@ -437,11 +437,7 @@ def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: Stage
                         for j, k in enumerate(own)}
 
     def apply(p, o, gr):
-        flat_p, ptree = jax.tree_util.tree_flatten(p)
-        p_hosted = [jax.typeof(x).memory_space == jax.memory.Space.Host for x in flat_p]
-        if any(p_hosted):  # master parameters copied in (offload_params)
-            p = jax.tree_util.tree_unflatten(ptree, [jax.device_put(x, jax.memory.Space.Device) if h else x
-                                                     for x, h in zip(flat_p, p_hosted)])
+        p, p_hosted = _copied_in(p)  # master parameters kept in host memory (offload_params)
         if replica is not None:  # the data-parallel gradient reduction, once per step
             # the update's leaves: every owned parameter's, or one's (a streamed update, `runtime._updated`)
             present = [k for k, x in enumerate(jax.tree_util.tree_leaves(p, is_leaf=lambda x: x is None))
@@ -458,28 +454,19 @@ def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: Stage
                 p = jax.tree_util.tree_unflatten(ptree, [
                     x if osh is sh else jax.lax.with_sharding_constraint(x, osh)
                     for x, (_, sh, osh) in zip(flat_p, reductions, strict=True)])
-        flat_o, otree = jax.tree_util.tree_flatten(o)
-        hosted = [jax.typeof(x).memory_space == jax.memory.Space.Host for x in flat_o]
-        if any(hosted):  # copied in for the update (offloaded-optimizer)
-            o = jax.tree_util.tree_unflatten(otree, [jax.device_put(x, jax.memory.Space.Device) if h else x
-                                                     for x, h in zip(flat_o, hosted)])
+        o, hosted = _copied_in(o)  # the optimizer state kept in host memory (offloaded-optimizer)
         if hasattr(optimizer, "apply"):  # a step's own update ops (planner.stages.derived.GraphUpdate)
             new_p, o2 = optimizer.apply(p, o, gr)
         else:
             updates, o2 = optimizer.update(gr, o, p)
             new_p = optax.apply_updates(p, updates)
-        if any(hosted):  # and back
-            o2 = jax.tree_util.tree_unflatten(otree, [jax.device_put(x, jax.memory.Space.Host) if h else x
-                                                      for x, h in zip(jax.tree_util.tree_leaves(o2), hosted)])
+        o2 = _sent_back(o2, hosted)
         if replica is not None and split:
             flat_p, ptree = jax.tree_util.tree_flatten(new_p)
             new_p = jax.tree_util.tree_unflatten(ptree, [
                 x if osh is sh else jax.lax.with_sharding_constraint(x, sh)
                 for x, (_, sh, osh) in zip(flat_p, reductions, strict=True)])
-        if any(p_hosted):  # and back
-            new_p = jax.tree_util.tree_unflatten(ptree, [jax.device_put(x, jax.memory.Space.Host) if h else x
-                                                         for x, h in zip(jax.tree_util.tree_leaves(new_p), p_hosted)])
-        return new_p, o2
+        return _sent_back(new_p, p_hosted), o2
 
     nacc = 5 if remat else 2
     return StagePrograms(
@@ -492,6 +479,21 @@ def build_programs(optimizer: Any, sg: StageGraph, plan: Any, s: int, lay: Stage
         plan=plan, stage_graph=sg, replica=replica, opt_shardings=tuple(opt_shard),
         casts=master_casts(sg, p_shard) if lay.offload_params else {},
     )
+
+
+def _copied_in(tree: Any) -> tuple[Any, list[bool]]:
+    """`tree` with its leaves in host memory copied to the device, and which leaves those were."""
+    flat, treedef = jax.tree_util.tree_flatten(tree)
+    hosted = [jax.typeof(x).memory_space == jax.memory.Space.Host for x in flat]
+    return jax.tree_util.tree_unflatten(treedef, [jax.device_put(x, jax.memory.Space.Device) if h else x
+                                                  for x, h in zip(flat, hosted)]), hosted
+
+
+def _sent_back(tree: Any, hosted: list[bool]) -> Any:
+    """`tree` (the new values of `_copied_in`'s leaves) with those that came from host memory sent back."""
+    flat, treedef = jax.tree_util.tree_flatten(tree)
+    return jax.tree_util.tree_unflatten(treedef, [jax.device_put(x, jax.memory.Space.Host) if h else x
+                                                  for x, h in zip(flat, hosted)])
 
 
 def master_casts(sg: StageGraph, p_shard) -> dict[int, Any]:
