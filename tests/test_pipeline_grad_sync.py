@@ -58,10 +58,10 @@ def _reductions(lowered) -> list:
     return [c for c in collectives(lowered.compile()) if c.kind in ("all-reduce", "reduce-scatter")]
 
 
-def _tiny_two_stages():
-    """A small gpt-tiny, its optimizer, first state and batch, the unsharded step's result on them,
-    and 2 even stages of 4 CPU devices each (data parallel inside them)."""
-    b = get_model("gpt-tiny", layers=1, batch=8, seq=8, d_model=32, vocab=64)
+def _tiny_two_stages(dtype: str = "float32"):
+    """A small gpt-tiny (computing in `dtype`), its optimizer, first state and batch, the unsharded
+    step's result on them, and 2 even stages of 4 CPU devices each (data parallel inside them)."""
+    b = get_model("gpt-tiny", layers=1, batch=8, seq=8, d_model=32, vocab=64, dtype=dtype)
     opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
     state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
     ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
@@ -245,13 +245,8 @@ def test_offloaded_master_parameters_wait_in_host_memory_and_the_step_is_unchang
     skip_if_fewer_devices(8)
     import dataclasses
 
-    b = get_model("gpt-tiny", layers=1, batch=8, seq=8, d_model=32, vocab=64, dtype="bfloat16")
-    opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
-    state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
-    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
-    names = layer_names(b.loss_fn, b.abstract_state()["params"], b.abstract_batch())
-    kept = tuple(dataclasses.replace(lay, shard_optimizer=True, offload_optimizer=True)
-                 for lay in even_layouts(names, jax.devices()[:8], 2))
+    b, opt, state, batch, ref_state, ref_metrics, plain = _tiny_two_stages("bfloat16")
+    kept = tuple(dataclasses.replace(lay, shard_optimizer=True, offload_optimizer=True) for lay in plain)
     hosted = tuple(dataclasses.replace(lay, offload_params=True) for lay in kept)
     step = PipelinedStep(b.loss_fn, opt, hosted, 2, "1f1b")
     new_state, metrics = step(state, batch)
@@ -278,12 +273,8 @@ def test_bfloat16_stages_with_one_row_replicas_run_equal_to_the_unsharded_step()
     ops, so they must not be applied to the replica's (they once were: a reshape rebound with a
     matmul's `preferred_element_type`, a TypeError in every bfloat16 pipeline of such stages)."""
     skip_if_fewer_devices(8)
-    b = get_model("gpt-tiny", layers=1, batch=8, seq=8, d_model=32, vocab=64, dtype="bfloat16")
-    opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
-    state, batch = b.init_state(jax.random.key(0)), b.make_batch(jax.random.key(1))
-    ref_state, ref_metrics = jax.jit(b.train_step)(state, batch)
-    names = layer_names(b.loss_fn, b.abstract_state()["params"], b.abstract_batch())
-    step = PipelinedStep(b.loss_fn, opt, even_layouts(names, jax.devices()[:8], 2), 2, "1f1b")
+    b, opt, state, batch, ref_state, ref_metrics, layouts = _tiny_two_stages("bfloat16")
+    step = PipelinedStep(b.loss_fn, opt, layouts, 2, "1f1b")
     new_state, metrics = step(state, batch)
     assert_first_step_close(b.loss_fn, opt, state, batch, new_state, metrics, ref_state, ref_metrics,
                             train_step=b.train_step, dtype=jnp.bfloat16)

@@ -3,7 +3,7 @@ communication, state, activation and working bytes on one mesh, in one per-layer
 layout, and the range sums and maxima made from them once per layout (`shared_columns`)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -107,15 +107,22 @@ class Columns:
         return self._sums["prefetched"]
 
 
-def shared_columns(table: LayerCostTable, option: Any) -> Columns:
-    """The `Columns` of `option`'s mesh, variant and state layout, kept in `table.ranges` (the ways
-    of one layout differ only in how they combine them)."""
-    key = ("columns", table.layers.keys, table.meshes[option.mesh_index], option.variant, option.layout,
+def per_layout(table: LayerCostTable, option: Any, name: str, make: Callable[[], Any]) -> Any:
+    """`make()`, kept in `table.ranges` under `name` and what the ways of one state layout share:
+    `option`'s mesh, per-layer plans, state layout and where its master parameters wait (its
+    recomputation, kept layers, offloaded activations and prefetch aside)."""
+    key = (name, table.layers.keys, table.meshes[option.mesh_index], option.variant, option.layout,
            option.offload_params, table.microbatches)
     hit = table.ranges.get(key)
     if hit is None:
-        hit = table.ranges[key] = Columns(table, option)
+        hit = table.ranges[key] = make()
     return hit
+
+
+def shared_columns(table: LayerCostTable, option: Any) -> Columns:
+    """The `Columns` of `option`'s mesh, variant and state layout (`per_layout`: the ways of one
+    layout differ only in how they combine them)."""
+    return per_layout(table, option, "columns", lambda: Columns(table, option))
 
 
 def layer_columns(table: LayerCostTable, option: Any) -> dict[str, np.ndarray]:

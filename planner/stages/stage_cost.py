@@ -61,7 +61,8 @@ import numpy as np
 from planner.core.pipeline_records import PipelineStage, stage_way
 from planner.stages.cost_table import LayerCostTable
 from planner.stages.layer_cost import LayerCost
-from planner.stages.stage_columns import Columns, range_max, range_sums, shared_columns, shifted, sync_every_microbatch
+from planner.stages.stage_columns import (Columns, per_layout, range_max, range_sums, shared_columns, shifted,
+                                         sync_every_microbatch)
 from planner.stages.submesh import boundary_link
 
 
@@ -213,13 +214,7 @@ def once_per_step_ranges(table: LayerCostTable, option: StageOption) -> np.ndarr
     gradient exchange and update, and in the offloaded-optimizer layout the optimizer state's trip
     over the host link), as `candidate.once_per_step` prices a chosen stage: what `stage_times`
     weighs, amortised over the microbatches, when it picks a stage's way."""
-    # the term depends on the mesh, the per-layer plans and the state layout only
-    key = ("once per step", table.layers.keys, table.meshes[option.mesh_index], option.variant, option.layout,
-           option.offload_params, table.microbatches)
-    hit = table.ranges.get(key)
-    if hit is None:
-        hit = table.ranges[key] = _once_per_step_ranges(table, option)
-    return hit
+    return per_layout(table, option, "once per step", lambda: _once_per_step_ranges(table, option))
 
 
 def once_per_step_columns(table: LayerCostTable, rows: Sequence[LayerCost], option: StageOption
