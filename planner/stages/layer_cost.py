@@ -54,6 +54,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from planner.cost_model import Hardware, get_hardware
 from planner.core.errors import MeshError, PlannerError
@@ -403,27 +404,38 @@ def optimizer_layout(graph: Graph, facts: LayerFacts, params: Sequence[tuple[int
     return state, apply_s, exchange
 
 
+def narrow_casts(graph: Graph, tensors: Iterable[int], read: Callable[[int], bool] = lambda i: True
+                 ) -> dict[int, Any]:
+    """Per tensor of `tensors` that the ops `read` selects (by index) read only by casts to one
+    narrower floating dtype (mixed precision's float32 master parameters), that dtype. What the
+    stage tables price (`master_params`) and the pipeline runtime emits
+    (`emit.pipeline.programs.master_casts`) decide by this one rule."""
+    wanted = set(tensors)
+    kinds: dict[int, set] = {}
+    for op in graph.ops:
+        if not read(op.index):
+            continue
+        for t in op.tensor_inputs:
+            if t in wanted:
+                kinds.setdefault(t, set()).add(
+                    graph.tensors[op.outputs[0]].dtype if op.name == "convert_element_type" else None)
+    out = {}
+    for t in wanted:
+        found, source = kinds.get(t, {None}), graph.tensors[t].dtype
+        if len(found) == 1 and None not in found and jnp.issubdtype(source, jnp.floating):
+            (low,) = found
+            if jnp.issubdtype(low, jnp.floating) and np.dtype(low).itemsize < np.dtype(source).itemsize:
+                out[t] = low
+    return out
+
+
 def master_params(graph: Graph) -> dict[int, float]:
-    """Per parameter input tensor that the step reads before its update only by casts to one narrower
-    floating dtype (mixed precision's float32 master parameters): the cast's bytes per byte of it.
-    Once per graph (`Graph.cached`)."""
+    """Per input tensor that the step reads before its update only by casts to one narrower floating
+    dtype (`narrow_casts`): the cast's bytes per byte of it. Once per graph (`Graph.cached`)."""
     def make() -> dict[int, float]:
         phases = op_phases(graph)
-        readers: dict[int, set] = {}
-        for op in graph.ops:
-            if phases[op.index] == APPLY:
-                continue
-            for t in op.tensor_inputs:
-                readers.setdefault(t, set()).add(
-                    graph.tensors[op.outputs[0]].dtype if op.name == "convert_element_type" else None)
-        out = {}
-        for t in graph.inputs:
-            kinds, source = readers.get(t, {None}), graph.tensors[t].dtype
-            if len(kinds) == 1 and None not in kinds and jnp.issubdtype(source, jnp.floating):
-                (low,) = kinds
-                if jnp.issubdtype(low, jnp.floating) and np.dtype(low).itemsize < np.dtype(source).itemsize:
-                    out[t] = np.dtype(low).itemsize / np.dtype(source).itemsize
-        return out
+        return {t: np.dtype(low).itemsize / np.dtype(graph.tensors[t].dtype).itemsize
+                for t, low in narrow_casts(graph, graph.inputs, lambda i: phases[i] != APPLY).items()}
     return graph.cached("master params", make)
 
 

@@ -44,6 +44,7 @@ from planner.graph.ir import Graph, Literal
 from planner.graph.trace import trace
 from planner.emit.pipeline.layout import StageLayout
 from planner.stages.derived import op_ranges
+from planner.stages.layer_cost import narrow_casts
 
 log = logging.getLogger(__name__)
 
@@ -501,22 +502,10 @@ def master_casts(sg: StageGraph, p_shard) -> dict[int, Any]:
     float dtype (mixed precision's master parameters), a jitted program copying it from host memory
     to the device as that cast (the microbatches' programs take the copy: their casts then change
     nothing, and the backward's cast of its cotangent back gives the float32 gradient as before)."""
-    readers: dict[int, list] = {}
-    for op in sg.graph.ops:
-        for t in op.tensor_inputs:
-            readers.setdefault(t, []).append(op)
-    out = {}
-    for j, t in enumerate(sg.inputs["p"]):
-        source = sg.graph.tensors[t].dtype
-        kinds = {sg.graph.tensors[op.outputs[0]].dtype if op.name == "convert_element_type" else None
-                 for op in readers.get(t, ())}
-        if len(kinds) != 1 or None in kinds or not jnp.issubdtype(source, jnp.floating):
-            continue
-        (low,) = kinds
-        if jnp.issubdtype(low, jnp.floating) and jnp.dtype(low).itemsize < jnp.dtype(source).itemsize:
-            out[j] = jax.jit(lambda x, low=low: jax.device_put(x, jax.memory.Space.Device).astype(low),
-                             out_shardings=p_shard[j])
-    return out
+    low = narrow_casts(sg.graph, sg.inputs["p"])
+    return {j: jax.jit(lambda x, d=low[t]: jax.device_put(x, jax.memory.Space.Device).astype(d),
+                       out_shardings=p_shard[j])
+            for j, t in enumerate(sg.inputs["p"]) if t in low}
 
 
 def optimizer_shardings(p_shard, shapes, replica: Replica | None) -> list:
