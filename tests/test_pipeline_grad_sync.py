@@ -9,6 +9,7 @@ import pytest
 
 from planner.planning.evaluate import evaluate
 from planner.stages.dp import pipeline_latency
+from planner.emit.pipeline import opt_state
 from planner.emit.pipeline.runtime import PipelinedStep, even_layouts, layer_names
 from tests.conftest import skip_if_fewer_devices
 from tests.helpers import assert_first_step_close
@@ -175,17 +176,23 @@ def test_a_plans_sharded_optimizer_stage_runs_as_planned():
     assert any(m.addressable_shards[0].data.size < p.addressable_shards[0].data.size for m, p in zip(mu, params))
 
 
-def test_offloaded_optimizer_stages_keep_the_optimizer_state_in_host_memory():
+def test_offloaded_optimizer_stages_keep_the_optimizer_state_in_host_memory(monkeypatch):
     """The offloaded-optimizer state layout (`StageLayout.offload_optimizer`): gpt-tiny in 2 stages of
     4 CPU devices, 2 microbatches, two steps: the first equals the unsharded step (the first AdamW
     step's bounds), the optimizer moments come back in host memory (`pinned_host`), split over the
     stage's data axes, the parameters on the devices; the second step takes that state as it is
-    and equals a second unsharded step within the same bounds."""
+    and equals a second unsharded step within the same bounds. Where the state lives (an
+    `eval_shape` of the optimizer's init per stage and per streamed parameter,
+    `opt_state.state_layouts`) is found once per argument signature, not on every step."""
     skip_if_fewer_devices(8)
     import dataclasses
 
     b, opt, state, batch, ref_state, ref_metrics, plain = _tiny_two_stages()
     layouts = tuple(dataclasses.replace(lay, shard_optimizer=True, offload_optimizer=True) for lay in plain)
+    from planner.emit.pipeline import runtime
+
+    found = []
+    monkeypatch.setattr(runtime, "state_layouts", lambda *a: found.append(a) or opt_state.state_layouts(*a))
     step = PipelinedStep(b.loss_fn, opt, layouts, 2, "1f1b")
     new_state, metrics = step(state, batch)
     assert_first_step_close(b.loss_fn, opt, state, batch, new_state, metrics, ref_state, ref_metrics,
@@ -200,6 +207,7 @@ def test_offloaded_optimizer_stages_keep_the_optimizer_state_in_host_memory():
     # runs are many orders below that, so a leaf within a quarter of its size has carried it (leaves
     # whose gradient is zero but for roundings, the attention key's bias, are left out)
     again, _ = step(new_state, batch)
+    assert len(found) == 1 and len(found[0][4]) == len(layouts)  # once, with every stage streamed
     want, _ = jax.jit(b.train_step)(ref_state, batch)
     pairs = [(np.asarray(jax.device_get(g)), np.asarray(r))
              for g, r in zip(jax.tree.leaves(again["opt_state"][0].mu), jax.tree.leaves(want["opt_state"][0].mu))]

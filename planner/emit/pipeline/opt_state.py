@@ -3,6 +3,7 @@ the optimizer-state leaves that mirror them (found by pytree path in the full st
 like those parameters, and a copy of the shared ones (e.g. the step count)."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,27 +14,54 @@ from planner.core.errors import InvalidArgumentError
 from planner.emit.pipeline.programs import StagePrograms
 
 
-def opt_layouts(optimizer: Any, num_stages: int, params: Any, opt_state: Any, param_owner: Mapping[int, int]):
-    """Per stage: the optimizer-state pytree of its parameters, built from the full state by path."""
+@dataclasses.dataclass(frozen=True)
+class StateLayouts:
+    """Where a pipeline's optimizer state lives, for one argument signature (made once per
+    signature: each is an `eval_shape` of the optimizer's init per stage, and per parameter of an
+    offloaded-optimizer stage).
+
+    Attributes:
+      stages: per stage, (the parameters' treedef, the stage's state treedef, its leaf paths).
+      groups: per stage index that updates one parameter at a time, `group_layouts` of its parameters.
+    """
+
+    stages: tuple[tuple[Any, Any, tuple[str, ...]], ...]
+    groups: Mapping[int, Mapping[int, tuple[Any, list[str]]]]
+
+
+def state_layouts(optimizer: Any, num_stages: int, params: Any, param_owner: Mapping[int, int],
+                  streamed: Mapping[int, Sequence[int]]) -> StateLayouts:
+    """Per stage the optimizer-state pytree of its parameters (`opt_layouts` finds its leaves in the
+    full state by path), and `group_layouts` of each stage in `streamed` (stage index -> its
+    parameters), which updates one parameter at a time."""
     treedef = jax.tree_util.tree_structure(params)
-    full = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]}
     n = treedef.num_leaves
-    out = []
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+    flat = jax.tree_util.tree_leaves(jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params))
+    stages = []
     for s in range(num_stages):
-        flat = jax.tree_util.tree_leaves(abstract)
         masked = jax.tree_util.tree_unflatten(treedef, [flat[k] if param_owner[k] == s else None
                                                         for k in range(n)])
-        shape = jax.eval_shape(optimizer.init, masked)
-        paths, tdef = jax.tree_util.tree_flatten_with_path(shape)
-        keys = [jax.tree_util.keystr(p) for p, _ in paths]
+        paths, tdef = jax.tree_util.tree_flatten_with_path(jax.eval_shape(optimizer.init, masked))
+        stages.append((treedef, tdef, tuple(jax.tree_util.keystr(p) for p, _ in paths)))
+    return StateLayouts(tuple(stages), {s: group_layouts(optimizer, params, owned) for s, owned in streamed.items()})
+
+
+def opt_layouts(layouts: StateLayouts, opt_state: Any):
+    """Per stage (the parameters' treedef, its state treedef, its leaf paths into the full state),
+    and the full state's leaves by path.
+
+    Raises:
+      InvalidArgumentError: a stage's state has a leaf the full state has not (an optimizer whose
+        state is not one per parameter plus shared leaves).
+    """
+    full = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]}
+    for s, (_, _, keys) in enumerate(layouts.stages):
         unknown = [k for k in keys if k not in full]
         if unknown:
             raise InvalidArgumentError(
                 f"optimizer state leaves {unknown[:3]} of stage {s} have no counterpart in the full optimizer "
                 "state; the pipeline needs an optimizer that updates each parameter on its own")
-        out.append((treedef, tdef, keys))
-    return out, full
+    return [(treedef, tdef, list(keys)) for treedef, tdef, keys in layouts.stages], full
 
 
 def group_layouts(optimizer: Any, params: Any, owned: Sequence[int]) -> dict[int, tuple[Any, list[str]]]:

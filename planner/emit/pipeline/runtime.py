@@ -59,7 +59,7 @@ from planner.core.plan import Plan
 from planner.core.sharding import named_sharding
 from planner.emit.pipeline.layout import StageLayout, even_layouts, layer_names
 from planner.emit.pipeline.lowered import StageLowered
-from planner.emit.pipeline.opt_state import group_layouts, opt_layouts, opt_shardings, parameter_groups
+from planner.emit.pipeline.opt_state import StateLayouts, opt_layouts, opt_shardings, parameter_groups, state_layouts
 from planner.emit.pipeline.programs import build_programs, replica_sharding
 from planner.emit.pipeline.stage_reuse import StageGraphs
 from planner.emit.pipeline.stage_records import StageWork, stage_plans, stage_records
@@ -180,13 +180,14 @@ class PipelinedStep:
         self.tasks = stage_tasks(schedule, len(self.layouts), num_microbatches)
         self.order = dispatch_order(self.tasks)
         self._built: dict[tuple, tuple] = {}
+        self._state: dict[tuple, StateLayouts] = {}  # by the same signature as `_built`
         self._mixing_said = False
 
     def with_schedule(self, schedule: str) -> PipelinedStep:
         """The same stages and compiled programs under another schedule."""
         other = PipelinedStep(self.loss_fn, self.optimizer, self.layouts, self.num_microbatches, schedule,
                               self.stage_plans, self.replica_grads)
-        other._built, other._mixing_said = self._built, self._mixing_said
+        other._built, other._state, other._mixing_said = self._built, self._state, self._mixing_said
         return other
 
     @classmethod
@@ -312,16 +313,19 @@ class PipelinedStep:
                tuple((np.shape(x), str(x.dtype)) for x in jax.tree_util.tree_leaves((params, batch))))
         if sig not in self._built:
             self._built[sig] = self._build(params, batch)
-        return self._built[sig]
+            stages, owner = self._built[sig][1], self._built[sig][4]
+            self._state[sig] = state_layouts(self.optimizer, len(self.layouts), params, owner,
+                                             {s: st.params for s, st in enumerate(stages) if st.layout.offload_optimizer})
+        return self._built[sig] + (self._state[sig],)
 
     def lower(self, params: Any, opt_state: Any, batch: Any) -> tuple[StageLowered, ...]:
         """Every stage's programs lowered for these arguments (arrays or ShapeDtypeStructs), in
         pipeline order: a `StageLowered` per stage with its forward, backward and update
         `jax.stages.Lowered` (the backward for one cotangent per stage output)."""
-        graph, stages, act_spec, needed_by, param_owner, mb = self._built_for(params, batch)
+        graph, stages, act_spec, needed_by, _, mb, held = self._built_for(params, batch)
         flat_params, treedef = jax.tree_util.tree_flatten(params)
         flat_batch = jax.tree_util.tree_leaves(batch)
-        opt_trees, full_opt = opt_layouts(self.optimizer, len(self.layouts), params, opt_state, param_owner)
+        opt_trees, full_opt = opt_layouts(held, opt_state)
 
         def sds(shape, dtype, sharding):
             return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
@@ -363,7 +367,7 @@ class PipelinedStep:
             streamed = () if not st.layout.offload_optimizer else tuple(
                 (k, st.apply.lower(*args)) for k, _, args in parameter_groups(
                     ptree, st.params, masters, acc, dict(zip(okeys, jax.tree_util.tree_leaves(o))),
-                    group_layouts(self.optimizer, params, st.params)))
+                    held.groups[s]))
             out.append(StageLowered(s, st.layout.devices, st.mesh, fwd, bwd, st.apply.lower(masked, o, masked_acc),
                                     st.plan, st.replica.axes if st.replica is not None else (),
                                     st.replica is not None and tuple(st.opt_shardings) != tuple(st.param_shardings),
@@ -372,11 +376,11 @@ class PipelinedStep:
 
     def step(self, params: Any, opt_state: Any, batch: Any):
         """(params, opt_state, batch) -> (new params, new opt_state, mean loss)."""
-        graph, stages, act_spec, needed_by, param_owner, mb = self._built_for(params, batch)
+        graph, stages, act_spec, needed_by, _, mb, held = self._built_for(params, batch)
         B = self.num_microbatches
         flat_params, treedef = jax.tree_util.tree_flatten(params)
         flat_batch = jax.tree_util.tree_leaves(batch)
-        opt_trees, full_opt = opt_layouts(self.optimizer, len(self.layouts), params, opt_state, param_owner)
+        opt_trees, full_opt = opt_layouts(held, opt_state)
 
         # master parameters the stage keeps in host memory (`programs.master_casts`) stay there; the
         # microbatches read their cast copies, made one parameter at a time (one program each)
@@ -399,7 +403,7 @@ class PipelinedStep:
         loss = loss / B
 
         new_flat, new_opt = _updated(stages, opt_trees, full_opt, flat_params, treedef, p, run.acc,
-                                     lambda owned: group_layouts(self.optimizer, params, owned))
+                                     held.groups)
         opt_paths, opt_def = jax.tree_util.tree_flatten_with_path(opt_state)
         opt_out = jax.tree_util.tree_unflatten(opt_def, [new_opt.get(jax.tree_util.keystr(pth), x)
                                                           for pth, x in opt_paths])
@@ -494,10 +498,11 @@ def _backward(run: _Run, s: int, i: int, producer_stage: Callable[[Any, int], in
         run.ctbox[(owner, t, i)].append(_send(g, run.act_spec[(owner, t)]))
 
 
-def _updated(stages, opt_trees, full_opt, flat_params, treedef, p, acc, groups) -> tuple[list, dict[str, Any]]:
+def _updated(stages, opt_trees, full_opt, flat_params, treedef, p, acc, groups: Mapping[int, Mapping]
+             ) -> tuple[list, dict[str, Any]]:
     """Every stage's optimizer update of its own parameters: (the new flat parameters, the new
     optimizer state leaves by path). A stage whose optimizer state lives in host memory updates one
-    parameter at a time (`groups(owned)`: each one's state layout), one program each: a device runs
+    parameter at a time (`groups[s]`: each one's state layout), one program each: a device runs
     them in order, so it holds one parameter's state copied in (and its new value going out) at a
     time, not the stage's whole state (`stage_cost.update_peak`)."""
     new_flat = list(flat_params)
@@ -514,7 +519,7 @@ def _updated(stages, opt_trees, full_opt, flat_params, treedef, p, acc, groups) 
         grads = acc[s] if acc[s] is not None else st.zeros()
         if st.layout.offload_optimizer:
             for k, gkeys, args in parameter_groups(ptree, st.params, p[s], grads, dict(zip(okeys, jax.tree_util.tree_leaves(o))),
-                                                   groups(st.params)):
+                                                   groups[s]):
                 new_p, new_o = st.apply(*args)
                 new_flat[k] = jax.tree_util.tree_leaves(new_p)[0]
                 for key, x in zip(gkeys, jax.tree_util.tree_leaves(new_o)):
