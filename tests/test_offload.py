@@ -309,8 +309,8 @@ def test_auto_narrows_the_doubling_to_the_fewest_leaves_that_fit():
         tried.append(len(p.offloaded))
         if len(p.offloaded) < 5:
             raise InfeasiblePlanError("does not fit")
-        return Solution(choice=(), objective_s=float(len(p.offloaded)), status="optimal", solve_time_s=0.0,
-                        peak_memory_bytes=0, rounds=1)
+        return Solution(choice=(0,) * len(p.nodes), objective_s=float(len(p.offloaded)), status="optimal",
+                        solve_time_s=0.0, peak_memory_bytes=0, rounds=1)
 
     offloaded, solution = plan_offload(problem, "auto", budget=1e15, devices=(), solve=solve)
     assert tried == [0, 1, 2, 4, 8, 6, 5]
@@ -378,6 +378,35 @@ def test_master_parameters_on_the_host_are_copied_in_for_each_cast_and_for_the_u
     assert drop >= param_bytes - two_largest
     assert plans["opt-state+params"].solver.objective_s == pytest.approx(
         plans["opt-state+params"].prediction.step_time_s, rel=1e-6)  # CP-SAT saw the same copies
+
+
+def test_offloaded_state_must_fit_the_hosts_memory():
+    """The state a plan keeps in host memory fits the device's share of its host's memory
+    (`Hardware.host_memory_per_device`): a host a little larger than the offloaded bytes per device
+    plans the same offload; one a little smaller is a one-line "does not fit" naming the host."""
+    from planner.core.errors import InfeasiblePlanError
+    from planner.core.mesh import MeshSpec
+    from planner.core.options import PlanOptions
+    from planner.cost_model.hardware import get_hardware
+    from planner.graph.trace import trace
+    from planner.ilp.offload import streamed
+    from planner.search.mesh_plan import make_plan
+
+    step, state, batch = _state_heavy_step(jnp.bfloat16)
+    graph, mesh = streamed(trace(step, state, batch)), MeshSpec((1, 8), ("x", "y"))
+    h100 = get_hardware("h100")
+
+    def plan_on(host_per_device):
+        hw = h100 if host_per_device is None else dataclasses.replace(
+            h100, host_memory_bytes=host_per_device * h100.devices_per_host)
+        return make_plan(graph, mesh, PlanOptions(hardware=hw, offload="opt-state", donate_argnums=(0,)))
+
+    need = plan_on(None).levers.offload.host_bytes_per_device
+    assert need > 0 and plan_on(need * 1.01).levers.offload.host_bytes_per_device == need
+    with pytest.raises(InfeasiblePlanError, match=r"^the state offloaded to host memory needs .* per device, more "
+                                                  r"than a h100-sxm host holds per device") as e:
+        plan_on(need * 0.99)
+    assert "\n" not in str(e.value)
 
 
 def test_master_parameters_of_a_float32_step_do_not_qualify_and_the_plan_says_so(devices8, caplog):

@@ -274,6 +274,28 @@ def test_offloaded_master_parameters_wait_in_host_memory_and_the_step_is_unchang
     assert read_low == kinds.count("pinned_host")  # the forwards read the copies of exactly the masters kept away
 
 
+def test_master_parameters_kept_away_combine_with_offloaded_activations_and_recomputation():
+    """The stage levers compose: a stage keeping its masters in host memory whose saved activations
+    wait there too, and one whose masters wait there while its backward recomputes the forward,
+    give the step of the same stages with the masters on the devices (bit for bit: the same
+    programs on the same values), within the unsharded step's first-step bounds."""
+    skip_if_fewer_devices(8)
+    import dataclasses
+
+    b, opt, state, batch, ref_state, ref_metrics, plain = _tiny_two_stages("bfloat16")
+    levers = ({"offload_activations": True}, {"remat": True})
+    kept = tuple(dataclasses.replace(lay, shard_optimizer=True, offload_optimizer=True, **more)
+                 for lay, more in zip(plain, levers))
+    hosted = tuple(dataclasses.replace(lay, offload_params=True) for lay in kept)
+    new_state, metrics = PipelinedStep(b.loss_fn, opt, hosted, 2, "1f1b")(state, batch)
+    assert_first_step_close(b.loss_fn, opt, state, batch, new_state, metrics, ref_state, ref_metrics,
+                            train_step=b.train_step, dtype=jnp.bfloat16)
+    same, same_metrics = PipelinedStep(b.loss_fn, opt, kept, 2, "1f1b")(state, batch)
+    for x, y in zip(jax.tree.leaves((new_state, metrics)), jax.tree.leaves((same, same_metrics))):
+        np.testing.assert_array_equal(np.asarray(jax.device_get(x)), np.asarray(jax.device_get(y)))
+    assert "pinned_host" in [p.sharding.memory_kind for p in jax.tree.leaves(new_state["params"])]
+
+
 def test_bfloat16_stages_with_one_row_replicas_run_equal_to_the_unsharded_step():
     """Mixed precision, 2 stages of 4 data-parallel replicas, 2 microbatches of 4 rows: each
     replica's program is traced at one row, where JAX's trace is not the full program op for op

@@ -21,7 +21,7 @@ from planner.graph.trace import trace
 from planner.stages.candidate import once_per_step
 from planner.stages.clustering import cluster_layers
 from planner.stages.cost_table import LayerCostTable
-from planner.stages.stage_cost import StageOption, stage_ranges, stage_times, update_peak
+from planner.stages.stage_cost import StageOption, host_ranges, stage_ranges, stage_times, update_peak
 from planner.stages.submesh import boundary_link, logical_meshes, make_cluster
 from tests.conftest import skip_if_fewer_devices
 from zoo import get_model
@@ -106,3 +106,56 @@ def test_a_stage_keeping_its_masters_away_is_recorded_and_runs_so():
     assert layout.offload_params and layout.offload_optimizer and layout.shard_optimizer
     with pytest.raises(InvalidArgumentError, match="offload_optimizer"):
         dataclasses.replace(layout, offload_optimizer=False)
+
+
+def test_what_a_stage_keeps_in_host_memory_fits_its_share_of_the_host(table):
+    """A way keeping values in host memory fits only where they fit the device's share of its
+    host's memory (`Hardware.host_memory_per_device`, `stage_cost.host_ranges`): the offloaded
+    optimizer state, and the master parameters where they wait there too. A host just large enough
+    for the plain offloaded state keeps the cell; one a little smaller leaves no way of that layout."""
+    L = table.layers.num_layers
+    boundary, first, last = np.zeros(L), 1, 4
+    rows = [table.cost(l, 0) for l in range(L)]
+    plain = StageOption(0, "offloaded-optimizer", False)
+    hosted = dataclasses.replace(plain, offload_params=True)
+    need = sum(r.opt_host_bytes for r in rows[first:last + 1])
+    fixed, per_mb = host_ranges(table, plain)
+    assert need > 0 and fixed[first, last] == pytest.approx(need, rel=1e-12) and not per_mb.any()
+    masters = sum(r.master_bytes for r in rows[first:last + 1])
+    assert host_ranges(table, hosted)[0][first, last] == pytest.approx(need + masters, rel=1e-12)
+    assert host_ranges(table, StageOption(0, "plan", False)) is None
+    acts = host_ranges(table, StageOption(0, "plan", False, offload_acts=True))  # per microbatch in flight
+    assert not acts[0].any() and acts[1][first, last] == pytest.approx(sum(r.act_bytes for r in rows[first:last + 1]))
+    n = table.cluster.hardware.devices_per_host
+
+    def cell(host_bytes_per_device):
+        hw = dataclasses.replace(table.cluster.hardware, host_memory_bytes=host_bytes_per_device * n)
+        small = dataclasses.replace(table, cluster=dataclasses.replace(table.cluster, hardware=hw))
+        st = stage_times(small, [(1, 4)], [[0]], 8, "gpipe", np.inf, boundary, layouts=("offloaded-optimizer",),
+                         remats=(False,), variants=("",), kept=(), offload_acts=False)
+        return st.times[0, first, last, 0]
+
+    assert np.isfinite(cell(need * 1.001)) and not np.isfinite(cell(need * 0.999))
+
+
+def test_masters_kept_away_are_weighed_beside_offloaded_activations(table):
+    """Master parameters in host memory are weighed beside every way of the offloaded layout that
+    runs but does not fit, here a stage offloading its activations: under a budget that neither
+    lever alone meets (the masters with the activations of 8 microbatches on the device, or the
+    activations offloaded with the masters there), the cell takes both."""
+    L = table.layers.num_layers
+    link, boundary = boundary_link(table.cluster), np.zeros(L)
+    first, last, q = 1, 4, 8
+    masters = StageOption(0, "offloaded-optimizer", False, offload_params=True)
+    acts = StageOption(0, "offloaded-optimizer", False, offload_acts=True)
+    both = dataclasses.replace(acts, offload_params=True)
+
+    def need(opt):
+        _, fixed, per_mb = (x[first, last] for x in stage_ranges(table, opt, 4, boundary, link))
+        return max(fixed + q * per_mb, update_peak(table, opt)[first, last])
+
+    budget = need(both) * 1.001
+    assert budget < min(need(masters), need(acts))
+    st = stage_times(table, [(1, 4)], [[0]], q, "gpipe", budget, boundary, layouts=("offloaded-optimizer",),
+                     remats=(False,), variants=("",), kept=(), offload_acts=True)
+    assert st.options[0][int(st.option[0, first, last, 0])] == both and np.isfinite(st.times[0, first, last, 0])

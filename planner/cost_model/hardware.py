@@ -12,6 +12,7 @@ The default is an A100-80GB-class GPU node, a common, well-documented target.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
@@ -64,6 +65,9 @@ class Hardware:
       host_bandwidth: one direction of one device's link to its host's memory (bytes/s): what
         host offload (`planner.ilp.offload`) moves optimizer state over (PCIe, NVLink-C2C); None where
         no figure is known, which makes host offload unavailable on that hardware.
+      host_memory_bytes: memory of one host (node) of `devices_per_host` devices, where plans keep
+        offloaded values (optimizer state, master parameters, activations), `host_memory_per_device`
+        each; None where no figure is known (host-kept bytes are then not checked).
       memory_efficiency: the fraction of `memory_bandwidth` that streaming kernels reach; memory-bound
         work runs at `achieved_bandwidth` (1.0 where `memory_bandwidth` is itself a measured rate).
       rates_source: where the achieved compute and memory rates come from, in one line (a preset's
@@ -90,6 +94,12 @@ class Hardware:
     host_bandwidth: float | None = None
     memory_efficiency: float = 1.0
     rates_source: str = ""
+    host_memory_bytes: float | None = None
+
+    @property
+    def host_memory_per_device(self) -> float:
+        """The host's memory shared evenly between its devices (infinite where it is not known)."""
+        return math.inf if self.host_memory_bytes is None else self.host_memory_bytes / self.devices_per_host
 
     @property
     def achieved_bandwidth(self) -> float:
@@ -124,9 +134,10 @@ class Hardware:
                     not (f > 0 and r > 0) for f, r in points) or list(points) != sorted(points):
                 raise ValueError(f"hardware {self.name}: {field}[{cls!r}] must be FLOPs-sorted positive "
                                  "(flops, FLOP/s) points of class '16bit' or 'float32'")
-        h = self.host_bandwidth
-        if h is not None and (isinstance(h, bool) or not (isinstance(h, (int, float)) and h > 0)):
-            raise ValueError(f"hardware {self.name}: host_bandwidth={h!r} must be a positive number or None")
+        for name in ("host_bandwidth", "host_memory_bytes"):
+            h = getattr(self, name)
+            if h is not None and (isinstance(h, bool) or not (isinstance(h, (int, float)) and h > 0)):
+                raise ValueError(f"hardware {self.name}: {name}={h!r} must be a positive number or None")
         if not (isinstance(self.devices_per_host, int) and self.devices_per_host >= 1):
             raise ValueError(f"hardware {self.name}: devices_per_host={self.devices_per_host!r} must be an int >= 1")
 
@@ -136,6 +147,7 @@ class Hardware:
 
 
 _GB = 1e9
+_TB = 1e12
 _GIB = 2.0**30
 
 # Kernel launch floor of the GPU presets. NVIDIA Technical Blog, "Getting Started with CUDA Graphs"
@@ -196,21 +208,21 @@ _PCIE5_X16 = 63.0 * 1e9
 
 # NVIDIA H100 SXM5 80GB datasheet: FP32 67 TFLOP/s, BF16 989 TFLOP/s dense (1979 with sparsity),
 # 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s bidirectional (450 GB/s per direction).
-# DGX H100: 8 GPUs per node, 8x ConnectX-7 400 Gb/s NDR, i.e. 50 GB/s per GPU.
+# DGX H100 (its datasheet): 8 GPUs, 8x ConnectX-7 400 Gb/s NDR (50 GB/s per GPU), 2 TB system memory.
 H100_SXM = Hardware("h100-sxm", flops_f32=67e12, flops_bf16=989e12, memory_bytes=80 * _GB,
                     memory_bandwidth=3.35e12, intra_bandwidth=450 * _GB, intra_latency=2e-6,
                     inter_bandwidth=50 * _GB, inter_latency=10e-6, devices_per_host=8, device_kind=r"h100", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
-                    matmul_efficiency=_MAMF_H100, host_bandwidth=_PCIE5_X16,
+                    matmul_efficiency=_MAMF_H100, host_bandwidth=_PCIE5_X16, host_memory_bytes=2 * _TB,
                     matmul_curve=_sweep_curve(_H100_BF16_SWEEP), memory_efficiency=_HOPPER_MEMORY_EFFICIENCY,
                     rates_source="measured on an H100 SXM (planner profile: bf16 GEMM sweep, 83% of HBM bandwidth); "
                                  "float32 GEMMs at Bekman's MAMF plateau")
 
 # NVIDIA H200 SXM datasheet: same Hopper compute as H100 SXM (FP32 67, BF16 989 TFLOP/s dense),
-# 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional; DGX H200: 8x ConnectX-7 400 Gb/s.
+# 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional; DGX H200 datasheet: 8x CX-7 400 Gb/s, 2 TB RAM.
 H200 = Hardware("h200", flops_f32=67e12, flops_bf16=989e12, memory_bytes=141 * _GB, memory_bandwidth=4.8e12,
                 intra_bandwidth=450 * _GB, intra_latency=2e-6, inter_bandwidth=50 * _GB, inter_latency=10e-6,
                 devices_per_host=8, device_kind=r"h200", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
-                matmul_efficiency=_MAMF_GH200, host_bandwidth=_PCIE5_X16,  # GH200: the same H200-class Hopper die
+                matmul_efficiency=_MAMF_GH200, host_bandwidth=_PCIE5_X16, host_memory_bytes=2 * _TB,  # GH200: the same H200-class Hopper die
                 matmul_curve=_sweep_curve(_H200_BF16_SWEEP), memory_efficiency=3.994 / 4.8,
                 rates_source="measured on an H200 (planner profile: bf16 GEMM sweep, 83% of HBM bandwidth); "
                              "float32 GEMMs at Bekman's GH200 MAMF plateau")
@@ -226,12 +238,13 @@ _A100_SOURCE = ("GEMMs at Bekman's measured A100 plateau (85.9% of peak; no publ
 
 # NVIDIA A100 datasheet (SXM4 40GB): FP32 19.5 TFLOP/s, BF16 312 TFLOP/s dense, 40 GB HBM2 at
 # 1,555 GB/s, NVLink 3 600 GB/s bidirectional (300 per direction). DGX A100: 8x 200 Gb/s HDR
-# InfiniBand for compute traffic, i.e. 25 GB/s per GPU.
+# InfiniBand for compute traffic, i.e. 25 GB/s per GPU. System memory (NVIDIA DGX A100 datasheet): 1 TB
+# in the DGX A100 320GB (40 GB GPUs), 2 TB in the DGX A100 640GB (80 GB GPUs).
 A100_40GB = Hardware("a100-40gb", flops_f32=19.5e12, flops_bf16=312e12, memory_bytes=40 * _GB,
                      memory_bandwidth=1.555e12, intra_bandwidth=300 * _GB, intra_latency=2e-6,
                      inter_bandwidth=25 * _GB, inter_latency=10e-6, devices_per_host=8,
                      device_kind=r"a100.*40\s*gb", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
-                     matmul_efficiency=_MAMF_A100, host_bandwidth=_PCIE4_X16,
+                     matmul_efficiency=_MAMF_A100, host_bandwidth=_PCIE4_X16, host_memory_bytes=1 * _TB,
                      memory_efficiency=_HOPPER_MEMORY_EFFICIENCY,
                      rates_source=_A100_SOURCE)
 
@@ -240,17 +253,19 @@ A100_80GB = Hardware("a100-80gb", flops_f32=19.5e12, flops_bf16=312e12, memory_b
                      memory_bandwidth=2.039e12, intra_bandwidth=300 * _GB, intra_latency=2e-6,
                      inter_bandwidth=25 * _GB, inter_latency=10e-6, devices_per_host=8,
                      device_kind=r"a100.*80\s*gb", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
-                     matmul_efficiency=_MAMF_A100, host_bandwidth=_PCIE4_X16,
+                     matmul_efficiency=_MAMF_A100, host_bandwidth=_PCIE4_X16, host_memory_bytes=2 * _TB,
                      memory_efficiency=_HOPPER_MEMORY_EFFICIENCY,
                      rates_source=_A100_SOURCE)
 
 # NVIDIA V100 datasheet (SXM2 16GB): FP32 15.7 TFLOP/s; no bfloat16, so the 16-bit figure is the
 # FP16 tensor-core peak of 125 TFLOP/s; 16 GB HBM2 at 900 GB/s; NVLink 2 300 GB/s bidirectional
-# (150 per direction). DGX-1: 4x 100 Gb/s EDR InfiniBand for 8 GPUs, i.e. 6.25 GB/s per GPU.
+# (150 per direction). DGX-1: 4x 100 Gb/s EDR InfiniBand for 8 GPUs, i.e. 6.25 GB/s per GPU; system
+# memory 512 GB (NVIDIA DGX-1 with Tesla V100 datasheet; AWS's p3.16xlarge, Alpa's testbed, 488 GiB).
 V100_16GB = Hardware("v100-16gb", flops_f32=15.7e12, flops_bf16=125e12, memory_bytes=16 * _GB,
                      memory_bandwidth=900 * _GB, intra_bandwidth=150 * _GB, intra_latency=3e-6,
                      inter_bandwidth=6.25 * _GB, inter_latency=10e-6, devices_per_host=8, device_kind=r"v100",
                      kernel_launch_s=_CUDA_KERNEL_LAUNCH_S, default_dtype="float16", host_bandwidth=_PCIE3_X16,
+                     host_memory_bytes=512 * _GB,
                      matmul_curve=_sweep_curve(_H100_BF16_SWEEP, 125 / 989), matmul_efficiency=_MAMF_H100,
                      memory_efficiency=_HOPPER_MEMORY_EFFICIENCY, rates_source=_STAND_IN)
 
@@ -317,18 +332,20 @@ TPU_V6E = Hardware("tpu-v6e", flops_f32=918e12, flops_bf16=918e12, memory_bytes=
 # Inference v6.1, Crusoe GB200-NVL72 system description): 50 GB/s per GPU either way. Host links:
 # HGX B200 hosts are PCIe Gen5 x16 (63 GB/s per direction); a GB200 superchip joins one Grace CPU to
 # its two GPUs by NVLink-C2C, 900 GB/s bidirectional (GB200 datasheet), 225 GB/s per GPU per
-# direction. No GEMM sweep of Blackwell is published with the H100 sweep's method: the H100 sweep
+# direction. Host memory: DGX B200 datasheet 2 TB (configurable to 4 TB); a GB200 NVL72 compute tray's
+# two Grace CPUs hold up to 480 GB of LPDDR5X each (GB200 NVL72 datasheet: up to 17 TB for 36 Grace
+# CPUs), 960 GB for its 4 GPUs. No GEMM sweep of Blackwell is published with the H100 sweep's method: the H100 sweep
 # scaled by the peak ratio stands in (`_STAND_IN`).
 B200 = Hardware("b200", flops_f32=80e12, flops_bf16=2250e12, memory_bytes=180 * _GB, memory_bandwidth=8e12,
                 intra_bandwidth=900 * _GB, intra_latency=2e-6, inter_bandwidth=50 * _GB, inter_latency=10e-6,
                 devices_per_host=8, device_kind=r"^nvidia b200", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
-                matmul_efficiency=_MAMF_H100, host_bandwidth=_PCIE5_X16,
+                matmul_efficiency=_MAMF_H100, host_bandwidth=_PCIE5_X16, host_memory_bytes=2 * _TB,
                 matmul_curve=_sweep_curve(_H100_BF16_SWEEP, 2250 / 989), memory_efficiency=_HOPPER_MEMORY_EFFICIENCY,
                 rates_source=_STAND_IN)
 GB200 = Hardware("gb200", flops_f32=90e12, flops_bf16=2500e12, memory_bytes=186 * _GB, memory_bandwidth=8e12,
                  intra_bandwidth=900 * _GB, intra_latency=2e-6, inter_bandwidth=50 * _GB, inter_latency=10e-6,
                  devices_per_host=4, device_kind=r"gb200", kernel_launch_s=_CUDA_KERNEL_LAUNCH_S,
-                 matmul_efficiency=_MAMF_H100, host_bandwidth=225 * _GB,
+                 matmul_efficiency=_MAMF_H100, host_bandwidth=225 * _GB, host_memory_bytes=960 * _GB,
                  matmul_curve=_sweep_curve(_H100_BF16_SWEEP, 2500 / 989), memory_efficiency=_HOPPER_MEMORY_EFFICIENCY,
                  rates_source=_STAND_IN)
 
@@ -345,7 +362,7 @@ GB200 = Hardware("gb200", flops_f32=90e12, flops_bf16=2500e12, memory_bytes=186 
 # (it runs bfloat16 dots in float32 anyway). Host offload: XLA:CPU's "pinned_host" memory is the same
 # DRAM, and a copy between two buffers streams at the measured per-device rate (5.6 GB/s); XLA:CPU in
 # fact compiles no copy (a fusion reads a host-placed argument in place, tests/test_offload.py), so
-# this prices the copy a GPU would make.
+# this prices the copy a GPU would make. No host memory figure: `memory_bytes` shares out the same DRAM.
 CPU = Hardware("cpu", flops_f32=41.6e9, flops_bf16=41.6e9, memory_bytes=24 * _GB / 8,
                memory_bandwidth=5.6 * _GB, intra_bandwidth=3 * _GB, intra_latency=10e-6,
                inter_bandwidth=0.5 * _GB, inter_latency=500e-6, devices_per_host=8, device_kind=r"^cpu$",

@@ -53,6 +53,7 @@ import numpy as np
 
 from planner.core.errors import InfeasiblePlanError, InvalidArgumentError, OffloadUnavailableError
 from planner.core.plan_records import OffloadRecord
+from planner.core.units import format_bytes
 from planner.graph.ir import Graph
 from planner.ilp.objective import offload_hidden, offload_transfer
 from planner.ilp.live_ranges import fused_away, live_ranges, offloaded_live_ranges
@@ -300,6 +301,33 @@ _REFINE_SOLVES = 3
 
 def plan_offload(problem: Problem, mode: str, budget: float | None, devices: Sequence[Any],
                  solve: Callable[[Problem, bool], Solution]) -> tuple[Problem, Solution]:
+    """`_plan_offload`, whose offloaded state must fit the devices' shares of their hosts' memory
+    (`Hardware.host_memory_per_device`; unchecked where the hardware gives no figure).
+
+    Raises:
+      InfeasiblePlanError: as `_plan_offload`, or the state kept in host memory does not fit there.
+    """
+    offloaded, solution = _plan_offload(problem, mode, budget, devices, solve)
+    hardware = problem.cost.hardware
+    need, room = host_bytes(offloaded, solution.choice), hardware.host_memory_per_device
+    if need > room:
+        raise InfeasiblePlanError(
+            f"the state offloaded to host memory needs {format_bytes(need)} per device, more than a "
+            f"{hardware.name} host holds per device ({format_bytes(room)}: "
+            f"{format_bytes(hardware.host_memory_bytes)} for {hardware.devices_per_host} devices); "
+            "use more devices or offload='off'")
+    return offloaded, solution
+
+
+def host_bytes(problem: Problem, choice: Sequence[int]) -> float:
+    """Bytes per device the plan `choice` keeps in host memory (the offloaded leaves, as sharded)."""
+    graph = problem.graph
+    return float(sum(shard_bytes(graph.tensors[t], problem.spec(t, choice), problem.cost.mesh)
+                     for t, _ in problem.offloaded))
+
+
+def _plan_offload(problem: Problem, mode: str, budget: float | None, devices: Sequence[Any],
+                  solve: Callable[[Problem, bool], Solution]) -> tuple[Problem, Solution]:
     """The problem with the offloaded state `mode` asks for, and its solution.
 
     `solve(problem, search)` solves under the budget (`search`: run the minimum-peak search when it
@@ -384,8 +412,7 @@ def record(problem: Problem, choice: Sequence[int], mode: str) -> OffloadRecord:
     in_pos = {t: i for i, t in enumerate(graph.inputs)}
     out_pos = {t: i for i, t in enumerate(graph.outputs) if isinstance(t, int)}
     copy_in, copy_back = offload_transfer(problem, choice)
-    host = sum(shard_bytes(graph.tensors[t], problem.spec(t, choice), problem.cost.mesh)
-               for t, _ in problem.offloaded)
+    host = host_bytes(problem, choice)
     return OffloadRecord(
         mode=mode,
         streamed=bool(graph.update_groups),

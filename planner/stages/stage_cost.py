@@ -209,6 +209,21 @@ def update_peak(table: LayerCostTable, option: StageOption) -> np.ndarray:
             + 2 * range_max(np.array([r.opt_host_leaf_bytes + masters * r.master_leaf_bytes for r in rows])))
 
 
+def host_ranges(table: LayerCostTable, option: StageOption) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per range k..i, the bytes per device a stage run as `option` keeps in its host's memory:
+    (whatever the in-flight count: the offloaded optimizer state, with the master parameters where
+    they wait there too; per in-flight microbatch: its saved activations where they are offloaded).
+    None where it keeps nothing there. `stage_times` fits them in `Hardware.host_memory_per_device`."""
+    if option.layout != "offloaded-optimizer" and not option.offload_acts:
+        return None
+    rows = table.rows(option.mesh_index, option.variant)
+    L = len(rows)
+    masters = bool(option.offload_params)
+    fixed = (range_sums(np.array([r.opt_host_bytes + masters * r.master_bytes for r in rows]))
+             if option.layout == "offloaded-optimizer" else np.zeros((L, L)))
+    return fixed, shared_columns(table, option).sums("act") if option.offload_acts else np.zeros((L, L))
+
+
 def once_per_step_ranges(table: LayerCostTable, option: StageOption) -> np.ndarray:
     """`out[k, i]`: the once-per-step term of layers k..i as one stage run as `option` says (its
     gradient exchange and update, and in the offloaded-optimizer layout the optimizer state's trip
@@ -313,7 +328,8 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
 
     A way fits when `fixed + inflight * per_microbatch <= memory_budget` (see `stage_ranges`), where
     `inflight` is what a stage at that pipeline position holds: under 1F1B min(position from the
-    end, B), under GPipe B. `layouts` and `remats` restrict the ways tried (a hand configuration
+    end, B), under GPipe B, and what it keeps in host memory fits the device's share of its host's
+    (`host_ranges`, `Hardware.host_memory_per_device`). `layouts` and `remats` restrict the ways tried (a hand configuration
     fixes its state layout, and may fix recomputation); `variants` the per-layer plans (None: the
     layers' own and every one of `table.variants`); `kept` the counts of last layers a recomputing
     stage may keep (None: `kept_levels`; a hand configuration recomputes all or none);
@@ -325,6 +341,7 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
     kept = kept_levels(table) if kept is None else tuple(kept)
     hosted = offload_acts and host_offload(table)
     prefetching = prefetch_offered(table)
+    host_budget = table.cluster.hardware.host_memory_per_device
     table.fill(sorted({mi for idx in mesh_indices for mi in idx}), variants=variants)
     inflight = tuple(range(1, min(B, L) + 1)) if schedule == "1f1b" else (B,)
     Q, S = len(inflight), len(submeshes)
@@ -335,6 +352,7 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
     for m, (n, k) in enumerate(submeshes):
         opts: list[StageOption] = []
         best = _Fastest(inflight, L)
+        tried: dict[StageOption, tuple[np.ndarray, np.ndarray]] = {}  # the ways of one state layout
 
         def weigh(opt: StageOption) -> tuple[np.ndarray, np.ndarray]:
             """Offers `opt`; (where it can run, how many of the in-flight counts it fits) per range."""
@@ -343,10 +361,14 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
             if opt.layout == "offloaded-optimizer":
                 runs &= update_peak(table, opt) <= memory_budget
             fit = np.where(runs, fitting_counts(fixed, per_mb, memory_budget, inflight), 0)
+            host = host_ranges(table, opt) if np.isfinite(host_budget) else None
+            if host is not None:  # and what it keeps in host memory fits the device's share of it
+                fit = np.minimum(fit, fitting_counts(*host, host_budget, inflight))
             # the ways are weighed with their once-per-step term amortised over the microbatches (a
             # way that is faster per microbatch may pay more once: an offloaded optimizer state's trip)
             best.offer(t, t + once_per_step_ranges(table, opt) / B, fit, len(opts))
             opts.append(opt)
+            tried[opt] = runs, fit
             return runs, fit
 
         for mi in mesh_indices[m]:
@@ -354,6 +376,7 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
                 if not table.has_variant(v, mi):
                     continue
                 for layout in offload_layouts(table, layouts):
+                    tried.clear()
                     ways = {r: weigh(StageOption(mi, layout, r, v)) for r in remats}
                     # keeping the last layers holds more than recomputing all and is slower than
                     # keeping all: it can only win where recomputing all fits and keeping all does not
@@ -364,11 +387,12 @@ def stage_times(table: LayerCostTable, submeshes: Sequence[tuple[int, int]],
                     # offloading the activations is no faster than keeping them: only where that does not fit
                     if hosted and False in ways and (ways[False][0] & (ways[False][1] < Q)).any():
                         weigh(StageOption(mi, layout, False, v, offload_acts=True))
-                    # master parameters in host memory: where the plain offloaded layout runs but not at every count
+                    # master parameters in host memory: beside each way of the offloaded layout (its
+                    # recomputation, kept layers, offloaded activations) that runs but not at every count
                     if layout == "offloaded-optimizer" and any(r.master_bytes > 0 for r in table.rows(mi, v)):
-                        for r, (runs, fit) in list(ways.items()):
+                        for way, (runs, fit) in list(tried.items()):
                             if (runs & (fit < Q)).any():
-                                weigh(StageOption(mi, layout, r, v, offload_params=True))
+                                weigh(dataclasses.replace(way, offload_params=True))
                     # prefetch: where a sharded-state stage runs and some gather can hide
                     if prefetching and layout == "sharded-state" and \
                             shared_columns(table, StageOption(mi, layout, False, v)).prefetch_hidden().any():
