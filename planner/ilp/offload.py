@@ -37,7 +37,9 @@ The update's copy is tied to the op before it (`jax.lax.optimization_barrier`), 
 not merge it with the cast's copy and keep one copy on the device from the forward to the update.
 
 Where the devices have no host memory space, or the hardware no host link figure, the option is a
-one-line error, never silently dropped. Not offloaded: saved activations, and parameters the step
+one-line error, never silently dropped. What a plan keeps on the host must fit the device's share of
+its host's memory (`Hardware.host_memory_per_device`; `plan_offload`), else the plan does not fit
+(one line); unchecked where the hardware gives no host memory figure. Not offloaded: saved activations, and parameters the step
 reads in their own dtype (a float32 step's matmuls).
 """
 from __future__ import annotations
