@@ -37,19 +37,40 @@ def table():
     return _table()
 
 
-def _hidden_by_hand(rows, first: int, last: int) -> float:
+def _hidden_by_hand(rows, first: int, last: int, backward: bool = True) -> float:
     """Each gather (half of `zero_extra_s`: forward and backward) hidden by the free compute of
     the layer it waits behind: layer l's forward gather behind l-1's forward, its backward gather
-    behind l+1's backward."""
+    behind l+1's backward (`backward`)."""
     free = [max(0.0, r.time_s - r.comm_s - r.hidden_s) for r in rows]
     hidden = 0.0
     for l in range(first, last + 1):
         g = rows[l].zero_extra_s / 2
         if l > first:
             hidden += min(g, free[l - 1] * rows[l - 1].fwd_fraction)
-        if l < last:
+        if l < last and backward:
             hidden += min(g, free[l + 1] * (1 - rows[l + 1].fwd_fraction))
     return hidden
+
+
+def test_a_recomputing_stage_prefetches_in_its_recomputed_forward_too(table):
+    """Under recomputation the forward runs twice: the recomputed forward's gathers (all layers
+    but the last `kept`) hide behind its compute as the first forward's do."""
+    L = table.layers.num_layers
+    link, boundary = boundary_link(table.cluster), np.zeros(L)
+    rows = [table.cost(l, 0) for l in range(L)]
+    for kept in (0, 1):
+        plain = StageOption(0, "sharded-state", True, kept=kept)
+        ahead = dataclasses.replace(plain, prefetch=True)
+        t0, t1 = (stage_ranges(table, o, 4, boundary, link)[0] for o in (plain, ahead))
+        for first, last in ((1, 4), (2, 3), (1, 5)):
+            again = _hidden_by_hand(rows, first, last - kept, backward=False)
+            hidden = _hidden_by_hand(rows, first, last) + again
+            assert (again > 0) == (last - kept > first)  # one recomputed layer has none before it
+            assert t1[first, last] == pytest.approx(t0[first, last] - hidden, rel=1e-12)
+            exposed0, hidden0 = stage_communication(table, first, last, plain, 4, boundary, link)
+            exposed1, hidden1 = stage_communication(table, first, last, ahead, 4, boundary, link)
+            assert exposed1 == pytest.approx(exposed0 - hidden, rel=1e-12, abs=1e-15)
+            assert hidden1 == pytest.approx(hidden0 + hidden, rel=1e-12)
 
 
 def test_prefetch_hides_each_gather_behind_its_neighbours_compute(table):

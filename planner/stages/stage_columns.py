@@ -94,8 +94,15 @@ class Columns:
                 fwd_part = range_sums(hf) - hf[:, None]  # sum over l = k+1..i
                 bwd_part = range_sums(hb) - hb[None, :]  # sum over l = k..i-1
                 both = fwd_part + bwd_part
+            self._sums["prefetch forward"] = np.where(np.isfinite(fwd_part), fwd_part, 0.0)
             self._sums["prefetch"] = np.where(np.isfinite(both), both, 0.0)
         return self._sums["prefetch"]
+
+    def prefetch_hidden_forward(self) -> np.ndarray:
+        """The forward's share of `prefetch_hidden`: what a recomputed forward of layers k..i hides
+        too, its gathers issued as the forward's are."""
+        self.prefetch_hidden()
+        return self._sums["prefetch forward"]
 
     def prefetched_params(self) -> np.ndarray:
         """`out[k, i]`: the most gathered parameter bytes of a layer of k..i, which prefetch holds

@@ -298,6 +298,8 @@ def _range_seconds(table: LayerCostTable, col: Columns, kind: str, option: Stage
         out = out - col.prefetch_hidden()
     if option.remat:  # the recomputed layers' forward and resharding (the layers before the last `kept`)
         out = out + shifted(col.sums(f"{kind}_recompute") + inner / 2, option.kept)
+        if option.prefetch:  # its gathers hidden as the forward's are
+            out = out - _recompute_prefetched(col, option)
     if option.offload_acts:  # the host trips overlap the stage's compute; what they exceed it by is exposed
         time = out if kind == "time" else _range_seconds(table, col, "time", option, boundary, link, devices)
         with np.errstate(invalid="ignore"):  # below the diagonal both are infinite
@@ -306,13 +308,23 @@ def _range_seconds(table: LayerCostTable, col: Columns, kind: str, option: Stage
     return out
 
 
+def _recompute_prefetched(col: Columns, option: StageOption) -> np.ndarray:
+    """`out[k, i]`: the gathers a prefetching stage's recomputed forward (layers k..i less the last
+    `option.kept`) hides behind its compute, as the forward's (`Columns.prefetch_hidden_forward`)."""
+    again = shifted(col.prefetch_hidden_forward(), option.kept)
+    return np.where(np.isfinite(again), again, 0.0)
+
+
 def stage_communication(table: LayerCostTable, first: int, last: int, option: StageOption, devices: int,
                         boundary: np.ndarray, link) -> tuple[float, float]:
     """(exposed, hidden) communication per microbatch inside the stage time `stage_ranges` gives for
     layers first..last (`_range_seconds` of the "comm" column)."""
     col = shared_columns(table, option)
     exposed = _range_seconds(table, col, "comm", option, boundary, link, devices)
-    prefetched = float(col.prefetch_hidden()[first, last]) if option.prefetch else 0.0
+    prefetched = 0.0
+    if option.prefetch:
+        prefetched = float(col.prefetch_hidden()[first, last]
+                           + (_recompute_prefetched(col, option)[first, last] if option.remat else 0.0))
     return float(exposed[first, last]), prefetched + sum(table.cost(l, option.mesh_index, option.variant).hidden_s
                                                          for l in range(first, last + 1))
 
