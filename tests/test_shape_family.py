@@ -140,3 +140,29 @@ def test_one_row_is_the_symbolic_program_at_one_row(name):
     assert len(got) == len(want)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_a_family_graphs_layers_are_its_symbolic_graphs_partition(name):
+    """`MicrobatchGraphs.layers_at`: a graph the symbolic trace made is partitioned into the model's
+    repeated modules as clustering that graph itself does (the same layer of each op and input, the
+    same phases and names), its keys telling the same layers apart and alike; keys differ between
+    sizes (the layers' shapes do)."""
+    from planner.stages.clustering import cluster_layers
+
+    bundle = get_model(name)
+    args = (bundle.abstract_state(), bundle.abstract_batch())
+    graphs = MicrobatchGraphs(bundle.train_step, args, 1)
+    batch = jax.tree.leaves(args[1])[0].shape[0]
+    found = {}
+    for count in (batch // MIN_SIZE, batch // 4, batch):  # microbatches of 2 and 4 rows, and of one
+        rows = batch // count
+        got, want = graphs.layers_at(count, rows, None), cluster_layers(graphs.at(count, rows))
+        assert got.method == want.method == "modules"
+        assert (got.op_layer, got.input_layer, got.op_phase, got.names) == \
+            (want.op_layer, want.input_layer, want.op_phase, want.names)
+        same = lambda keys: [[a == b for b in keys] for a in keys]  # noqa: E731
+        assert same(got.keys) == same(want.keys)
+        assert graphs.layers_at(count, rows, None) is got  # once per graph
+        found[rows] = set(got.keys)
+    assert not found[MIN_SIZE] & found[4]

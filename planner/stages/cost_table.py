@@ -162,12 +162,12 @@ class LayerCostTable:
         provably within the gap here, else solved (and its `StepSolve` kept for smaller counts)."""
         solves = self.cache.setdefault(STEP_SOLVES, {}).setdefault(key[:-1], []) if self.microbatches > 1 else []
 
-        def alone() -> LayerCost:  # the one-microbatch cost, kept as a one-microbatch table keeps it
+        def alone(problem=None) -> LayerCost:  # the one-microbatch cost, kept as a one-microbatch table keeps it
             one = key[:-1] + (1,)
             if one not in self.cache:
                 self.cache[one] = layer_step_cost(self.graph, self.layers, self.facts[layer], layer,
                                                   self.meshes[mesh_index], planning_hardware(self.cluster),
-                                                  self.options, pinned)[0]
+                                                  self.options, pinned, problem=problem)[0]
             return self.cache[one]
 
         for earlier in list(solves):

@@ -64,7 +64,8 @@ from planner.core.sharding import Spec, active_axes, optimizer_spec, replicated,
 from planner.graph.ir import Graph
 from planner.ilp.strategies import int8_reduction, shard_bytes
 from planner.ilp.wire import before_reduction
-from planner.search.mesh_plan import make_plan
+from planner.ilp.problem import Problem
+from planner.search.mesh_plan import make_plan, plan_problem
 from planner.stages.clustering import APPLY, Layers, op_phases
 from planner.stages.layer_facts import LayerFacts, subgraph
 from planner.stages.submesh import LogicalMesh
@@ -206,11 +207,12 @@ class StepSolve:
 
 def layer_step_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmesh: LogicalMesh,
                     hardware: str | Hardware, options: PlanOptions, pinned: Mapping[int, Spec] | None = None,
-                    microbatches: int = 1, alone: Callable[[], LayerCost] | None = None
-                    ) -> tuple[LayerCost, StepSolve | None]:
+                    microbatches: int = 1, alone: Callable[[Problem], LayerCost] | None = None,
+                    problem: Problem | None = None) -> tuple[LayerCost, StepSolve | None]:
     """`layer_cost`, with the step-weighted solve's `StepSolve` (None: one microbatch, no plan, or a
     solve whose objective is not affine in the share or has no bound). `alone`: the layer's
-    one-microbatch cost where the caller keeps it (planned here otherwise)."""
+    one-microbatch cost where the caller keeps it (planned here otherwise), given the layer's ILP
+    (`problem`: the same at every count, built once for both solves where both are needed)."""
     # once per layer: every mesh's ILP of it then shares the subgraph's memos (fusions, signatures, live ranges)
     sub, ext = graph.cached(("layer_subgraph", layers, layer), lambda: subgraph(
         graph, facts.ops, f"{layers.names[layer]}/", facts.param_grads, facts.exported))
@@ -230,8 +232,9 @@ def layer_step_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int,
     whole = frozenset().union(*(spec_axes(pinned[t]) for t in ext if t in pinned and t in facts.param_inputs)
                               ) if pins else frozenset()
     try:
-        plan = make_plan(sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP,  # small ILPs: `ilp.solver.solve`
-                         microbatches=microbatches, whole_axes=whole)
+        problem = problem or plan_problem(sub, lmesh.mesh, opts, pins=pins)
+        plan = make_plan(sub, lmesh.mesh, opts, pins=pins, problem=problem, lp_level=2,
+                         gap=LAYER_GAP, microbatches=microbatches, whole_axes=whole)  # small ILPs: `ilp.solver.solve`
         weighed = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, plan)
 
         def one_microbatch() -> LayerCost:
@@ -239,9 +242,9 @@ def layer_step_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int,
             # (`_discounted_per_microbatch`): the layer's one-microbatch plan may be cheaper
             log.info("layer %s on %s: its plan for %d microbatches is priced above what its solve weighed; "
                      "planned for one microbatch too", layers.names[layer], lmesh.mesh, microbatches)
-            return alone() if alone is not None else _from_plan(
+            return alone(problem) if alone is not None else _from_plan(
                 graph, layers, facts, layer, lmesh, cost, sub, ext,
-                make_plan(sub, lmesh.mesh, opts, pins=pins, lp_level=2, gap=LAYER_GAP))
+                make_plan(sub, lmesh.mesh, opts, pins=pins, problem=problem, lp_level=2, gap=LAYER_GAP))
 
         found = weighed if microbatches == 1 else _cheaper_step(weighed, plan.solver.objective_s, microbatches,
                                                                  one_microbatch)

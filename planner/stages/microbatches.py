@@ -18,6 +18,7 @@ from planner.core.errors import InvalidArgumentError, PlannerError, first_line
 from planner.graph.ir import Graph
 from planner.graph.shape_family import MIN_SIZE, ShapeFamily, trace_family
 from planner.graph.trace import trace
+from planner.stages.clustering import Layers, cluster_by_modules, cluster_layers
 
 log = logging.getLogger("planner")
 
@@ -126,6 +127,21 @@ class MicrobatchGraphs:
                                  else trace_microbatch(self.fn, microbatch_args(self.args, rows, self.batch_argnum),
                                                        count, rows))
         return self.traced[rows]
+
+    def layers_at(self, count: int, rows: int, num_layers: int | None) -> Layers:
+        """`cluster_layers` of `at(count, rows)`, once per graph. A graph the symbolic trace made
+        holds the same ops at every size, so where the model's repeated modules define its layers
+        their partition is found once, on the symbolic graph (GPT-39B unrolled: ~1.7 s a size), and
+        a layer's key is its symbolic layer's at this size (equal keys: identical layers here)."""
+        graph = self.at(count, rows)
+
+        def make() -> Layers:
+            if isinstance(self.family, ShapeFamily) and self.traced.get(rows) is graph:
+                sym = self.family.graph.cached(("module layers",), lambda: cluster_by_modules(self.family.graph))
+                if sym is not None:
+                    return dataclasses.replace(sym, keys=tuple(f"{k}@{rows}" for k in sym.keys))
+            return cluster_layers(graph, num_layers)
+        return graph.cached(("layers", num_layers), make)
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ from planner.cost_model import Cluster
 from planner.graph.ir import Graph
 from planner.graph.shape_family import MIN_SIZE, ShapeFamily, same_program
 from planner.stages.candidate import once_per_step_max, stage_option
-from planner.stages.clustering import Layers, cluster_layers
+from planner.stages.clustering import Layers
 from planner.stages.cost_table import LayerCostTable
 from planner.stages.dp import DPResult, pipeline_dp
 from planner.stages.microbatches import MicrobatchGraphs, PlanningMemo, batch_size, microbatch_counts
@@ -138,7 +138,7 @@ def layer_table(space: SearchSpace, B: int) -> tuple[Graph, Layers, LayerCostTab
     """
     t0 = time.perf_counter()
     graph = space.graphs.at(B, space.batch // B)
-    layers = graph.cached(("layers", space.num_layers), lambda: cluster_layers(graph, space.num_layers))
+    layers = space.graphs.layers_at(B, space.batch // B, space.num_layers)
     space.timings["trace_s"] += time.perf_counter() - t0
     t0 = time.perf_counter()
     pins = space.pins
