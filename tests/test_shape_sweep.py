@@ -139,3 +139,60 @@ def test_scanned_step_keeps_its_traced_graph():
     memo = PlanningMemo()
     assert cli_plan._from_family(bundle.train_step, (bundle.abstract_state(), bundle.abstract_batch()), memo) is None
     assert isinstance(memo.family, ShapeFamily)
+
+
+def test_the_single_stages_memory_bounds_shrink_no_faster_than_the_batch():
+    """What `single_stage.floor_from_larger_batch` relies on, on the zoo's GPT and Llama: for b
+    dividing B, each bound of the single stage's mesh search (arguments and outputs, the values
+    live at the fullest point, a mesh's memory lower bound) at b rows is at least its value at B
+    times b / B."""
+    from planner.core.mesh import MeshSpec
+    from planner.ilp.memory_bounds import liveness_floor, memory_floor, memory_lower_bound
+    from planner.search.mesh_plan import plan_problem
+
+    for name in ("gpt-tiny", "llama-tiny"):
+        bundle = get_model(name)
+        family = trace_family_of(bundle)
+        for B, b in ((16, 8), (16, 2), (8, 4)):
+            big, small = family.at(B), family.at(b)
+            assert memory_floor(small, 8) >= memory_floor(big, 8) * b / B
+            for mesh in (MeshSpec((8,), ("x",)), MeshSpec((2, 4), ("x", "y"))):
+                pB, pb = (plan_problem(g, mesh, PlanOptions(hardware="a100")) for g in (big, small))
+                assert liveness_floor(pb) >= liveness_floor(pB) * b / B
+                assert memory_lower_bound(pb).max() >= memory_lower_bound(pB).max() * b / B
+
+
+def trace_family_of(bundle):
+    from planner.graph.shape_family import trace_family
+
+    family = trace_family(bundle.train_step, (bundle.abstract_state(), bundle.abstract_batch()), (1,))
+    assert isinstance(family, ShapeFamily), family
+    return family
+
+
+def test_a_single_stage_over_every_meshs_bound_is_not_planned_again_at_a_batch_dividing_it():
+    """`floor_from_larger_batch`: batch B's single stage over the budget on every mesh by bounds
+    whose least is F; at a batch b dividing B whose scaled bound F * b / B is over the budget too,
+    the single stage is not planned (the reason says the bound); not where b does not divide B,
+    where the scaled bound fits, for other options, or without a symbolic trace."""
+    import dataclasses
+    import types
+
+    from planner.stages.single_stage import _floor_key, floor_from_larger_batch
+
+    options = PlanOptions(hardware="a100")
+    cluster = make_cluster(2, 4, "a100")
+
+    def space(batch, family=ShapeFamily(None, (), ()), opts=options):
+        return types.SimpleNamespace(batch=batch, budget=40e9, cluster=cluster, options=opts,
+                                     graphs=types.SimpleNamespace(family=family), single_floors=floors)
+
+    floors = {}
+    floors[_floor_key(space(16))] = [(16, 100e9)]
+    said = floor_from_larger_batch(space(8))
+    assert said is not None and "needs >= 50.00 GB/device" in said and "batch 16" in said
+    assert floor_from_larger_batch(space(4)) is None  # 25 GB fits the 40 GB budget
+    assert floor_from_larger_batch(space(12)) is None  # does not divide 16
+    assert floor_from_larger_batch(space(16)) is None  # not a larger batch
+    assert floor_from_larger_batch(space(8, opts=dataclasses.replace(options, donate_argnums=(0,)))) is None
+    assert floor_from_larger_batch(space(8, family="traced per size")) is None

@@ -39,6 +39,8 @@ class PipelinePlanning(JsonRecord):
         layouts' pricing, and whether the single stage was found by the whole-program mesh search.
       larger_microbatches_skipped: microbatch counts not planned because a count of smaller
         microbatches fit no pipeline in any layout (`inter_op.plan_pipeline`).
+      single_stage_bound: why the single stage was not planned at all: a memory floor every mesh of
+        the cluster's devices exceeds, carried from a larger batch size of the same step.
       shape_family: "traced once" (every microbatch size of at least 2 rows made from one symbolic
         trace, `graph.shape_family`), or why each size was traced on its own.
     """
@@ -60,6 +62,7 @@ class PipelinePlanning(JsonRecord):
     stacked_params: tuple[str, ...] | None = None
     hand_layout_counts: HandLayoutCounts | None = None
     single_stage_mesh_search: bool | None = None
+    single_stage_bound: str | None = None
     larger_microbatches_skipped: tuple[int, ...] | None = None
     shape_family: str | None = None
 

@@ -93,6 +93,8 @@ def pipeline_ranking(plan: Plan, pp: PipelinePlan, cluster: Cluster, flops: Mapp
 def _no_single(pp: PipelinePlan) -> str:
     """Why the pipeline search has no single-stage plan, and how far it searched."""
     free = pp.single_stage_time_unconstrained_s
+    if pp.planning.single_stage_bound:
+        return f"does not fit: {pp.planning.single_stage_bound}"
     if pp.planning.single_stage_mesh_search:
         return "does not fit the budget on any mesh shape searched"
     text = "does not fit the budget as the per-layer tables price it"

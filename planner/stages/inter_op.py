@@ -209,7 +209,7 @@ def _with_single_stage(space: SearchSpace, found: _Found) -> _Found:
     """`found` with the single stage of `pipeline="auto"` as a candidate."""
     best_pp = min((c.step_s for c in found.candidates), default=math.inf)
     candidate, single = single_stage(space, best_pp)
-    return dataclasses.replace(found, candidates=found.candidates + (candidate,), single=single)
+    return dataclasses.replace(found, candidates=found.candidates + ((candidate,) if candidate else ()), single=single)
 
 
 def _chosen(space: SearchSpace, found: _Found) -> PipelinePlan:
@@ -240,6 +240,7 @@ def _planning_facts(space: SearchSpace, found: _Found, per_microbatch: list[str]
             **({"hand_layout_counts": HandLayoutCounts(tuple(found.priced), tuple(found.pruned))}
                if space.hand_layouts else {}),
             **({"single_stage_mesh_search": found.single.mesh_search} if space.options.pipeline == "auto" else {}),
+            **({"single_stage_bound": found.single.bound} if found.single is not None and found.single.bound else {}),
             **({"larger_microbatches_skipped": found.skipped} if found.skipped else {}),
             "shape_family": space.graphs.family_note}
 

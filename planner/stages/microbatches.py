@@ -166,6 +166,8 @@ class PlanningMemo:
         stages of other cuts that are the same program (three blocks at the same rows) take them.
       stage_solved: the stage programs' intra-op plans by program, mesh, pins and options
         (`stage_records.stage_plans(solved=...)`).
+      single_floors: per (devices, options) the batch sizes whose single stage fit no mesh, and the
+        least memory bound of its meshes there (`single_stage.floor_from_larger_batch`).
     """
 
     family: ShapeFamily | str | None = None
@@ -178,6 +180,7 @@ class PlanningMemo:
     dp: dict = dataclasses.field(default_factory=dict)
     stage_traces: dict = dataclasses.field(default_factory=dict)
     stage_solved: dict = dataclasses.field(default_factory=dict)
+    single_floors: dict = dataclasses.field(default_factory=dict)
 
     def graph_at(self, step: Callable[..., Any], batch: int | None) -> Graph | None:
         """`step`'s graph at batch size `batch` made from the family, when the family was traced from

@@ -48,6 +48,7 @@ class SearchSpace:
       variant_pins: the hand layouts' pins by (layout, microbatch rows, mesh, host axes) (`PlanningMemo.pins`).
       ranges: the stage ways' layer-range costs (`PlanningMemo.ranges`, `stage_cost.stage_ranges`).
       dp_memo: the pipeline DP's evaluations per stage latency table (`PlanningMemo.dp`).
+      single_floors: the single stage's memory floors at the batch sizes planned (`PlanningMemo.single_floors`).
       timings: seconds spent per planning phase, accumulated.
     """
 
@@ -76,6 +77,7 @@ class SearchSpace:
     variant_pins: dict
     ranges: dict
     dp_memo: dict
+    single_floors: dict
 
     @property
     def hand_layouts(self) -> bool:
@@ -107,6 +109,7 @@ def search_space(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster
         memo.dp.clear()
         memo.stage_traces.clear()
         memo.stage_solved.clear()
+        memo.single_floors.clear()
     t_start = time.perf_counter()
     counts = microbatch_counts(batch, options.num_microbatches, microbatch_limit)
     shapes = submesh_shapes(cluster.hosts, cluster.devices_per_host)
@@ -126,7 +129,7 @@ def search_space(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster
         sizes=tuple(n * m for n, m in shapes), meshes=tuple(meshes), per_submesh=tuple(per_submesh),
         cache=memo.layer_plans, timings={"trace_s": 0.0, "layer_costs_s": 0.0, "dp_s": 0.0},
         graphs=MicrobatchGraphs(fn, args, batch_argnum, full_graph, family, traced),
-        variant_pins=memo.pins, ranges=memo.ranges, dp_memo=memo.dp)
+        variant_pins=memo.pins, ranges=memo.ranges, dp_memo=memo.dp, single_floors=memo.single_floors)
 
 
 def layer_table(space: SearchSpace, B: int) -> tuple[Graph, Layers, LayerCostTable, float]:

@@ -18,10 +18,12 @@ from typing import Any
 import numpy as np
 
 from planner.core.errors import PlannerError
+from planner.core.units import format_bytes
 from planner.core.options import PlanOptions
 from planner.core.sharding import Spec
 from planner.cost_model import Cluster
 from planner.graph.ir import Graph
+from planner.graph.shape_family import ShapeFamily
 from planner.search.mesh_plan import make_plan
 from planner.search.candidates import candidate_meshes
 from planner.search.meshes import search_meshes
@@ -47,6 +49,7 @@ class SingleStage:
       whole_axes: that plan's inter-host axes.
       searched: the plan is the mesh search's (not the one on the tables' logical mesh).
       mesh_search: whether the cluster's mesh shapes were searched.
+      bound: why it was not planned at all (`floor_from_larger_batch`); empty where it was.
     """
 
     time_s: float
@@ -55,11 +58,17 @@ class SingleStage:
     whole_axes: tuple[int, ...] = ()
     searched: bool = False
     mesh_search: bool = False
+    bound: str = ""
 
 
-def single_stage(space: SearchSpace, best_pp: float) -> tuple[Candidate, SingleStage]:
+def single_stage(space: SearchSpace, best_pp: float) -> tuple[Candidate | None, SingleStage]:
     """The single stage as a candidate of one microbatch, and its prices; `best_pp`: the best
-    pipeline's step time (the mesh search is pruned by it)."""
+    pipeline's step time (the mesh search is pruned by it). No candidate where a larger batch size
+    of the same step shows that it fits no mesh (`floor_from_larger_batch`)."""
+    bound = floor_from_larger_batch(space)
+    if bound is not None:
+        log.info("single stage: %s: not planned", bound)
+        return None, SingleStage(math.inf, math.inf, bound=bound)
     graph, layers, table, t0 = layer_table(space, 1)
     full = len(space.shapes) - 1
     on_full = (space.shapes[full:], [space.per_submesh[full]], 1, space.options.schedule)
@@ -117,8 +126,10 @@ def _mesh_searched(space: SearchSpace, graph: Graph, st1: StageTimes, free: Stag
     if not mesh_search:
         return one, held
     t0 = time.perf_counter()
-    found = _single_stage_search(graph, space.cluster, space.options, space.budget, space.devices,
-                                 min(one.time_s, best_pp))
+    found, floor = _single_stage_search(graph, space.cluster, space.options, space.budget, space.devices,
+                                        min(one.time_s, best_pp))
+    if floor is not None:
+        space.single_floors.setdefault(_floor_key(space), []).append((space.batch, floor))
     if found is not None and found[0].prediction.step_time_s < one.time_s:
         whole, whole_axes = found
         one = dataclasses.replace(one, time_s=whole.prediction.step_time_s, whole=whole, whole_axes=whole_axes,
@@ -146,18 +157,44 @@ def as_single_stage_plan(pp: PipelinePlan, one: SingleStage | None) -> PipelineP
 
 
 def _single_stage_search(graph: Graph, cluster: Cluster, options: PlanOptions, budget: float,
-                          devices: Sequence[Any], beat: float) -> tuple[Any, tuple[int, ...]] | None:
+                          devices: Sequence[Any], beat: float) -> tuple[tuple[Any, tuple[int, ...]] | None, float | None]:
     """The fastest single-stage plan of `graph` on the cluster's mesh shapes (`search.meshes.search_meshes`
-    with the cluster's links; meshes that cannot beat `beat` pruned), with its inter-host axes; None
-    when none fits `budget` or beats `beat`."""
+    with the cluster's links; meshes that cannot beat `beat` pruned), with its inter-host axes (None
+    when none fits `budget` or beats `beat`); and where every mesh was over the budget by its memory
+    bound alone, the least of those bounds (else None)."""
     single = dataclasses.replace(options, pipeline=False, memory_budget=budget, hardware=planning_hardware(cluster))
     bound = list(devices)[:cluster.num_devices] if len(devices) >= cluster.num_devices else None
     results = search_meshes(graph, candidate_meshes(cluster.num_devices), single,
                             devices_per_host=cluster.devices_per_host, devices=bound, beat=beat,
                             min_peak_search=False)
+    bounds = [getattr(r.error, "lower_bound_bytes", None) if r.over_bound else None
+              for r in results if r.same_as is None]  # a mesh's axes permuted: that mesh's problem
+    floor = min(bounds) if bounds and None not in bounds else None
     if not results or results[0].plan is None or results[0].plan.prediction.step_time_s >= beat:
+        return None, floor
+    return (results[0].plan, results[0].inter_host_axes), floor
+
+
+def _floor_key(space: SearchSpace) -> tuple:
+    return space.cluster.num_devices, dataclasses.replace(space.options, memory_budget=None)
+
+
+def floor_from_larger_batch(space: SearchSpace) -> str | None:
+    """Why the single stage fits no mesh at this batch size, from a larger one B of the same step
+    (one symbolic trace) that it divides, whose single stage was over the budget on every mesh by
+    the meshes' memory bounds alone (the least of them F): at b rows each bound is at least F * b / B.
+    Every tensor's bytes are a + c * b with a, c >= 0 (the family's shapes are linear in the batch),
+    a sharding valid at b is valid at B (b divides B, so a split of a batch dimension at b splits it
+    at B), and a bound sums the least shards of the values live together: each term scales by at
+    least b / B. None where no such batch size was planned or the scaled bound fits."""
+    if not isinstance(space.graphs.family, ShapeFamily):
         return None
-    return results[0].plan, results[0].inter_host_axes
+    b = space.batch
+    for B, floor in space.single_floors.get(_floor_key(space), ()):
+        if B > b and B % b == 0 and floor * b / B > space.budget:
+            return (f"every plan on {space.cluster.num_devices} devices needs >= {format_bytes(floor * b / B)}/device "
+                    f"(batch {B}'s memory bound {format_bytes(floor)}, scaled to batch {b})")
+    return None
 
 
 def input_pins(pins, graph: Graph, lm: LogicalMesh) -> dict[int, Spec] | None:
