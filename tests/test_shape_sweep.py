@@ -8,6 +8,7 @@ import logging
 import math
 
 import jax
+import pytest
 import jax.numpy as jnp
 
 from planner import cli
@@ -196,3 +197,51 @@ def test_a_single_stage_over_every_meshs_bound_is_not_planned_again_at_a_batch_d
     assert floor_from_larger_batch(space(16)) is None  # not a larger batch
     assert floor_from_larger_batch(space(8, opts=dataclasses.replace(options, donate_argnums=(0,)))) is None
     assert floor_from_larger_batch(space(8, family="traced per size")) is None
+
+
+def _records(plans, counts, gap):
+    """`StepSolve`s of a layer whose plans' weighed objectives are `plans` ((a, w): a + w * share), as
+    solves at `counts` that stop `gap` short of proving their optimum (count 1: the plain solve,
+    whose objective is at most the weighed one, bounded alike)."""
+    from planner.stages.layer_cost import LayerCost, StepSolve
+    out = []
+    for count in counts:
+        share = 1.0 / count
+        a, w = min(plans, key=lambda p: p[0] + p[1] * share)
+        v = a + w * share
+        found = LayerCost(a, 0.0, 0.0, 0.0, 0.0, sync_s=w)  # priced as weighed: 1 s a microbatch, w once
+        out.append(StepSolve(count, v, v * (1 - gap), w if count > 1 else None, found))
+    return out
+
+
+def test_step_bound_never_exceeds_the_least_objective():
+    """Every plan's weighed objective is affine in the share and non-decreasing: a solve's bound holds
+    at larger shares, and two solves' bounds bound the shares between them by their chord."""
+    import random
+
+    from planner.stages.layer_cost import step_bound
+    rng = random.Random(0)
+    for _ in range(200):
+        plans = [(rng.uniform(0.5, 2.0), rng.uniform(0.0, 3.0)) for _ in range(rng.randint(1, 6))]
+        records = _records(plans, rng.sample([1, 2, 4, 8, 16, 64, 256, 1024], 3), rng.uniform(0.0, 0.02))
+        for count in (1, 2, 3, 4, 8, 12, 32, 100, 512, 1024, 4096):
+            share = 1.0 / count
+            least = min(a + w * share for a, w in plans)
+            bound = step_bound(records, share)
+            assert bound is None or bound <= least * (1 + 1e-12)
+            if any(r.share <= share for r in records):
+                assert bound is not None
+
+
+def test_a_count_between_two_solves_takes_a_plan_the_larger_count_alone_could_not_prove():
+    """One plan (1 s a microbatch, 1 s once a step): solved at 100 microbatches 1.9% short of its
+    proof, its objective at 50 is 2.9% over that solve's bound, but the one-microbatch solve's bound
+    lifts the chord to within the 2% gap: reused, where the larger count's bound alone would not do."""
+    from planner.stages.layer_cost import LAYER_GAP, reuse, step_bound
+    weighed, one = _records([(1.0, 1.0)], [100, 1], 0.019)
+    found = reuse([weighed, one], 50, lambda: pytest.fail("the one-microbatch plan is not asked for"))
+    assert found is weighed.found
+    objective = 1.0 + 1.0 / 50
+    assert objective - weighed.bound_s > LAYER_GAP * objective
+    assert objective - step_bound([weighed, one], 1 / 50) <= LAYER_GAP * objective
+    assert reuse([weighed], 50, lambda: pytest.fail("not asked")) is None

@@ -188,8 +188,8 @@ def classify(paths: Sequence[str], shapes: Sequence[Shape], dtypes: Sequence[str
         key = _param_key(tok)
         if key is not None:
             params[key] = tuple(shape)
-    embed = _embed_size([(k, s[1:] if _stack_of(k, stacks := _stacked_prefixes(params)) else s)
-                         for k, s in params.items()])
+    stacks = _stacked_prefixes(params)
+    embed = _embed_size([(k, s[1:] if _stack_of(k, stacks) else s) for k, s in params.items()])
     state_args = {tok[0] for tok in tokens if tok and ("params" in tok or "opt_state" in tok)}
 
     def names_of(key: tuple[str, ...], shape: Shape) -> LogicalNames:

@@ -35,7 +35,7 @@ from planner.graph.ir import Graph
 from planner.ilp.strategies import reshard_cost
 from planner.search.cores import idle_cores
 from planner.stages.clustering import Layers
-from planner.stages.layer_cost import LayerCost, layer_step_cost
+from planner.stages.layer_cost import LayerCost, layer_step_cost, reuse
 from planner.stages.layer_facts import LayerFacts, external_inputs, layer_edges, layer_facts
 from planner.stages.submesh import LogicalMesh, effective_hardware, planning_hardware
 
@@ -157,21 +157,24 @@ class LayerCostTable:
                 self.microbatches), pinned
 
     def _solve(self, layer: int, mesh_index: int, pinned: Mapping[int, Spec], key: tuple) -> LayerCost:
-        """The layer's cost: from a step-weighted solve of the same layer at the same microbatch size
-        for a larger count (another batch size sharing `cache`, `StepSolve.at`) where that plan is
-        provably within the gap here, else solved (and its `StepSolve` kept for smaller counts)."""
-        solves = self.cache.setdefault(STEP_SOLVES, {}).setdefault(key[:-1], []) if self.microbatches > 1 else []
+        """The layer's cost: from the solves of the same layer at the same microbatch size for other
+        counts (other batch sizes sharing `cache`; the one-microbatch solve bounds them too,
+        `layer_cost.reuse`) where one of their plans is provably within the gap here, else solved
+        (and its `StepSolve` kept for the other counts)."""
+        solves = self.cache.setdefault(STEP_SOLVES, {}).setdefault(key[:-1], [])
 
         def alone(problem=None) -> LayerCost:  # the one-microbatch cost, kept as a one-microbatch table keeps it
             one = key[:-1] + (1,)
             if one not in self.cache:
-                self.cache[one] = layer_step_cost(self.graph, self.layers, self.facts[layer], layer,
-                                                  self.meshes[mesh_index], planning_hardware(self.cluster),
-                                                  self.options, pinned, problem=problem)[0]
+                self.cache[one], solve = layer_step_cost(self.graph, self.layers, self.facts[layer], layer,
+                                                         self.meshes[mesh_index], planning_hardware(self.cluster),
+                                                         self.options, pinned, problem=problem)
+                if solve is not None:
+                    solves.append(solve)
             return self.cache[one]
 
-        for earlier in list(solves):
-            found = earlier.at(self.microbatches, alone)
+        if self.microbatches > 1:
+            found = reuse(list(solves), self.microbatches, alone)
             if found is not None:
                 self.reused += 1
                 return found

@@ -178,39 +178,69 @@ def layer_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmes
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepSolve:
-    """A layer's step-weighted solve at `microbatches` (`layer_step_cost`), kept so that a smaller
-    count of the same microbatch size (another batch size of the step) takes its plan without a
-    solve where that plan is provably within the gap there (`at`).
+    """A layer's solve at `microbatches` (`layer_step_cost`), kept so that another count of the same
+    microbatch size (another batch size of the step) takes a plan without a solve where that plan is
+    provably within the gap there (`reuse`).
 
-    The solve's objective is affine in the share 1/B it weighs the chosen plan's all-reduces at
-    (`make_plan`'s `weighed_once_s`: only costs move with the share) and no plan's objective falls
-    as the share grows, so at a smaller count B' every plan's objective is at least the solve's
-    bound at B, and the chosen plan's is `objective_s + (1/B' - 1/B) * once_s`.
+    The step-weighted objective of every plan is affine in the share s = 1/B it weighs the plan's
+    all-reduces at, where no strategy of the layer's ILP quantises (`affine`: `make_plan`'s
+    `weighed_once_s` holds the slope of the chosen plan; only costs move with the share, the hidden
+    capacity does not), and no plan's objective falls as the share grows. So the least objective
+    V(s) is non-decreasing and concave (a minimum of affine functions): a solve's bound at s bounds V
+    at every larger share, and two solves' bounds at s_a < s_b bound V between them by their chord.
+    The one-microbatch solve (`microbatches` 1, `once_s` None: a bound only) solves the plain ILP,
+    whose combinable all-reduces may hide where the weighed ILP at share 1 keeps them exposed, so
+    each plan's plain objective is at most its weighed one (hiding less never shortens the step,
+    `objective.hidden_time`) and its bound bounds V(1).
     """
 
     microbatches: int
     objective_s: float
     bound_s: float
-    once_s: float
-    found: LayerCost  # the step-weighted plan's cost
+    once_s: float | None  # None: the one-microbatch solve, whose objective is not the weighed one
+    found: LayerCost  # the solve's plan's cost
+    affine: bool = True
 
-    def at(self, microbatches: int, alone: Callable[[], LayerCost]) -> LayerCost | None:
-        """The layer's cost for `microbatches` from this solve, or None where it would need a solve.
-        `alone`: the layer's one-microbatch cost (`layer_cost` at one microbatch), where needed."""
-        if not 1 < microbatches <= self.microbatches:
-            return None
-        objective = self.objective_s + (1.0 / microbatches - 1.0 / self.microbatches) * self.once_s
-        if objective - self.bound_s > LAYER_GAP * objective:
-            return None
-        return _cheaper_step(self.found, objective, microbatches, alone)
+    @property
+    def share(self) -> float:
+        return 1.0 / self.microbatches
+
+
+def step_bound(solves: Sequence[StepSolve], share: float) -> float | None:
+    """A lower bound on every plan's step-weighted objective at `share` from `solves` of the same
+    layer (see `StepSolve`), or None where none bounds it."""
+    best = max((s.bound_s for s in solves if s.share <= share), default=None)
+    for a in solves:
+        for b in solves:
+            if a.affine and b.affine and a.share <= share < b.share:
+                chord = a.bound_s + (share - a.share) / (b.share - a.share) * (b.bound_s - a.bound_s)
+                best = chord if best is None else max(best, chord)
+    return best
+
+
+def reuse(solves: Sequence[StepSolve], microbatches: int, alone: Callable[[], LayerCost]) -> LayerCost | None:
+    """The layer's cost for `microbatches` (> 1) from earlier `solves` of the same layer at other
+    counts, or None where it needs a solve: the plan of least objective here among theirs (each
+    plan's objective is affine in the share, `once_s` its slope), where it is within the gap of
+    `step_bound`. `alone`: the layer's one-microbatch cost (`layer_cost` at one microbatch), where
+    needed."""
+    share = 1.0 / microbatches
+    priced = [(s.objective_s + (share - s.share) * s.once_s, s) for s in solves if s.once_s is not None]
+    bound = step_bound(solves, share)
+    if microbatches <= 1 or not priced or bound is None:
+        return None
+    objective, best = min(priced, key=lambda p: p[0])
+    if objective - bound > LAYER_GAP * objective:
+        return None
+    return _cheaper_step(best.found, objective, microbatches, alone)
 
 
 def layer_step_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmesh: LogicalMesh,
                     hardware: str | Hardware, options: PlanOptions, pinned: Mapping[int, Spec] | None = None,
                     microbatches: int = 1, alone: Callable[[Problem], LayerCost] | None = None,
                     problem: Problem | None = None) -> tuple[LayerCost, StepSolve | None]:
-    """`layer_cost`, with the step-weighted solve's `StepSolve` (None: one microbatch, no plan, or a
-    solve whose objective is not affine in the share or has no bound). `alone`: the layer's
+    """`layer_cost`, with the solve's `StepSolve` (None: no plan, or a step-weighted solve whose
+    objective is not affine in the share or that has no bound). `alone`: the layer's
     one-microbatch cost where the caller keeps it (planned here otherwise), given the layer's ILP
     (`problem`: the same at every count, built once for both solves where both are needed)."""
     # once per layer: every mesh's ILP of it then shares the subgraph's memos (fusions, signatures, live ranges)
@@ -248,13 +278,20 @@ def layer_step_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int,
 
         found = weighed if microbatches == 1 else _cheaper_step(weighed, plan.solver.objective_s, microbatches,
                                                                  one_microbatch)
-        st = plan.solver
-        solve = None if microbatches == 1 or None in (st.objective_s, st.gap, st.weighed_once_s) else StepSolve(
-            microbatches, st.objective_s, st.objective_s * (1.0 - st.gap), st.weighed_once_s, weighed)
-        return found, solve
+        return found, _step_solve(plan.solver, problem, microbatches, weighed)
     except (MeshError, PlannerError) as e:
         log.info("layer %s on %s: %s", layers.names[layer], lmesh.mesh, e)
         return INFEASIBLE, None
+
+
+def _step_solve(st, problem: Problem, microbatches: int, found: LayerCost) -> StepSolve | None:
+    """The solve's record for other counts (`StepSolve`), or None where it has no bound, or its
+    weighed objective is not affine in the share (`weighed_once_s` None)."""
+    if None in (st.objective_s, st.gap) or (microbatches > 1 and st.weighed_once_s is None):
+        return None
+    affine = not any(q for node in problem.nodes for q in node.quantise_s)
+    return StepSolve(microbatches, st.objective_s, st.objective_s * (1.0 - st.gap),
+                     st.weighed_once_s if microbatches > 1 else None, found, affine)
 
 
 def _cheaper_step(found: LayerCost, objective: float | None, microbatches: int,
