@@ -62,6 +62,30 @@ def test_a_smaller_batch_takes_the_larger_ones_layer_plans_within_the_gap(tmp_pa
     assert _step_time(tmp_path / "sweep.b8.json") <= _step_time(tmp_path / "alone.json") * (1 + LAYER_GAP)
 
 
+def test_a_later_batch_size_solves_the_layer_ilps_the_first_built(capsys, caplog, monkeypatch):
+    """`--batch 16,8`: batch 8's microbatch sizes are all batch 16's, so where one of its layers needs
+    a solve of its own (here every one: no earlier solve is taken, `reuse` made to refuse) the ILP is
+    the one batch 16 built (`PlanningMemo.keep_layer_problems`): none built again before the stage
+    programs; a single shape keeps none."""
+    import planner.stages.cost_table as cost_table
+    from planner.stages.cost_table import LAYER_PROBLEMS
+    monkeypatch.setattr(cost_table, "reuse", lambda *args: None)
+    with caplog.at_level(logging.INFO, logger="planner"):
+        assert cli.main(["plan", *_WHERE, "--batch", "16,8"]) == 0
+    capsys.readouterr()
+    messages = [r.getMessage() for r in caplog.records]
+    start = next(i for i, m in enumerate(messages) if "made from the symbolic trace" in m)
+    end = next(i for i, m in enumerate(messages) if i > start and m.startswith("stage programs:"))
+    layers = messages[start:end]
+    assert sum(m.startswith("solved:") for m in layers) > 0
+    assert sum(m.startswith("built ILP") for m in layers) == 0
+    base = get_model("gpt-tiny", batch=8)
+    memo = PlanningMemo()
+    plan_pipeline(base.train_step, (base.abstract_state(), base.abstract_batch()), make_cluster(1, 4, "a100"),
+                  PlanOptions(pipeline=True), memo=memo)
+    assert memo.layer_plans and LAYER_PROBLEMS not in memo.layer_plans
+
+
 def test_sweep_bad_sizes_and_commands_that_plan_one_shape(capsys):
     assert cli.main(["plan", *_WHERE, "--batch", "16,x"]) == 2
     assert "comma-separated list" in capsys.readouterr().err

@@ -59,7 +59,8 @@ def plan_sweep(args, out, plan_one: Callable) -> int:
     memos: dict[int | None, PlanningMemo] = {}
     loaded: dict[int | None, tuple] = {}  # a zoo model built once per sequence length (`plan._trace_step`)
     rows = []
-    for batch, seq in shapes(args):
+    planned = shapes(args)
+    for batch, seq in planned:
         one = argparse.Namespace(**vars(args))
         one.batch, one.seq, one.loaded = batch, seq, loaded.get(seq)
         for flag in ("json", "html"):
@@ -68,7 +69,9 @@ def plan_sweep(args, out, plan_one: Callable) -> int:
         print(f"\n=== batch {batch or 'default'}, seq {seq or 'default'} ===", file=out)
         t0 = time.perf_counter()
         try:
-            view = plan_one(one, out, memos.setdefault(seq, PlanningMemo()))
+            # the layer ILPs kept where a later batch size of this sequence length may solve them again
+            view = plan_one(one, out, memos.setdefault(seq, PlanningMemo(
+                keep_layer_problems=sum(s == seq for _, s in planned) > 1)))
         except PlannerError as e:  # this shape has no plan: said in its row, the others still planned
             print(f"no plan: {first_line(e)}", file=out)
             view = first_line(e)

@@ -45,9 +45,15 @@ from planner.stages.submesh import LogicalMesh, effective_hardware, planning_har
 STEP_SOLVES = "step solves"
 
 
+# The key in `LayerCostTable.cache` under which the layer ILPs are kept for later batch sizes, where
+# the cache's owner asks for them (`PlanningMemo.keep_layer_problems`: a sweep of batch sizes; a
+# layer at one microbatch size is the same ILP at every count, only the share it weighs moves).
+LAYER_PROBLEMS = "layer problems"
+
+
 def planned_layers(cache: Mapping) -> int:
-    """How many layer costs a table's `cache` holds (its step-weighted solves' entry not counted)."""
-    return len(cache) - (STEP_SOLVES in cache)
+    """How many layer costs a table's `cache` holds (its solves' and ILPs' entries not counted)."""
+    return len(cache) - (STEP_SOLVES in cache) - (LAYER_PROBLEMS in cache)
 
 
 # The hand layouts each layer is also planned in (`LayerCostTable.variants`; see the module docstring).
@@ -168,7 +174,8 @@ class LayerCostTable:
             if one not in self.cache:
                 self.cache[one], solve = layer_step_cost(self.graph, self.layers, self.facts[layer], layer,
                                                          self.meshes[mesh_index], planning_hardware(self.cluster),
-                                                         self.options, pinned, problem=problem)
+                                                         self.options, pinned, problem=problem,
+                                                         problems=self.cache.get(LAYER_PROBLEMS))
                 if solve is not None:
                     solves.append(solve)
             return self.cache[one]
@@ -180,7 +187,8 @@ class LayerCostTable:
                 return found
         found, solve = layer_step_cost(self.graph, self.layers, self.facts[layer], layer, self.meshes[mesh_index],
                                        planning_hardware(self.cluster), self.options, pinned, self.microbatches,
-                                       alone if self.microbatches > 1 else None)
+                                       alone if self.microbatches > 1 else None,
+                                       problems=self.cache.get(LAYER_PROBLEMS))
         if solve is not None:
             solves.append(solve)
         return found

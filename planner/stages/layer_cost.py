@@ -238,11 +238,13 @@ def reuse(solves: Sequence[StepSolve], microbatches: int, alone: Callable[[], La
 def layer_step_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmesh: LogicalMesh,
                     hardware: str | Hardware, options: PlanOptions, pinned: Mapping[int, Spec] | None = None,
                     microbatches: int = 1, alone: Callable[[Problem], LayerCost] | None = None,
-                    problem: Problem | None = None) -> tuple[LayerCost, StepSolve | None]:
+                    problem: Problem | None = None, problems: dict | None = None) -> tuple[LayerCost, StepSolve | None]:
     """`layer_cost`, with the solve's `StepSolve` (None: no plan, or a step-weighted solve whose
     objective is not affine in the share or that has no bound). `alone`: the layer's
     one-microbatch cost where the caller keeps it (planned here otherwise), given the layer's ILP
-    (`problem`: the same at every count, built once for both solves where both are needed)."""
+    (`problem`: the same at every count, built once for both solves where both are needed;
+    `problems`: where given, the layer ILPs kept by layer, mesh, options and pins for later batch
+    sizes of the shape family, looked up and filled here)."""
     # once per layer: every mesh's ILP of it then shares the subgraph's memos (fusions, signatures, live ranges)
     sub, ext = graph.cached(("layer_subgraph", layers, layer), lambda: subgraph(
         graph, facts.ops, f"{layers.names[layer]}/", facts.param_grads, facts.exported))
@@ -262,7 +264,10 @@ def layer_step_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int,
     whole = frozenset().union(*(spec_axes(pinned[t]) for t in ext if t in pinned and t in facts.param_inputs)
                               ) if pins else frozenset()
     try:
-        problem = problem or plan_problem(sub, lmesh.mesh, opts, pins=pins)
+        kept = (layers.keys[layer], lmesh, opts, tuple(sorted((pins or {}).items())))
+        problem = problem or (problems or {}).get(kept) or plan_problem(sub, lmesh.mesh, opts, pins=pins)
+        if problems is not None:
+            problems[kept] = problem
         plan = make_plan(sub, lmesh.mesh, opts, pins=pins, problem=problem, lp_level=2,
                          gap=LAYER_GAP, microbatches=microbatches, whole_axes=whole)  # small ILPs: `ilp.solver.solve`
         weighed = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, plan)

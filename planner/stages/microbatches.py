@@ -168,6 +168,10 @@ class PlanningMemo:
         (`stage_records.stage_plans(solved=...)`).
       single_floors: per (devices, options) the batch sizes whose single stage fit no mesh, and the
         least memory bound of its meshes there (`single_stage.floor_from_larger_batch`).
+      keep_layer_problems: keep every layer ILP built (in `layer_plans`, `cost_table.LAYER_PROBLEMS`)
+        for the batch sizes planned later, which solve them at their own counts where the earlier
+        solves do not bound them (`layer_cost.reuse`): a sweep's, not a single shape's (one ILP per
+        layer, mesh and pins; GPT-39B on 8x8 V100s: ~180 MB).
     """
 
     family: ShapeFamily | str | None = None
@@ -181,6 +185,7 @@ class PlanningMemo:
     stage_traces: dict = dataclasses.field(default_factory=dict)
     stage_solved: dict = dataclasses.field(default_factory=dict)
     single_floors: dict = dataclasses.field(default_factory=dict)
+    keep_layer_problems: bool = False
 
     def graph_at(self, step: Callable[..., Any], batch: int | None) -> Graph | None:
         """`step`'s graph at batch size `batch` made from the family, when the family was traced from

@@ -23,7 +23,7 @@ from planner.graph.ir import Graph
 from planner.graph.shape_family import MIN_SIZE, ShapeFamily, same_program
 from planner.stages.candidate import once_per_step_max, stage_option
 from planner.stages.clustering import Layers
-from planner.stages.cost_table import LayerCostTable
+from planner.stages.cost_table import LAYER_PROBLEMS, LayerCostTable
 from planner.stages.dp import DPResult, pipeline_dp
 from planner.stages.microbatches import MicrobatchGraphs, PlanningMemo, batch_size, microbatch_counts
 from planner.stages.stage_cost import LAYOUTS, StageTimes, stage_times
@@ -121,6 +121,8 @@ def search_space(fn: Callable[..., Any], args: tuple[Any, ...], cluster: Cluster
             idx.append(len(meshes))
             meshes.append(lm)
         per_submesh.append(tuple(idx))
+    if memo.keep_layer_problems:
+        memo.layer_plans.setdefault(LAYER_PROBLEMS, {})
     return SearchSpace(
         fn=fn, args=args, cluster=cluster, options=options, batch_argnum=batch_argnum, rel_gap=rel_gap,
         num_layers=num_layers, pins=pins, devices=devices, layer_variants=layer_variants,
