@@ -56,6 +56,26 @@ def planned_layers(cache: Mapping) -> int:
     return len(cache) - (STEP_SOLVES in cache) - (LAYER_PROBLEMS in cache)
 
 
+class SameCosts:
+    """Every layer's cost on one mesh in one variant, equal to another only where each layer's cost
+    is the very same object: tables of other counts sharing a cache hold the same objects where a
+    layer took an earlier solve's plan (`layer_cost.reuse`, the one-microbatch cost), so what is
+    computed from the costs alone is shared between them (it holds them: identities stay unique)."""
+
+    __slots__ = ("costs", "_hash")
+
+    def __init__(self, costs: Sequence[LayerCost]):
+        self.costs = tuple(costs)
+        self._hash = hash(tuple(map(id, self.costs)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SameCosts) and len(self.costs) == len(other.costs) and all(
+            a is b for a, b in zip(self.costs, other.costs))
+
+
 # The hand layouts each layer is also planned in (`LayerCostTable.variants`; see the module docstring).
 LAYER_VARIANTS = ("megatron-tp", "fsdp")
 
@@ -192,6 +212,14 @@ class LayerCostTable:
         if solve is not None:
             solves.append(solve)
         return found
+
+    def same_rows(self, mesh_index: int, variant: str = "") -> SameCosts:
+        """`rows` as a key for what is computed from them alone (`stage_cost.stage_ranges`)."""
+        key = ("same", mesh_index, variant)
+        hit = self._rows.get(key)
+        if hit is None:
+            hit = self._rows[key] = SameCosts(self.rows(mesh_index, variant))
+        return hit
 
     def rows(self, mesh_index: int, variant: str = "") -> tuple[LayerCost, ...]:
         """Every layer's cost on that mesh in that variant, in layer order (looked up once: the

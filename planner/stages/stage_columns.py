@@ -119,7 +119,7 @@ def per_layout(table: LayerCostTable, option: Any, name: str, make: Callable[[],
     `option`'s mesh, per-layer plans, state layout and where its master parameters wait (its
     recomputation, kept layers, offloaded activations and prefetch aside)."""
     key = (name, table.layers.keys, table.meshes[option.mesh_index], option.variant, option.layout,
-           option.offload_params, table.microbatches)
+           option.offload_params, table.same_rows(option.mesh_index, option.variant))
     hit = table.ranges.get(key)
     if hit is None:
         hit = table.ranges[key] = make()

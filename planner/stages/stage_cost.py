@@ -158,11 +158,12 @@ def stage_ranges(table: LayerCostTable, option: StageOption, devices: int,
     resharding of values passed between the range's layers (`LayerCostTable.inner`; once more in
     the recomputed forward under remat). Kept in `table.ranges` (shared by the tables of one step
     at every batch size: the same layers at the same microbatch size and count give the same
-    ranges); read-only.
+    ranges, and so do other counts' tables where each layer's cost is the same, `SameCosts`); read-only.
     """
-    # the count too: each layer's plan is made for the step's microbatches (`LayerCostTable.microbatches`)
+    # the layers' costs too (each layer's plan is made for the step's microbatches,
+    # `LayerCostTable.microbatches`): another count's table shares the ranges where it has the same
     key = (table.layers.keys, table.meshes[option.mesh_index], option, devices, boundary.tobytes(), link,
-           table.microbatches)
+           table.same_rows(option.mesh_index, option.variant))
     hit = table.ranges.get(key)
     if hit is None:
         hit = table.ranges[key] = _stage_ranges(table, option, devices, boundary, link)
