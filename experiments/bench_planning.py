@@ -84,7 +84,8 @@ def shape_sweep(time_limit: float) -> list[dict]:
     models: dict[int, Any] = {}  # one model per memo, given each batch size (as `planner plan --batch A,B` does)
     for label, batch, seq, memo_key in (("batch", 1024, None, 0), ("batch", 512, None, 0), ("batch", 256, None, 0),
                                         ("seq", 256, 1024, 1), ("seq", 256, 2048, 2)):
-        memo = memos.setdefault(memo_key, PlanningMemo())
+        # the batch sizes' memo keeps the layer ILPs for the later sizes, as the command's sweep does
+        memo = memos.setdefault(memo_key, PlanningMemo(keep_layer_problems=memo_key == 0))
         t0 = time.perf_counter()
         b = models.setdefault(memo_key, get_model("gpt3-39b", batch=batch, dtype="float16",
                                                   **({"seq": seq} if seq else {})))

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
@@ -311,8 +312,8 @@ def plan_offload(problem: Problem, mode: str, budget: float | None, devices: Seq
     """
     offloaded, solution = _plan_offload(problem, mode, budget, devices, solve)
     hardware = problem.cost.hardware
-    need, room = host_bytes(offloaded, solution.choice), hardware.host_memory_per_device
-    if need > room:
+    room = hardware.host_memory_per_device
+    if offloaded.offloaded and math.isfinite(room) and (need := host_bytes(offloaded, solution.choice)) > room:
         raise InfeasiblePlanError(
             f"the state offloaded to host memory needs {format_bytes(need)} per device, more than a "
             f"{hardware.name} host holds per device ({format_bytes(room)}: "
