@@ -109,7 +109,7 @@ class LayerCostTable:
     cache: dict = dataclasses.field(default_factory=dict)
     facts: tuple[LayerFacts, ...] = ()
     solves: int = 0
-    reused: int = 0  # costs taken from a larger count's step-weighted solve (`_solve`)
+    reused: int = 0  # costs taken from another count's step-weighted solve (`_solve`)
     pins: Callable[[LogicalMesh], Mapping[int, Spec]] | None = None
     variants: Mapping[str, Callable[[LogicalMesh], Mapping[int, Spec]]] = dataclasses.field(default_factory=dict)
     _pinned: dict = dataclasses.field(default_factory=dict)
