@@ -32,6 +32,7 @@ from planner.core.options import PlanOptions
 from planner.core.sharding import Spec
 from planner.cost_model import Cluster
 from planner.graph.ir import Graph
+from planner.ilp.problem import Problem
 from planner.ilp.strategies import reshard_cost
 from planner.search.cores import idle_cores
 from planner.stages.clustering import Layers
@@ -188,6 +189,12 @@ class LayerCostTable:
         `layer_cost.reuse`) where one of their plans is provably within the gap here, else solved
         (and its `StepSolve` kept for the other counts)."""
         solves = self.cache.setdefault(STEP_SOLVES, {}).setdefault(key[:-1], [])
+        kept = self.cache.get(LAYER_PROBLEMS)  # the layer's ILP, under its key without the count, where kept
+
+        def keep(make: Callable[[], Problem]) -> Problem:
+            if key[:-1] not in kept:
+                kept[key[:-1]] = make()
+            return kept[key[:-1]]
 
         def alone(problem=None) -> LayerCost:  # the one-microbatch cost, kept as a one-microbatch table keeps it
             one = key[:-1] + (1,)
@@ -195,7 +202,7 @@ class LayerCostTable:
                 self.cache[one], solve = layer_step_cost(self.graph, self.layers, self.facts[layer], layer,
                                                          self.meshes[mesh_index], planning_hardware(self.cluster),
                                                          self.options, pinned, problem=problem,
-                                                         problems=self.cache.get(LAYER_PROBLEMS))
+                                                         keep=None if kept is None else keep)
                 if solve is not None:
                     solves.append(solve)
             return self.cache[one]
@@ -208,7 +215,7 @@ class LayerCostTable:
         found, solve = layer_step_cost(self.graph, self.layers, self.facts[layer], layer, self.meshes[mesh_index],
                                        planning_hardware(self.cluster), self.options, pinned, self.microbatches,
                                        alone if self.microbatches > 1 else None,
-                                       problems=self.cache.get(LAYER_PROBLEMS))
+                                       keep=None if kept is None else keep)
         if solve is not None:
             solves.append(solve)
         return found

@@ -224,10 +224,12 @@ def reuse(solves: Sequence[StepSolve], microbatches: int, alone: Callable[[], La
     plan's objective is affine in the share, `once_s` its slope), where it is within the gap of
     `step_bound`. `alone`: the layer's one-microbatch cost (`layer_cost` at one microbatch), where
     needed."""
+    if microbatches <= 1:
+        return None
     share = 1.0 / microbatches
     priced = [(s.objective_s + (share - s.share) * s.once_s, s) for s in solves if s.once_s is not None]
     bound = step_bound(solves, share)
-    if microbatches <= 1 or not priced or bound is None:
+    if not priced or bound is None:
         return None
     objective, best = min(priced, key=lambda p: p[0])
     if objective - bound > LAYER_GAP * objective:
@@ -238,13 +240,14 @@ def reuse(solves: Sequence[StepSolve], microbatches: int, alone: Callable[[], La
 def layer_step_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmesh: LogicalMesh,
                     hardware: str | Hardware, options: PlanOptions, pinned: Mapping[int, Spec] | None = None,
                     microbatches: int = 1, alone: Callable[[Problem], LayerCost] | None = None,
-                    problem: Problem | None = None, problems: dict | None = None) -> tuple[LayerCost, StepSolve | None]:
+                    problem: Problem | None = None, keep: Callable[[Callable[[], Problem]], Problem] | None = None
+                    ) -> tuple[LayerCost, StepSolve | None]:
     """`layer_cost`, with the solve's `StepSolve` (None: no plan, or a step-weighted solve whose
     objective is not affine in the share or that has no bound). `alone`: the layer's
     one-microbatch cost where the caller keeps it (planned here otherwise), given the layer's ILP
     (`problem`: the same at every count, built once for both solves where both are needed;
-    `problems`: where given, the layer ILPs kept by layer, mesh, options and pins for later batch
-    sizes of the shape family, looked up and filled here)."""
+    `keep`: where given, the caller's store of layer ILPs for later batch sizes of the shape family,
+    `keep(make)` the one it keeps for this layer, made by `make` where it keeps none yet)."""
     # once per layer: every mesh's ILP of it then shares the subgraph's memos (fusions, signatures, live ranges)
     sub, ext = graph.cached(("layer_subgraph", layers, layer), lambda: subgraph(
         graph, facts.ops, f"{layers.names[layer]}/", facts.param_grads, facts.exported))
@@ -264,10 +267,10 @@ def layer_step_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int,
     whole = frozenset().union(*(spec_axes(pinned[t]) for t in ext if t in pinned and t in facts.param_inputs)
                               ) if pins else frozenset()
     try:
-        kept = (layers.keys[layer], lmesh, opts, tuple(sorted((pins or {}).items())))
-        problem = problem or (problems or {}).get(kept) or plan_problem(sub, lmesh.mesh, opts, pins=pins)
-        if problems is not None:
-            problems[kept] = problem
+        if problem is None:
+            def make() -> Problem:
+                return plan_problem(sub, lmesh.mesh, opts, pins=pins)
+            problem = make() if keep is None else keep(make)
         plan = make_plan(sub, lmesh.mesh, opts, pins=pins, problem=problem, lp_level=2,
                          gap=LAYER_GAP, microbatches=microbatches, whole_axes=whole)  # small ILPs: `ilp.solver.solve`
         weighed = _from_plan(graph, layers, facts, layer, lmesh, cost, sub, ext, plan)
