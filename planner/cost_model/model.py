@@ -136,6 +136,8 @@ class CostModel:
         than by their slowest axis (a torus: a group over several dimensions uses all their ports);
         other groups run at their slowest axis's link (`collectives.group_link`).
       comm_precision: the wire formats collectives may use (`planner.ilp.wire`).
+      part_times: `ilp.strategies.part_time`'s answers on this model (not a field of its value:
+        a model made by `dataclasses.replace` starts with none); the ILPs sharing the model share them.
     """
 
     mesh: MeshSpec
@@ -144,6 +146,7 @@ class CostModel:
     measured: MeasuredCollectives | None = None
     group_links: tuple[tuple[tuple[int, ...], AxisLink], ...] = ()
     comm_precision: str = "exact"  # the wire formats collectives may use (`PlanOptions.comm_precision`)
+    part_times: dict = dataclasses.field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
     def __post_init__(self):
         if len(self.links) != self.mesh.ndim:

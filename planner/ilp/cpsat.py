@@ -50,7 +50,6 @@ class _Model:
         self.constant = 0
         self.sink: list | None = None  # while set, `add_ticks` collects terms there (`overlap.add_prefetch`)
         self.sink_ticks = 0  # the sum of every coefficient collected there (a bound on their value)
-        self._part_times: dict = {}
         # With overlap, the combinable collectives' async time leaves the node costs;
         # `overlap.add_overlap` adds back its exposed part.
         self.overlap_on = problem.overlap and any(t > 0 for n in problem.nodes for t in n.async_s)
@@ -197,7 +196,7 @@ class _Model:
             for j, r in enumerate(dst_specs):
                 by_key[part_key(part, r)].append(self.x[dst][j])
             keys = list(by_key)
-            ticks = {s: tuple(int(round(self._part_time(t, s, part, q) * mult * _NS)) for q in keys) for s in by_src}
+            ticks = {s: tuple(int(round(part_time(t, s, part, q, cost) * mult * _NS)) for q in keys) for s in by_src}
             if not any(any(row) for row in ticks.values()):
                 continue
             # Specs with equal cost rows (keys with equal cost columns) share one row (column): the
@@ -226,14 +225,6 @@ class _Model:
             for c, col in enumerate(cols):
                 for r in range(len(rows)):
                     self.add_ticks([e[(r, c)]], col[r])
-
-    def _part_time(self, t, src, part, key) -> float:
-        """`strategies.part_time`, computed once per distinct question."""
-        k = (t, src, part, key)
-        found = self._part_times.get(k)
-        if found is None:
-            found = self._part_times[k] = part_time(t, src, part, key, self.problem.cost)
-        return found
 
     def _tie(self, tin: int, tout: int) -> None:
         p = self.problem

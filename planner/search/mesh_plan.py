@@ -55,10 +55,16 @@ def check_options(options: PlanOptions) -> PlanOptions:
     return options
 
 
-def cost_model_for(mesh: MeshSpec, options: PlanOptions) -> CostModel:
+def cost_model_for(mesh: MeshSpec, options: PlanOptions, memo: dict | None = None) -> CostModel:
     """Analytic model from `options.hardware` / `inter_host_axes` and the link speeds
     `inter_host` / `intra_host`, or measured from `options.profile`, pricing collectives in the
-    wire formats `options.comm_precision` allows."""
+    wire formats `options.comm_precision` allows. `memo`: the caller's models by mesh and options,
+    one made per pair (the ILPs priced with one share its memos, `CostModel.part_times`)."""
+    if memo is not None:
+        found = memo.get((mesh, options))
+        if found is None:
+            found = memo[mesh, options] = cost_model_for(mesh, options)
+        return found
     model = _cost_model(mesh, options)
     if model.comm_precision != options.comm_precision:
         model = dataclasses.replace(model, comm_precision=options.comm_precision)
@@ -231,16 +237,17 @@ def overlaps(mesh: MeshSpec, options: PlanOptions, cost: CostModel | None = None
 
 def plan_problem(graph: Graph, mesh: MeshSpec, options: PlanOptions, jax_mesh: jax.sharding.Mesh | None = None,
                  pins: Mapping[int, Spec] | None = None,
-                 allowed: Mapping[int, frozenset[Spec]] | None = None) -> Problem:
+                 allowed: Mapping[int, frozenset[Spec]] | None = None, cost: CostModel | None = None) -> Problem:
     """The ILP `make_plan` solves for `graph` on `mesh` (the mesh search bounds it before solving);
-    `allowed` restricts it to a neighbourhood of specs (`ilp.problem.build_problem`).
+    `allowed` restricts it to a neighbourhood of specs (`ilp.problem.build_problem`); `cost`:
+    `cost_model_for(mesh, options)` where the caller made it (its ILPs then share its memos).
 
     Raises:
       MeshError: a mesh axis that can split nothing.
     """
     t0 = time.perf_counter()
     check_mesh_fits(graph, mesh)
-    cost = cost_model_for(mesh, options)
+    cost = cost if cost is not None else cost_model_for(mesh, options)
     pinned = {graph.inputs[i]: spec for i, spec in (pins or {}).items()}
     problem = build_problem(graph, cost, tie_outputs=options.tie_outputs, share_layers=options.share_layers,
                             pins=pinned, donated_inputs=donated_inputs(graph, options.donate_argnums),

@@ -52,9 +52,15 @@ STEP_SOLVES = "step solves"
 LAYER_PROBLEMS = "layer problems"
 
 
+# The key in `LayerCostTable.cache` of the layer ILPs' cost models by mesh and options
+# (`mesh_plan.cost_model_for(memo=)`): the tables sharing the cache price their ILPs with one model
+# per mesh, whose resharding times (`CostModel.part_times`) every layer, count and variant reuses.
+COST_MODELS = "cost models"
+
+
 def planned_layers(cache: Mapping) -> int:
-    """How many layer costs a table's `cache` holds (its solves' and ILPs' entries not counted)."""
-    return len(cache) - (STEP_SOLVES in cache) - (LAYER_PROBLEMS in cache)
+    """How many layer costs a table's `cache` holds (its solves', ILPs' and cost models' entries not counted)."""
+    return len(cache) - sum(k in cache for k in (STEP_SOLVES, LAYER_PROBLEMS, COST_MODELS))
 
 
 class SameCosts:
@@ -190,6 +196,7 @@ class LayerCostTable:
         (and its `StepSolve` kept for the other counts)."""
         solves = self.cache.setdefault(STEP_SOLVES, {}).setdefault(key[:-1], [])
         kept = self.cache.get(LAYER_PROBLEMS)  # the layer's ILP, under its key without the count, where kept
+        models = self.cache.setdefault(COST_MODELS, {})
 
         def keep(make: Callable[[], Problem]) -> Problem:
             if key[:-1] not in kept:
@@ -202,7 +209,7 @@ class LayerCostTable:
                 self.cache[one], solve = layer_step_cost(self.graph, self.layers, self.facts[layer], layer,
                                                          self.meshes[mesh_index], planning_hardware(self.cluster),
                                                          self.options, pinned, problem=problem,
-                                                         keep=None if kept is None else keep)
+                                                         keep=None if kept is None else keep, cost_models=models)
                 if solve is not None:
                     solves.append(solve)
             return self.cache[one]
@@ -215,7 +222,7 @@ class LayerCostTable:
         found, solve = layer_step_cost(self.graph, self.layers, self.facts[layer], layer, self.meshes[mesh_index],
                                        planning_hardware(self.cluster), self.options, pinned, self.microbatches,
                                        alone if self.microbatches > 1 else None,
-                                       keep=None if kept is None else keep)
+                                       keep=None if kept is None else keep, cost_models=models)
         if solve is not None:
             solves.append(solve)
         return found

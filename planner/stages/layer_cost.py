@@ -65,7 +65,7 @@ from planner.graph.ir import Graph
 from planner.ilp.strategies import int8_reduction, shard_bytes
 from planner.ilp.wire import before_reduction
 from planner.ilp.problem import Problem
-from planner.search.mesh_plan import make_plan, plan_problem
+from planner.search.mesh_plan import cost_model_for, make_plan, plan_problem
 from planner.stages.clustering import APPLY, Layers, op_phases
 from planner.stages.layer_facts import LayerFacts, subgraph
 from planner.stages.submesh import LogicalMesh
@@ -240,14 +240,15 @@ def reuse(solves: Sequence[StepSolve], microbatches: int, alone: Callable[[], La
 def layer_step_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int, lmesh: LogicalMesh,
                     hardware: str | Hardware, options: PlanOptions, pinned: Mapping[int, Spec] | None = None,
                     microbatches: int = 1, alone: Callable[[Problem], LayerCost] | None = None,
-                    problem: Problem | None = None, keep: Callable[[Callable[[], Problem]], Problem] | None = None
-                    ) -> tuple[LayerCost, StepSolve | None]:
+                    problem: Problem | None = None, keep: Callable[[Callable[[], Problem]], Problem] | None = None,
+                    cost_models: dict | None = None) -> tuple[LayerCost, StepSolve | None]:
     """`layer_cost`, with the solve's `StepSolve` (None: no plan, or a step-weighted solve whose
     objective is not affine in the share or that has no bound). `alone`: the layer's
     one-microbatch cost where the caller keeps it (planned here otherwise), given the layer's ILP
     (`problem`: the same at every count, built once for both solves where both are needed;
     `keep`: where given, the caller's store of layer ILPs for later batch sizes of the shape family,
-    `keep(make)` the one it keeps for this layer, made by `make` where it keeps none yet)."""
+    `keep(make)` the one it keeps for this layer, made by `make` where it keeps none yet;
+    `cost_models`: the caller's ILP cost models, `mesh_plan.cost_model_for(memo=)`)."""
     # once per layer: every mesh's ILP of it then shares the subgraph's memos (fusions, signatures, live ranges)
     sub, ext = graph.cached(("layer_subgraph", layers, layer), lambda: subgraph(
         graph, facts.ops, f"{layers.names[layer]}/", facts.param_grads, facts.exported))
@@ -269,7 +270,8 @@ def layer_step_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int,
     try:
         if problem is None:
             def make() -> Problem:
-                return plan_problem(sub, lmesh.mesh, opts, pins=pins)
+                return plan_problem(sub, lmesh.mesh, opts, pins=pins,
+                                    cost=cost_model_for(lmesh.mesh, opts, memo=cost_models))
             problem = make() if keep is None else keep(make)
         plan = make_plan(sub, lmesh.mesh, opts, pins=pins, problem=problem, lp_level=2,
                          gap=LAYER_GAP, microbatches=microbatches, whole_axes=whole)  # small ILPs: `ilp.solver.solve`
