@@ -149,7 +149,8 @@ class _Inputs:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Decisions:
     """The decisions built so far, filled in place op by op in program order, and the answers that
-    repeated layers share (each distinct (signature, types, spec) question is answered once)."""
+    repeated layers share (each distinct (signature, types, spec) question is answered once; the
+    ILPs priced with one cost model share them too, `CostModel.answers`)."""
 
     nodes: list[Node]
     owner: dict[int, int]
@@ -209,7 +210,11 @@ def build_problem(graph: Graph, cost: CostModel, rules=RULES, tie_outputs: bool 
     lead as always. Tensors not in it are unrestricted.
     """
     pins = pins or {}
-    built = _Decisions([], {}, set(graph.consts))
+    # the answers to each distinct question depend on it and the cost model alone: the ILPs priced with
+    # one model share them (under the default rules; a caller's own rules keep their own)
+    followed, per_spec, enumerated = cost.answers.setdefault("build_problem", ({}, {}, {})) if rules is RULES \
+        else ({}, {}, {})
+    built = _Decisions([], {}, set(graph.consts), followed=followed, per_spec=per_spec, enumerated=enumerated)
     _input_nodes(built, graph, cost, pins, allowed)
     inputs = _Inputs(graph, cost, rules, allowed, graph.cached(("combinable",), lambda: combinable_ops(graph)),
                      fusions(graph, cost.hardware.platform))
