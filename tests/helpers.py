@@ -19,6 +19,17 @@ TALL = dict(batch=16384, in_dim=64, hidden=64, out_dim=64)
 WIDE = dict(batch=16, in_dim=256, hidden=8192, out_dim=256)
 
 
+def tanh_chain_step(ws, x):
+    """A train step over a chain of tanh layers in plain JAX (no module names), plain SGD."""
+    def loss(ws):
+        h = x
+        for w in ws:
+            h = jnp.tanh(h @ w)
+        return jnp.mean(h ** 2)
+    l, g = jax.value_and_grad(loss)(ws)
+    return [w - 0.1 * gw for w, gw in zip(ws, g)], l
+
+
 # A user's module for `planner plan --fn FILE:FACTORY`: `make` an MLP step, `bad_trace` a step that
 # fails while tracing, `raises` a factory that raises.
 USER_STEP = textwrap.dedent("""

@@ -17,16 +17,7 @@ from planner.stages.clustering import cluster_layers
 from planner.stages.cost_table import COST_MODELS, LayerCostTable, planned_layers
 from planner.stages.layer_cost import LayerCost, layer_step_cost
 from planner.stages.submesh import logical_meshes, make_cluster, planning_hardware
-
-
-def _chain_step(ws, x):
-    def loss(ws):
-        h = x
-        for w in ws:
-            h = jnp.tanh(h @ w)
-        return jnp.mean(h ** 2)
-    l, g = jax.value_and_grad(loss)(ws)
-    return [w - 0.1 * gw for w, gw in zip(ws, g)], l
+from tests.helpers import tanh_chain_step
 
 
 def test_part_time_answers_as_computed_and_a_replaced_model_starts_without_them():
@@ -59,7 +50,7 @@ def test_cost_model_for_makes_one_model_per_mesh_and_options():
 
 def test_a_tables_layers_share_one_cost_model_per_mesh_and_plan_as_with_their_own():
     ws = [jax.ShapeDtypeStruct((128, 128), jnp.float32)] * 3
-    graph = trace(_chain_step, ws, jax.ShapeDtypeStruct((256, 128), jnp.float32))
+    graph = trace(tanh_chain_step, ws, jax.ShapeDtypeStruct((256, 128), jnp.float32))
     layers = cluster_layers(graph, num_layers=3)
     cluster = make_cluster(2, 4, "a100")
     meshes = logical_meshes((1, 4), cluster, max_ndim=2)

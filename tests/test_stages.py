@@ -11,6 +11,7 @@ import pytest
 
 from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.graph.trace import trace
+from tests.helpers import tanh_chain_step
 from zoo import get_model
 from planner.stages.clustering import (
     APPLY,
@@ -88,20 +89,9 @@ def test_balanced_cuts_match_brute_force():
         assert all(flops[bounds[k]:bounds[k + 1]].sum() <= cap + 1e-9 for k in range(L))
 
 
-def _tanh_chain_step(ws, x):
-    """A train step over a chain of tanh layers in plain JAX (no module names), plain SGD."""
-    def loss(ws):
-        h = x
-        for w in ws:
-            h = jnp.tanh(h @ w)
-        return jnp.mean(h ** 2)
-    l, g = jax.value_and_grad(loss)(ws)
-    return [w - 0.1 * gw for w, gw in zip(ws, g)], l
-
-
 def test_flops_clustering_without_module_names():
     ws = [jax.ShapeDtypeStruct((16, 16), jnp.float32)] * 6
-    graph = trace(_tanh_chain_step, ws, jax.ShapeDtypeStruct((8, 16), jnp.float32))
+    graph = trace(tanh_chain_step, ws, jax.ShapeDtypeStruct((8, 16), jnp.float32))
     layers = cluster_layers(graph, num_layers=3)
     assert layers.method == "flops" and layers.num_layers == 3
     facts = layer_facts(graph, layers)
@@ -274,7 +264,7 @@ def test_resharding_between_layers_of_one_stage_is_costed():
     from planner.stages.stage_cost import StageOption, stage_ranges
 
     ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
-    graph = trace(_tanh_chain_step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
+    graph = trace(tanh_chain_step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
     layers = cluster_layers(graph, num_layers=2)
     cluster = make_cluster(1, 8, "a100")
     meshes = logical_meshes((1, 8), cluster, max_ndim=1)
@@ -335,7 +325,7 @@ def test_layer_tables_filled_in_parallel_equal_the_serial_ones():
     from planner.stages.cost_table import LayerCostTable, planned_layers
 
     ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
-    graph = trace(_tanh_chain_step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
+    graph = trace(tanh_chain_step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
     layers = cluster_layers(graph, num_layers=2)
     cluster = make_cluster(2, 4, "a100")
     meshes = tuple(m for shape in ((1, 2), (1, 4), (2, 4)) for m in logical_meshes(shape, cluster, max_ndim=2))
@@ -364,7 +354,7 @@ def test_sharded_state_stages_list_their_parameter_gathers():
     from planner.stages.submesh import effective_hardware
 
     ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
-    graph = trace(_tanh_chain_step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
+    graph = trace(tanh_chain_step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
     layers = cluster_layers(graph, num_layers=2)
     cluster = make_cluster(2, 4, "a100")
     meshes = logical_meshes((1, 4), cluster, max_ndim=2)
@@ -398,7 +388,7 @@ def test_sharded_state_stages_reduce_gradients_every_microbatch():
     from planner.stages.stage_cost import StageOption, stage_ranges
 
     ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
-    graph = trace(_tanh_chain_step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
+    graph = trace(tanh_chain_step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
     layers = cluster_layers(graph, num_layers=2)
     cluster = make_cluster(2, 4, "a100")
     table = LayerCostTable(graph, layers, logical_meshes((1, 4), cluster, max_ndim=2), cluster, PlanOptions(), {})
@@ -432,7 +422,7 @@ def test_int8_gradient_exchange_is_quantised_once_per_step():
     from planner.stages.cost_table import LayerCostTable
 
     ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
-    graph = trace(_tanh_chain_step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
+    graph = trace(tanh_chain_step, ws, jax.ShapeDtypeStruct((2048, 256), jnp.float32))
     layers = cluster_layers(graph, num_layers=2)
     cluster = make_cluster(4, 1, "v100", inter_host_gbit=1)
     meshes = logical_meshes((4, 1), cluster, max_ndim=1)
