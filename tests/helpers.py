@@ -273,3 +273,17 @@ def assert_bundle_step_close(b, state, batch, new_state, metrics, ref_state, ref
     opt = make_optimizer(b.config.learning_rate, b.config.weight_decay)
     assert_first_step_close(b.loss_fn, opt, state, batch, new_state, metrics, ref_state, ref_metrics,
                             train_step=b.train_step, dtype=jnp.dtype(getattr(b.config, "dtype", "float32")))
+
+
+def random_stage_table(rng, L, sizes, Q):
+    """A stage latency table for `stages.dp.pipeline_dp` (Q in-flight counts, L layers, one column per
+    submesh size): a range costs its layers' work over a noisy speed-up plus a fixed cost, a fifth of
+    the cells do not fit, and more microbatches in flight never make a range faster."""
+    per = rng.uniform(0.5, 2.0, L)
+    t = np.full((Q, L, L, len(sizes)), np.inf)
+    for k in range(L):
+        for i in range(k, L):
+            for m, z in enumerate(sizes):
+                t[:, k, i, m] = per[k:i + 1].sum() / z ** rng.uniform(0.5, 1.0) + rng.uniform(0, 0.3)
+    t[rng.uniform(size=t.shape) < 0.2] = np.inf  # memory: some ranges do not fit
+    return np.sort(t, axis=0)                    # more microbatches in flight never helps

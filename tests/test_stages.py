@@ -11,7 +11,7 @@ import pytest
 
 from planner.core.errors import InfeasiblePlanError, InvalidArgumentError
 from planner.graph.trace import trace
-from tests.helpers import tanh_chain_step
+from tests.helpers import random_stage_table, tanh_chain_step
 from zoo import get_model
 from planner.stages.clustering import (
     APPLY,
@@ -144,17 +144,6 @@ def test_submesh_shapes_and_placement():
 
 
 # ----- the DP ---------------------------------------------------------------------------------------
-def _random_table(rng, L, sizes, Q):
-    per = rng.uniform(0.5, 2.0, L)
-    t = np.full((Q, L, L, len(sizes)), np.inf)
-    for k in range(L):
-        for i in range(k, L):
-            for m, z in enumerate(sizes):
-                t[:, k, i, m] = per[k:i + 1].sum() / z ** rng.uniform(0.5, 1.0) + rng.uniform(0, 0.3)
-    t[rng.uniform(size=t.shape) < 0.2] = np.inf  # memory: some ranges do not fit
-    return np.sort(t, axis=0)                    # more microbatches in flight never helps
-
-
 def test_dp_matches_brute_force():
     rng = np.random.default_rng(1)
     checked = 0
@@ -165,7 +154,7 @@ def test_dp_matches_brute_force():
         D = unit * int(rng.choice([2, 4, 6, 8]))
         Q, B = int(rng.integers(1, 4)), int(rng.choice([1, 2, 3, 5, 8, 32, 64]))  # large B: interval pruning
         min_stages = int(rng.integers(1, 3))
-        t = _random_table(rng, L, sizes, Q)
+        t = random_stage_table(rng, L, sizes, Q)
         got = pipeline_dp(t, sizes, D, B, min_stages=min_stages)
         want = brute_force(t, sizes, D, B, min_stages=min_stages)
         assert (got is None) == (want is None)
@@ -191,7 +180,7 @@ def test_dp_with_a_memo_answers_every_microbatch_count_as_alone(monkeypatch):
     memo: dict = {}
     for _ in range(20):
         sizes, D = [1, 2, 4], int(rng.choice([4, 6, 8]))
-        t = _random_table(rng, int(rng.integers(2, 7)), sizes, 2)
+        t = random_stage_table(rng, int(rng.integers(2, 7)), sizes, 2)
         for B in (64, 8, 2):
             got, alone = pipeline_dp(t, sizes, D, B, memo=memo), pipeline_dp(t, sizes, D, B)
             assert (got is None) == (alone is None)
@@ -207,7 +196,7 @@ def test_dp_with_a_memo_answers_every_microbatch_count_as_alone(monkeypatch):
 def test_dp_gap_bound_and_pruning():
     rng = np.random.default_rng(2)
     for _ in range(30):
-        t = _random_table(rng, 6, [1, 2, 4], 2)
+        t = random_stage_table(rng, 6, [1, 2, 4], 2)
         exact = pipeline_dp(t, [1, 2, 4], 8, 16)
         approx = pipeline_dp(t, [1, 2, 4], 8, 16, rel_gap=0.05)
         if exact is None:

@@ -13,14 +13,19 @@ end of the pipeline holds `min(s, B)` microbatches of activations under 1F1B (al
 GPipe), so its latency table is indexed by that in-flight count: a layer range whose memory does
 not fit with that many microbatches costs infinity there.
 
-`t_max` ranges over the distinct stage latencies. `F(t)` only falls as `t` grows (a larger bound
-allows more stages), so over an interval of candidates `[a, b]` the objective is at least
-`F(b) + (B - 1) * a`: the search evaluates the smallest feasible bound (found by bisection, since
-feasibility only grows with `t_max`) and the largest (the least `sum(t_i)` of all), then splits
-intervals at their middle candidate, dropping every interval whose bound cannot beat the best `T`
-found (exact; Alpa enumerates the candidates in order and stops at `(B - 1) * t_max` alone).
-`rel_gap > 0` also drops intervals whose bound is within that relative distance of the best,
-bounding the loss at `rel_gap * T`; `rel_gap = 0` is exact. Ties go to the smallest `t_max`.
+`t_max` ranges over the distinct stage latencies. The smallest feasible one is the least slowest
+stage of any pipeline: the same recurrence with `max` for `+` gives it in one pass (`_bottleneck`),
+run under caps that double from a lower bound (each layer lies in some stage, so the least latency
+of a range holding it bounds t_max below) until a pipeline fits under the cap: a pass under a low
+cap only reads the short stages that fit it. `F(t)` only falls as `t` grows (a larger bound allows
+more stages), so over an interval of candidates `[a, b]` the objective is at least
+`F(b) + (B - 1) * a`, and every pipeline's `sum(t_i)` is at least its slowest stage, so at least the
+smallest feasible bound: the search evaluates that bound, drops the candidates whose `(B - 1) * t`
+alone cannot beat the best `T` found, and splits what is left at its middle candidate, dropping
+every interval whose bound cannot beat the best `T` found (exact; Alpa enumerates the candidates in
+order and stops at `(B - 1) * t_max` alone). `rel_gap > 0` also drops intervals whose bound is
+within that relative distance of the best, bounding the loss at `rel_gap * T`; `rel_gap = 0` is
+exact. Ties go to the smallest `t_max`.
 """
 from __future__ import annotations
 
@@ -149,6 +154,64 @@ def _solve(diagonals: _Diagonals, sizes: Sequence[int], num_devices: int, t_max:
     return best, best_s, pointers
 
 
+def _bottleneck(diagonals: _Diagonals, sizes: Sequence[int], num_devices: int, cap: float, max_stages: int,
+                min_stages: int) -> float:
+    """The least slowest-stage latency of any pipeline of stages no slower than `cap` (infinity: none).
+
+    `_solve`'s recurrence with `max` for `+`: G(s, k, d) = min over stages k..i on m of
+    max(t(k..i, m), G(s - 1, i + 1, d - |m|)), with G(0, L, 0) = -infinity."""
+    Q, M, L, _ = diagonals.by_len.shape
+    D = num_devices
+    inf = math.inf
+    widths = diagonals.widths(cap)
+    W = int(widths.max())
+    if W == 0:
+        return inf
+    prev = np.full((L + W, D + 1), inf)
+    prev[L, 0] = -inf
+    best = inf
+    for s in range(1, max_stages + 1):
+        q = min(s, Q) - 1
+        cur = np.full((L + W, D + 1), inf)
+        after = np.lib.stride_tricks.sliding_window_view(prev[1:], W, axis=0)
+        for m in range(M):
+            z, w = sizes[m], int(widths[q, m])
+            if w == 0 or z > D:
+                continue
+            a = diagonals.by_len[q, m, :, :w]
+            a = np.where(a <= cap, a, inf)
+            np.minimum(cur[:L, z:], np.maximum(a[:, None, :], after[:L, : D + 1 - z, :w]).min(axis=2),
+                       out=cur[:L, z:])
+        if s >= min_stages and cur[0, D] < best:
+            best = float(cur[0, D])
+        if not np.isfinite(cur[:L]).any():
+            break
+        prev = cur
+    return best
+
+
+def _least_bound(diagonals: _Diagonals, sizes: Sequence[int], num_devices: int, max_stages: int, min_stages: int,
+                 values: np.ndarray) -> tuple[float, int]:
+    """(the smallest `t_max` any pipeline fits under, infinity where none does; the `_bottleneck`
+    passes it took), under caps doubling from a lower bound: every layer lies in some stage, so the
+    least latency of a range holding it (any submesh, any in-flight count) bounds t_max below."""
+    L = diagonals.by_len.shape[2]
+    ranges = diagonals.by_len.min(axis=(0, 1))  # [k, j]: the least latency of layers k..k+j
+    least = np.full(L, np.inf)  # per layer, the least latency of a range holding it
+    for j in range(L):
+        for d in range(j + 1):  # range k..k+j holds layer k+d
+            np.minimum(least[d:L - j + d], ranges[:L - j, j], out=least[d:L - j + d])
+    if not np.isfinite(least).all():  # a layer no stage can hold
+        return math.inf, 0
+    cap, passes = max(float(least.max()), float(values[0])), 0
+    while True:
+        passes += 1
+        t = _bottleneck(diagonals, sizes, num_devices, cap, max_stages, min_stages)
+        if math.isfinite(t) or cap >= values[-1]:
+            return t, passes
+        cap = min(2.0 * cap, float(values[-1]))
+
+
 def pipeline_dp(times: np.ndarray, sizes: Sequence[int], num_devices: int, num_microbatches: int,
                 max_stages: int | None = None, min_stages: int = 1, rel_gap: float = 0.0,
                 memo: dict | None = None) -> DPResult | None:
@@ -210,17 +273,15 @@ def pipeline_dp(times: np.ndarray, sizes: Sequence[int], num_devices: int, num_m
             found[j] = solve(values[j], False)[0]
         return found[j]
 
-    # Smallest feasible bound (feasibility is monotone in t_max).
-    lo, hi = 0, values.size - 1
-    floor = F(hi)  # the least sum(t_i) of all: no bound on the slowest stage
-    if not math.isfinite(floor):
+    if "least" not in known:  # the smallest feasible bound (index into `values`; None: no pipeline fits)
+        if not diagonals:
+            diagonals.append(_Diagonals.of(times))
+        t, passes = _least_bound(diagonals[0], sizes, num_devices, max_stages, min_stages, values)
+        known["least"] = (int(np.searchsorted(values, t)) if math.isfinite(t) else None, passes)
+    lo, passes = known["least"]
+    evaluations += passes
+    if lo is None:
         return None
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if math.isfinite(F(mid)):
-            hi = mid
-        else:
-            lo = mid + 1
     if B == 1:
         lo = values.size - 1
 
@@ -253,19 +314,24 @@ def _best_bound(F: Callable[[int], float], values: np.ndarray, lo: int, B: int, 
     def objective(j: int) -> tuple[float, float]:
         return F(j) + (B - 1) * float(values[j]), float(values[j])
 
-    best_obj, best_t = min(objective(lo), objective(values.size - 1))
-    intervals = [(lo, values.size - 1)]  # both ends evaluated; the candidates strictly inside are open
+    best_obj, best_t = objective(lo)
+    # open intervals (a, b] of candidates, each with a lower bound on F over it: F at b or past it
+    # (F falls as t grows), at first values[lo] (a pipeline's sum is at least its slowest stage)
+    intervals = [(lo, values.size - 1, float(values[lo]))]
     while intervals:
-        a, b = intervals.pop()
-        if b - a < 2:
+        a, b, fb = intervals.pop()
+        if b <= a:
             continue
-        bound = F(b) + (B - 1) * float(values[a + 1])  # the least objective any bound inside can give
+        bound = fb + (B - 1) * float(values[a + 1])  # the least objective any bound inside can give
         if (bound > best_obj or (rel_gap > 0 and bound * (1.0 + rel_gap) >= best_obj)
                 or (bound == best_obj and values[a + 1] > best_t)):
             continue
-        mid = (a + b) // 2
+        # candidates whose (B - 1) * t alone, with fb, is over the best found are dropped unevaluated
+        if B > 1:
+            b = min(b, max(a + 1, int(np.searchsorted(values, (best_obj - fb) / (B - 1), side="right"))))
+        mid = (a + b + 1) // 2
         best_obj, best_t = min((best_obj, best_t), objective(mid))
-        intervals += [(mid, b), (a, mid)]
+        intervals += [(mid, b, fb), (a, mid - 1, F(mid))]
     return best_t
 
 
