@@ -342,3 +342,46 @@ def test_probe_bound_under_a_binding_budget_is_sound_and_orders_the_search():
     results = search_meshes(graph, meshes, dataclasses.replace(options, solver_time_limit=1.0), threads=1)
     bounds = {r.mesh: r.time_bound_s for r in results if r.same_as is None}  # 8x2 mirrors 2x8
     assert len(bounds) == 2 and bounds == pytest.approx({m: probes[m] for m in bounds})
+
+
+@pytest.mark.parametrize("hardware", ["h100", "cpu"])
+def test_offload_liveness_floor_is_below_every_offload_choice(hardware):
+    """With host offload the floor leaves out every value an offload choice may keep on the host:
+    it is the same on every mesh of the size, below each mesh's memory lower bound with every such
+    value on the host, and below the peak of random choices with any subset of them offloaded."""
+    from planner.ilp.offload import bounding_problem, offloadable_pairs, with_offload
+
+    b = get_model("llama-tiny")
+    graph = trace(b.train_step, b.abstract_state(), b.abstract_batch())
+    rng = random.Random(1)
+    floors = set()
+    for mesh in candidate_meshes(8):
+        problem = plan_problem(graph, mesh, PlanOptions(hardware=hardware, offload="auto"))
+        pairs = offloadable_pairs(problem, "auto")
+        assert pairs and offloadable_pairs(problem, "off") == ()
+        floor = liveness_floor(problem, {t for p in pairs for t in p if t >= 0})
+        floors.add(floor)
+        assert 0 < floor <= memory_lower_bound(bounding_problem(problem, "auto")).max()
+        for _ in range(4):
+            some = with_offload(problem, [p for p in pairs if rng.random() < 0.5])
+            choice = [rng.randrange(n.size) if n.size else 0 for n in some.nodes]
+            assert floor <= memory_profile(some, choice).max()
+    assert len(floors) == 1
+
+
+def test_offloaded_meshes_over_the_liveness_floor_are_not_built():
+    """Under host offload a budget below that floor: the first mesh of the size is built and
+    bounded, the others are over budget without an ILP, saying why, with host offload tried."""
+    b = get_model("llama-tiny")
+    graph = trace(b.train_step, b.abstract_state(), b.abstract_batch())
+    first = candidate_meshes(8)[0]
+    options = PlanOptions(hardware="h100", offload="auto")
+    from planner.ilp.offload import offloadable_pairs
+    problem = plan_problem(graph, first, options)
+    live = liveness_floor(problem, {t for p in offloadable_pairs(problem, "auto") for t in p if t >= 0})
+    results = search_meshes(graph, candidate_meshes(8), dataclasses.replace(options, memory_budget=live // 2),
+                            threads=1)
+    floored = [r for r in results if "every offloadable leaf on the host" in str(r.error)]
+    assert {r.mesh for r in floored} == set(candidate_meshes(8)) - {first}
+    assert all(any(v.name == "host offload" and v.state == "tried" for v in r.error.levers) for r in floored)
+    assert all(r.plan is None for r in results)

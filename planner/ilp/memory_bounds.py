@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Collection
 
 import numpy as np
 
@@ -38,7 +39,7 @@ def memory_floor(graph: Graph, num_devices: int, donated: frozenset[int] = froze
     return sum(graph.tensors[t].nbytes // num_devices for t in ends)
 
 
-def liveness_floor(problem: Problem) -> int:
+def liveness_floor(problem: Problem, kept_away: Collection[int] = ()) -> int:
     """Bytes per device every plan keeps live at the fullest program point, on any mesh of
     `problem`'s device count: `memory_profile`'s tensor terms (each value the plan materialises,
     over its live range) with every value split over every device (`nbytes // devices`, which no
@@ -47,13 +48,16 @@ def liveness_floor(problem: Problem) -> int:
     The values and live ranges that term counts come from the graph, the platform's fusions and
     the donated arguments, not from the mesh's shape (`build_problem`), so after one mesh's ILP is
     built this bounds every mesh of that size before theirs are (`search.meshes.search_meshes`); it is
-    below each one's `memory_lower_bound` (tests/test_search_pruning.py). Not with host offload,
-    whose live ranges depend on the plan."""
+    below each one's `memory_lower_bound` (tests/test_search_pruning.py). With host offload,
+    `kept_away`: every value some offload choice may keep on the host (the offloadable arguments
+    and their new values, `offload.offloadable_pairs`), left out; offload moves no other value's
+    live range (`live_ranges.offloaded_live_ranges`), and what it copies in is a copy (left out)."""
     n = len(problem.graph.ops)
     devices = problem.cost.mesh.size
+    away = set(kept_away)
     delta = np.zeros(n + 3, dtype=np.int64)
     for tid, (first, last) in problem.decided_live():
-        if _materialised(problem, tid, first):
+        if tid not in away and _materialised(problem, tid, first):
             b = problem.graph.tensors[tid].nbytes // devices
             delta[first + 1] += b
             delta[last + 2] -= b

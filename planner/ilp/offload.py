@@ -438,4 +438,12 @@ def bounding_problem(problem: Problem, mode: str) -> Problem:
     with it before solving)."""
     if mode == "off":
         return problem
-    return with_offload(problem, state_pairs(problem) + (param_pairs(problem) if mode != "opt-state" else ()))
+    return with_offload(problem, offloadable_pairs(problem, mode))
+
+
+def offloadable_pairs(problem: Problem, mode: str) -> tuple[tuple[int, int], ...]:
+    """(argument, new value) pairs offload `mode` may keep on the host: the optimizer state, and
+    unless the mode keeps to it ("opt-state") the master parameters; none when offload is off."""
+    if mode == "off":
+        return ()
+    return state_pairs(problem) + (param_pairs(problem) if mode != "opt-state" else ())

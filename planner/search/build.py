@@ -13,7 +13,7 @@ from planner.core.errors import InfeasiblePlanError, MeshError, PlannerError
 from planner.core.mesh import MeshSpec
 from planner.core.options import PlanOptions
 from planner.core.units import format_bytes
-from planner.ilp.offload import bounding_problem
+from planner.ilp.offload import bounding_problem, offloadable_pairs
 from planner.ilp.problem import Problem
 from planner.ilp.levers import LEVERS, levers_of
 from planner.ilp.memory_bounds import liveness_floor, memory_floor, memory_lower_bound, over_budget_strategies
@@ -110,12 +110,19 @@ def _over_floor(search: Search, spec: MeshSpec, inter: tuple[int, ...]) -> tuple
         error = InfeasiblePlanError(
             f"no plan fits the memory budget of {format_bytes(budget)} per device on mesh {spec}: no plan can go "
             f"below {format_bytes(floor)} ({floor_words}; not solved)",
-            None, floor, levers=tuple(dataclasses.replace(v, state="tried") if v.name == "donating the train state"
-                                      and donated_inputs(graph, options.donate_argnums) else v for v in LEVERS))
+            None, floor, levers=_floor_levers(graph, options))
         search = record(search, MeshResult(spec, None, error, inter, 0.0, over_bound=True))
         log.info("mesh %s: needs >= %s/device, over the budget: not built", spec, format_bytes(floor))
         return search, True
     return search, False
+
+
+def _floor_levers(graph, options: PlanOptions) -> tuple:
+    """`LEVERS` with those a device count's memory floor counted marked tried: donating the train
+    state (where the step donates it) and host offload (where it is planned)."""
+    used = {"donating the train state": bool(donated_inputs(graph, options.donate_argnums)),
+            "host offload": options.planned_offload != "off"}
+    return tuple(dataclasses.replace(v, state="tried") if used.get(v.name) else v for v in LEVERS)
 
 
 def _build(search: Search, cand: Candidate, count: int) -> tuple[Search, Candidate | None]:
@@ -153,21 +160,26 @@ def _build(search: Search, cand: Candidate, count: int) -> tuple[Search, Candida
 
 
 def _liveness_floor(search: Search, cand: Candidate) -> Search:
-    """At the first built mesh of a device count with a known floor: the values live at the step's
-    fullest point split over every device (`memory_bounds.liveness_floor`), the floor of the later meshes
-    of that count (before they are built) when it is higher."""
+    """At the first built mesh of a device count: the values live at the step's fullest point split
+    over every device (`memory_bounds.liveness_floor`; with host offload, without every value an
+    offload choice may keep on the host), the floor of the later meshes of that count (before they
+    are built) when it is higher than the one known (offload has none before it: its arguments may
+    leave the device)."""
     options, size = search.options, cand.mesh.size
     floor = search.floors.get(size, (None, ""))[0]
-    if not (options.memory_budget is not None and options.planned_offload == "off" and floor is not None
-            and size not in search.lived):
+    offload = options.planned_offload
+    if options.memory_budget is None or size in search.lived or (offload == "off" and floor is None):
         return search
     search = dataclasses.replace(search, lived=search.lived | {size})
-    live = liveness_floor(cand.problem)
-    if live > floor:
-        search = dataclasses.replace(search, floors={
-            **search.floors, size: (live, "the values live at the step's fullest point split over every device")})
-        log.info("every plan on %d devices needs >= %s/device (the values live at the fullest point)",
-                 size, format_bytes(live))
+    away = {t for pair in offloadable_pairs(cand.problem, offload) for t in pair if t >= 0}
+    live = liveness_floor(cand.problem, away)
+    if floor is None or live > floor:
+        words = "the values live at the step's fullest point split over every device" + (
+            "" if offload == "off" else ", every offloadable leaf on the host")
+        search = dataclasses.replace(search, floors={**search.floors, size: (live, words)})
+        log.info("every plan on %d devices needs >= %s/device (%s)", size, format_bytes(live),
+                 "the values live at the fullest point" if offload == "off"
+                 else "the values live at the fullest point, every offloadable leaf on the host")
     return search
 
 
