@@ -9,8 +9,9 @@ Sweeps (defaults; --quick runs the first two points of each):
             128x8:h100, pipeline auto (trace / layer costs / DP)
   shapes:   gpt3-39b on 8x8:v100, pipeline auto, at batch 1024, 512 and 256 planned one after the other in
             one process sharing a `PlanningMemo` (as `planner plan --batch 1024,512,256` does), then at
-            sequence lengths 1024 and 2048 (batch 256; another sequence length shares nothing); each
-            row's share of the first row's time (--shapes runs only this sweep)
+            sequence lengths 1024 and 2048 (batch 256; the two lengths share one trace of the model
+            built for a symbolic length, as `planner plan --seq 1024,2048` does, and nothing else);
+            each row's share of the first row's time (--shapes runs only this sweep)
 
 Writes experiments/results/planning.json, planning.md (the table) and planning.png (time vs layers,
 time vs devices). The wall times are of this machine, whatever else it was running: compare rows of
@@ -34,6 +35,7 @@ from planner.core.options import PlanOptions
 from planner.core.pipeline_records import PipelinePlanning
 from planner.cost_model import Cluster
 from planner.emit.pipeline.planned import plan_stages
+from planner.graph.shape_family import batch_and_seq, trace_family
 from planner.search.mesh_plan import make_plan
 from planner.stages.microbatches import PlanningMemo, microbatch_args
 from zoo import get_model
@@ -82,6 +84,7 @@ def shape_sweep(time_limit: float) -> list[dict]:
     rows: list[dict] = []
     memos: dict[int, PlanningMemo] = {}
     models: dict[int, Any] = {}  # one model per memo, given each batch size (as `planner plan --batch A,B` does)
+    lengths: list[Any] = []  # the family of every sequence length, traced at the first "seq" row
     for label, batch, seq, memo_key in (("batch", 1024, None, 0), ("batch", 512, None, 0), ("batch", 256, None, 0),
                                         ("seq", 256, 1024, 1), ("seq", 256, 2048, 2)):
         # the batch sizes' memo keeps the layer ILPs for the later sizes, as the command's sweep does
@@ -90,6 +93,13 @@ def shape_sweep(time_limit: float) -> list[dict]:
         b = models.setdefault(memo_key, get_model("gpt3-39b", batch=batch, dtype="float16",
                                                   **({"seq": seq} if seq else {})))
         print(f"[bench_planning] shapes: batch {batch} seq {b.config.seq} ...", file=sys.stderr, flush=True)
+        if label == "seq":  # as `cli.plan._from_seq_family`: one trace of the model built for a symbolic length
+            if not lengths:
+                b_sym, s_sym = batch_and_seq()
+                sym = get_model("gpt3-39b", batch=batch, dtype="float16", seq=s_sym)
+                lengths.append(trace_family(sym.train_step, (sym.abstract_state(), sym.abstract_batch()), (1,),
+                                            batch_symbol=b_sym))
+            memo.family, memo.step = lengths[0].with_sizes(s=b.config.seq), b.train_step
         args = (b.abstract_state(), microbatch_args((b.abstract_state(), b.abstract_batch()), batch)[1])
         graph = memo.graph_at(b.train_step, batch) or planner.trace(b.train_step, *args)
         trace_s = time.perf_counter() - t0

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from planner.graph.ir import Graph, Literal
-from planner.graph.shape_family import MIN_SIZE, ShapeFamily, trace_family
+from planner.graph.shape_family import BATCH, MIN_SIZE, SEQ, ShapeFamily, batch_and_seq, trace_family
 from planner.graph.trace import trace
 from planner.stages.microbatches import MicrobatchGraphs, microbatch_args
 from zoo import get_model
@@ -166,3 +166,28 @@ def test_a_family_graphs_layers_are_its_symbolic_graphs_partition(name):
         assert graphs.layers_at(count, rows, None) is got  # once per graph
         found[rows] = set(got.keys)
     assert not found[MIN_SIZE] & found[4]
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "bert-tiny"])
+def test_a_family_of_batch_and_length_is_the_trace_at_each_shape(name):
+    """A zoo model built for a symbolic sequence length (its position table's shape symbolic too)
+    and traced once with both sizes symbolic: at every (batch, length) the graph of the model built
+    for that length, traced at that batch size (BERT's token types split the length in half: a
+    literal evaluated per length). What lets a sweep over lengths trace once
+    (`cli.plan._from_seq_family`)."""
+    b, s = batch_and_seq()
+    bundle = get_model(name, seq=s)
+    family = trace_family(bundle.train_step, (bundle.abstract_state(), bundle.abstract_batch()), (1,), batch_symbol=b)
+    assert isinstance(family, ShapeFamily), family
+    assert family.symbols == (BATCH, SEQ)
+    for rows, seq in ((MIN_SIZE, 16), (3, 32), (8, 64)):
+        concrete = get_model(name, seq=seq)
+        args = microbatch_args((concrete.abstract_state(), concrete.abstract_batch()), rows)
+        assert_same_graph(family.with_sizes(s=seq).at(rows), trace(concrete.train_step, *args))
+    with pytest.raises(ValueError, match="not fixed"):
+        family.at(8)
+    with pytest.raises(ValueError, match="at least"):
+        family.with_sizes(s=1)
+    with pytest.raises(ValueError, match="cannot fix"):
+        family.with_sizes(t=8)
+

@@ -269,3 +269,36 @@ def test_a_count_between_two_solves_takes_a_plan_the_larger_count_alone_could_no
     assert objective - weighed.bound_s > LAYER_GAP * objective
     assert objective - step_bound([weighed, one], 1 / 50) <= LAYER_GAP * objective
     assert reuse([weighed], 50, lambda: pytest.fail("not asked")) is None
+
+
+def test_a_sweep_over_lengths_traces_the_model_once(monkeypatch, tmp_path, capsys):
+    """`--seq 32,64`: one symbolic trace of the zoo model for both lengths (and no concrete trace),
+    each length's plan the plan made for it alone."""
+    import planner.cli.plan as cli_plan
+    families, traces = [], []
+    real_family, real_trace = cli_plan.trace_family, cli_plan.trace
+    monkeypatch.setattr(cli_plan, "trace_family", lambda *a, **k: families.append(1) or real_family(*a, **k))
+    monkeypatch.setattr(cli_plan, "trace", lambda *a, **k: traces.append(1) or real_trace(*a, **k))
+    code = cli.main(["plan", *_WHERE, "--batch", "8", "--seq", "32,64", "--json", str(tmp_path / "sweep.json")])
+    capsys.readouterr()
+    assert code == 0
+    assert (families, traces) == ([1], [])
+    for seq in (32, 64):
+        alone = tmp_path / f"alone{seq}.json"
+        assert cli.main(["plan", *_WHERE, "--batch", "8", "--seq", str(seq), "--json", str(alone)]) == 0
+        capsys.readouterr()
+        assert math.isclose(_step_time(tmp_path / f"sweep.b8.s{seq}.json"), _step_time(alone), rel_tol=1e-9)
+
+
+def test_a_model_that_does_not_build_for_a_symbolic_length_is_traced_per_length(caplog):
+    """The MoE's token groups must divide batch x length at build time: no family of lengths, said
+    in one line; the sweep then traces each length on its own."""
+    import types
+
+    import planner.cli.plan as cli_plan
+    args = types.SimpleNamespace(model="moe-tiny", batch=8, seq=32, dtype=None)
+    where = types.SimpleNamespace(target_hw=types.SimpleNamespace(default_dtype="float32"))
+    with caplog.at_level(logging.INFO, logger="planner"):
+        family = cli_plan._trace_seq_family(args, where)
+    assert isinstance(family, str) and "does not build for a symbolic sequence length" in family
+    assert "each sequence length traced on its own" in caplog.text

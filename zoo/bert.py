@@ -96,7 +96,7 @@ class Bert(nn.Module):
         embed = functools.partial(nn.Embed, dtype=dtype, param_dtype=jnp.float32, embedding_init=_INIT)
         norm = functools.partial(nn.LayerNorm, epsilon=1e-12, dtype=dtype, param_dtype=jnp.float32)
         seq = tokens.shape[1]
-        positions = jnp.arange(seq, dtype=jnp.int32)
+        positions = jax.lax.iota(jnp.int32, seq)  # one op at a symbolic length too (`jnp.arange` adds two)
         token_types = (positions >= seq // 2).astype(jnp.int32)
         word = embed(cfg.vocab, cfg.d_model, name="word_embed")
         x = word(tokens)

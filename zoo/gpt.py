@@ -143,7 +143,7 @@ class GPT(nn.Module):
         embed = functools.partial(nn.Embed, dtype=dtype, param_dtype=jnp.float32, embedding_init=_INIT)
         wte = embed(cfg.vocab, cfg.d_model, name="wte")
         wpe = embed(cfg.seq, cfg.d_model, name="wpe")
-        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        positions = jax.lax.iota(jnp.int32, tokens.shape[1])  # one op at a symbolic length too (`jnp.arange` adds two)
         x = wte(tokens) + wpe(positions)[None, :, :]
         for i in range(cfg.layers):
             x = Block(cfg, name=f"blocks_{i}")(x)

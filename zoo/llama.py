@@ -97,7 +97,8 @@ def rotary(x: jax.Array, theta: float) -> jax.Array:
     """Rotates x [batch, seq, heads, head_dim] by position-dependent angles (rotate-half RoPE)."""
     seq, dim = x.shape[1], x.shape[-1]
     freqs = theta ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
-    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]
+    # `lax.iota`: one op at a symbolic length too (`jnp.arange` adds a multiply and an add)
+    angles = jax.lax.iota(jnp.float32, seq)[:, None] * freqs[None, :]
     sin = jnp.sin(angles)[None, :, None, :]
     cos = jnp.cos(angles)[None, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)

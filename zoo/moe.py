@@ -209,7 +209,7 @@ class MoETransformer(nn.Module):
         cfg = self.config
         dtype = resolve_dtype(cfg.dtype)
         embed = functools.partial(nn.Embed, dtype=dtype, param_dtype=jnp.float32, embedding_init=_INIT)
-        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        positions = jax.lax.iota(jnp.int32, tokens.shape[1])  # one op at a symbolic length too (`jnp.arange` adds two)
         x = embed(cfg.vocab, cfg.d_model, name="wte")(tokens)
         x = x + embed(cfg.seq, cfg.d_model, name="wpe")(positions)[None, :, :]
         aux_total = jnp.zeros((), jnp.float32)

@@ -247,6 +247,8 @@ def validate_config(config: Any) -> None:
         value = getattr(config, field.name)
         kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
         if kind == "int":
+            if jax.export.is_symbolic_dim(value):  # a shape family's size symbol (`planner.graph.shape_family`)
+                continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{cls}.{field.name}={value!r} must be an int")
             if value <= 0:

@@ -14,7 +14,7 @@ from planner.cost_model import Cluster, get_hardware, profiled_hardware
 from planner.emit.pipeline.planned import plan_stages
 from planner.graph.ir import Graph, matmul_flops
 from planner.graph.scan_remat import recomputable_scans
-from planner.graph.shape_family import ShapeFamily, trace_family
+from planner.graph.shape_family import ShapeFamily, batch_and_seq, trace_family
 from planner.graph.trace import trace
 from planner.planning.evaluate import pipeline_baseline
 from planner.stages.microbatches import PlanningMemo, batch_size, microbatch_args
@@ -149,8 +149,11 @@ def _trace_step(args, where: PlanTarget, memo: PlanningMemo | None = None) -> Tr
                                            pipelined=where.pipelined or bool(pp_baseline(args)[1]))
                                 if args.model else load_factory(args.fn, args.batch, args.seq, args.dtype))
     args.loaded = (label, step, example)
+    if graph is None and where.pipelined:
+        graph = _from_seq_family(args, where, step, memo)
     if graph is not None:
-        log.info("%s: made from the symbolic trace of its first batch size", label)
+        log.info("%s: made from the symbolic trace of its first %s", label,
+                 "batch size" if loaded is not None else "shape (batch size and sequence length symbolic)")
         return Traced(label, step, example, graph, matmul_flops(graph), t0)
     log.info("tracing %s (compute dtype %s) ...", label, args.dtype or
              (where.target_hw.default_dtype if args.model else "the factory's"))
@@ -181,6 +184,40 @@ def _from_family(step, example, memo: PlanningMemo | None) -> Graph | None:
     if not isinstance(family, ShapeFamily) or recomputable_scans(family.graph):
         return None
     return memo.graph_at(step, batch_size(example))
+
+
+def _from_seq_family(args, where: PlanTarget, step, memo: PlanningMemo | None) -> Graph | None:
+    """In a sweep over sequence lengths (`args.seq_families`, the sweep's), a zoo model's graph at
+    this shape made from the one family of every length and batch size: the model built for a
+    symbolic length (`shape_family.batch_and_seq`) and traced once, at the sweep's first shape. The
+    zoo's steps are the same program at every length (tests/test_shape_family.py checks each against
+    its traces), so the family stands for `step` without a trace of it. None (the batch-size family
+    of this length, `_from_family`) where the model does not trace so, or with scans (as there)."""
+    shared = getattr(args, "seq_families", None)
+    if shared is None or memo is None or memo.family is not None or not args.model or args.seq is None:
+        return None
+    if "family" not in shared:
+        shared["family"] = _trace_seq_family(args, where)
+    family = shared["family"]
+    if not isinstance(family, ShapeFamily):
+        return None
+    memo.family, memo.step = family.with_sizes(s=args.seq), step
+    return None if recomputable_scans(family.graph) else memo.graph_at(step, args.batch)
+
+
+def _trace_seq_family(args, where: PlanTarget) -> ShapeFamily | str:
+    """The zoo model traced once with its batch size and sequence length symbolic, or why not."""
+    b, s = batch_and_seq()
+    log.info("tracing %s once for every sequence length and batch size ...", args.model)
+    try:
+        _, step, example = load_model(args.model, args.batch, s, args.dtype, where.target_hw.default_dtype,
+                                      pipelined=True)
+        family = trace_family(step, example, (len(example) - 1,), batch_symbol=b)
+    except Exception as e:  # the model cannot be built for a symbolic length: traced per length
+        family = f"it does not build for a symbolic sequence length ({type(e).__name__}: {first_line(e)})"
+    if isinstance(family, str):
+        log.info("each sequence length traced on its own: %s", family)
+    return family
 
 
 def _resized(loaded: tuple, batch: int) -> tuple:

@@ -4,6 +4,9 @@ The shapes of one sequence length share what their plans can (`stages.microbatch
 the pipeline search's trace with a symbolic batch size and its per-layer plans, which depend on the
 microbatch size only (batch 512 in 256 microbatches plans the layers of batch 1024 in 512). Every
 shape is planned as it would be alone (tested: the same plans); the table says what each took.
+Several sequence lengths of a zoo model, pipelined, share one trace: the model built for a symbolic
+length and traced once with its batch size and length symbolic (`plan._from_seq_family`); their
+layer plans differ (another length is another program) and are their own.
 """
 from __future__ import annotations
 
@@ -60,9 +63,11 @@ def plan_sweep(args, out, plan_one: Callable) -> int:
     loaded: dict[int | None, tuple] = {}  # a zoo model built once per sequence length (`plan._trace_step`)
     rows = []
     planned = shapes(args)
+    # several lengths: one trace of the model for all of them, made at the first (`plan._from_seq_family`)
+    seq_families: dict | None = {} if len({s for _, s in planned}) > 1 else None
     for batch, seq in planned:
         one = argparse.Namespace(**vars(args))
-        one.batch, one.seq, one.loaded = batch, seq, loaded.get(seq)
+        one.batch, one.seq, one.loaded, one.seq_families = batch, seq, loaded.get(seq), seq_families
         for flag in ("json", "html"):
             if getattr(args, flag, None):
                 setattr(one, flag, _shape_path(getattr(args, flag), batch, seq))
@@ -90,7 +95,7 @@ def _shape_path(path: str, batch: int | None, seq: int | None) -> str:
 
 def _table(rows) -> str:
     lines = ["Shapes planned (each as it would be alone; shapes of one sequence length share the symbolic trace "
-             "and the per-layer plans):",
+             "and the per-layer plans, a zoo model's lengths one trace):",
              f"  {'batch':>6} {'seq':>6}  {'mesh':<10} {'stages':>6} {'microbatches':>12} {'step time':>11} "
              f"{'memory/dev':>10}  {'planned in':>10}"]
     for batch, seq, view, seconds in rows:

@@ -11,6 +11,12 @@ shape, `iota`'s, slice bounds) evaluated at the size, each size used as a value 
 a literal of its value, for every size from 2 (`MIN_SIZE`). Making one costs a pass over the tensors, not a trace (GPT-39B unrolled,
 28k ops: ~0.1 s against ~7 s).
 
+The sequence length can be a symbol of the family too (`SEQ`, `batch_and_seq`): a step built for a
+symbolic length (a zoo model whose config's `seq` is the symbol, so its position table's shape is
+too) traced with both symbols, and `ShapeFamily.with_sizes(s=...)` the family of one length, whose
+`at(size)` is then the graph at that batch size and length (`planner plan --seq 1024,2048`: one
+trace for every length and batch size, `cli.plan._trace_step`).
+
 A step is traced per size instead (`trace_family` says why, in one line) when:
 - it does not trace with a symbolic batch (Python code that branches on the batch size, or sizes
   the batch into a NumPy constant);
@@ -34,8 +40,9 @@ from planner.core.errors import PlannerError, first_line
 from planner.graph.ir import Body, Graph, Literal, Op, Region, Tensor
 from planner.graph.trace import trace
 
-# The symbol of the batch size.
+# The symbol of the batch size, and of the sequence length (`batch_and_seq`).
 BATCH = "b"
+SEQ = "s"
 
 # The smallest size at which a family's graph is the one `trace` makes: traced on a size-1 batch, JAX
 # treats the unit dimension as one that broadcasts (its transposes sum over it: extra
@@ -56,11 +63,31 @@ class ShapeFamily:
       graph: the symbolic graph (shapes hold `jax.export` dimension expressions).
       symbolic_tensors: ids of the tensors whose shape is symbolic.
       symbolic_ops: indices of the ops with a symbolic parameter or literal operand.
+      symbols: the symbols its shapes hold (`BATCH`, and `SEQ` for a family of lengths).
+      fixed: the values given to the symbols other than `BATCH` (`with_sizes`).
     """
 
     graph: Graph
     symbolic_tensors: tuple[int, ...]
     symbolic_ops: tuple[int, ...]
+    symbols: tuple[str, ...] = (BATCH,)
+    fixed: tuple[tuple[str, int], ...] = ()
+
+    def with_sizes(self, **sizes: int) -> ShapeFamily:
+        """The family with its symbols other than the batch size's fixed (`s=2048`: one sequence
+        length's family, whose `at(size)` is the graph at that length and batch size)."""
+        unknown = sorted(set(sizes) - set(self.symbols) | set(sizes) & {BATCH})
+        if unknown:
+            raise ValueError(f"a family of the symbols {self.symbols} cannot fix {unknown}")
+        small = {k: v for k, v in sizes.items() if v < MIN_SIZE}
+        if small:
+            raise ValueError(f"a shape family holds sizes of at least {MIN_SIZE}, got {small}")
+        return dataclasses.replace(self, fixed=tuple(sorted({**dict(self.fixed), **sizes}.items())))
+
+    @property
+    def tag(self) -> str:
+        """The fixed sizes as a key suffix ("" for a batch-only family; "/s2048")."""
+        return "".join(f"/{k}{v}" for k, v in self.fixed)
 
     def at(self, size: int) -> Graph:
         """The graph of the step at batch size `size`: what `trace` makes from the step on
@@ -79,7 +106,10 @@ class ShapeFamily:
         pipeline runtime traces its stage programs itself."""
         if size < 1:
             raise ValueError(f"a batch size is at least 1, got {size}")
-        env = {BATCH: int(size)}
+        env = {**dict(self.fixed), BATCH: int(size)}
+        free = sorted(set(self.symbols) - set(env))
+        if free:
+            raise ValueError(f"the family's sizes {free} are not fixed; see `with_sizes`")
         g = self.graph
         tensors = list(g.tensors)
         for t in self.symbolic_tensors:
@@ -134,12 +164,20 @@ def _same_operand(a: int | Literal, b: int | Literal) -> bool:
     return a.tensor == b.tensor and _same_value(np.asarray(a.value), np.asarray(b.value))
 
 
+def batch_and_seq() -> tuple[Any, Any]:
+    """The symbols `BATCH` and `SEQ`, of one `jax.export` scope (symbols of two scopes do not mix):
+    build the step for the sequence length `SEQ` and give `trace_family` the `BATCH` one."""
+    b, s = jax.export.symbolic_shape(f"{BATCH}, {SEQ}")
+    return b, s
+
+
 def trace_family(fn: Callable[..., Any], args: Sequence[Any], batch_argnums: Sequence[int],
-                 user_constraints: str = "pin") -> ShapeFamily | str:
+                 user_constraints: str = "pin", batch_symbol: Any = None) -> ShapeFamily | str:
     """`fn` traced once with the leading dimension of every leaf of `args[a]` (for `a` in
     `batch_argnums`) the symbol `BATCH`; or, when the step cannot be planned from such a trace, why
-    (one line: the caller traces per size instead)."""
-    (symbol,) = jax.export.symbolic_shape(BATCH)
+    (one line: the caller traces per size instead). With `batch_symbol` (`batch_and_seq`), `args`
+    may hold the sequence symbol already (a step built for a symbolic length): a family of both."""
+    (symbol,) = jax.export.symbolic_shape(BATCH) if batch_symbol is None else (batch_symbol,)
     symbolic = list(jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tuple(args)))
     for a in batch_argnums:
         symbolic[a] = jax.tree.map(lambda x: jax.ShapeDtypeStruct((symbol,) + tuple(x.shape[1:]), x.dtype),
@@ -159,8 +197,9 @@ def trace_family(fn: Callable[..., Any], args: Sequence[Any], batch_argnums: Seq
     nonlinear = [d for i in sym_tensors for d in graph.tensors[i].shape if not dim_is_linear(d)]
     nonlinear += [d for i in sym_ops for d in _dims(graph.ops[i].params) if not dim_is_linear(d)]
     if nonlinear:
-        return f"a shape is not linear in the batch size ({nonlinear[0]})"
-    return ShapeFamily(graph, sym_tensors, sym_ops)
+        sizes = "batch size" if batch_symbol is None else "batch size and sequence length"
+        return f"a shape is not linear in the {sizes} ({nonlinear[0]})"
+    return ShapeFamily(graph, sym_tensors, sym_ops, (BATCH,) if batch_symbol is None else (BATCH, SEQ))
 
 
 def _dims(x: Any) -> list[Any]:

@@ -139,7 +139,7 @@ class MicrobatchGraphs:
             if isinstance(self.family, ShapeFamily) and self.traced.get(rows) is graph:
                 sym = self.family.graph.cached(("module layers",), lambda: cluster_by_modules(self.family.graph))
                 if sym is not None:
-                    return dataclasses.replace(sym, keys=tuple(f"{k}@{rows}" for k in sym.keys))
+                    return dataclasses.replace(sym, keys=tuple(f"{k}@{rows}{self.family.tag}" for k in sym.keys))
             return cluster_layers(graph, num_layers)
         return graph.cached(("layers", num_layers), make)
 
