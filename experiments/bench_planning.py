@@ -166,7 +166,8 @@ def main() -> int:
         (RESULTS / "planning_shapes.md").write_text(
             "Planning GPT-39B on 8x8 V100 (pipeline auto) at several shapes in one process (seconds, this machine; "
             f"1-minute load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores). Batch rows "
-            "share one PlanningMemo; of_first: the row's time over the first row's.\n\n" + table(rows) + "\n")
+            "share one PlanningMemo; the seq rows share one trace of the model for both lengths (nothing else); "
+            "of_first: the row's time over the first row's.\n\n" + table(rows) + "\n")
         print(table(rows))
         return 0
     depths = (12, 24) if args.quick else (12, 24, 48, 96)
