@@ -302,3 +302,18 @@ def test_a_model_that_does_not_build_for_a_symbolic_length_is_traced_per_length(
         family = cli_plan._trace_seq_family(args, where)
     assert isinstance(family, str) and "does not build for a symbolic sequence length" in family
     assert "each sequence length traced on its own" in caplog.text
+
+
+def test_a_one_token_length_is_traced_on_its_own():
+    """A length of 1 is below what a family holds (its unit dimension broadcasts in a trace,
+    `shape_family.MIN_SIZE`): that length takes no family of lengths (and traces none for it); a
+    sweep's other lengths still share one."""
+    import types
+
+    import planner.cli.plan as cli_plan
+    shared: dict = {}
+    args = types.SimpleNamespace(model="gpt-tiny", batch=8, seq=1, dtype=None, seq_families=shared)
+    where = types.SimpleNamespace(target_hw=types.SimpleNamespace(default_dtype="float32"))
+    memo = PlanningMemo()
+    assert cli_plan._from_seq_family(args, where, object(), memo) is None
+    assert memo.family is None and shared == {}

@@ -14,7 +14,7 @@ from planner.cost_model import Cluster, get_hardware, profiled_hardware
 from planner.emit.pipeline.planned import plan_stages
 from planner.graph.ir import Graph, matmul_flops
 from planner.graph.scan_remat import recomputable_scans
-from planner.graph.shape_family import ShapeFamily, batch_and_seq, trace_family
+from planner.graph.shape_family import MIN_SIZE, ShapeFamily, batch_and_seq, trace_family
 from planner.graph.trace import trace
 from planner.planning.evaluate import pipeline_baseline
 from planner.stages.microbatches import PlanningMemo, batch_size, microbatch_args
@@ -194,8 +194,8 @@ def _from_seq_family(args, where: PlanTarget, step, memo: PlanningMemo | None) -
     its traces), so the family stands for `step` without a trace of it. None (the batch-size family
     of this length, `_from_family`) where the model does not trace so, or with scans (as there)."""
     shared = getattr(args, "seq_families", None)
-    if shared is None or memo is None or memo.family is not None or not args.model or args.seq is None:
-        return None
+    if shared is None or memo is None or memo.family is not None or not args.model or (args.seq or 0) < MIN_SIZE:
+        return None  # (a one-token length: its unit dimension broadcasts in a trace, `shape_family.MIN_SIZE`)
     if "family" not in shared:
         shared["family"] = _trace_seq_family(args, where)
     family = shared["family"]
