@@ -191,8 +191,9 @@ def _from_seq_family(args, where: PlanTarget, step, memo: PlanningMemo | None) -
     this shape made from the one family of every length and batch size: the model built for a
     symbolic length (`shape_family.batch_and_seq`) and traced once, at the sweep's first shape. The
     zoo's steps are the same program at every length (tests/test_shape_family.py checks each against
-    its traces), so the family stands for `step` without a trace of it. None (the batch-size family
-    of this length, `_from_family`) where the model does not trace so, or with scans (as there)."""
+    its traces), so the family stands for `step` without a trace of it. None where the model does not
+    trace so (then `_from_family`: the batch-size family of this length), and with scans (the memo
+    keeps the family for the pipeline search; the whole batch is traced, as `_from_family` says why)."""
     shared = getattr(args, "seq_families", None)
     if shared is None or memo is None or memo.family is not None or not args.model or (args.seq or 0) < MIN_SIZE:
         return None  # (a one-token length: its unit dimension broadcasts in a trace, `shape_family.MIN_SIZE`)
