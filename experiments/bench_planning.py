@@ -35,7 +35,7 @@ from planner.core.options import PlanOptions
 from planner.core.pipeline_records import PipelinePlanning
 from planner.cost_model import Cluster
 from planner.emit.pipeline.planned import plan_stages
-from planner.graph.shape_family import batch_and_seq, trace_family
+from planner.graph.shape_family import ShapeFamily, length_family
 from planner.search.mesh_plan import make_plan
 from planner.stages.microbatches import PlanningMemo, microbatch_args
 from zoo import get_model
@@ -95,10 +95,11 @@ def shape_sweep(time_limit: float) -> list[dict]:
         print(f"[bench_planning] shapes: batch {batch} seq {b.config.seq} ...", file=sys.stderr, flush=True)
         if label == "seq":  # as `cli.plan._from_seq_family`: one trace of the model built for a symbolic length
             if not lengths:
-                b_sym, s_sym = batch_and_seq()
-                sym = get_model("gpt3-39b", batch=batch, dtype="float16", seq=s_sym)
-                lengths.append(trace_family(sym.train_step, (sym.abstract_state(), sym.abstract_batch()), (1,),
-                                            batch_symbol=b_sym))
+                family = length_family(lambda s: _step_and_args(get_model("gpt3-39b", batch=batch, dtype="float16",
+                                                                          seq=s)))
+                if not isinstance(family, ShapeFamily):
+                    raise SystemExit(f"bench_planning: gpt3-39b has no family of lengths: {family}")
+                lengths.append(family)
             memo.family, memo.step = lengths[0].with_sizes(s=b.config.seq), b.train_step
         args = (b.abstract_state(), microbatch_args((b.abstract_state(), b.abstract_batch()), batch)[1])
         graph = memo.graph_at(b.train_step, batch) or planner.trace(b.train_step, *args)
@@ -117,6 +118,11 @@ def shape_sweep(time_limit: float) -> list[dict]:
             "of_first": round(total / rows[0]["total_s"], 3) if rows else 1.0})
         print(f"[bench_planning]   {total:.1f} s, {pp.step_time_s:.4g} s/step", file=sys.stderr, flush=True)
     return rows
+
+
+def _step_and_args(b) -> tuple:
+    """A zoo bundle's train step and its abstract (state, batch)."""
+    return b.train_step, (b.abstract_state(), b.abstract_batch())
 
 
 def table(rows: list[dict]) -> str:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from planner.graph.ir import Graph, Literal
-from planner.graph.shape_family import BATCH, MIN_SIZE, SEQ, ShapeFamily, batch_and_seq, trace_family
+from planner.graph.shape_family import BATCH, MIN_SIZE, SEQ, ShapeFamily, length_family, trace_family
 from planner.graph.trace import trace
 from planner.stages.microbatches import MicrobatchGraphs, microbatch_args
 from zoo import get_model
@@ -175,9 +175,11 @@ def test_a_family_of_batch_and_length_is_the_trace_at_each_shape(name):
     for that length, traced at that batch size (BERT's token types split the length in half: a
     literal evaluated per length). What lets a sweep over lengths trace once
     (`cli.plan._from_seq_family`)."""
-    b, s = batch_and_seq()
-    bundle = get_model(name, seq=s)
-    family = trace_family(bundle.train_step, (bundle.abstract_state(), bundle.abstract_batch()), (1,), batch_symbol=b)
+    def build(s):
+        bundle = get_model(name, seq=s)
+        return bundle.train_step, (bundle.abstract_state(), bundle.abstract_batch())
+
+    family = length_family(build)
     assert isinstance(family, ShapeFamily), family
     assert family.symbols == (BATCH, SEQ)
     for rows, seq in ((MIN_SIZE, 16), (3, 32), (8, 64)):

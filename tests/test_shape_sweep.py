@@ -274,20 +274,26 @@ def test_a_count_between_two_solves_takes_a_plan_the_larger_count_alone_could_no
 def test_a_sweep_over_lengths_traces_the_model_once(monkeypatch, tmp_path, capsys):
     """`--seq 32,64`: one symbolic trace of the zoo model for both lengths (and no concrete trace),
     each length's plan the plan made for it alone."""
-    import planner.cli.plan as cli_plan
-    families, traces = [], []
-    real_family, real_trace = cli_plan.trace_family, cli_plan.trace
-    monkeypatch.setattr(cli_plan, "trace_family", lambda *a, **k: families.append(1) or real_family(*a, **k))
-    monkeypatch.setattr(cli_plan, "trace", lambda *a, **k: traces.append(1) or real_trace(*a, **k))
+    calls = _counted(monkeypatch)
     code = cli.main(["plan", *_WHERE, "--batch", "8", "--seq", "32,64", "--json", str(tmp_path / "sweep.json")])
     capsys.readouterr()
     assert code == 0
-    assert (families, traces) == ([1], [])
+    assert calls == {"length_family": 1, "trace_family": 0, "trace": 0}
     for seq in (32, 64):
         alone = tmp_path / f"alone{seq}.json"
         assert cli.main(["plan", *_WHERE, "--batch", "8", "--seq", str(seq), "--json", str(alone)]) == 0
         capsys.readouterr()
         assert math.isclose(_step_time(tmp_path / f"sweep.b8.s{seq}.json"), _step_time(alone), rel_tol=1e-9)
+
+
+def _counted(monkeypatch) -> dict[str, int]:
+    """How often `planner plan` traces: a family of lengths, a batch-size family, a concrete trace."""
+    import planner.cli.plan as cli_plan
+    calls = {"length_family": 0, "trace_family": 0, "trace": 0}
+    for name in calls:
+        monkeypatch.setattr(cli_plan, name, lambda *a, _n=name, _f=getattr(cli_plan, name), **k:
+                            calls.__setitem__(_n, calls[_n] + 1) or _f(*a, **k))
+    return calls
 
 
 def test_a_model_that_does_not_build_for_a_symbolic_length_is_traced_per_length(caplog):
@@ -296,7 +302,7 @@ def test_a_model_that_does_not_build_for_a_symbolic_length_is_traced_per_length(
     import types
 
     import planner.cli.plan as cli_plan
-    args = types.SimpleNamespace(model="moe-tiny", batch=8, seq=32, dtype=None)
+    args = types.SimpleNamespace(model="moe-tiny", batch=8, seq=32, dtype=None, fn=None)
     where = types.SimpleNamespace(target_hw=types.SimpleNamespace(default_dtype="float32"))
     with caplog.at_level(logging.INFO, logger="planner"):
         family = cli_plan._trace_seq_family(args, where)
@@ -312,8 +318,62 @@ def test_a_one_token_length_is_traced_on_its_own():
 
     import planner.cli.plan as cli_plan
     shared: dict = {}
-    args = types.SimpleNamespace(model="gpt-tiny", batch=8, seq=1, dtype=None, seq_families=shared)
+    args = types.SimpleNamespace(model="gpt-tiny", batch=8, seq=1, dtype=None, fn=None, seq_families=shared)
     where = types.SimpleNamespace(target_hw=types.SimpleNamespace(default_dtype="float32"))
     memo = PlanningMemo()
-    assert cli_plan._from_seq_family(args, where, object(), memo) is None
+    assert cli_plan._from_seq_family(args, where, object(), (), memo) is None
     assert memo.family is None and shared == {}
+
+
+# A user's factory of the zoo's GPT at a sequence length (`make`), and one whose step computes with
+# its length in Python through `jnp.arange` (`make_arange`: for a symbolic length that builds a
+# multiply-by-one and an add-zero the concrete length does not, so its symbolic build is another
+# program: the check at the first length catches it).
+_LENGTH_FACTORY = '''
+import jax, jax.numpy as jnp
+from zoo import get_model
+
+
+def make(batch=8, seq=32):
+    b = get_model("gpt-tiny", batch=batch, seq=seq)
+    return b.train_step, (b.abstract_state(), b.abstract_batch())
+
+
+def make_arange(batch=8, seq=32):
+    b = get_model("gpt-tiny", batch=batch, seq=seq)
+
+    def step(state, tokens):
+        new, metrics = b.train_step(state, tokens)
+        return new, jax.tree.map(lambda m: m + 0 * jnp.arange(seq, dtype=m.dtype).sum(), metrics)
+
+    return step, (b.abstract_state(), b.abstract_batch())
+'''
+
+
+@pytest.mark.parametrize("factory,once", [("make", True), ("make_arange", False)])
+def test_a_factorys_lengths_share_one_trace_where_its_symbolic_build_is_its_step(factory, once, monkeypatch,
+                                                                                  tmp_path, capsys, caplog):
+    """`--fn FILE:make --seq 32,64`: the factory built once for a symbolic length and traced once
+    (checked at the first length against the step it builds there: one symbolic-batch trace of it),
+    the second length neither built symbolically nor traced again; a factory whose symbolic build
+    is another program is traced at each length, said in one line. Each length's plan is the plan
+    made for it alone either way."""
+    path = tmp_path / "lengths.py"
+    path.write_text(_LENGTH_FACTORY)
+    where = ("--fn", f"{path}:{factory}", "--cluster", "1x4:a100", "--pipeline", "on", "--quiet", "--batch", "8")
+    calls = _counted(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="planner"):
+        code = cli.main(["plan", *where, "--seq", "32,64", "--json", str(tmp_path / "sweep.json")])
+    capsys.readouterr()
+    assert code == 0
+    # the family of lengths traced once, a batch family of the first length's step (the check) and,
+    # without a family of lengths, of the second's; no concrete trace
+    assert calls == {"length_family": 1, "trace_family": 1 if once else 2, "trace": 0}
+    assert ("traced on its own" in caplog.text) is not once
+    if not once:
+        assert "is not the step it builds at length 32" in caplog.text
+    for seq in (32, 64):
+        alone = tmp_path / f"alone{seq}.json"
+        assert cli.main(["plan", *where, "--seq", str(seq), "--json", str(alone)]) == 0
+        capsys.readouterr()
+        assert math.isclose(_step_time(tmp_path / f"sweep.b8.s{seq}.json"), _step_time(alone), rel_tol=1e-9)

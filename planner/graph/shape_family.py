@@ -171,6 +171,20 @@ def batch_and_seq() -> tuple[Any, Any]:
     return b, s
 
 
+def length_family(build: Callable[[Any], tuple[Callable[..., Any], Sequence[Any]]]) -> ShapeFamily | str:
+    """The family of every batch size and sequence length of a step built by `build(seq)` ->
+    (step, example arguments, the batch last) for the symbol `SEQ` and traced once with its batch
+    symbolic too (`trace_family`); or why not, in one line (a step that does not build for a
+    symbolic length: then each length is traced on its own). How `planner plan --seq A,B` and
+    experiments/bench_planning.py trace a zoo model once for all its lengths."""
+    b, s = batch_and_seq()
+    try:
+        step, example = build(s)
+    except Exception as e:  # e.g. a size that must divide batch x length at build time (the MoE's groups)
+        return f"it does not build for a symbolic sequence length ({type(e).__name__}: {first_line(e)})"
+    return trace_family(step, example, (len(example) - 1,), batch_symbol=b)
+
+
 def trace_family(fn: Callable[..., Any], args: Sequence[Any], batch_argnums: Sequence[int],
                  user_constraints: str = "pin", batch_symbol: Any = None) -> ShapeFamily | str:
     """`fn` traced once with the leading dimension of every leaf of `args[a]` (for `a` in
