@@ -14,7 +14,10 @@ Every predicate and trip count is microbatch-invariant by construction (read exa
 parameter, or from the example's own input under `vmap`), and the loss is a mean of per-example
 terms, so microbatching changes only the order of the gradient sums.
 
-PIPELINE_FUZZ_EXAMPLES programs run (50 by default; `make fuzz` runs 1000), one test per seed: a
+By default the suite runs the fewest seeds of the first 1000 that run every kind of control flow
+in every place (inside a layer, between layers, between stages, nested) and every layer, stage and
+microbatch count in two programs each (`_seeds`; 17 programs, where the first 50 seeds left some
+out); PIPELINE_FUZZ_EXAMPLES=N runs seeds 0..N-1 (`make fuzz` runs 1000). One test per seed: a
 failure names its seed in the test id (`test_random_pipelined_control_flow[seed]`).
 """
 from __future__ import annotations
@@ -37,7 +40,6 @@ from planner.emit.pipeline.runtime import layer_names
 from tests.conftest import skip_if_fewer_devices
 from tests.helpers import assert_loss_close, assert_sgd_step_close, longest_reduction
 
-EXAMPLES = int(os.environ.get("PIPELINE_FUZZ_EXAMPLES", "50"))
 WIDTH = 8
 LR = 0.01
 
@@ -96,13 +98,22 @@ KINDS = ("cond", "switch", "cond_example", "while_param", "while_example", "fori
          "scan", "custom_vjp", "custom_jvp", "jit", "remat")
 
 
-def _draw(rng: np.random.Generator, depth: int):
-    """A random piece: a plain elementwise op, or control flow around smaller pieces."""
+# how many of the three smaller pieces drawn for each kind it runs (the others are drawn all the same)
+_USES = {"cond": 2, "switch": 3, "cond_example": 2}
+
+
+def _draw(rng: np.random.Generator, depth: int, drawn: list[tuple[str, bool]], nested: bool = False):
+    """A random piece: a plain elementwise op, or control flow around smaller pieces; the kinds of
+    control flow it runs are added to `drawn`, each with whether it runs inside another."""
     if depth == 0 or rng.random() < 0.3:
         f = _leaf(int(rng.integers(4)))
         return lambda v, ctx: f(v)
     kind = KINDS[int(rng.integers(len(KINDS)))]
-    inner = [_draw(rng, depth - 1) for _ in range(3)]
+    kinds: list[list[tuple[str, bool]]] = [[], [], []]
+    inner = [_draw(rng, depth - 1, kinds[i], True) for i in range(3)]
+    drawn.append((kind, nested))
+    for used in kinds[:_USES.get(kind, 1)]:
+        drawn.extend(used)
     a, b, c = inner
     if kind == "cond":
         j = int(rng.integers(WIDTH))
@@ -162,17 +173,78 @@ def _draw(rng: np.random.Generator, depth: int):
     return lambda v, ctx: jax.checkpoint(lambda u: a(u, ctx))(v)
 
 
-def random_step(seed: int):
-    """(loss_fn, params, batch, layer names, num_stages, num_microbatches) of one random program."""
+def _program(seed: int):
+    """What seed `seed` draws: (layers, pieces by (layer, inside its scope), num_stages,
+    num_microbatches, what it covers: `_covered`)."""
     rng = np.random.default_rng(seed)
     layers = int(rng.choice([2, 3, 4, 6]))  # even stages (Megatron-LM's split) need a divisor in 2..4
     flows = int(rng.integers(1, 4))
     # Each piece goes into a random layer, inside its scope (after its matmul) or after it.
     placed: dict[tuple[int, bool], list] = {}
+    drawn: list[tuple[tuple[int, bool], list[tuple[str, bool]]]] = []
     for _ in range(flows):
         at = (int(rng.integers(layers)), bool(rng.random() < 0.5))
-        placed.setdefault(at, []).append(_draw(rng, int(rng.integers(1, 3))))
+        drawn.append((at, []))
+        placed.setdefault(at, []).append(_draw(rng, int(rng.integers(1, 3)), drawn[-1][1]))
     num_microbatches = int(rng.integers(2, 5))
+    num_stages = int(rng.choice([s for s in (2, 3, 4) if layers % s == 0]))
+    return layers, placed, num_stages, num_microbatches, _covered(layers, num_stages, num_microbatches, drawn)
+
+
+def _covered(layers: int, num_stages: int, num_microbatches: int, drawn) -> frozenset[tuple]:
+    """What one program exercises: its layer, stage and microbatch counts, and each kind of control
+    flow it runs inside a layer's scope, between two layers, between two stages (after a stage's
+    last layer: the value crosses to the next stage) and nested in another."""
+    per_stage = layers // num_stages
+    out = {("layers", layers), ("stages", num_stages), ("microbatches", num_microbatches)}
+    for (layer, inside), kinds in drawn:
+        where = "inside" if inside else "between stages" if (layer + 1) % per_stage == 0 and layer + 1 < layers \
+            else "between layers"
+        for kind, nested in kinds:
+            out.add((kind, where))
+            if nested:
+                out.add((kind, "nested"))
+    return frozenset(out)
+
+
+def _seeds() -> list[int]:
+    """The seeds the suite runs: PIPELINE_FUZZ_EXAMPLES=N runs seeds 0..N-1 (`make fuzz`: 1000);
+    by default the fewest of those 1000 (greedily) that exercise everything any of them exercises
+    (`_covered`) at least twice each, so that every kind of control flow runs in every place, at
+    every stage and microbatch count, in two programs: 20-odd programs where the first 50 seeds
+    left kinds out (a `jit` between layers)."""
+    if "PIPELINE_FUZZ_EXAMPLES" in os.environ:
+        return list(range(int(os.environ["PIPELINE_FUZZ_EXAMPLES"])))
+    covers = {seed: _program(seed)[4] for seed in range(1000)}
+    need = dict.fromkeys(frozenset().union(*covers.values()), 2)
+    chosen: list[int] = []
+    while any(need.values()):
+        best = max((s for s in covers if s not in chosen), key=lambda s: (sum(need.get(i, 0) > 0 for i in covers[s]), -s))
+        chosen.append(best)
+        for item in covers[best]:
+            need[item] = max(0, need[item] - 1)
+    return sorted(chosen)
+
+
+SEEDS = _seeds()
+
+
+def test_the_seeds_run_cover_every_kind_of_control_flow_in_every_place_twice():
+    """What the default seeds exercise (`_seeds`): every kind in `KINDS` inside a layer's scope,
+    between layers, between stages and nested in another, and every layer, stage and microbatch
+    count the generator draws, each in at least two of the programs run."""
+    if "PIPELINE_FUZZ_EXAMPLES" in os.environ:
+        pytest.skip("seeds chosen by PIPELINE_FUZZ_EXAMPLES")
+    wanted = {(k, w) for k in KINDS for w in ("inside", "between layers", "between stages", "nested")}
+    wanted |= {("layers", n) for n in (2, 3, 4, 6)} | {("stages", n) for n in (2, 3, 4)}
+    wanted |= {("microbatches", n) for n in (2, 3, 4)}
+    counts = {item: sum(item in _program(seed)[4] for seed in SEEDS) for item in wanted}
+    assert min(counts.values()) >= 2, sorted(item for item, n in counts.items() if n < 2)
+
+
+def random_step(seed: int):
+    """(loss_fn, params, batch, layer names, num_stages, num_microbatches) of one random program."""
+    layers, placed, num_stages, num_microbatches, _ = _program(seed)
     batch_size = 4 * num_microbatches
 
     def loss_fn(params, batch):
@@ -197,7 +269,6 @@ def random_step(seed: int):
     batch = {"x": jax.random.normal(keys[-2], (batch_size, WIDTH)),
              "y": jax.random.normal(keys[-1], (batch_size, WIDTH)) * 0.5}
     names = layer_names(loss_fn, params, batch)
-    num_stages = int(rng.choice([s for s in (2, 3, 4) if layers % s == 0]))
     return loss_fn, params, batch, names, num_stages, num_microbatches
 
 
@@ -210,7 +281,7 @@ def _check_pipelined(loss_fn, params, batch, new_state, metrics):
     assert_sgd_step_close(loss_fn, LR, params, batch, new_state["params"], n=n)
 
 
-@pytest.mark.parametrize("seed", range(EXAMPLES))
+@pytest.mark.parametrize("seed", SEEDS)
 def test_random_pipelined_control_flow(seed):
     """Planned as `evaluate` plans a hand-chosen pipeline (the stages' layers named from the train
     step's trace, as `plan_parallel` names them) and run by the runtime (which names them from the
