@@ -186,6 +186,13 @@ def _from_family(step, example, memo: PlanningMemo | None) -> Graph | None:
     return memo.graph_at(step, batch_size(example))
 
 
+# A `--fn` factory's lengths share one trace in sweeps of at least this many lengths: the family
+# and the check at the first length cost a trace more there and save one at each later length
+# (`planner plan --fn F:make --cluster 8x8:v100 --batch 256 --seq 1024,2048 --pipeline auto`, F
+# building the zoo's GPT-39B: 229.5 s without the family, 236.5 s with it, one run each; WORKSPACE).
+FACTORY_LENGTHS = 3
+
+
 def _from_seq_family(args, where: PlanTarget, step, example, memo: PlanningMemo | None) -> Graph | None:
     """In a sweep over sequence lengths (`args.seq_families`, the sweep's), the graph at this shape
     made from the one family of every length and batch size: the zoo model or `--fn` factory built
@@ -193,12 +200,16 @@ def _from_seq_family(args, where: PlanTarget, step, example, memo: PlanningMemo 
     shape. The zoo's steps are the same program at every length (tests/test_shape_family.py checks
     each against its traces); a factory's step is checked at the first length against the step it
     builds there (`_factory_checked`): a step built for a symbolic length is one program for every
-    length, so where it is the same there, it is the same at each. None where the step does not
+    length, so where it is the same there, it is the same at each. That check is a trace of its own,
+    so a factory takes the family in sweeps of `FACTORY_LENGTHS` lengths or more only (it saves a
+    trace at each length after the first). None where the step does not
     trace so (then `_from_family`: the batch-size family of this length), and with scans (the memo
     keeps the family for the pipeline search; the whole batch is traced, as `_from_family` says why)."""
     shared = getattr(args, "seq_families", None)
     if shared is None or memo is None or memo.family is not None or (args.seq or 0) < MIN_SIZE:
         return None  # (a one-token length: its unit dimension broadcasts in a trace, `shape_family.MIN_SIZE`)
+    if args.fn and shared.get("lengths", 0) < FACTORY_LENGTHS:
+        return None
     if "family" not in shared:
         shared["family"] = _trace_seq_family(args, where)
         if args.fn and isinstance(shared["family"], ShapeFamily):
