@@ -302,7 +302,7 @@ def test_a_model_that_does_not_build_for_a_symbolic_length_is_traced_per_length(
     import types
 
     import planner.cli.plan as cli_plan
-    args = types.SimpleNamespace(model="moe-tiny", batch=8, seq=32, dtype=None, fn=None)
+    args = types.SimpleNamespace(model="moe-tiny", batch=8, seq=32, dtype=None)
     where = types.SimpleNamespace(target_hw=types.SimpleNamespace(default_dtype="float32"))
     with caplog.at_level(logging.INFO, logger="planner"):
         family = cli_plan._trace_seq_family(args, where)
@@ -318,63 +318,8 @@ def test_a_one_token_length_is_traced_on_its_own():
 
     import planner.cli.plan as cli_plan
     shared: dict = {}
-    args = types.SimpleNamespace(model="gpt-tiny", batch=8, seq=1, dtype=None, fn=None, seq_families=shared)
+    args = types.SimpleNamespace(model="gpt-tiny", batch=8, seq=1, dtype=None, seq_families=shared)
     where = types.SimpleNamespace(target_hw=types.SimpleNamespace(default_dtype="float32"))
     memo = PlanningMemo()
-    assert cli_plan._from_seq_family(args, where, object(), (), memo) is None
+    assert cli_plan._from_seq_family(args, where, object(), memo) is None
     assert memo.family is None and shared == {}
-
-
-# A user's factory of the zoo's GPT at a sequence length (`make`), and one whose step computes with
-# its length in Python through `jnp.arange` (`make_arange`: for a symbolic length that builds a
-# multiply-by-one and an add-zero the concrete length does not, so its symbolic build is another
-# program: the check at the first length catches it).
-_LENGTH_FACTORY = '''
-import jax, jax.numpy as jnp
-from zoo import get_model
-
-
-def make(batch=8, seq=32):
-    b = get_model("gpt-tiny", batch=batch, seq=seq)
-    return b.train_step, (b.abstract_state(), b.abstract_batch())
-
-
-def make_arange(batch=8, seq=32):
-    b = get_model("gpt-tiny", batch=batch, seq=seq)
-
-    def step(state, tokens):
-        new, metrics = b.train_step(state, tokens)
-        return new, jax.tree.map(lambda m: m + 0 * jnp.arange(seq, dtype=m.dtype).sum(), metrics)
-
-    return step, (b.abstract_state(), b.abstract_batch())
-'''
-
-
-@pytest.mark.parametrize("factory,lengths", [("make", "16,32,64"), ("make_arange", "16,32,64"), ("make", "32,64")])
-def test_a_factorys_lengths_share_one_trace_where_its_symbolic_build_is_its_step(factory, lengths, monkeypatch,
-                                                                                  tmp_path, capsys, caplog):
-    """`--fn FILE:make --seq 16,32,64`: the factory built once for a symbolic length and traced once
-    (checked at the first length against the step it builds there: one symbolic-batch trace of it),
-    the later lengths neither built symbolically nor traced again; a factory whose symbolic build
-    is another program is traced at each length, said in one line; with two lengths (where the
-    check costs what the family saves, `cli.plan.FACTORY_LENGTHS`) each length is traced on its
-    own. The last length's plan is the plan made for it alone either way."""
-    once = factory == "make" and lengths.count(",") >= 2
-    family = lengths.count(",") >= 2
-    path = tmp_path / "lengths.py"
-    path.write_text(_LENGTH_FACTORY)
-    where = ("--fn", f"{path}:{factory}", "--cluster", "1x4:a100", "--pipeline", "on", "--quiet", "--batch", "8")
-    calls = _counted(monkeypatch)
-    with caplog.at_level(logging.INFO, logger="planner"):
-        code = cli.main(["plan", *where, "--seq", lengths, "--json", str(tmp_path / "sweep.json")])
-    capsys.readouterr()
-    assert code == 0
-    # the family of lengths traced once, a batch family of the first length's step (the check) and,
-    # without a family of lengths, of each later one's; no concrete trace
-    n = lengths.count(",") + 1
-    assert calls == {"length_family": int(family), "trace_family": 1 if once else n, "trace": 0}
-    assert ("is not the step it builds at length 16" in caplog.text) is (family and not once)
-    alone = tmp_path / "alone.json"
-    assert cli.main(["plan", *where, "--seq", "64", "--json", str(alone)]) == 0
-    capsys.readouterr()
-    assert math.isclose(_step_time(tmp_path / "sweep.b8.s64.json"), _step_time(alone), rel_tol=1e-9)

@@ -14,7 +14,7 @@ from planner.cost_model import Cluster, get_hardware, profiled_hardware
 from planner.emit.pipeline.planned import plan_stages
 from planner.graph.ir import Graph, matmul_flops
 from planner.graph.scan_remat import recomputable_scans
-from planner.graph.shape_family import MIN_SIZE, ShapeFamily, length_family, same_program, trace_family
+from planner.graph.shape_family import MIN_SIZE, ShapeFamily, length_family, trace_family
 from planner.graph.trace import trace
 from planner.planning.evaluate import pipeline_baseline
 from planner.stages.microbatches import PlanningMemo, batch_size, microbatch_args
@@ -150,7 +150,7 @@ def _trace_step(args, where: PlanTarget, memo: PlanningMemo | None = None) -> Tr
                                 if args.model else load_factory(args.fn, args.batch, args.seq, args.dtype))
     args.loaded = (label, step, example)
     if graph is None and where.pipelined:
-        graph = _from_seq_family(args, where, step, example, memo)
+        graph = _from_seq_family(args, where, step, memo)
     if graph is not None:
         log.info("%s: made from the symbolic trace of its first %s", label,
                  "batch size" if loaded is not None else "shape (batch size and sequence length symbolic)")
@@ -186,72 +186,33 @@ def _from_family(step, example, memo: PlanningMemo | None) -> Graph | None:
     return memo.graph_at(step, batch_size(example))
 
 
-# A `--fn` factory's lengths share one trace in sweeps of at least this many lengths: the family
-# and the check at the first length cost a trace more there and save one at each later length
-# (`planner plan --fn F:make --cluster 8x8:v100 --batch 256 --seq 1024,2048 --pipeline auto`, F
-# building the zoo's GPT-39B: 229.5 s without the family, 236.5 s with it, one run each; WORKSPACE).
-FACTORY_LENGTHS = 3
-
-
-def _from_seq_family(args, where: PlanTarget, step, example, memo: PlanningMemo | None) -> Graph | None:
-    """In a sweep over sequence lengths (`args.seq_families`, the sweep's), the graph at this shape
-    made from the one family of every length and batch size: the zoo model or `--fn` factory built
-    for a symbolic length (`shape_family.length_family`) and traced once, at the sweep's first
-    shape. The zoo's steps are the same program at every length (tests/test_shape_family.py checks
-    each against its traces); a factory's step is checked at the first length against the step it
-    builds there (`_factory_checked`): a step built for a symbolic length is one program for every
-    length, so where it is the same there, it is the same at each. That check is a trace of its own,
-    so a factory takes the family in sweeps of `FACTORY_LENGTHS` lengths or more only (it saves a
-    trace at each length after the first). None where the step does not
+def _from_seq_family(args, where: PlanTarget, step, memo: PlanningMemo | None) -> Graph | None:
+    """In a sweep over sequence lengths (`args.seq_families`, the sweep's), a zoo model's graph at
+    this shape made from the one family of every length and batch size: the model built for a
+    symbolic length (`shape_family.length_family`) and traced once, at the sweep's first shape. The
+    zoo's steps are the same program at every length (tests/test_shape_family.py checks each against
+    its traces), so the family stands for `step` without a trace of it. None where the model does not
     trace so (then `_from_family`: the batch-size family of this length), and with scans (the memo
-    keeps the family for the pipeline search; the whole batch is traced, as `_from_family` says why)."""
+    keeps the family for the pipeline search; the whole batch is traced, as `_from_family` says why).
+    A `--fn` factory is traced per length: checking its symbolic build against its step costs the
+    trace the family saves (measured, WORKSPACE "A zoo model's sequence lengths traced once")."""
     shared = getattr(args, "seq_families", None)
-    if shared is None or memo is None or memo.family is not None or (args.seq or 0) < MIN_SIZE:
+    if shared is None or memo is None or memo.family is not None or not args.model or (args.seq or 0) < MIN_SIZE:
         return None  # (a one-token length: its unit dimension broadcasts in a trace, `shape_family.MIN_SIZE`)
-    if args.fn and shared.get("lengths", 0) < FACTORY_LENGTHS:
-        return None
     if "family" not in shared:
         shared["family"] = _trace_seq_family(args, where)
-        if args.fn and isinstance(shared["family"], ShapeFamily):
-            graph = _factory_checked(args, shared, step, example, memo)
-            if not isinstance(shared["family"], ShapeFamily):
-                return graph
     family = shared["family"]
     if not isinstance(family, ShapeFamily):
         return None
     memo.family, memo.step = family.with_sizes(s=args.seq), step
-    return None if recomputable_scans(family.graph) else memo.graph_at(step, batch_size(example))
-
-
-def _factory_checked(args, shared: dict, step, example, memo: PlanningMemo) -> Graph | None:
-    """A `--fn` factory's family of lengths (`shared["family"]`) checked against the step it builds
-    at this length, traced with a symbolic batch as `_from_family` traces it: where the two differ
-    (a factory computing with the length in Python, e.g. `jnp.arange(seq)`, builds other ops for a
-    symbol), the family is replaced by why and each length is traced on its own, said in one line.
-    Returns `_from_family`'s graph of this length (its memo then holds this length's batch family)."""
-    graph, rows = _from_family(step, example, memo), batch_size(example)
-    mine = memo.family
-    if not (isinstance(mine, ShapeFamily) and rows >= MIN_SIZE
-            and same_program(mine.at(rows), shared["family"].with_sizes(s=args.seq).at(rows))):
-        shared["family"] = (f"{args.fn} built for a symbolic sequence length is not the step it builds at "
-                            f"length {args.seq}")
-        log.info("each sequence length traced on its own: %s", shared["family"])
-        return graph
-    memo.family = None  # the same program: the family of lengths takes its place (`_from_seq_family`)
-    return None
+    return None if recomputable_scans(family.graph) else memo.graph_at(step, args.batch)
 
 
 def _trace_seq_family(args, where: PlanTarget) -> ShapeFamily | str:
-    """The zoo model or `--fn` factory traced once with its batch size and sequence length
-    symbolic, or why not."""
-    log.info("tracing %s once for every sequence length and batch size ...", args.model or args.fn)
-
-    def build(s):
-        if args.fn:
-            return load_factory(args.fn, args.batch, s, args.dtype)[1:]
-        return load_model(args.model, args.batch, s, args.dtype, where.target_hw.default_dtype, pipelined=True)[1:]
-
-    family = length_family(build)
+    """The zoo model traced once with its batch size and sequence length symbolic, or why not."""
+    log.info("tracing %s once for every sequence length and batch size ...", args.model)
+    family = length_family(lambda s: load_model(args.model, args.batch, s, args.dtype, where.target_hw.default_dtype,
+                                                pipelined=True)[1:])
     if isinstance(family, str):
         log.info("each sequence length traced on its own: %s", family)
     return family

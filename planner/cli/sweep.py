@@ -64,8 +64,7 @@ def plan_sweep(args, out, plan_one: Callable) -> int:
     rows = []
     planned = shapes(args)
     # several lengths: one trace of the model for all of them, made at the first (`plan._from_seq_family`)
-    lengths = len({s for _, s in planned})
-    seq_families: dict | None = {"lengths": lengths} if lengths > 1 else None
+    seq_families: dict | None = {} if len({s for _, s in planned}) > 1 else None
     for batch, seq in planned:
         one = argparse.Namespace(**vars(args))
         one.batch, one.seq, one.loaded, one.seq_families = batch, seq, loaded.get(seq), seq_families
@@ -96,7 +95,7 @@ def _shape_path(path: str, batch: int | None, seq: int | None) -> str:
 
 def _table(rows) -> str:
     lines = ["Shapes planned (each as it would be alone; shapes of one sequence length share the symbolic trace "
-             "and the per-layer plans, a zoo model's lengths one trace, a factory's from three lengths on):",
+             "and the per-layer plans, a zoo model's lengths one trace):",
              f"  {'batch':>6} {'seq':>6}  {'mesh':<10} {'stages':>6} {'microbatches':>12} {'step time':>11} "
              f"{'memory/dev':>10}  {'planned in':>10}"]
     for batch, seq, view, seconds in rows:
