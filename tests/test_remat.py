@@ -267,6 +267,48 @@ def test_auto_bounds_each_policy_by_the_fastest_that_fits(devices8):
     assert of(bounded).prediction.step_time_s == pytest.approx(of(full).prediction.step_time_s, rel=1e-9)
 
 
+def test_policies_probed_side_by_side_give_the_plan_probed_in_turn(devices8):
+    """remat="auto" with `threads=2` probes the policies on two threads at once (gradient
+    accumulation's one-mesh search, whose solves leave cores idle) and chooses what probing them
+    one after another chooses: the same policy and the same plan."""
+    import math
+    import threading
+
+    from planner.levers.remat import plan_remat
+    from planner.search.meshes import search_meshes
+
+    params, x = _blocks_data(layers=6, rows=512)
+    graph = trace(_sgd_step, params, x)
+    spec, _ = parse_mesh("2x4")
+    plain = make_plan(graph, spec, PlanOptions()).prediction.memory_bytes_per_device
+    options = PlanOptions(memory_budget=0.8 * plain)
+    calls, threads = [], set()
+    meet = threading.Barrier(2, timeout=30)  # the first two policies' probes wait for each other
+
+    def plan_fn(g, smallest, beat=math.inf, side=False):
+        calls.append(g)
+        if side and len(calls) in (2, 3):  # after "off": dots and dots_no_batch
+            threads.add(threading.get_ident())
+            meet.wait()  # raises BrokenBarrierError when the other never comes (probed in turn)
+        results = search_meshes(g, [spec], options, min_peak_search=smallest, beat=beat)
+        if results[0].plan is None:
+            raise InfeasiblePlanError("no plan", None)
+        return results
+
+    def of(results):
+        return results[0].plan
+
+    _, in_turn, policy, _ = plan_remat(graph, "auto", options.memory_budget, plan_fn, of, threads=1)
+    assert len(calls) >= 4  # off and the three policies
+    calls.clear()
+    _, side, policy_side, _ = plan_remat(graph, "auto", options.memory_budget,
+                                         lambda g, s, beat=math.inf: plan_fn(g, s, beat, side=True), of, threads=2)
+    assert len(threads) == 2  # two policies were planned at once, on two threads
+    assert policy_side == policy != "off"
+    assert of(side).prediction.step_time_s == of(in_turn).prediction.step_time_s
+    assert of(side).input_specs == of(in_turn).input_specs
+
+
 def test_accumulated_microbatch_policies_are_bounded_too(devices8):
     """Gradient accumulation plans each microbatch step with remat="auto": there too a policy after
     the first that fits is searched with that plan's step time to beat, through every wrapper of the

@@ -39,6 +39,7 @@ plans (pipeline stages choose recomputation per stage, `pipeline="auto"`).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import logging
@@ -58,6 +59,7 @@ from planner.core.layer_index import find_indexed, in_fused_attention
 from planner.core.options import REMAT
 from planner.core.plan import Plan
 from planner.core.plan_records import RematRecord
+from planner.search.cores import idle_cores
 from planner.stages.clustering import BACKWARD, FORWARD, op_phases, repeated_module
 from planner.core.units import format_bytes
 
@@ -304,29 +306,26 @@ NO_LAYERS = ("recomputable layers are repeated modules named like blocks_0, bloc
 
 
 def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable[[Graph, bool], T],
-               plan_of: Callable[[T], Plan], scan_first: bool = True) -> tuple[Graph, T, str, Without | None]:
+               plan_of: Callable[[T], Plan], scan_first: bool = True,
+               threads: int | None = 1) -> tuple[Graph, T, str, Without | None]:
     """Plans `graph` with recomputation `remat` ("off", "full", "dots" or "auto").
 
     "auto": no recomputation when there is no budget, or when the plan without it meets the budget
     without a memory constraint (its unconstrained optimum fits: recomputation only adds work).
-    Otherwise "off", "dots", "dots_no_batch" and "full" (every layer) are planned; when some policy fits but "off" does
-    not, the fastest fitting policy is then applied to the first n layers (forward order) for the
-    fewest n that fits, found by bisection over n in [1, L]. The first layers are the ones whose
-    residuals live longest (their backward runs last), so they are the ones worth recomputing;
+    Otherwise "off", "dots", "dots_no_batch" and "full" (every layer) are planned; when a policy fits
+    but "off" does not, the fastest fitting one is applied to the first n layers (forward order) for
+    the fewest n that fits, by bisection over n in [1, L]: the first layers' residuals live longest;
     Megatron-LM's `--recompute-method block --recompute-num-layers N` likewise recomputes the first N
     layers of each pipeline stage (NVIDIA/Megatron-LM, megatron/core/transformer/transformer_block.py,
-    `_checkpointed_forward`: `if l < recompute_num_layers`). Bisection assumes "fits" is
-    monotone in n: more recomputed layers free more memory, so it holds to a good approximation but
-    not exactly, since the ILP may shard differently at each n; the n found always fits (it was
-    planned), it may be a layer or so more than the fewest. The bisection costs at most
-    ceil(log2 L) extra plans (plan_fn(graph, False) each: no smallest-peak search), for one
-    policy only. The result is the fastest (predicted step time) of what fits: "off", each policy
-    on all L layers, the policy on its first n layers, and the bisection's other fitting probes
-    (planned anyway), fewer layers first on a tie. Fewer recomputed layers is usually faster but
-    not always: the memory they keep can force more sharding. When "off" fits (with more
-    sharding than its unconstrained optimum), the fewest layers the budget needs is none, and no
-    bisection runs. Each bisection probe is given the fastest step time found so far, and the
-    bisection ends at a probe that is proven unable to beat it (`_fewest_layers`). Each plan tried logs one line (the `[planner ...]` lines of the CLI).
+    `_checkpointed_forward`: `if l < recompute_num_layers`). Bisection assumes "fits" is monotone
+    in n (nearly so: the ILP may shard differently at each n): the n found fits (it was planned) and
+    may be a layer or so over the fewest, for at most ceil(log2 L) extra plans of one policy
+    (plan_fn(graph, False): no smallest-peak search). The result is the fastest (predicted step
+    time) of what fits: "off", each policy on all L layers, the policy on its first n layers, and
+    the bisection's other fitting probes, fewer layers first on a tie (fewer is usually faster, not
+    always: the memory they keep can force more sharding). When "off" fits, no bisection runs; it
+    stops at a probe proven unable to beat the fastest plan (`_fewest_layers`). Each plan tried logs
+    one line (the `[planner ...]` lines of the CLI).
 
     Args:
       plan_fn: (graph, search) -> its plan (or a result holding it, `plan_of`); raises
@@ -335,6 +334,8 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
         that an infeasible "off" costs little before recomputation is tried).
       scan_first: whether a scanned stack's first n layers are bisected too (under "full" and
         `SCAN_GAIN`, see `_fewest_layers`); the accumulation lever's per-count searches do not.
+      threads: under "auto", the threads the policies are probed on side by side (1: one after
+        another; None: the idle cores; `_policies`); the plan chosen is the same.
 
     Returns:
       (the graph planned, plan_fn's result, the policy chosen: "off" or one of `POLICIES`, and under
@@ -353,7 +354,7 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
         return transformed, plan_fn(transformed, True), remat, None
     names = remat_layers(graph) if remat == "auto" and budget is not None else []
     if names or (remat == "auto" and budget is not None and recomputable_scans(graph)):
-        return _plan_auto(graph, names, plan_fn, plan_of, scan_first)
+        return _plan_auto(graph, names, plan_fn, plan_of, scan_first, threads)
     try:
         return graph, plan_fn(graph, True), "off", None
     except InfeasiblePlanError as e:
@@ -363,9 +364,10 @@ def plan_remat(graph: Graph, remat: str, budget: float | None, plan_fn: Callable
 
 
 def _plan_auto(graph: Graph, names: Sequence[str], plan_fn: Callable[[Graph, bool], T],
-               plan_of: Callable[[T], Plan], scan_first: bool = True) -> tuple[Graph, T, str, Without | None]:
+               plan_of: Callable[[T], Plan], scan_first: bool = True,
+               threads: int | None = 1) -> tuple[Graph, T, str, Without | None]:
     """`plan_remat`'s "auto" with a budget and recomputable layers `names` (see there;
-    `scan_first`: whether a scanned stack's first layers are bisected)."""
+    `scan_first`: whether a scanned stack's first layers are bisected; `threads`: `_policies`')."""
     failed: dict[str, InfeasiblePlanError] = {}
     found: list[tuple[float, int, Graph, T, str]] = []  # (step time, layers recomputed, graph, result, policy)
     try:
@@ -381,14 +383,7 @@ def _plan_auto(graph: Graph, names: Sequence[str], plan_fn: Callable[[Graph, boo
         without = (True, plan.prediction.step_time_s, plan.prediction.memory_bytes_per_device)
         found.append((plan.prediction.step_time_s, 0, graph, result, "off"))
         log.info("remat auto: off fits, %.4g s/step", plan.prediction.step_time_s)
-    for policy in ("dots", "dots_no_batch", "full"):
-        transformed = rematerialize(graph, None, policy)
-        if transformed is graph:
-            break
-        # a policy is only worth its solve if it can beat the fastest fitting plan so far: its search
-        # stops once the solver proves it cannot (`search.meshes.search_meshes(beat=...)`)
-        beat = min((f[0] for f in found), default=math.inf)
-        probe = _probe(transformed, policy, len(names), len(names), plan_fn, plan_of, beat)
+    for policy, probe in _policies(graph, len(names), plan_fn, plan_of, found, threads):
         if isinstance(probe, InfeasiblePlanError):
             failed[policy] = probe
         else:
@@ -408,6 +403,32 @@ def _plan_auto(graph: Graph, names: Sequence[str], plan_fn: Callable[[Graph, boo
         _, _, g, result, policy = min(found, key=lambda x: x[:2])  # on a tie, fewer layers recomputed
         return g, result, policy, (None if g is graph else without)
     return *_fully_recomputed(graph, failed, plan_fn), without
+
+
+def _policies(graph: Graph, n: int, plan_fn: Callable[..., T], plan_of: Callable[[T], Plan], found: list,
+              threads: int | None) -> list[tuple[str, Any]]:
+    """Each policy on all `n` layers probed (`_probe`) with the fastest fit known at its start to beat,
+    in turn or side by side on `threads` threads (None: the idle cores; CP-SAT leaves the GIL as it
+    solves): the same fastest plan (a bound stops only a solve that cannot give it)."""
+    graphs = []
+    for policy in ("dots", "dots_no_batch", "full"):
+        transformed = rematerialize(graph, None, policy)
+        if transformed is graph:
+            break
+        graphs.append((policy, transformed))
+    fastest = [f[0] for f in found]
+
+    def probe(policy: str, transformed: Graph) -> tuple[str, Any]:
+        got = _probe(transformed, policy, n, n, plan_fn, plan_of, min(fastest, default=math.inf))
+        if not isinstance(got, InfeasiblePlanError):
+            fastest.append(got[0])
+        return policy, got
+
+    workers = min(len(graphs), idle_cores() if threads is None else threads)
+    if workers <= 1:
+        return [probe(*g) for g in graphs]
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda g: probe(*g), graphs))
 
 
 def _fully_recomputed(graph: Graph, failed: dict[str, InfeasiblePlanError],

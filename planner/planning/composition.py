@@ -180,7 +180,8 @@ def _compose(step: Callable[..., Any], graph: Graph, options: PlanOptions, searc
             and _accumulation_may_fit(graph, options, bounds):  # microbatches take no offload
         # weighed on the fastest mesh of at most two axes the single step planned (each microbatch
         # count is another recomputation search; on every mesh that took Llama-70B on 8x8 past
-        # 280 s; a 3-D mesh is only searched near a plan of fewer axes, `search.meshes`)
+        # 280 s; a 3-D mesh is only searched near a plan of fewer axes, `search.meshes`); its one
+        # solve at a time leaves cores idle: each count's recomputation policies are probed side by side
         mesh = min((r for r in single.results if r.plan is not None and len(r.mesh.shape) <= 2),
                    key=lambda r: r.plan.prediction.step_time_s, default=single.results[0]).mesh
         log.info("the plan needs a memory lever: weighing gradient accumulation against it on mesh %s", mesh)
@@ -189,7 +190,7 @@ def _compose(step: Callable[..., Any], graph: Graph, options: PlanOptions, searc
             found = _accumulated(step, graph, options,
                                  _capped(lambda g, o, smallest, only=None, beat=math.inf:
                                          search(g, o, smallest, mesh, **_beat(beat)), ceiling),
-                                 bounds, "auto", smallest=2, ceiling=ceiling)
+                                 bounds, "auto", smallest=2, ceiling=ceiling, threads=None)
         except PlannerError:
             return single
         if found.accumulated is not None and found.plan.prediction.step_time_s < single.plan.prediction.step_time_s:
@@ -242,13 +243,14 @@ def compose_on_meshes(step: Callable[..., Any], graph: Graph, meshes: Sequence[M
     return compose(step, graph, options, search, MeshSpec((meshes[0].size,), default_axis_names(1)), stages)
 
 
-def _single(graph: Graph, options: PlanOptions, search: Search, first_layers: bool = True) -> Composed:
+def _single(graph: Graph, options: PlanOptions, search: Search, first_layers: bool = True,
+            threads: int | None = 1) -> Composed:
     """Recomputation x host offload around the mesh search (module docstring, 1-2): recomputation
     first; host offload ("auto", the default) only when no recomputation policy fits without it
     (then every policy is tried again with it), or, when recomputation was needed, once without
     recomputation, the faster plan kept. `first_layers`: whether a scanned stack's first layers
     are weighed (`levers.remat.plan_remat(scan_first=)`; not for each microbatch count of the
-    accumulation lever, which repeats this search per count)."""
+    accumulation lever, which repeats this search per count); `threads`: `plan_remat`'s."""
     budget, mode = options.memory_budget, options.offload or "auto"
     if mode in EXPLICIT_OFFLOAD or mode == "off" or budget is None:
         explicit = mode in EXPLICIT_OFFLOAD
@@ -258,7 +260,7 @@ def _single(graph: Graph, options: PlanOptions, search: Search, first_layers: bo
             return s, _found(search(s, options if explicit else _offload(options, "off"), smallest, None,
                                     **_beat(beat)), budget)
 
-        return _remat(graph, options, plan_fn, first_layers=first_layers)
+        return _remat(graph, options, plan_fn, first_layers=first_layers, threads=threads)
     plain = _offload(options, "off")
     with_offload = _offload(options, "auto")
 
@@ -271,14 +273,14 @@ def _single(graph: Graph, options: PlanOptions, search: Search, first_layers: bo
 
     try:
         first = _remat(graph, dataclasses.replace(options, offload="off"), without, smallest=False,
-                       first_layers=first_layers)
+                       first_layers=first_layers, threads=threads)
     except InfeasiblePlanError as e:
         log.info("no plan fits without host offload: planning with it")
         try:
-            found = _remat(graph, options, offloaded, first_layers=first_layers)
+            found = _remat(graph, options, offloaded, first_layers=first_layers, threads=threads)
         except OffloadUnavailableError as why:
             log.info("offload auto: %s", why)
-            return _remat(graph, options, without, first_layers=first_layers)  # with the smallest peak searched for
+            return _remat(graph, options, without, first_layers=first_layers, threads=threads)  # with the smallest peak searched for
         return Composed(found.graph, _offload_weighed(found.results, False, None, e.min_memory_bytes))
     remat = first.plan.levers.remat
     # offload alone is weighed when recomputation "auto" was needed to fit at all (when the plan
@@ -298,15 +300,18 @@ def _single(graph: Graph, options: PlanOptions, search: Search, first_layers: bo
     return first
 
 
-def _remat(graph: Graph, options: PlanOptions, plan_fn, smallest: bool = True, first_layers: bool = True) -> Composed:
+def _remat(graph: Graph, options: PlanOptions, plan_fn, smallest: bool = True, first_layers: bool = True,
+           threads: int | None = 1) -> Composed:
     """Recomputation (`levers.remat.plan_remat`, `options.remat`) over `plan_fn` (graph, smallest
     peak search) -> (the graph planned, its results); `smallest`: False never searches for the
-    smallest peak (a caller that tries another lever after this one); `first_layers`: `_single`'s."""
+    smallest peak (a caller that tries another lever after this one); `first_layers`, `threads`:
+    `_single`'s."""
     def fn(g: Graph, want: bool, beat: float = math.inf):
         return plan_fn(g, want and smallest, beat)
 
     rewritten, (planned, results), policy, without = plan_remat(graph, options.remat, options.memory_budget, fn,
-                                                                lambda found: found[1][0].plan, first_layers)
+                                                                lambda found: found[1][0].plan, first_layers,
+                                                                threads)
     if options.remat != "off":
         results = [dataclasses.replace(r, plan=remat_record(r.plan, graph, rewritten, policy, without))
                    if r.plan else r for r in results]
@@ -382,10 +387,13 @@ def _accumulation_may_fit(graph: Graph, options: PlanOptions, bounds: MeshSpec) 
 
 
 def _accumulated(step: Callable[..., Any], graph: Graph, options: PlanOptions, search: Search, bounds: MeshSpec,
-                 accumulate: int | str, smallest: int = 1, ceiling: float = math.inf) -> Composed:
+                 accumulate: int | str, smallest: int = 1, ceiling: float = math.inf,
+                 threads: int | None = 1) -> Composed:
     """Gradient accumulation (`levers.accumulate.plan_accumulation`, from `smallest` microbatches
     under "auto", `ceiling` the single step's time it is weighed against), each microbatch step
-    planned with recomputation (`_single`, without offload); the best plan as the one result."""
+    planned with recomputation (`_single`, without offload; `threads`: its recomputation policies
+    probed side by side, for a search of one mesh, whose solves leave cores idle); the best plan as
+    the one result."""
     seen: list[Sequence[MeshResult]] = []
 
     def plan_micro(g: Graph, inner: float | None) -> tuple[Graph, Plan]:
@@ -398,7 +406,7 @@ def _accumulated(step: Callable[..., Any], graph: Graph, options: PlanOptions, s
             return results
 
         try:
-            micro = _single(g, opts, recorded, first_layers=False)
+            micro = _single(g, opts, recorded, first_layers=False, threads=threads)
         except InfeasiblePlanError as e:
             raise _accumulation_answer(e, seen[-1] if seen else ()) from None
         return micro.graph, micro.plan
