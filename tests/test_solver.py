@@ -147,3 +147,39 @@ def test_repair_moves_an_over_budget_plan_under_the_budget(name):
     assert not {(r, fixed[r]) for r in set(problem.rep)} & set(excluded)
     assert plan_cost(problem, fixed) >= solve(problem, memory_budget=budget).objective_s * (1 - 1e-9)
     assert repair(problem, free.choice, 0.5 * floor) is None
+
+
+def test_the_wall_clock_cap_counts_the_solver_runs_not_the_python_around_them(monkeypatch):
+    """A solve's wall-clock cap (`WALL_CAP_FACTOR` x the limit + `WALL_CAP_FLOOR_S`) bounds its CP-SAT
+    runs; Python work before them (here a start plan that takes longer than the whole cap, as a build
+    waiting for the GIL beside other threads can) leaves the runs their whole cap and the same plan."""
+    import time
+
+    from planner.ilp import cpsat, solver as solver_module
+
+    def loss(w, x):
+        return jnp.tanh(x @ w).sum()
+
+    problem = _problem(jax.grad(loss), (jnp.ones((512, 512)), jnp.ones((2048, 512))), MeshSpec((8,), ("x",)))
+    budget = solve(problem).peak_memory_bytes * 0.6
+    alone = solve(problem, memory_budget=budget, time_limit=0.5)
+    monkeypatch.setattr(solver_module, "WALL_CAP_FACTOR", 1.0)
+    monkeypatch.setattr(solver_module, "WALL_CAP_FLOOR_S", 0.5)  # a cap of 1 s for a 0.5-unit limit
+    greedy = solver_module.greedy
+
+    def slow_greedy(p):
+        time.sleep(1.5)
+        return greedy(p)
+
+    walls = []
+    run = cpsat._Model.solve
+
+    def recorded(self, det_limit, wall_limit, *args, **kwargs):
+        walls.append(wall_limit)
+        return run(self, det_limit, wall_limit, *args, **kwargs)
+
+    monkeypatch.setattr(solver_module, "greedy", slow_greedy)
+    monkeypatch.setattr(cpsat._Model, "solve", recorded)
+    slowed = solve(problem, memory_budget=budget, time_limit=0.5)
+    assert walls and walls[0] == pytest.approx(1.0)
+    assert slowed.choice == alone.choice and slowed.limit == alone.limit
