@@ -183,25 +183,23 @@ def _liveness_floor(search: Search, cand: Candidate) -> Search:
     return search
 
 
-def probe(search: Search, probes: Probes, pool: concurrent.futures.ThreadPoolExecutor | None
-          ) -> tuple[Search, frozenset[int]]:
+def probe(search: Search, probes: Probes, pool: concurrent.futures.ThreadPoolExecutor | None) -> Search:
     """Raises the step-time bound of each mesh of two or more axes whose memory budget binds (the
     memory lower bound rules strategies out) to `solver.probe_bound`'s, when there are several such
     meshes to order: the search then solves them best bound first and prunes those whose bound is not
     below a plan found (under such a budget the per-op bounds of those meshes are nearly equal and
     order them no better than chance). `probes`: those meshes with their probes, started as each
-    mesh was built (`build_meshes`). Returns the search and the axis counts of the meshes probed."""
+    mesh was built (`build_meshes`)."""
     if pool is None:
-        return search, frozenset()
+        return search
     pool.shutdown(wait=True)
     if len(probes) < 2:
-        return search, frozenset()
+        return search
     raised = {}
     for cand, future in probes:
         bound = future.result()
         log.info("mesh %s: step time >= %.4g s under the budget (%.3g-unit probe; %.4g s without it)",
                  cand.mesh, bound, PROBE_UNITS, cand.time_bound)
         raised[cand.index] = dataclasses.replace(cand, time_bound=max(cand.time_bound, bound))
-    search = dataclasses.replace(search, candidates=tuple(raised.get(c.index, c) for c in search.candidates),
-                                 built={m: raised.get(c.index, c) for m, c in search.built.items()})
-    return search, frozenset(len(c.mesh.shape) for c, _ in probes)
+    return dataclasses.replace(search, candidates=tuple(raised.get(c.index, c) for c in search.candidates),
+                               built={m: raised.get(c.index, c) for m, c in search.built.items()})

@@ -78,14 +78,13 @@ def search_meshes(graph: Graph, meshes: Sequence[MeshSpec], options: PlanOptions
     pool = probe_pool(options, prune, threads)
     search, probes = build_meshes(search, meshes, devices_per_host, pool)
     threads = solve_threads(len(search.candidates), options.solver_workers, threads)
-    search, probed = probe(search, probes, pool)
-    search = _solve_meshes(search, threads, probed)
+    search = _solve_meshes(probe(search, probes, pool), threads)
     if not search.planned and min_peak_search:
         search = _search_smallest_peak(search)
     return _ranked(_with_mirrors(search), meshes)
 
 
-def _solve_meshes(search: Search, threads: int, probed: frozenset[int]) -> Search:
+def _solve_meshes(search: Search, threads: int) -> Search:
     """Solves the candidates by `threads` workers (CP-SAT releases the GIL while it searches, so
     threads run solves side by side), in phases of one axis count, fewest first (`_solve_phase`);
     the meshes of three or more axes join their phase once built near the fastest plan so far
@@ -95,20 +94,21 @@ def _solve_meshes(search: Search, threads: int, probed: frozenset[int]) -> Searc
         for ndim in sorted({len(c.mesh.shape) for c in search.candidates + search.deferred}):
             if ndim >= 3:
                 search = _refine_all(search, ndim)
-            search = _solve_phase(search, pool, ndim, threads, ndim in probed)
+            search = _solve_phase(search, pool, ndim, threads)
     return search
 
 
-def _solve_phase(search: Search, pool: concurrent.futures.ThreadPoolExecutor, ndim: int, threads: int,
-                 alone: bool) -> Search:
-    """Solves the candidates of `ndim` axes, dispatched in step-time-bound order, each pruned
-    against the fastest plan finished by then (`_pruned_by_bound`). `alone` (after a probe): the
-    best-bound mesh runs alone until it is done, since under a binding budget its plan is usually
-    the fastest by far and prunes the rest, which beside it would spend solver time first."""
+def _solve_phase(search: Search, pool: concurrent.futures.ThreadPoolExecutor, ndim: int, threads: int) -> Search:
+    """Solves the candidates of `ndim` axes, dispatched in step-time-bound order, `threads` at once,
+    each pruned against the fastest plan finished by then (`_pruned_by_bound`). The best-bound mesh
+    after a probe does not run alone: where the next mesh's bound is close, that mesh is solved
+    anyway, and beside it on an idle core instead of after it (Llama-2-70B b128 on 8x8 H100: 16x4's
+    37 s after 8x8's 74 s); where it is far, beside it costs the best mesh some wall time waiting for
+    the GIL (GPT-3 39B on 8x8 V100 without stages: 8x8 in 23.2 s instead of 14.7; WORKSPACE.md)."""
     queue = sorted((c for c in search.candidates if len(c.mesh.shape) == ndim), key=lambda c: (c.time_bound, c.index))
     running: dict[concurrent.futures.Future, Candidate] = {}
     while queue or running:
-        while queue and len(running) < (1 if alone else threads):
+        while queue and len(running) < threads:
             cand = queue.pop(0)
             if search.prune and cand.time_bound >= search.fastest.step_time_s:
                 search = record(search, _pruned_by_bound(cand, search.fastest.step_time_s))
@@ -119,7 +119,6 @@ def _solve_phase(search: Search, pool: concurrent.futures.ThreadPoolExecutor, nd
             break
         finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
         for future in finished:
-            alone = False
             search = record(search, _same_as_coarse(running.pop(future), future.result()))
     return search
 
