@@ -366,3 +366,46 @@ def test_the_fewest_layers_bisection_ends_where_a_probe_cannot_beat_the_fastest_
     assert policy == "dots" and result.prediction.step_time_s == pytest.approx(1.2)
     # off, dots (fits), dots_no_batch and full (bounded: cannot beat), one bisection probe (bounded), stop
     assert beats[:2] == [math.inf, math.inf] and beats[2:] == [pytest.approx(1.2)] * 3, beats
+
+
+def _projections_loss(params, x):
+    """Blocks of two projections with no nonlinearity between: a block's residuals are matmul
+    outputs (and its input), so "dots" and "dots_no_batch" leave the step as it is; "full" does not."""
+    for i, (w1, w2) in enumerate(params):
+        with jax.named_scope(f"blocks_{i}"):
+            x = x + (x @ w1) @ w2
+    return jnp.mean(x ** 2)
+
+
+def test_auto_probes_full_where_the_dot_policies_change_nothing(devices8):
+    """remat="auto" probes every policy that rewrites the step, not only those before the first that
+    does not: here "full" is probed and bisected to the fewest first layers that fit, like any fitting
+    policy, not reached through the all-layers fallback (`_fully_recomputed`)."""
+    import math
+
+    from planner.levers.remat import plan_remat, summary
+    from planner.search.meshes import search_meshes
+
+    params, x = _blocks_data(layers=6, rows=512)
+
+    def step(p, x):
+        return jax.tree.map(lambda a, g: a - LR * g, p, jax.grad(_projections_loss)(p, x))
+
+    graph = trace(step, params, x)
+    assert rematerialize(graph, None, "dots") is graph and rematerialize(graph, None, "full") is not graph
+    spec, _ = parse_mesh("2x4")
+    names = remat_layers(graph)
+    # below what every block recomputed needs without more sharding: the plan shards more, and
+    # recomputing fewer blocks leaves room for that
+    budget = 0.93 * make_plan(rematerialize(graph, None, "full"), spec, PlanOptions()).prediction.memory_bytes_per_device
+    options = PlanOptions(memory_budget=budget)
+
+    def plan_fn(g, smallest, beat=math.inf):
+        results = search_meshes(g, [spec], options, min_peak_search=smallest, beat=beat)
+        if results[0].plan is None:
+            raise InfeasiblePlanError("no plan", None)
+        return results
+
+    planned, results, policy, _ = plan_remat(graph, "auto", budget, plan_fn, lambda r: r[0].plan)
+    assert policy == "full" and results[0].plan.prediction.memory_bytes_per_device <= budget
+    assert 0 < len(summary(graph, planned, policy).layers) < len(names)
