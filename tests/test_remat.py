@@ -234,13 +234,22 @@ def test_auto_says_when_it_has_no_layer_to_recompute():
     assert "remat='auto' found no layer it can recompute" in str(e.value) and "\n" not in str(e.value)
 
 
+def _searched(g, spec, options, smallest, beat):
+    """`plan_remat`'s plan_fn over one mesh: its search's results, InfeasiblePlanError when no plan."""
+    from planner.search.meshes import search_meshes
+
+    results = search_meshes(g, [spec], options, min_peak_search=smallest, beat=beat)
+    if results[0].plan is None:
+        raise InfeasiblePlanError("no plan", None)
+    return results
+
+
 def test_auto_bounds_each_policy_by_the_fastest_that_fits(devices8):
     """remat="auto" solves a policy only for a plan that beats the fastest fitting one so far (the
     mesh search's `beat`); the answer is the one solving every policy to the end gives."""
     import math
 
     from planner.levers.remat import plan_remat
-    from planner.search.meshes import search_meshes
 
     params, x = _blocks_data(layers=6, rows=512)
     graph = trace(_sgd_step, params, x)
@@ -251,10 +260,7 @@ def test_auto_bounds_each_policy_by_the_fastest_that_fits(devices8):
 
     def plan_fn(g, smallest, beat=math.inf, honour=True):
         beats.append(beat)
-        results = search_meshes(g, [spec], options, min_peak_search=smallest, beat=beat if honour else math.inf)
-        if results[0].plan is None:
-            raise InfeasiblePlanError("no plan", None)
-        return results
+        return _searched(g, spec, options, smallest, beat if honour else math.inf)
 
     def of(results):
         return results[0].plan
@@ -275,7 +281,6 @@ def test_policies_probed_side_by_side_give_the_plan_probed_in_turn(devices8):
     import threading
 
     from planner.levers.remat import plan_remat
-    from planner.search.meshes import search_meshes
 
     params, x = _blocks_data(layers=6, rows=512)
     graph = trace(_sgd_step, params, x)
@@ -290,10 +295,7 @@ def test_policies_probed_side_by_side_give_the_plan_probed_in_turn(devices8):
         if side and len(calls) in (2, 3):  # after "off": dots and dots_no_batch
             threads.add(threading.get_ident())
             meet.wait()  # raises BrokenBarrierError when the other never comes (probed in turn)
-        results = search_meshes(g, [spec], options, min_peak_search=smallest, beat=beat)
-        if results[0].plan is None:
-            raise InfeasiblePlanError("no plan", None)
-        return results
+        return _searched(g, spec, options, smallest, beat)
 
     def of(results):
         return results[0].plan
@@ -384,7 +386,6 @@ def test_auto_probes_full_where_the_dot_policies_change_nothing(devices8):
     import math
 
     from planner.levers.remat import plan_remat, summary
-    from planner.search.meshes import search_meshes
 
     params, x = _blocks_data(layers=6, rows=512)
 
@@ -401,10 +402,7 @@ def test_auto_probes_full_where_the_dot_policies_change_nothing(devices8):
     options = PlanOptions(memory_budget=budget)
 
     def plan_fn(g, smallest, beat=math.inf):
-        results = search_meshes(g, [spec], options, min_peak_search=smallest, beat=beat)
-        if results[0].plan is None:
-            raise InfeasiblePlanError("no plan", None)
-        return results
+        return _searched(g, spec, options, smallest, beat)
 
     planned, results, policy, _ = plan_remat(graph, "auto", budget, plan_fn, lambda r: r[0].plan)
     assert policy == "full" and results[0].plan.prediction.memory_bytes_per_device <= budget
