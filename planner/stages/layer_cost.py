@@ -62,11 +62,11 @@ from planner.core.options import PlanOptions
 from planner.core.plan import PredictedCollective
 from planner.core.sharding import Spec, active_axes, optimizer_spec, replicated, spec_axes
 from planner.graph.ir import Graph
-from planner.ilp.strategies import int8_reduction, shard_bytes
-from planner.ilp.wire import before_reduction
+from planner.ilp.strategies import shard_bytes
 from planner.ilp.problem import Problem
 from planner.search.mesh_plan import cost_model_for, make_plan, plan_problem
 from planner.stages.clustering import APPLY, Layers, op_phases
+from planner.stages.data_axes import batch_axes, grad_sync, never_data, replica_quantisation
 from planner.stages.layer_facts import LayerFacts, subgraph
 from planner.stages.submesh import LogicalMesh
 
@@ -267,6 +267,7 @@ def layer_step_cost(graph: Graph, layers: Layers, facts: LayerFacts, layer: int,
     # tensor axis's sequence split), so the step-weighted solve keeps them whole
     whole = frozenset().union(*(spec_axes(pinned[t]) for t in ext if t in pinned and t in facts.param_inputs)
                               ) if pins else frozenset()
+    whole |= never_data(graph, ext, facts.param_inputs, lmesh.mesh) if microbatches > 1 else frozenset()
     try:
         if problem is None:
             def make() -> Problem:
@@ -506,45 +507,3 @@ def largest_state_leaf(graph: Graph, facts: LayerFacts, params: Sequence[tuple[i
         ospec = optimizer_spec(tensor.shape, spec, axes, sizes) if axes else None
         most = max(most, shard_bytes(tensor, ospec if ospec is not None else spec, mesh) * ratio)
     return most
-
-
-def batch_axes(specs: Sequence[Spec | None], mesh) -> frozenset[str]:
-    """Names of the mesh axes splitting dim 0 (the batch) of any of `specs` (the layer's inputs
-    other than parameters: activations and batch leaves)."""
-    return frozenset(mesh.axis_names[a] for spec in specs if spec for a in spec[0] if mesh.shape[a] > 1)
-
-
-def replica_quantisation(sub: Graph, plan, data_axes: frozenset[str], cost) -> float:
-    """The quantisation time (`ilp.strategies.int8_reduction`) of the plan's int8 gradient
-    exchanges over data axes only, which the ILP charges per microbatch: the pipeline runtime
-    quantises each replica's accumulated gradient once per step (`emit.wire.reduce_replicas`)."""
-    names = cost.mesh.axis_names
-    specs = {(i, k): spec for i, k, spec in plan.op_specs}
-    total = 0.0
-    for w in plan.wire:
-        out = specs.get((w.op, 0))
-        if w.kind != "reduce" or out is None or not {names[a] for a in w.axes} <= data_axes:
-            continue
-        pre, scatter = before_reduction(out, w.axes)
-        kind = "all-reduce" if scatter is None else "reduce-scatter"
-        total += int8_reduction(kind, sub.tensors[sub.ops[w.op].outputs[0]], pre, w.axes, cost)[1]
-    return total
-
-
-def grad_sync(prediction, data_axes: frozenset[str], cost) -> tuple[float, float]:
-    """(its time, the part of it exposed in `prediction.step_time_s`) of the data-parallel gradient
-    reduction of a plan (see the module docstring): the "partial sum" collectives over data axes only,
-    priced combined as the ILP prices them."""
-    axes_of = {n: i for i, n in enumerate(cost.mesh.axis_names)}
-    groups: set[tuple[str, tuple[int, ...]]] = set()
-    total = 0.0
-    for c in prediction.collectives:
-        if c.reason != "partial sum" or not c.axes or not set(c.axes) <= data_axes:
-            continue
-        axes = tuple(sorted(axes_of[a] for a in c.axes))
-        total += cost.collective_time(c.kind, c.nbytes, axes, True)
-        groups.add((c.kind, axes))
-    total += sum(cost.collective_latency(kind, axes) for kind, axes in groups)
-    hidden = float(getattr(prediction, "hidden_communication_time_s", 0.0) or 0.0)
-    exposed = min(max(0.0, total - hidden), max(0.0, prediction.step_time_s - prediction.compute_time_s))
-    return total, exposed
