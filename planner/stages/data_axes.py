@@ -20,8 +20,8 @@ def never_data(graph: Graph, ext: Sequence[int], params: Sequence[int], mesh) ->
     the step-weighted solve keeps it whole (`make_plan(whole_axes=)`): weighed down it made the solve
     choose plans whose price was up to ~9x its objective, then solve the layer again for one
     microbatch (`_cheaper_step`; GPT-39B at one row per microbatch on 8x8 V100: 11 of 11 such layers)."""
-    split = set(params)
-    heads = [graph.tensors[t].shape[0] for t in ext if t not in split and graph.tensors[t].shape]
+    param_set = set(params)
+    heads = [graph.tensors[t].shape[0] for t in ext if t not in param_set and graph.tensors[t].shape]
     return frozenset(a for a, n in enumerate(mesh.shape) if n > 1 and not any(h % n == 0 for h in heads))
 
 
