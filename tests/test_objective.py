@@ -36,7 +36,7 @@ def _cp_sat_optimum(problem):
     solver.parameters.max_time_in_seconds = 20
     assert solver.Solve(model.m) == cp_model.OPTIMAL
     choice = [next(i for i, v in enumerate(vs) if isinstance(v, int) or solver.BooleanValue(v)) for vs in model.x]
-    return solver.ObjectiveValue() / _NS, choice, (len(model.terms) + 1) / _NS
+    return solver.ObjectiveValue() / _NS, choice, (model.rounded_terms + 1) / _NS
 
 
 def test_solver_objective_progress_line_and_prediction_are_one_number():

@@ -139,6 +139,7 @@ class CostModel:
       part_times: `ilp.strategies.part_time`'s answers on this model (not a field of its value:
         a model made by `dataclasses.replace` starts with none); the ILPs sharing the model share them.
       answers: likewise `ilp.problem.build_problem`'s strategy enumerations and follower answers.
+      edge_forms: likewise `ilp.edge_forms.edge_form`'s answers (an edge's cost per part, grouped).
     """
 
     mesh: MeshSpec
@@ -149,6 +150,7 @@ class CostModel:
     comm_precision: str = "exact"  # the wire formats collectives may use (`PlanOptions.comm_precision`)
     part_times: dict = dataclasses.field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
     answers: dict = dataclasses.field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
+    edge_forms: dict = dataclasses.field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
     def __post_init__(self):
         if len(self.links) != self.mesh.ndim:

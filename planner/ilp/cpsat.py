@@ -22,7 +22,8 @@ from planner.ilp.memory_constraints import memory_expr
 from planner.ilp.objective import prefetched, step_time
 from planner.ilp.overlap import add_offload, add_overlap, add_prefetch
 from planner.ilp.problem import Problem
-from planner.ilp.strategies import edge_parts, edge_time, part_key, part_time
+from planner.ilp.edge_forms import edge_form
+from planner.ilp.strategies import edge_time
 from planner.ilp.ticks import _NS
 
 WALL_CAP_FACTOR = 4.0  # wall-clock safety cap: this multiple of the deterministic limit ...
@@ -46,7 +47,9 @@ class _Model:
         self.problem = problem
         self.m = cp_model.CpModel()
         self.x: list[list] = self._variables()
-        self.terms: list = []
+        self.terms: list = []  # objective expressions (`overlap`); single booleans' costs go to `_vars`/`_coeffs`
+        self._vars: list = []
+        self._coeffs: list[int] = []
         self.constant = 0
         self.sink: list | None = None  # while set, `add_ticks` collects terms there (`overlap.add_prefetch`)
         self.sink_ticks = 0  # the sum of every coefficient collected there (a bound on their value)
@@ -64,10 +67,17 @@ class _Model:
         add_prefetch(self)
         add_offload(self)
         self._ties()
-        self.objective = sum(self.terms) + self.constant
+        # one weighted sum for the booleans' costs: CP-SAT flattens the objective into one proto entry
+        # per variable (merged, in index order) however it is written, and this way builds fastest
+        self.objective = cp_model.LinearExpr.weighted_sum(self._vars, self._coeffs) + sum(self.terms) + self.constant
         self.copies: dict = {}  # (edge key, consumer spec) -> "operand copied" boolean (`memory_constraints`)
         self.sizes: dict = {}  # tensor id or -1 - edge index -> bytes per spec (`memory_constraints`)
         self.reductions: list | None = None  # (node, strategy, first, last point, bytes): `_reduction_buffers`
+
+    @property
+    def rounded_terms(self) -> int:
+        """How many objective terms were rounded to whole ticks (each by at most half a tick)."""
+        return len(self._coeffs) + len(self.terms)
 
     def _variables(self) -> list[list]:
         """Per node its strategy booleans (exactly one true): a representative's own, shared by the
@@ -150,7 +160,8 @@ class _Model:
             g = self.m.NewBoolVar(f"combined_{kind}_{axes}")
             for v in {v.Index(): v for v in xs}.values():
                 self.m.AddImplication(v, g)
-            self.terms.append(ticks * g)
+            self._vars.append(g)
+            self._coeffs.append(ticks)
 
     def _add_cost(self, var, seconds: float) -> None:
         self.add_ticks((var,), int(round(seconds * _NS)))
@@ -167,7 +178,8 @@ class _Model:
             elif isinstance(v, int):
                 self.constant += ticks * v
             else:
-                self.terms.append(ticks * v)
+                self._vars.append(v)
+                self._coeffs.append(ticks)
 
     def _group(self, node: int, specs: Sequence) -> dict:
         out: dict = defaultdict(list)
@@ -182,7 +194,9 @@ class _Model:
         spec s and the consumer's spec has key q" (the dim it puts `a` on; whether the group's axes
         all leave); their row sums equal the producer's spec indicators and their column sums the
         consumer's, which keeps the LP relaxation tight (Alpa's pairwise edge variables, factored
-        per part).
+        per part). Specs with equal cost rows (keys with equal cost columns) share one row (column):
+        the aggregated transportation polytope has the same LP bound with fewer booleans
+        (`edge_forms.edge_form`, which groups them once per cost model).
         """
         cost = self.problem.cost
         if src == dst:
@@ -190,41 +204,27 @@ class _Model:
                 total = edge_time(t, s, r, cost)
                 self._add_cost(self.x[src][i], total * mult)
             return
-        by_src = self._group(src, src_specs)
-        for part in edge_parts(cost.mesh):
-            by_key: dict = defaultdict(list)
-            for j, r in enumerate(dst_specs):
-                by_key[part_key(part, r)].append(self.x[dst][j])
-            keys = list(by_key)
-            ticks = {s: tuple(int(round(part_time(t, s, part, q, cost) * mult * _NS)) for q in keys) for s in by_src}
-            if not any(any(row) for row in ticks.values()):
+        xs, ys = self.x[src], self.x[dst]
+        for form in edge_form(t, src_specs, dst_specs, mult, cost):
+            if len(form.rows) == 1:  # the cost depends on the consumer's choice alone
+                for col, idx in zip(form.ticks, form.cols):
+                    self.add_ticks([ys[j] for j in idx], col[0])
                 continue
-            # Specs with equal cost rows (keys with equal cost columns) share one row (column): the
-            # aggregated transportation polytope has the same LP bound with fewer booleans.
-            rows: dict = defaultdict(list)
-            for s, xs in by_src.items():
-                rows[ticks[s]].extend(xs)
-            col_of = [tuple(row[k] for row in rows) for k in range(len(keys))]
-            cols: dict = defaultdict(list)
-            for k, q in enumerate(keys):
-                cols[col_of[k]].extend(by_key[q])
-            if len(rows) == 1:  # the cost depends on the consumer's choice alone
-                for col, xs in cols.items():
-                    self.add_ticks(xs, col[0])
+            if len(form.cols) == 1:  # on the producer's alone
+                (col,) = form.ticks
+                for r, idx in enumerate(form.rows):
+                    self.add_ticks([xs[i] for i in idx], col[r])
                 continue
-            if len(cols) == 1:  # on the producer's alone
-                (col,) = cols
-                for r, ys in enumerate(rows.values()):
-                    self.add_ticks(ys, col[r])
-                continue
-            e = {(r, c): self.m.NewBoolVar("") for r in range(len(rows)) for c in range(len(cols))}
-            for r, ys in enumerate(rows.values()):
-                self.m.Add(sum(e[(r, c)] for c in range(len(cols))) == sum(ys))
-            for c, xs in enumerate(cols.values()):
-                self.m.Add(sum(e[(r, c)] for r in range(len(rows))) == sum(xs))
-            for c, col in enumerate(cols):
-                for r in range(len(rows)):
-                    self.add_ticks([e[(r, c)]], col[r])
+            n_rows, n_cols = len(form.rows), len(form.cols)
+            e = [self.m.new_bool_var("") for _ in range(n_rows * n_cols)]  # e[r * n_cols + c]
+            total = cp_model.LinearExpr.sum
+            for r, idx in enumerate(form.rows):
+                self.m.add(total(e[r * n_cols:(r + 1) * n_cols]) == total([xs[i] for i in idx]))
+            for c, idx in enumerate(form.cols):
+                self.m.add(total(e[c::n_cols]) == total([ys[j] for j in idx]))
+            for c, col in enumerate(form.ticks):
+                for r in range(n_rows):
+                    self.add_ticks((e[r * n_cols + c],), col[r])
 
     def _tie(self, tin: int, tout: int) -> None:
         p = self.problem
